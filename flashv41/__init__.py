@@ -1,0 +1,30 @@
+"""flashv41: DeepSeek-V4.1-Flash engram and attention layers on the GPU, from GGUF files.
+
+Public API: `load_model`, `Model`, `ModelConfig`, `LayerRole`, `EngramConfig` and the errors.
+"""
+
+from flashv41.config import EngramConfig, LayerRole, ModelConfig
+from flashv41.errors import (
+    CapacityError,
+    FlashError,
+    InputError,
+    ModelFormatError,
+    SequenceStateError,
+    UnsupportedError,
+)
+from flashv41.model import Model, load_model
+
+__all__ = [
+    "CapacityError",
+    "EngramConfig",
+    "FlashError",
+    "InputError",
+    "LayerRole",
+    "Model",
+    "ModelConfig",
+    "ModelFormatError",
+    "SequenceStateError",
+    "UnsupportedError",
+    "load_model",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,136 @@
+"""The model's configuration as flashv41 runs it: every size, epsilon and RoPE parameter, each
+layer's role in the shared attention runtime, and the engram hash tables.
+
+A `ModelConfig` is built once from a GGUF file (`host.gguf_model`) or by the synthetic-model
+writer (`host.synth`), and is immutable; nothing about the model is hard-coded elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LayerRole:
+    """What one attention layer is in the shared runtime (SPEC.md 2.2).
+
+    ratio: 0 = sliding window only; 1 or 2 = window plus compressed rows chosen by an indexer.
+    kv_source: owns a compressor and index keys and publishes both caches.
+    index_source: runs an indexer and publishes its selection.
+    candidate_source: the index source whose block mask later index sources respect.
+    uses_candidates: an index source after the candidate source.
+    engram: an engram sublayer runs before this layer's attention.
+    """
+
+    layer: int
+    ratio: int
+    kv_source: bool
+    index_source: bool
+    candidate_source: bool
+    uses_candidates: bool
+    engram: bool
+
+    @property
+    def block_type(self) -> str:
+        """One of the six V4.1 block types, in the words the tests and tables use."""
+        if self.ratio == 0:
+            return "swa"
+        if self.candidate_source:
+            return f"candidate_source_r{self.ratio}"
+        if self.kv_source:
+            return f"kv_index_source_r{self.ratio}"
+        if self.index_source:
+            return f"candidate_index_source_r{self.ratio}" if self.uses_candidates else f"index_source_r{self.ratio}"
+        return f"consumer_r{self.ratio}"
+
+
+@dataclass(frozen=True, eq=False)
+class EngramConfig:
+    """The n-gram hash (SPEC.md 2.1) and table geometry.
+
+    layer_ids: the model layers with an engram sublayer, in hash order.
+    multipliers: int64 [layers, max_ngram]; primes, offsets: int64 [layers, max_ngram - 1, heads].
+    token_map: int64 [vocab], raw id -> compressed id, -1 = unmapped.
+    pad_id: the compressed id that fills blocked n-gram slots.
+    table_rows: rows of each layer's `engram_embd`.
+    """
+
+    layer_ids: tuple[int, ...]
+    n_heads: int
+    head_dim: int
+    max_ngram: int
+    multipliers: np.ndarray
+    primes: np.ndarray
+    offsets: np.ndarray
+    token_map: np.ndarray
+    pad_id: int
+    table_rows: tuple[int, ...]
+
+    @property
+    def cols(self) -> int:
+        """Row ids per token and layer: (max_ngram - 1) * heads, in [shift - 1][head] order."""
+        return (self.max_ngram - 1) * self.n_heads
+
+    def hash_index(self, layer: int) -> int:
+        """Position of model layer `layer` in `layer_ids`."""
+        return self.layer_ids.index(layer)
+
+
+@dataclass(frozen=True, eq=False)
+class ModelConfig:
+    """Every number the engine needs, read from the GGUF (names follow ModelArgs where they can)."""
+
+    n_layers: int
+    context_length: int
+    vocab_size: int
+    dim: int
+    n_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    window: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    o_groups: int
+    o_lora_rank: int
+    hc: int
+    sinkhorn_iters: int
+    norm_eps: float
+    hc_eps: float
+    rope_theta: float
+    compress_rope_theta: float
+    rope_factor: float
+    rope_original_ctx: int
+    beta_fast: float
+    beta_slow: float
+    compress_ratios: tuple[int, ...]
+    candidate_source: int
+    candidate_block_size: int
+    candidate_topk_blocks: int
+    roles: tuple[LayerRole, ...]
+    engram: EngramConfig | None = None
+    name: str = field(default="deepseek41")
+
+    @property
+    def mix_hc(self) -> int:
+        """Width of one hc mix projection: (2 + hc) * hc."""
+        return (2 + self.hc) * self.hc
+
+    @property
+    def group_width(self) -> int:
+        """Attention-output values per output group: heads * head_dim / o_groups."""
+        return self.n_heads * self.head_dim // self.o_groups
+
+    def role(self, layer: int) -> LayerRole:
+        return self.roles[layer]
+
+    def describe(self) -> str:
+        """A short one-line summary (sizes only)."""
+        return (
+            f"{self.n_layers} layers, dim {self.dim}, hc {self.hc}, {self.n_heads} heads x {self.head_dim}, "
+            f"q_lora {self.q_lora_rank}, window {self.window}, index {self.index_heads} x "
+            f"{self.index_head_dim} top-{self.index_topk}, vocab {self.vocab_size}"
+        )

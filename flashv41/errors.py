@@ -1,0 +1,31 @@
+"""The exceptions flashv41 raises: one base class, a few kinds a caller may want to tell apart.
+
+Every message names what is wrong (the key, the tensor, the token, the position, the type), what
+was expected and what was found, so a user can act on it without reading our code.
+"""
+
+from __future__ import annotations
+
+
+class FlashError(Exception):
+    """Base class of every error flashv41 raises on purpose."""
+
+
+class ModelFormatError(FlashError):
+    """A GGUF file that is not a model we can run: missing or misshapen keys and tensors, bad tables."""
+
+
+class UnsupportedError(FlashError):
+    """Something well formed that flashv41 does not support (yet): a layout, a quant type, a size."""
+
+
+class InputError(FlashError, ValueError):
+    """Bad input through the Python API: token ids, masks, shapes, dtypes."""
+
+
+class CapacityError(FlashError):
+    """A request past what was allocated: positions past max_seq, more tokens than max_tokens."""
+
+
+class SequenceStateError(FlashError):
+    """A call on a sequence that cannot take it, such as a sequence that was released."""

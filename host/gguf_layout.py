@@ -1,0 +1,167 @@
+"""The llama.cpp layout of a DeepSeek-V4.1 GGUF file: key and tensor names, shapes, roles.
+
+Shared by the reader (`host.gguf_model`) and the synthetic writer (`host.synth`), so the two can
+never disagree. Names follow llama.cpp's V4.1 converter and loader (GGUF.md); shapes here are in
+NumPy order ([out, in]: the reverse of the ggml dims the file lists).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ARCH = "deepseek41"
+
+# Defaults of the optional candidate keys (the published llama.cpp files carry none).
+DEFAULT_CANDIDATE_SOURCE = 20
+DEFAULT_CANDIDATE_BLOCK = 8
+DEFAULT_CANDIDATE_TOPK_BLOCKS = 2048
+
+U32_KEYS = {
+    "n_layers": "block_count",
+    "context_length": "context_length",
+    "dim": "embedding_length",
+    "n_heads": "attention.head_count",
+    "head_dim": "attention.key_length",
+    "rope_dim": "rope.dimension_count",
+    "q_lora_rank": "attention.q_lora_rank",
+    "window": "attention.sliding_window",
+    "index_heads": "attention.indexer.head_count",
+    "index_head_dim": "attention.indexer.key_length",
+    "index_topk": "attention.indexer.top_k",
+    "o_groups": "attention.output_group_count",
+    "o_lora_rank": "attention.output_lora_rank",
+    "hc": "hyper_connection.count",
+    "sinkhorn_iters": "hyper_connection.sinkhorn_iterations",
+    "rope_original_ctx": "rope.scaling.original_context_length",
+}
+F32_KEYS = {
+    "norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "compress_rope_theta": "attention.compress_rope_freq_base",
+    "hc_eps": "hyper_connection.epsilon",
+    "rope_factor": "rope.scaling.factor",
+    "beta_fast": "rope.scaling.yarn_beta_fast",
+    "beta_slow": "rope.scaling.yarn_beta_slow",
+}
+OPTIONAL_U32_KEYS = {
+    "candidate_source": ("attention.candidate_source_layer_id", DEFAULT_CANDIDATE_SOURCE),
+    "candidate_block_size": ("attention.candidate_block_size", DEFAULT_CANDIDATE_BLOCK),
+    "candidate_topk_blocks": ("attention.candidate_topk_blocks", DEFAULT_CANDIDATE_TOPK_BLOCKS),
+}
+KEY_VOCAB = "vocab_size"
+KEY_HEAD_COUNT_KV = "attention.head_count_kv"
+KEY_VALUE_LENGTH = "attention.value_length"
+KEY_COMPRESS_RATIOS = "attention.compress_ratios"
+KEY_ROPE_SCALING_TYPE = "rope.scaling.type"
+
+ENGRAM_KEYS = {
+    "layer_ids": "engram.layer_ids",
+    "n_heads": "engram.head_count",
+    "head_dim": "engram.key_length",
+    "max_ngram": "engram.max_ngram_size",
+    "multipliers": "engram.multipliers",
+    "primes": "engram.primes",
+    "offsets": "engram.offsets",
+    "token_map": "engram.token_map",
+    "pad_id": "engram.pad_id",
+}
+
+# Markers of the two other published V4.1 layouts (detected and refused).
+MXXM_MARKERS = ("attention.kv_source_layer_ids", "attention.index_source_layer_ids", "engram.pad_token_id",
+                "engram.compressed_vocab_size")
+DS4_MARKERS = ("hidden_size", "engram.encoding", "num_hidden_layers")
+
+
+def key(name: str) -> str:
+    """The full metadata key of an arch-relative name."""
+    return f"{ARCH}.{name}"
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes that tensor shapes are made of."""
+
+    vocab: int
+    dim: int
+    n_heads: int
+    head_dim: int
+    q_lora: int
+    o_groups: int
+    o_lora: int
+    hc: int
+    index_heads: int
+    index_head_dim: int
+    engram_head_dim: int = 0
+    engram_cols: int = 0
+
+    @property
+    def mix(self) -> int:
+        return (2 + self.hc) * self.hc
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a layer: its role name (the file name between `blk.{i}.` and `.weight`), its
+    NumPy shape as a function of the dims, and whether it is a matrix the engine multiplies by."""
+
+    role: str
+    shape: Callable[[Dims], tuple[int, ...]]
+    matrix: bool = True
+
+
+ATTENTION_TENSORS = (
+    TensorSpec("attn_norm", lambda d: (d.dim,), False),
+    TensorSpec("attn_sinks", lambda d: (d.n_heads,), False),
+    TensorSpec("attn_q_a", lambda d: (d.q_lora, d.dim)),
+    TensorSpec("attn_q_a_norm", lambda d: (d.q_lora,), False),
+    TensorSpec("attn_q_b", lambda d: (d.n_heads * d.head_dim, d.q_lora)),
+    TensorSpec("attn_kv", lambda d: (d.head_dim, d.dim)),
+    TensorSpec("attn_kv_a_norm", lambda d: (d.head_dim,), False),
+    TensorSpec("attn_output_a", lambda d: (d.o_groups * d.o_lora, d.n_heads * d.head_dim // d.o_groups)),
+    TensorSpec("attn_output_b", lambda d: (d.dim, d.o_groups * d.o_lora)),
+    TensorSpec("hc_attn_fn", lambda d: (d.mix, d.hc * d.dim)),
+    TensorSpec("hc_attn_base", lambda d: (d.mix,), False),
+    TensorSpec("hc_attn_scale", lambda d: (3,), False),
+    TensorSpec("hc_ffn_fn", lambda d: (d.mix, d.hc * d.dim)),
+    TensorSpec("hc_ffn_base", lambda d: (d.mix,), False),
+    TensorSpec("hc_ffn_scale", lambda d: (3,), False),
+)
+KV_SOURCE_TENSORS = (
+    TensorSpec("attn_compressor_kv", lambda d: (d.head_dim, d.dim)),
+    TensorSpec("attn_compressor_norm", lambda d: (d.head_dim,), False),
+    TensorSpec("indexer.attn_k", lambda d: (d.index_head_dim, d.head_dim)),
+    TensorSpec("indexer.k_norm", lambda d: (d.index_head_dim,), False),
+)
+COMPRESSOR_GATE = TensorSpec("attn_compressor_gate", lambda d: (d.head_dim, d.dim))
+INDEX_SOURCE_TENSORS = (
+    TensorSpec("indexer.attn_q_b", lambda d: (d.index_heads * d.index_head_dim, d.q_lora)),
+    TensorSpec("indexer.proj", lambda d: (d.index_heads, d.dim)),
+)
+# engram_embd's row count comes from the file; only its width is checked against the dims.
+ENGRAM_TENSORS = (
+    TensorSpec("engram_wkv", lambda d: (d.dim * (d.hc + 1), d.engram_cols * d.engram_head_dim)),
+    TensorSpec("engram_q", lambda d: (d.hc, d.dim)),
+    TensorSpec("engram_k", lambda d: (d.hc, d.dim)),
+)
+ENGRAM_TABLE = "engram_embd"
+TOKEN_EMBD = "token_embd"
+
+
+def tensor_name(layer: int | None, role: str) -> str:
+    """`blk.{layer}.{role}.weight`, or `{role}.weight` for a model-level tensor."""
+    return f"{role}.weight" if layer is None else f"blk.{layer}.{role}.weight"
+
+
+def layer_tensor_specs(ratio: int, kv_source: bool, index_source: bool, engram: bool) -> list[TensorSpec]:
+    """Every tensor a layer of this role must carry (engram_embd aside)."""
+    specs = list(ATTENTION_TENSORS)
+    if kv_source:
+        specs += KV_SOURCE_TENSORS
+        if ratio > 1:
+            specs.append(COMPRESSOR_GATE)
+    if index_source:
+        specs += INDEX_SOURCE_TENSORS
+    if engram:
+        specs += ENGRAM_TENSORS
+    return specs

@@ -1,0 +1,418 @@
+"""Reading a V4.1 GGUF file (llama.cpp layout): metadata -> `ModelConfig`, tensors -> `WeightStore`.
+
+The file is memory-mapped through gguf-py's `GGUFReader`; a tensor's bytes are touched only when
+someone asks for that tensor. Everything the engine relies on is validated here, once: each
+failure is a `ModelFormatError` (or `UnsupportedError`) naming the key or tensor, what was
+expected and what was found.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
+from flashv41.config import EngramConfig, LayerRole, ModelConfig
+from flashv41.errors import FlashError, ModelFormatError, UnsupportedError
+from host import gguf_layout as L
+from host.quants import FORMATS, GGMLType, dequantize
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One tensor as stored: name, ggml type, NumPy shape ([out, in] for a matrix) and its bytes,
+    a read-only view into the memory-mapped file (uint8 [rows, row_bytes], or a typed array for
+    F32 / F16)."""
+
+    name: str
+    ggml_type: GGMLType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def row_bytes(self) -> int:
+        return FORMATS[self.ggml_type].row_bytes(self.shape[-1])
+
+    def raw(self) -> np.ndarray:
+        """The stored bytes as uint8 [rows, row_bytes] (rows = product of the outer dims)."""
+        return np.ascontiguousarray(self.data).view(np.uint8).reshape(-1, self.row_bytes())
+
+    def dequantize(self) -> np.ndarray:
+        """float32 values in `shape` (exact: every supported type dequantises exactly)."""
+        return dequantize(self.raw(), self.ggml_type, self.shape[-1]).reshape(self.shape)
+
+
+class WeightStore:
+    """The tensors of one GGUF file by name, layer and role; reads nothing until asked."""
+
+    def __init__(self, path: Path, reader: GGUFReader, tensors: dict[str, TensorRef]):
+        self.path = path
+        self._reader = reader
+        self._tensors = tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def has(self, layer: int | None, role: str) -> bool:
+        return L.tensor_name(layer, role) in self._tensors
+
+    def get(self, layer: int | None, role: str) -> TensorRef:
+        name = L.tensor_name(layer, role)
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise ModelFormatError(f"{self.path.name}: tensor {name} is missing") from None
+
+    def __iter__(self):
+        return iter(self._tensors.values())
+
+    def close(self) -> None:
+        """Drop the memory map (the store is unusable afterwards)."""
+        self._tensors = {}
+        mm = getattr(self._reader, "data", None)
+        if mm is not None and hasattr(mm, "_mmap") and mm._mmap is not None:
+            mm._mmap.close()
+        self._reader = None  # type: ignore[assignment]
+
+
+def open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFReader, Path]:
+    p = Path(path)
+    if not p.is_file():
+        raise ModelFormatError(f"{p}: no such file")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelFormatError(f"{p.name}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        return GGUFReader(p, "r"), p
+    except FlashError:
+        raise
+    except Exception as exc:  # gguf-py raises plain ValueError / IndexError on damaged headers
+        raise ModelFormatError(f"{p.name}: damaged or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
+
+
+class _Fields:
+    """Typed access to the metadata of one reader, with errors that name the key."""
+
+    def __init__(self, reader: GGUFReader, fname: str):
+        self.reader = reader
+        self.fname = fname
+
+    def has(self, name: str) -> bool:
+        return self.reader.get_field(name) is not None
+
+    def _field(self, name: str):
+        field = self.reader.get_field(name)
+        if field is None:
+            raise ModelFormatError(f"{self.fname}: metadata key {name} is missing")
+        return field
+
+    def scalar(self, name: str, kinds: tuple[GGUFValueType, ...]) -> int | float | str:
+        field = self._field(name)
+        if not field.types or field.types[0] not in kinds:
+            found = field.types[0].name if field.types else "nothing"
+            want = " or ".join(k.name for k in kinds)
+            raise ModelFormatError(f"{self.fname}: metadata key {name} should be {want}, found {found}")
+        if field.types[0] == GGUFValueType.STRING:
+            return str(bytes(field.parts[field.data[0]]), encoding="utf-8")
+        return field.parts[field.data[0]][0].item()
+
+    def u32(self, name: str) -> int:
+        ints = (GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64)
+        return int(self.scalar(name, ints))
+
+    def f32(self, name: str) -> float:
+        return float(self.scalar(name, (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64)))
+
+    def string(self, name: str) -> str:
+        return str(self.scalar(name, (GGUFValueType.STRING,)))
+
+    def array(self, name: str) -> np.ndarray:
+        """An integer array as int64 (parts concatenated: fast even for a 129k-entry token map)."""
+        field = self._field(name)
+        if not field.types or field.types[0] != GGUFValueType.ARRAY:
+            raise ModelFormatError(f"{self.fname}: metadata key {name} should be an array")
+        parts = [field.parts[i] for i in field.data]
+        if not parts:
+            return np.zeros(0, dtype=np.int64)
+        values = np.concatenate([np.asarray(p).reshape(-1) for p in parts])
+        if values.dtype == np.uint64 and values.size and values.max() > np.iinfo(np.int64).max:
+            raise ModelFormatError(f"{self.fname}: metadata key {name} holds values past int64")
+        return values.astype(np.int64)
+
+
+def _detect_layout(fields: _Fields) -> None:
+    """Refuse the other V4.1 layouts and other architectures with a clear message."""
+    if not fields.has("general.architecture"):
+        raise ModelFormatError(f"{fields.fname}: metadata key general.architecture is missing")
+    arch = fields.string("general.architecture")
+    if arch != L.ARCH:
+        raise UnsupportedError(
+            f"{fields.fname}: architecture {arch!r} is not supported (flashv41 runs {L.ARCH!r}, "
+            "DeepSeek-V4.1 in the llama.cpp layout)"
+        )
+    if any(fields.has(L.key(m)) for m in L.MXXM_MARKERS):
+        raise UnsupportedError(
+            f"{fields.fname}: this is the mxxm-t V4.1 layout (kv/index source lists, MXFP4 quants); "
+            "only the llama.cpp layout is supported so far"
+        )
+    if any(fields.has(L.key(m)) for m in L.DS4_MARKERS):
+        raise UnsupportedError(
+            f"{fields.fname}: this is the antirez ds4 V4.1 layout (HF-style keys, e4m3 engram rows); "
+            "only the llama.cpp layout is supported so far"
+        )
+
+
+def _read_tensors(reader: GGUFReader, path: Path) -> dict[str, TensorRef]:
+    size = path.stat().st_size
+    out: dict[str, TensorRef] = {}
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ModelFormatError(
+                f"{path.name}: tensor {t.name} is truncated: its data ends at byte {end}, the file has {size}"
+            )
+        shape = tuple(int(x) for x in reversed([int(d) for d in t.shape]))
+        try:
+            gtype = GGMLType(int(t.tensor_type))
+        except ValueError:
+            gtype = None  # type: ignore[assignment]
+        if gtype is None:
+            # keep it visible to `info`, refuse it only if the engine needs it
+            out[t.name] = TensorRef(t.name, int(t.tensor_type), shape, t.data)  # type: ignore[arg-type]
+        else:
+            out[t.name] = TensorRef(t.name, gtype, shape, t.data)
+    return out
+
+
+def _type_name(t: object) -> str:
+    if isinstance(t, GGMLType):
+        return t.name
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(int(t)).name  # type: ignore[call-overload]
+    except ValueError:
+        return f"type {t}"
+
+
+def _check_tensor(store: WeightStore, layer: int | None, role: str, shape: tuple[int, ...]) -> TensorRef:
+    ref = store.get(layer, role)
+    if not isinstance(ref.ggml_type, GGMLType):
+        supported = ", ".join(t.name for t in GGMLType)
+        raise UnsupportedError(
+            f"{store.path.name}: tensor {ref.name} has type {_type_name(ref.ggml_type)}, "
+            f"which flashv41 cannot read (supported: {supported})"
+        )
+    if ref.shape != shape:
+        raise ModelFormatError(
+            f"{store.path.name}: tensor {ref.name} has shape {list(ref.shape)} (NumPy order), "
+            f"expected {list(shape)} from the metadata"
+        )
+    if ref.shape[-1] % FORMATS[ref.ggml_type].block_values:
+        raise ModelFormatError(
+            f"{store.path.name}: tensor {ref.name} rows of {ref.shape[-1]} values do not hold whole "
+            f"{ref.ggml_type.name} blocks"
+        )
+    return ref
+
+
+def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: int) -> EngramConfig | None:
+    if not fields.has(L.key(L.ENGRAM_KEYS["layer_ids"])):
+        return None
+    fname = fields.fname
+    k = {name: L.key(v) for name, v in L.ENGRAM_KEYS.items()}
+    layer_ids = tuple(int(v) for v in fields.array(k["layer_ids"]))
+    if not layer_ids:
+        return None
+    if list(layer_ids) != sorted(set(layer_ids)) or layer_ids[0] < 0 or layer_ids[-1] >= n_layers:
+        raise ModelFormatError(
+            f"{fname}: {k['layer_ids']} = {list(layer_ids)} must be distinct, increasing layer ids "
+            f"below block_count {n_layers}"
+        )
+    heads, head_dim, max_ngram = fields.u32(k["n_heads"]), fields.u32(k["head_dim"]), fields.u32(k["max_ngram"])
+    if heads < 1 or head_dim < 1 or max_ngram < 2:
+        raise ModelFormatError(
+            f"{fname}: engram geometry heads={heads}, key_length={head_dim}, max_ngram_size={max_ngram} "
+            "(need heads >= 1, key_length >= 1, max_ngram_size >= 2)"
+        )
+    n = len(layer_ids)
+    cols = (max_ngram - 1) * heads
+    multipliers = fields.array(k["multipliers"])
+    primes = fields.array(k["primes"])
+    offsets = fields.array(k["offsets"])
+    for name, arr, want in ((k["multipliers"], multipliers, n * max_ngram), (k["primes"], primes, n * cols),
+                            (k["offsets"], offsets, n * cols)):
+        if arr.size != want:
+            raise ModelFormatError(f"{fname}: {name} has {arr.size} entries, expected {want} "
+                                   f"({n} layers x {want // n})")
+    token_map = fields.array(k["token_map"])
+    pad_id = fields.u32(k["pad_id"])
+    primes2 = primes.reshape(n, cols)
+    offsets2 = offsets.reshape(n, cols)
+    if (primes2 < 2).any():
+        raise ModelFormatError(f"{fname}: {k['primes']} holds a value below 2")
+    running = np.concatenate([np.zeros((n, 1), np.int64), np.cumsum(primes2, axis=1)[:, :-1]], axis=1)
+    bad = np.argwhere(offsets2 != running)
+    if bad.size:
+        li, ci = bad[0]
+        raise ModelFormatError(
+            f"{fname}: {k['offsets']}[layer {layer_ids[li]}][{ci}] = {offsets2[li, ci]}, expected "
+            f"{running[li, ci]} (offsets are running sums of the layer's primes)"
+        )
+    if token_map.size == 0 or token_map.min() < -1:
+        raise ModelFormatError(f"{fname}: {k['token_map']} must be non-empty, with ids >= 0 or -1 (unmapped)")
+    if token_map.size < vocab:
+        token_map = np.concatenate([token_map, np.full(vocab - token_map.size, -1, np.int64)])
+    max_id = max(int(token_map.max()), pad_id)
+    limit = np.iinfo(np.int64).max // max(max_id, 1)
+    if (multipliers < 0).any() or (multipliers > limit).any():
+        raise ModelFormatError(
+            f"{fname}: {k['multipliers']} holds a value whose product with compressed id {max_id} "
+            "overflows int64"
+        )
+    needed = offsets2[:, -1] + primes2[:, -1]
+    table_rows = []
+    for i, layer in enumerate(layer_ids):
+        table = store.get(layer, L.ENGRAM_TABLE)
+        if len(table.shape) != 2 or table.shape[1] != head_dim:
+            raise ModelFormatError(
+                f"{fname}: tensor {table.name} has shape {list(table.shape)}, expected [rows, {head_dim}] "
+                f"({k['head_dim']} = {head_dim})"
+            )
+        _check_tensor(store, layer, L.ENGRAM_TABLE, table.shape)
+        if table.shape[0] < needed[i]:
+            raise ModelFormatError(
+                f"{fname}: tensor {table.name} has {table.shape[0]} rows, but the hash of layer {layer} "
+                f"reaches row {int(needed[i]) - 1} (sum of its primes)"
+            )
+        table_rows.append(int(table.shape[0]))
+    return EngramConfig(
+        layer_ids=layer_ids,
+        n_heads=heads,
+        head_dim=head_dim,
+        max_ngram=max_ngram,
+        multipliers=multipliers.reshape(n, max_ngram),
+        primes=primes.reshape(n, max_ngram - 1, heads),
+        offsets=offsets.reshape(n, max_ngram - 1, heads),
+        token_map=token_map,
+        pad_id=pad_id,
+        table_rows=tuple(table_rows),
+    )
+
+
+def _roles(cfg_values: dict, store: WeightStore, engram_layers: tuple[int, ...], fname: str) -> tuple[LayerRole, ...]:
+    n = cfg_values["n_layers"]
+    ratios = cfg_values["compress_ratios"]
+    cand = cfg_values["candidate_source"]
+    kv = [store.has(i, "attn_compressor_kv") for i in range(n)]
+    idx = [store.has(i, "indexer.attn_q_b") for i in range(n)]
+    if 0 <= cand < n and not idx[cand]:
+        raise ModelFormatError(
+            f"{fname}: candidate source layer {cand} has no indexer (tensor "
+            f"{L.tensor_name(cand, 'indexer.attn_q_b')} is missing)"
+        )
+    roles = []
+    last_kv = last_idx = None
+    for i in range(n):
+        r = ratios[i]
+        if r not in (0, 1, 2):
+            raise UnsupportedError(f"{fname}: layer {i} has compress ratio {r}; V4.1 uses 0, 1 and 2")
+        if (kv[i] or idx[i]) and r == 0:
+            raise ModelFormatError(f"{fname}: layer {i} has compressor or indexer tensors but compress ratio 0")
+        if kv[i]:
+            last_kv = i
+        if idx[i]:
+            last_idx = i
+        if r > 0:
+            for what, src in (("kv source (attn_compressor_kv)", last_kv), ("index source (indexer.attn_q_b)", last_idx)):
+                if src is None:
+                    raise ModelFormatError(f"{fname}: layer {i} (compress ratio {r}) has no {what} at or before it")
+                if ratios[src] != r:
+                    raise ModelFormatError(
+                        f"{fname}: layer {i} (compress ratio {r}) reads the {what} of layer {src}, "
+                        f"whose ratio is {ratios[src]}"
+                    )
+        roles.append(LayerRole(
+            layer=i,
+            ratio=r,
+            kv_source=kv[i],
+            index_source=idx[i],
+            candidate_source=idx[i] and i == cand,
+            uses_candidates=idx[i] and 0 <= cand < i and cand < n,
+            engram=i in engram_layers,
+        ))
+    return tuple(roles)
+
+
+def read_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, WeightStore]:
+    """Open and validate a V4.1 GGUF; returns its config and a lazily reading weight store."""
+    reader, p = open_gguf(path)
+    fields = _Fields(reader, p.name)
+    _detect_layout(fields)
+    store = WeightStore(p, reader, _read_tensors(reader, p))
+    values: dict = {name: fields.u32(L.key(k)) for name, k in L.U32_KEYS.items()}
+    values.update({name: fields.f32(L.key(k)) for name, k in L.F32_KEYS.items()})
+    for name, (k, default) in L.OPTIONAL_U32_KEYS.items():
+        values[name] = fields.u32(L.key(k)) if fields.has(L.key(k)) else default
+    embd = store.get(None, L.TOKEN_EMBD)
+    values["vocab_size"] = fields.u32(L.key(L.KEY_VOCAB)) if fields.has(L.key(L.KEY_VOCAB)) else embd.shape[0]
+    n = values["n_layers"]
+    ratios = fields.array(L.key(L.KEY_COMPRESS_RATIOS))
+    if ratios.size < n:
+        raise ModelFormatError(
+            f"{p.name}: {L.key(L.KEY_COMPRESS_RATIOS)} has {ratios.size} entries, block_count is {n}"
+        )
+    values["compress_ratios"] = tuple(int(r) for r in ratios[:n])
+    for kv_key, want in ((L.KEY_HEAD_COUNT_KV, 1), (L.KEY_VALUE_LENGTH, values["head_dim"])):
+        if fields.has(L.key(kv_key)) and fields.u32(L.key(kv_key)) != want:
+            raise UnsupportedError(
+                f"{p.name}: {L.key(kv_key)} = {fields.u32(L.key(kv_key))}, V4.1 attention needs {want}"
+            )
+    _check_geometry(values, p.name)
+    engram = _engram_config(fields, store, n, values["vocab_size"])
+    values["roles"] = _roles(values, store, engram.layer_ids if engram else (), p.name)
+    cfg = ModelConfig(engram=engram, **values)
+    validate_tensors(cfg, store)
+    return cfg, store
+
+
+def _check_geometry(v: dict, fname: str) -> None:
+    """Size relations the math relies on (RoPE pairs, quantiser blocks, output groups)."""
+    rules = [
+        (v["n_layers"] >= 1, "block_count must be at least 1"),
+        (v["rope_dim"] % 2 == 0 and 0 < v["rope_dim"] <= v["head_dim"], "rope.dimension_count must be even and <= key_length"),
+        (v["rope_dim"] <= v["index_head_dim"], "rope.dimension_count must be <= attention.indexer.key_length"),
+        (v["head_dim"] % 32 == 0, "attention.key_length must be a multiple of 32 (fp8 and fp4 quantiser blocks)"),
+        (v["index_head_dim"] % 32 == 0, "attention.indexer.key_length must be a multiple of 32 (fp4 blocks)"),
+        ((v["n_heads"] * v["head_dim"]) % v["o_groups"] == 0, "heads * key_length must split into output groups"),
+        (v["window"] >= 1 and v["hc"] >= 1 and v["sinkhorn_iters"] >= 1, "window, hc and sinkhorn iterations must be >= 1"),
+        (v["index_topk"] >= 1 and v["candidate_block_size"] >= 1, "indexer top_k and candidate block size must be >= 1"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise ModelFormatError(f"{fname}: {message}")
+
+
+def dims_of(cfg: ModelConfig) -> L.Dims:
+    e = cfg.engram
+    return L.Dims(
+        vocab=cfg.vocab_size, dim=cfg.dim, n_heads=cfg.n_heads, head_dim=cfg.head_dim, q_lora=cfg.q_lora_rank,
+        o_groups=cfg.o_groups, o_lora=cfg.o_lora_rank, hc=cfg.hc, index_heads=cfg.index_heads,
+        index_head_dim=cfg.index_head_dim, engram_head_dim=e.head_dim if e else 0, engram_cols=e.cols if e else 0,
+    )
+
+
+def validate_tensors(cfg: ModelConfig, store: WeightStore) -> None:
+    """Every tensor the engine reads: present, supported type, the shape the config implies."""
+    d = dims_of(cfg)
+    _check_tensor(store, None, L.TOKEN_EMBD, (cfg.vocab_size, cfg.dim))
+    for role in cfg.roles:
+        for spec in L.layer_tensor_specs(role.ratio, role.kv_source, role.index_source, role.engram):
+            _check_tensor(store, role.layer, spec.role, spec.shape(d))

@@ -1,0 +1,380 @@
+"""Synthetic V4.1 models: complete GGUF files in the llama.cpp layout with seeded random weights.
+
+The weights follow the released checkpoint's statistics as the reference tests measure them
+(SPEC.md 4): embedding RMS 0.12, norm weights around a per-norm mean with 10% spread, projections
+N(0, (gain / sqrt(fan_in))^2) with the reference's per-name gains, other 1-D parameters
+N(0, 0.5^2). Engram tables hold rows of RMS about 1; Q2_K tables are drawn straight in the stored
+format (quantising hundreds of millions of values would take minutes).
+
+Presets:
+- `tiny`: simulator-sized, the reference's six-layer schedule (every block type), engram on a
+  window-only layer and a kv source, window 8 and ratio 2 so a few dozen tokens cross the window
+  wrap and many compressor groups; engram rows of 256 so Q2_K tables are real.
+- `small`: the reference tests' sizes (`testing.py`).
+- `flash`: V4.1-Flash dimensions on the six-layer schedule, engram tables of `engram_rows` rows.
+
+Files are written tensor by tensor (never the whole model in memory), with progress callbacks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from flashv41.errors import InputError, UnsupportedError
+from host import gguf_layout as L
+from host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
+from host.quants import FORMATS, Q2_K_BLOCK, GGMLType, ggml_type, quantize
+
+# Per-norm mean of the weights, and per-projection gain over fan_in^-0.5 (the reference's testing.py).
+NORM_MEAN = {
+    "attn_norm": 0.025,
+    "attn_q_a_norm": 0.97,
+    "attn_kv_a_norm": 0.4,
+    "attn_compressor_norm": 0.6,
+    "indexer.k_norm": 0.5,
+}
+GAIN = {"attn_q_a": 1.6, "attn_q_b": 0.95, "attn_kv": 1.8, "attn_output_a": 1.6, "attn_output_b": 1.9,
+        "attn_compressor_kv": 1.8, "engram_wkv": 1.8, "indexer.attn_q_b": 0.95}
+EMBED_STD = 0.12
+
+# Matrices that take the model's weight type; the others keep the types published files use.
+WEIGHT_TYPED = ("attn_q_a", "attn_q_b", "attn_kv", "attn_output_a", "attn_output_b", "indexer.attn_q_b",
+                "engram_wkv", L.TOKEN_EMBD)
+BF16_TYPED = ("attn_compressor_kv", "attn_compressor_gate", "indexer.attn_k")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Every size of a synthetic model (names as in ModelConfig)."""
+
+    vocab: int
+    dim: int
+    n_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    candidate_block_size: int
+    candidate_topk_blocks: int
+    compress_ratios: tuple[int, ...] = (0, 2, 2, 1, 1, 1)
+    kv_sources: tuple[int, ...] = (1, 3)
+    index_sources: tuple[int, ...] = (1, 3, 5)
+    candidate_source: int = 3
+    engram_layers: tuple[int, ...] = (0, 1)
+    engram_heads: int = 2
+    engram_head_dim: int = 256
+    max_ngram: int = 4
+    engram_vocab_size: int = 100
+    engram_pad_token: int = 2
+    unmapped_tail: int = 2
+    hc: int = 4
+    sinkhorn_iters: int = 20
+    context_length: int = 4096
+    norm_eps: float = 1e-20
+    hc_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 4.0
+    rope_original_ctx: int = 32
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    default_table_type: str = "Q2_K"
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.compress_ratios)
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        vocab=128, dim=64, n_heads=2, head_dim=64, rope_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32,
+        window=8, index_heads=2, index_head_dim=32, index_topk=4, candidate_block_size=2,
+        candidate_topk_blocks=3, max_ngram=3, engram_heads=2, engram_head_dim=256, engram_vocab_size=37,
+        context_length=256,
+    ),
+    "small": Preset(
+        vocab=512, dim=256, n_heads=4, head_dim=64, rope_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=64,
+        window=16, index_heads=4, index_head_dim=64, index_topk=8, candidate_block_size=4,
+        candidate_topk_blocks=3, max_ngram=4, engram_heads=2, engram_head_dim=32, engram_vocab_size=100,
+        default_table_type="Q8_0",
+    ),
+    "flash": Preset(
+        vocab=129280, dim=5120, n_heads=64, head_dim=512, rope_dim=64, q_lora_rank=1280, o_groups=8,
+        o_lora_rank=1024, window=128, index_heads=32, index_head_dim=128, index_topk=512, candidate_block_size=8,
+        candidate_topk_blocks=2048, max_ngram=4, engram_heads=8, engram_head_dim=256,
+        engram_vocab_size=125_000, rope_factor=16.0, rope_original_ctx=65536, context_length=65536,
+    ),
+}
+
+
+def preset(name: str, **overrides) -> Preset:
+    """A preset by name, with any field replaced (`engram_rows` sets the table size instead of
+    `engram_vocab_size`: rows per layer ~= engram_rows)."""
+    if name not in PRESETS:
+        raise InputError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+    p = PRESETS[name]
+    rows = overrides.pop("engram_rows", None)
+    if rows is not None:
+        cols = (overrides.get("max_ngram", p.max_ngram) - 1) * overrides.get("engram_heads", p.engram_heads)
+        overrides["engram_vocab_size"] = max(2, int(rows) // cols)
+    return replace(p, **overrides)
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]  # NumPy order
+    gtype: GGMLType
+    make: Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]  # (rng, shape) -> the stored form
+
+    @property
+    def nbytes(self) -> int:
+        fmt = FORMATS[self.gtype]
+        rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+        return rows * fmt.row_bytes(self.shape[-1])
+
+
+def _fit_type(want: GGMLType, inner: int) -> GGMLType:
+    """The requested type, or the next one down whose blocks divide the row (as llama-quantize does)."""
+    for t in (want, GGMLType.Q8_0, GGMLType.BF16):
+        if inner % FORMATS[t].block_values == 0:
+            return t
+    return GGMLType.BF16
+
+
+def _gaussian(shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+
+def _stored(values: np.ndarray, gtype: GGMLType) -> np.ndarray:
+    if values.ndim == 1:
+        return quantize(values[None, :], gtype).reshape(-1) if gtype != GGMLType.F32 else values
+    return quantize(values, gtype)
+
+
+def _q2k_table(rows: int, width: int, rng: np.random.Generator) -> np.ndarray:
+    """Q2_K rows drawn in the stored format, values of RMS about 0.9 (like quantised N(0, 1))."""
+    nb = rows * width // 256
+    blocks = np.zeros(nb, dtype=Q2_K_BLOCK)
+    sc = rng.integers(8, 16, size=(nb, 16), dtype=np.uint8)
+    mn = rng.integers(8, 16, size=(nb, 16), dtype=np.uint8)
+    blocks["scales"] = sc | (mn << 4)
+    blocks["qs"] = rng.integers(0, 256, size=(nb, 64), dtype=np.uint8)
+    blocks["d"] = np.float16(0.8 / 11.5)
+    blocks["dmin"] = np.float16(1.2 / 11.5)
+    return blocks.view(np.uint8).reshape(rows, -1)
+
+
+def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType, table_rows: list[int]) -> list[PlannedTensor]:
+    """Every tensor of the model, in file order, with how to make it."""
+    dims = L.Dims(vocab=p.vocab, dim=p.dim, n_heads=p.n_heads, head_dim=p.head_dim, q_lora=p.q_lora_rank,
+                  o_groups=p.o_groups, o_lora=p.o_lora_rank, hc=p.hc, index_heads=p.index_heads,
+                  index_head_dim=p.index_head_dim, engram_head_dim=p.engram_head_dim,
+                  engram_cols=(p.max_ngram - 1) * p.engram_heads)
+    out: list[PlannedTensor] = []
+
+    def add(layer: int | None, role: str, shape: tuple[int, ...], matrix: bool) -> None:
+        name = L.tensor_name(layer, role)
+        if not matrix:
+            mean = NORM_MEAN.get(role)
+            if mean is not None:
+                def make(rng, s, m=mean):
+                    return (np.float32(m) * (1 + np.float32(0.1) * rng.standard_normal(s, dtype=np.float32)))
+            else:
+                def make(rng, s):
+                    return _gaussian(s, 0.5, rng)
+            out.append(PlannedTensor(name, shape, GGMLType.F32, make))
+            return
+        if role == L.TOKEN_EMBD:
+            std = EMBED_STD
+        else:
+            std = GAIN.get(role, 1.0) / np.sqrt(shape[-1])
+        if role in WEIGHT_TYPED:
+            gtype = _fit_type(weight_type, shape[-1])
+        elif role in BF16_TYPED:
+            gtype = GGMLType.BF16
+        else:
+            gtype = GGMLType.F32
+        out.append(PlannedTensor(name, shape, gtype,
+                                 lambda rng, s, sd=std, t=gtype: _stored(_gaussian(s, sd, rng), t)))
+
+    add(None, L.TOKEN_EMBD, (p.vocab, p.dim), True)
+    for layer in range(p.n_layers):
+        ratio = p.compress_ratios[layer]
+        engram = layer in p.engram_layers
+        for spec in L.layer_tensor_specs(ratio, layer in p.kv_sources, layer in p.index_sources, engram):
+            add(layer, spec.role, spec.shape(dims), spec.matrix)
+        if engram:
+            rows = table_rows[p.engram_layers.index(layer)]
+            shape = (rows, p.engram_head_dim)
+            t = _fit_type(table_type, p.engram_head_dim)
+            if t == GGMLType.Q2_K:
+                def make_table(rng, s):
+                    return _q2k_table(s[0], s[1], rng)
+            else:
+                def make_table(rng, s, tt=t):
+                    return _stored(_gaussian(s, 1.0, rng), tt)
+            out.append(PlannedTensor(L.tensor_name(layer, L.ENGRAM_TABLE), shape, t, make_table))
+    return out
+
+
+def _write_metadata(w: GGUFWriter, p: Preset, primes: np.ndarray, offsets: np.ndarray,
+                    multipliers: np.ndarray, token_map: np.ndarray, pad_id: int) -> None:
+    u32 = {"n_layers": p.n_layers, "context_length": p.context_length, "dim": p.dim, "n_heads": p.n_heads,
+           "head_dim": p.head_dim, "rope_dim": p.rope_dim, "q_lora_rank": p.q_lora_rank, "window": p.window,
+           "index_heads": p.index_heads, "index_head_dim": p.index_head_dim, "index_topk": p.index_topk,
+           "o_groups": p.o_groups, "o_lora_rank": p.o_lora_rank, "hc": p.hc, "sinkhorn_iters": p.sinkhorn_iters,
+           "rope_original_ctx": p.rope_original_ctx}
+    for name, k in L.U32_KEYS.items():
+        w.add_uint32(L.key(k), int(u32[name]))
+    f32 = {"norm_eps": p.norm_eps, "rope_theta": p.rope_theta, "compress_rope_theta": p.compress_rope_theta,
+           "hc_eps": p.hc_eps, "rope_factor": p.rope_factor, "beta_fast": p.beta_fast, "beta_slow": p.beta_slow}
+    for name, k in L.F32_KEYS.items():
+        w.add_float32(L.key(k), float(f32[name]))
+    w.add_uint32(L.key(L.KEY_VOCAB), p.vocab)
+    w.add_uint32(L.key(L.KEY_HEAD_COUNT_KV), 1)
+    w.add_uint32(L.key(L.KEY_VALUE_LENGTH), p.head_dim)
+    w.add_string(L.key(L.KEY_ROPE_SCALING_TYPE), "yarn")
+    # like the published files, the ratio list carries the MTP layers' entries too
+    w.add_array(L.key(L.KEY_COMPRESS_RATIOS), [int(r) for r in p.compress_ratios] + [0])
+    cand = {"candidate_source": p.candidate_source, "candidate_block_size": p.candidate_block_size,
+            "candidate_topk_blocks": p.candidate_topk_blocks}
+    for name, (k, _default) in L.OPTIONAL_U32_KEYS.items():
+        w.add_uint32(L.key(k), int(cand[name]))
+    if p.engram_layers:
+        E = {name: L.key(v) for name, v in L.ENGRAM_KEYS.items()}
+        w.add_array(E["layer_ids"], [int(i) for i in p.engram_layers])
+        w.add_uint32(E["n_heads"], p.engram_heads)
+        w.add_uint32(E["head_dim"], p.engram_head_dim)
+        w.add_uint32(E["max_ngram"], p.max_ngram)
+        for name, arr in (("multipliers", multipliers), ("primes", primes), ("offsets", offsets)):
+            w.add_key_value(E[name], [int(v) for v in arr.reshape(-1)], GGUFValueType.ARRAY,
+                            sub_type=GGUFValueType.UINT64)
+        w.add_key_value(E["token_map"], [int(v) for v in token_map], GGUFValueType.ARRAY,
+                        sub_type=GGUFValueType.INT32)
+        w.add_uint32(E["pad_id"], int(pad_id))
+
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+def _raw_dtype(gtype: GGMLType) -> GGMLQuantizationType | None:
+    return None if gtype in (GGMLType.F32, GGMLType.F16) else GGMLQuantizationType(int(gtype))
+
+
+def _byte_shape(t: PlannedTensor) -> tuple[tuple[int, ...], np.dtype]:
+    if t.gtype == GGMLType.F32:
+        return t.shape, np.dtype(np.float32)
+    if t.gtype == GGMLType.F16:
+        return t.shape, np.dtype(np.float16)
+    rows = t.shape[:-1] if len(t.shape) > 1 else (1,)
+    return (*rows, FORMATS[t.gtype].row_bytes(t.shape[-1])), np.dtype(np.uint8)
+
+
+def _chunks(t: PlannedTensor, rng: np.random.Generator, max_values: int) -> Iterator[np.ndarray]:
+    """The stored form of `t` in row chunks, so a large tensor never sits in memory twice."""
+    if len(t.shape) == 1 or int(np.prod(t.shape)) <= max_values:
+        yield t.make(rng, t.shape)
+        return
+    rows_per = max(1, max_values // t.shape[-1])
+    for start in range(0, t.shape[0], rows_per):
+        yield t.make(rng, (min(rows_per, t.shape[0] - start), *t.shape[1:]))
+
+
+def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", weight_type: str = "Q8_0",
+                    table_type: str | None = None, seed: int = 0, progress: ProgressFn | None = None,
+                    **overrides) -> Path:
+    """Write a complete synthetic V4.1 model; returns its path.
+
+    weight_type: type of the dense attention matrices, the engram projection and the embedding
+    (BF16, Q8_0 or Q2_K; a matrix whose rows do not hold whole blocks falls back to Q8_0, then BF16).
+    table_type: the engram tables' type (default: the preset's, Q2_K where rows are 256 wide).
+    overrides: any Preset field, or `engram_rows`.
+    """
+    p = preset(preset_name, **overrides)
+    wt = ggml_type(weight_type)
+    tt = ggml_type(table_type or p.default_table_type)
+    for t, what in ((wt, "weight type"), (tt, "table type")):
+        if t not in (GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.F16, GGMLType.F32):
+            raise UnsupportedError(f"{what} {t.name} cannot be written")
+    if tt == GGMLType.Q2_K and p.engram_head_dim % 256:
+        raise UnsupportedError(
+            f"preset {preset_name!r} has engram rows of {p.engram_head_dim} values; a Q2_K table needs "
+            "rows of whole 256-value blocks (use --table-type Q8_0 or BF16)"
+        )
+    n_e = len(p.engram_layers)
+    primes = engram_primes(n_e, p.max_ngram, p.engram_heads, p.engram_vocab_size)
+    offsets = engram_offsets(primes)
+    token_map, compressed = stub_token_map(p.vocab, p.unmapped_tail)
+    multipliers = engram_multipliers(p.engram_layers, p.max_ngram, compressed)
+    pad_id = int(token_map[p.engram_pad_token])
+    table_rows = [int(primes[i].sum()) for i in range(n_e)]
+    plan = plan_tensors(p, wt, tt, table_rows)
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    writer = GGUFWriter(tmp, L.ARCH)
+    try:
+        writer.add_name(f"flashv41 synthetic {preset_name}")
+        _write_metadata(writer, p, primes, offsets, multipliers, token_map, pad_id)
+        for t in plan:
+            shape, dtype = _byte_shape(t)
+            writer.add_tensor_info(t.name, shape, dtype, t.nbytes, raw_dtype=_raw_dtype(t.gtype))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        total = sum(t.nbytes for t in plan)
+        done = 0
+        rng = np.random.default_rng(seed)
+        assert writer.fout is not None
+        fout = writer.fout[0]
+        for t in plan:
+            first = True
+            for chunk in _chunks(t, rng, max_values=1 << 24):
+                if first:
+                    writer.write_padding(fout, fout.tell())
+                    first = False
+                chunk.tofile(fout)
+                done += chunk.nbytes
+                if progress is not None:
+                    progress(t.name, done, total)
+            writer.write_padding(fout, t.nbytes)
+            writer.tensors[0].pop(t.name)
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def print_progress(prefix: str = "writing") -> ProgressFn:
+    """A progress callback that prints a line every few seconds (and at the end) to stderr."""
+    import sys
+
+    state = {"last": 0.0, "start": time.monotonic()}
+
+    def report(name: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - state["last"] < 2.0 and done < total:
+            return
+        state["last"] = now
+        rate = done / max(now - state["start"], 1e-9) / 1e6
+        print(f"{prefix}: {done / 1e6:9.1f} / {total / 1e6:.1f} MB ({100 * done / max(total, 1):5.1f}%) "
+              f"{rate:7.1f} MB/s  {name}", file=sys.stderr, flush=True)
+
+    return report

@@ -1,13 +1,21 @@
-"""A loaded model: its validated `ModelConfig` and a lazily reading `WeightStore`."""
+"""A loaded model: its validated `ModelConfig` and a lazily reading `WeightStore`.
+
+`host.gguf_model` is imported inside `load_model`, not at the top: host modules import
+`flashv41.errors`, which runs this package's `__init__`, so a top-level import here would make
+`import host.quants` (or `host.gguf_model`) as a program's first import a circular one.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flashv41.config import ModelConfig
-from host.gguf_model import TensorRef, WeightStore, read_model
+
+if TYPE_CHECKING:
+    from host.gguf_model import TensorRef, WeightStore
 
 
 @dataclass
@@ -32,5 +40,7 @@ def load_model(path: str | os.PathLike[str]) -> Model:
     Raises `ModelFormatError` / `UnsupportedError` (both `FlashError`) naming the key or tensor
     at fault. Tensor data is memory-mapped, not read.
     """
+    from host.gguf_model import read_model
+
     config, weights = read_model(path)
     return Model(Path(path), config, weights)

@@ -326,6 +326,13 @@ def _roles(cfg_values: dict, store: WeightStore, engram_layers: tuple[int, ...],
             raise UnsupportedError(f"{fname}: layer {i} has compress ratio {r}; V4.1 uses 0, 1 and 2")
         if (kv[i] or idx[i]) and r == 0:
             raise ModelFormatError(f"{fname}: layer {i} has compressor or indexer tensors but compress ratio 0")
+        if kv[i] and not idx[i]:
+            # index keys are made by the layer's indexer (reference: Indexer.owns_k), so a kv source
+            # without one would publish a compressed cache with no index keys behind it
+            raise ModelFormatError(
+                f"{fname}: layer {i} is a kv source (attn_compressor_kv) without an indexer "
+                f"({L.tensor_name(i, 'indexer.attn_q_b')} is missing)"
+            )
         if kv[i]:
             last_kv = i
         if idx[i]:

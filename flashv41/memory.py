@@ -1,0 +1,179 @@
+"""How much device memory an engine for a model will need: weights, per-sequence state, workspaces.
+
+- weights: the stored bytes of every tensor the engine uses (the engine uploads them as stored,
+  quantised); the engram tables count on the device, or on the host with
+  `table_residency="host"`;
+- per-sequence state, for sequences of up to `max_seq` positions: each layer's window ring, each
+  kv source's compressed cache, index-key cache and compressor partial-group state, and the
+  engram hash cache of compressed ids;
+- workspaces, per engine, for chunks of up to `max_tokens` tokens.
+
+The workspace figure is a rough estimate from the largest buffers a forward pass needs, not the
+engine's allocation: it is to be replaced by the engine's own allocation report once the engine
+exists. Weights and state follow SPEC.md's layouts exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashv41.config import LayerRole, ModelConfig
+from flashv41.errors import InputError
+from host import gguf_layout as L
+from host.gguf_model import WeightStore
+
+TABLE_RESIDENCIES = ("device", "host")
+BF16_BYTES = 2
+FP32_BYTES = 4
+INT64_BYTES = 8
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """One layer's share. Bytes throughout."""
+
+    layer: int
+    block_type: str
+    weight_bytes: int  # device: the layer's tensors as stored, engram table aside
+    table_bytes: int  # the engram table, wherever it lives (0 without engram)
+    table_on_device: bool
+    state_bytes: int  # per sequence: window ring, plus a kv source's caches and compressor state
+
+    @property
+    def device_weight_bytes(self) -> int:
+        return self.weight_bytes + (self.table_bytes if self.table_on_device else 0)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The estimate for one engine: per-layer rows, model-level parts and totals (bytes)."""
+
+    max_seq: int
+    max_tokens: int
+    table_residency: str
+    layers: tuple[LayerMemory, ...]
+    embedding_bytes: int  # token_embd as stored
+    hash_cache_bytes: int  # per sequence: int64 [max_seq] compressed ids (0 without engram)
+    workspaces: tuple[tuple[str, int], ...]  # (what, bytes), per engine; an estimate
+
+    @property
+    def weight_bytes(self) -> int:
+        """Weights on the device (tables included only when they live there)."""
+        return self.embedding_bytes + sum(layer.device_weight_bytes for layer in self.layers)
+
+    @property
+    def host_table_bytes(self) -> int:
+        return sum(layer.table_bytes for layer in self.layers if not layer.table_on_device)
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        return self.hash_cache_bytes + sum(layer.state_bytes for layer in self.layers)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.workspaces)
+
+    def total_bytes(self, n_sequences: int = 1) -> int:
+        """Device bytes for an engine holding `n_sequences` sequences at once."""
+        return self.weight_bytes + n_sequences * self.state_bytes_per_sequence + self.workspace_bytes
+
+    def table(self) -> str:
+        """A readable multi-line table of the estimate."""
+        where = "device" if self.table_residency == "device" else "host"
+        lines = [
+            f"device memory estimate (max_seq {self.max_seq}, max_tokens {self.max_tokens}, "
+            f"engram tables on the {where})",
+            f"  {'layer':>5}  {'block type':<28} {'weights':>10} {'engram table':>16} {'state/seq':>10}",
+        ]
+        for m in self.layers:
+            table = "-" if not m.table_bytes else format_bytes(m.table_bytes) + ("" if m.table_on_device else " (host)")
+            lines.append(f"  {m.layer:>5}  {m.block_type:<28} {format_bytes(m.weight_bytes):>10} {table:>16} "
+                         f"{format_bytes(m.state_bytes):>10}")
+        lines.append(f"  {'':>5}  {'token_embd':<28} {format_bytes(self.embedding_bytes):>10}")
+        if self.hash_cache_bytes:
+            lines.append(f"  {'':>5}  {'engram hash cache':<28} {'':>10} {'':>16} "
+                         f"{format_bytes(self.hash_cache_bytes):>10}")
+        lines.append("  workspaces (estimate, per engine):")
+        for what, nbytes in self.workspaces:
+            lines.append(f"    {what:<52} {format_bytes(nbytes):>10}")
+        lines += [
+            f"  weights on the device        {format_bytes(self.weight_bytes):>10}",
+        ]
+        if self.host_table_bytes:
+            lines.append(f"  engram tables on the host    {format_bytes(self.host_table_bytes):>10}")
+        lines += [
+            f"  state per sequence           {format_bytes(self.state_bytes_per_sequence):>10}",
+            f"  workspaces (estimate)        {format_bytes(self.workspace_bytes):>10}",
+            f"  total, one sequence          {format_bytes(self.total_bytes(1)):>10}",
+        ]
+        return "\n".join(lines)
+
+
+def format_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB' (binary units; bytes below 1 KiB as they are)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _layer_state_bytes(config: ModelConfig, role: LayerRole, max_seq: int) -> int:
+    window_ring = config.window * config.head_dim * BF16_BYTES
+    if not role.kv_source:
+        return window_ring
+    groups = max_seq // role.ratio
+    compressed = groups * config.head_dim * BF16_BYTES
+    index_keys = groups * config.index_head_dim * BF16_BYTES
+    # a ratio-r compressor keeps the kv and the gate score of an incomplete group, fp32
+    partial_group = 2 * role.ratio * config.head_dim * FP32_BYTES
+    return window_ring + compressed + index_keys + partial_group
+
+
+def _workspaces(config: ModelConfig, max_seq: int, max_tokens: int) -> tuple[tuple[str, int], ...]:
+    t = max_tokens
+    items = [
+        (f"highway fp32 [{t}, {config.hc}, {config.dim}] x 2", 2 * t * config.hc * config.dim * FP32_BYTES),
+        (f"q bf16 [{t}, {config.n_heads * config.head_dim}]", t * config.n_heads * config.head_dim * BF16_BYTES),
+    ]
+    if any(role.index_source for role in config.roles):
+        items.append((f"index scores fp32 [{t}, {max_seq}]", t * max_seq * FP32_BYTES))
+    e = config.engram
+    if e is not None:
+        items.append((f"engram rows bf16 [{t * e.cols}, {e.head_dim}]", t * e.cols * e.head_dim * BF16_BYTES))
+        kv_width = config.dim * (config.hc + 1)
+        items.append((f"engram kv bf16 [{t}, {kv_width}]", t * kv_width * BF16_BYTES))
+    return tuple(items)
+
+
+def estimate_memory(config: ModelConfig, weights: WeightStore, max_seq: int, max_tokens: int,
+                    table_residency: str = "device") -> MemoryEstimate:
+    """The device memory an engine for `config` needs with sequences of up to `max_seq` positions
+    and chunks of up to `max_tokens` tokens. Weight sizes are read from `weights` (as stored)."""
+    if max_seq < 1 or max_tokens < 1:
+        raise InputError(f"max_seq and max_tokens must be >= 1, got max_seq {max_seq}, max_tokens {max_tokens}")
+    if table_residency not in TABLE_RESIDENCIES:
+        raise InputError(f"table_residency must be one of {', '.join(TABLE_RESIDENCIES)}, got {table_residency!r}")
+    layers = []
+    for role in config.roles:
+        specs = L.layer_tensor_specs(role.ratio, role.kv_source, role.index_source, role.engram)
+        weight_bytes = sum(weights.get(role.layer, spec.role).nbytes for spec in specs)
+        table_bytes = weights.get(role.layer, L.ENGRAM_TABLE).nbytes if role.engram else 0
+        layers.append(LayerMemory(
+            layer=role.layer,
+            block_type=role.block_type,
+            weight_bytes=weight_bytes,
+            table_bytes=table_bytes,
+            table_on_device=table_residency == "device",
+            state_bytes=_layer_state_bytes(config, role, max_seq),
+        ))
+    return MemoryEstimate(
+        max_seq=max_seq,
+        max_tokens=max_tokens,
+        table_residency=table_residency,
+        layers=tuple(layers),
+        embedding_bytes=weights.get(None, L.TOKEN_EMBD).nbytes,
+        hash_cache_bytes=max_seq * INT64_BYTES if config.engram is not None else 0,
+        workspaces=_workspaces(config, max_seq, max_tokens),
+    )

@@ -1,0 +1,80 @@
+"""The engram n-gram hash (SPEC.md 2.1), integer-exact, vectorised NumPy: the oracle's hasher.
+
+For position p and shift s = 0..max_ngram-1 the look-back token is the compressed id at p - s;
+once p - s < 0 or a looked-back id is -1 (unmapped or masked), that shift and every farther one
+take `pad_id` ("blocked" is cumulative). Per engram layer: rolling = t0 * m0, then for each
+s >= 1: rolling ^= t_s * m_s and, per head j, row = rolling mod prime[s-1][j] + offset[s-1][j].
+
+A sequence's compressed ids are kept in a cache of `max_seq` positions, so chunked prefill and
+decode see the same look-back as one-shot prefill.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashv41.config import EngramConfig
+from flashv41.errors import CapacityError, InputError
+
+DEAD = -1
+
+
+def compress_tokens(engram: EngramConfig, token_ids: np.ndarray, token_mask: np.ndarray | None) -> np.ndarray:
+    """Raw ids -> compressed ids (int64), -1 where unmapped or masked out; validates the ids."""
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"token ids must be a 1-D integer array, got shape {ids.shape} dtype {ids.dtype}")
+    vocab = engram.token_map.shape[0]
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if bad.size:
+        i = int(bad[0])
+        raise InputError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {vocab})")
+    compressed = engram.token_map[ids.astype(np.int64)]
+    if token_mask is not None:
+        mask = np.asarray(token_mask)
+        if mask.shape != ids.shape or mask.dtype != np.bool_:
+            raise InputError(f"token_mask must be a bool array of shape {ids.shape}, got {mask.dtype} {mask.shape}")
+        compressed = np.where(mask, compressed, DEAD)
+    return compressed
+
+
+def hash_positions(engram: EngramConfig, history: np.ndarray, start: int, count: int) -> np.ndarray:
+    """Row ids int64 [count, n_engram_layers, cols] of positions start..start+count-1, given the
+    compressed ids of every position up to start+count-1 in `history`."""
+    positions = np.arange(start, start + count)
+    blocked = np.zeros(count, dtype=bool)
+    tokens = []
+    for shift in range(engram.max_ngram):
+        source = history[np.maximum(positions - shift, 0)]
+        blocked |= (positions < shift) | (source == DEAD)
+        tokens.append(np.where(blocked, engram.pad_id, source))
+    t = np.stack(tokens, axis=-1)  # [T, max_ngram]
+    products = t[:, None, :] * engram.multipliers[None, :, :]  # [T, layers, max_ngram]
+    rolling = products[..., 0]
+    columns = []
+    for s in range(1, engram.max_ngram):
+        rolling = rolling ^ products[..., s]
+        columns.append(rolling[..., None] % engram.primes[None, :, s - 1, :] + engram.offsets[None, :, s - 1, :])
+    return np.concatenate(columns, axis=-1)
+
+
+class EngramHasher:
+    """The hash of one sequence: its compressed-id cache and the positions filled so far."""
+
+    def __init__(self, engram: EngramConfig, max_seq: int):
+        self.engram = engram
+        self.max_seq = max_seq
+        self.history = np.full(max_seq, DEAD, dtype=np.int64)
+
+    def reset(self) -> None:
+        self.history.fill(DEAD)
+
+    def hash(self, token_ids: np.ndarray, start_pos: int, token_mask: np.ndarray | None = None) -> np.ndarray:
+        """Row ids int64 [T, n_engram_layers, cols] for `token_ids` placed at start_pos..; the
+        cache is written only once the input has been validated."""
+        compressed = compress_tokens(self.engram, token_ids, token_mask)
+        end = start_pos + compressed.shape[0]
+        if start_pos < 0 or end > self.max_seq:
+            raise CapacityError(f"engram hash: positions {start_pos}..{end - 1} exceed max_seq {self.max_seq}")
+        self.history[start_pos:end] = compressed
+        return hash_positions(self.engram, self.history, start_pos, compressed.shape[0])

@@ -1,0 +1,180 @@
+"""The NumPy oracle: the engram and attention layers and the layer stack, as V4.1 computes them.
+
+This is the yardstick every GPU kernel is held to. It follows the official reference's operation
+order (model.py, engram.py, kernel_cpu.py) with SPEC.md's deliberate deviations only: weights as
+the GGUF stores them, an fp32 highway, top-k ties to the lower position, prefill in chunks from any
+position. host.numerics says how each operation is rounded.
+
+    oracle = Oracle(model)                 # model from flashv41.load_model
+    seq = oracle.new_sequence()
+    h = seq.prefill(token_ids)             # final highway [T, hc, dim] fp32
+    h = seq.decode(token_id)               # [1, hc, dim]
+
+Per layer i: engram (engram layers) -> attention sublayer between hc_pre and hc_post, using the
+pre-mix the previous layer's FFN mixes produced -> the FFN sublayer with zero output but its own
+mixes, whose `pre` becomes the next layer's pre-mix (the first layer's is one-hot on copy 0).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashv41.config import ModelConfig
+from flashv41.errors import CapacityError, InputError, SequenceStateError
+from flashv41.model import Model
+from host import gguf_layout as L
+from host.engram_hash import EngramHasher
+from host.numerics import F32, bf16, rms_norm, rope_table
+from host.oracle.attention import AttentionWeights, LayerState, RopeTables, SharedRuntime, attention_layer
+from host.oracle.engram import engram_layer
+from host.oracle.hc import hc_mixes, hc_post, hc_pre
+from host.quants import dequantize
+
+__all__ = ["Oracle", "OracleSequence", "rope_tables"]
+
+_ATTN_ROLES = {
+    "attn_norm": "attn_norm", "sinks": "attn_sinks", "wq_a": "attn_q_a", "q_norm": "attn_q_a_norm",
+    "wq_b": "attn_q_b", "wkv": "attn_kv", "kv_norm": "attn_kv_a_norm", "wo_a": "attn_output_a",
+    "wo_b": "attn_output_b",
+}
+_OPTIONAL_ROLES = {
+    "comp_kv": "attn_compressor_kv", "comp_gate": "attn_compressor_gate", "comp_norm": "attn_compressor_norm",
+    "wk": "indexer.attn_k", "k_norm": "indexer.k_norm", "idx_wq_b": "indexer.attn_q_b", "idx_proj": "indexer.proj",
+}
+
+
+def rope_tables(cfg: ModelConfig, max_seq: int) -> RopeTables:
+    """The two rotation tables of a model, for positions 0..max_seq-1."""
+    yarn = (cfg.rope_factor, cfg.rope_original_ctx, cfg.beta_fast, cfg.beta_slow)
+    return RopeTables(
+        plain=rope_table(cfg.rope_dim, max_seq, cfg.rope_theta, None),
+        compressed=rope_table(cfg.rope_dim, max_seq, cfg.compress_rope_theta, yarn),
+    )
+
+
+class Oracle:
+    """The oracle for one model: dequantised weights (cached on first use) and the RoPE tables."""
+
+    def __init__(self, model: Model, max_seq: int | None = None):
+        self.model = model
+        self.cfg = model.config
+        self.max_seq = max_seq or self.cfg.context_length
+        self.tables = rope_tables(self.cfg, self.max_seq)
+        self._cache: dict[tuple[int | None, str], np.ndarray] = {}
+
+    def weight(self, layer: int | None, role: str) -> np.ndarray:
+        """A tensor dequantised to float32 (cached)."""
+        k = (layer, role)
+        if k not in self._cache:
+            self._cache[k] = self.model.tensor(layer, role).dequantize()
+        return self._cache[k]
+
+    def attention_weights(self, layer: int) -> AttentionWeights:
+        args = {name: self.weight(layer, role) for name, role in _ATTN_ROLES.items()}
+        for name, role in _OPTIONAL_ROLES.items():
+            if self.model.weights.has(layer, role):
+                args[name] = self.weight(layer, role)
+        return AttentionWeights(**args)
+
+    def engram_qk(self, layer: int) -> np.ndarray:
+        """q_weight * k_weight [hc, C] fp32 (the gate only ever uses their product)."""
+        return (self.weight(layer, "engram_q") * self.weight(layer, "engram_k")).astype(F32)
+
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        """token_embd rows as bf16 values [T, C]."""
+        table = self.model.tensor(None, L.TOKEN_EMBD)
+        rows = dequantize(table.raw()[np.asarray(token_ids, np.int64)], table.ggml_type, table.shape[-1])
+        return bf16(rows)
+
+    def new_sequence(self, max_seq: int | None = None) -> OracleSequence:
+        return OracleSequence(self, max_seq or self.max_seq)
+
+
+class OracleSequence:
+    """One sequence: its position, its hash cache and every layer's state."""
+
+    def __init__(self, oracle: Oracle, max_seq: int):
+        if max_seq > oracle.max_seq:
+            raise CapacityError(f"max_seq {max_seq} exceeds the oracle's RoPE tables ({oracle.max_seq})")
+        self.oracle = oracle
+        self.cfg = oracle.cfg
+        self.max_seq = max_seq
+        self.captures: list[dict] = []
+        self.released = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to an empty sequence at position 0."""
+        cfg = self.cfg
+        self.position = 0
+        self.hasher = EngramHasher(cfg.engram, self.max_seq) if cfg.engram else None
+        self.states = [LayerState.create(cfg, role, self.max_seq) for role in cfg.roles]
+
+    def _check(self, token_ids, token_mask) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.released:
+            raise SequenceStateError("this sequence was released")
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"token ids must be a non-empty 1-D integer array, got shape {ids.shape} {ids.dtype}")
+        bad = np.flatnonzero((ids < 0) | (ids >= self.cfg.vocab_size))
+        if bad.size:
+            raise InputError(f"token id {int(ids[bad[0]])} at index {int(bad[0])} is outside the vocabulary "
+                             f"[0, {self.cfg.vocab_size})")
+        if self.position + ids.size > self.max_seq:
+            raise CapacityError(f"{ids.size} tokens at position {self.position} exceed max_seq {self.max_seq}")
+        mask = None
+        if token_mask is not None:
+            mask = np.asarray(token_mask)
+            if mask.dtype != np.bool_ or mask.shape != ids.shape:
+                raise InputError(f"token_mask must be bool of shape {ids.shape}, got {mask.dtype} {mask.shape}")
+        return ids.astype(np.int64), mask
+
+    def prefill(self, token_ids, token_mask=None, capture: bool = False) -> np.ndarray:
+        """Run a chunk of tokens from the current position; returns the final highway [T, hc, C] fp32."""
+        ids, mask = self._check(token_ids, token_mask)
+        cfg, o = self.cfg, self.oracle
+        start = self.position
+        t = ids.size
+        hashes = self.hasher.hash(ids, start, mask) if self.hasher is not None else None
+        h = np.repeat(o.embed(ids)[:, None, :], cfg.hc, axis=1).astype(F32)
+        pre_mix = np.zeros((t, cfg.hc), F32)
+        pre_mix[:, 0] = 1
+        shared = SharedRuntime()
+        self.captures = []
+        for role in cfg.roles:
+            i = role.layer
+            cap: dict | None = {} if capture else None
+            if role.engram:
+                assert cfg.engram is not None and hashes is not None
+                e = cfg.engram.hash_index(i)
+                h = engram_layer(h, hashes[:, e], o.model.tensor(i, L.ENGRAM_TABLE), o.weight(i, "engram_wkv"),
+                                 o.engram_qk(i), cfg.norm_eps, mask, cap)
+            mix_args = (cfg.hc, cfg.sinkhorn_iters, cfg.norm_eps, cfg.hc_eps)
+            _, post, comb = hc_mixes(h, o.weight(i, "hc_attn_fn"), o.weight(i, "hc_attn_scale"),
+                                     o.weight(i, "hc_attn_base"), *mix_args)
+            x = rms_norm(hc_pre(h, pre_mix), o.weight(i, "attn_norm"), cfg.norm_eps)
+            a = attention_layer(cfg, role, o.attention_weights(i), o.tables, self.states[i], shared, x, start, cap)
+            h = hc_post(a, h, post, comb)
+            if cap is not None:
+                cap["h_attn"] = h
+            pre_mix, post_f, comb_f = hc_mixes(h, o.weight(i, "hc_ffn_fn"), o.weight(i, "hc_ffn_scale"),
+                                               o.weight(i, "hc_ffn_base"), *mix_args)
+            h = hc_post(None, h, post_f, comb_f)
+            if cap is not None:
+                cap["h_out"] = h
+                self.captures.append(cap)
+        self.position += t
+        return h
+
+    def decode(self, token_id: int, token_mask: bool | None = None, capture: bool = False) -> np.ndarray:
+        """One token at the current position; returns [1, hc, C]."""
+        if not isinstance(token_id, (int, np.integer)):
+            raise InputError(f"decode takes one integer token id, got {type(token_id).__name__}")
+        mask = None if token_mask is None else np.array([bool(token_mask)])
+        return self.prefill(np.array([token_id], np.int64), mask, capture)
+
+    def release(self) -> None:
+        """Drop the sequence's state; further calls raise SequenceStateError."""
+        self.states = []
+        self.hasher = None
+        self.released = True

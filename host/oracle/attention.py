@@ -1,0 +1,347 @@
+"""One V4.1 attention layer (SPEC.md 2.2), every role, prefill in chunks from any position.
+
+Shapes: T tokens of the chunk, C dim, H heads x D head_dim (R = rope_dim on the tail), Q q_lora,
+W window, IH x ID index heads x index head_dim, G compressed groups, K index_topk,
+O output groups x o_lora (per group `gw` = H * D / O inputs).
+
+The per-query list of attended rows is canonical, whatever the chunking: the W window positions
+p - W + 1 .. p oldest first (-1 where negative; the reference's decode layout), then the selected
+compressed positions ascending, -1-padded to K. The sparse attention walks that list in blocks of
+64, as the reference kernel does, so the bf16 rounding of the probabilities (relative to the
+running maximum) is the same for a position however the sequence was split into calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from flashv41.config import LayerRole, ModelConfig
+from host.numerics import (
+    F32,
+    act_quant,
+    bf16,
+    exp,
+    f32,
+    fp4_act_quant,
+    linear,
+    matmul_t,
+    rms_norm,
+    rotate,
+    sum_last,
+)
+
+SPARSE_BLOCK = 64
+NEG_INF = F32(-np.inf)
+
+
+@dataclass
+class AttentionWeights:
+    """One layer's attention weights, dequantised to float32 ([out, in] matrices)."""
+
+    attn_norm: np.ndarray  # [C]
+    sinks: np.ndarray  # [H]
+    wq_a: np.ndarray  # [Q, C]
+    q_norm: np.ndarray  # [Q]
+    wq_b: np.ndarray  # [H*D, Q]
+    wkv: np.ndarray  # [D, C]
+    kv_norm: np.ndarray  # [D]
+    wo_a: np.ndarray  # [O*o_lora, gw]
+    wo_b: np.ndarray  # [C, O*o_lora]
+    comp_kv: np.ndarray | None = None  # [D, C] (kv sources)
+    comp_gate: np.ndarray | None = None  # [D, C] (ratio-2 kv sources)
+    comp_norm: np.ndarray | None = None  # [D]
+    wk: np.ndarray | None = None  # [ID, D] (kv sources: index keys)
+    k_norm: np.ndarray | None = None  # [ID]
+    idx_wq_b: np.ndarray | None = None  # [IH*ID, Q] (index sources)
+    idx_proj: np.ndarray | None = None  # [IH, C]
+
+
+@dataclass
+class RopeTables:
+    """cos / sin float32 [max_seq, R/2] of the two rotations: plain (ratio 0) and compressed (YaRN)."""
+
+    plain: tuple[np.ndarray, np.ndarray]
+    compressed: tuple[np.ndarray, np.ndarray]
+
+    def for_ratio(self, ratio: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.compressed if ratio > 0 else self.plain
+
+
+@dataclass
+class LayerState:
+    """One sequence's state of one layer: its window ring and, for kv sources, the compressor's
+    partial group and the two caches it publishes."""
+
+    window_ring: np.ndarray  # [W, D] bf16 values, slot = pos % W
+    kv_state: np.ndarray | None = None  # [ratio, D] fp32, the partial group's projections
+    score_state: np.ndarray | None = None  # [ratio, D] fp32, their gate scores (-inf = empty)
+    compressed: np.ndarray | None = None  # [max_seq // ratio, D] bf16 values (after RoPE + fp4)
+    index_keys: np.ndarray | None = None  # [max_seq // ratio, ID] bf16 values (after RoPE + fp4)
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, role: LayerRole, max_seq: int) -> LayerState:
+        state = cls(window_ring=np.zeros((cfg.window, cfg.head_dim), F32))
+        if role.kv_source:
+            groups = max_seq // role.ratio
+            state.kv_state = np.zeros((role.ratio, cfg.head_dim), F32)
+            state.score_state = np.full((role.ratio, cfg.head_dim), NEG_INF, F32)
+            state.compressed = np.zeros((groups, cfg.head_dim), F32)
+            state.index_keys = np.zeros((groups, cfg.index_head_dim), F32)
+        return state
+
+
+@dataclass
+class SharedRuntime:
+    """What source layers hand down the stack within one forward call."""
+
+    compressed: np.ndarray | None = None  # the last kv source's compressed cache
+    index_keys: np.ndarray | None = None  # the last kv source's index-key cache
+    selection: np.ndarray | None = None  # [T, K] int64 compressed positions ascending, -1 padded
+    candidates: np.ndarray | None = None  # [T, width] bool, the candidate source's block mask
+
+
+def rope_tail(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, inverse: bool = False) -> np.ndarray:
+    """x [..., D] with its last rope_dim values rotated; cos / sin broadcast against x[..., ::2]'s tail."""
+    out = x.copy()
+    out[..., -rope_dim:] = rotate(x[..., -rope_dim:], cos, sin, inverse)
+    return out
+
+
+def window_positions(positions: np.ndarray, window: int) -> np.ndarray:
+    """[T, W]: the window positions p - W + 1 .. p of each query, oldest first; -1 before 0."""
+    idx = positions[:, None] - window + 1 + np.arange(window)[None, :]
+    return np.where(idx < 0, -1, idx)
+
+
+def pool_group(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """The ratio-2 compressor's gated pooling of one group: per channel softmax over its tokens.
+    kv, score [ratio, D] fp32 -> [D] fp32."""
+    e = exp(score - score.max(axis=0, keepdims=True))
+    weights = e / sum_last(e.T)[None, :]
+    return sum_last((kv * weights).T)
+
+
+def compress(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, state: LayerState, x: np.ndarray,
+             start: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kv source's compressor over a chunk: (latents [n, D] bf16 before RoPE, group ids [n]).
+
+    Ratio 1: every token is a group, latent = norm(x @ wkv^T). Ratio 2: fp32 projections and gate
+    scores wait in the partial-group state until the group's last token arrives; then the group is
+    pooled, rounded to bf16 and normalised. Group j stands for position j * ratio.
+    """
+    assert w.comp_kv is not None and w.comp_norm is not None
+    ratio = role.ratio
+    t = x.shape[0]
+    if ratio == 1:
+        latents = rms_norm(linear(x, w.comp_kv), w.comp_norm, cfg.norm_eps)
+        return latents, start + np.arange(t)
+    assert w.comp_gate is not None and state.kv_state is not None and state.score_state is not None
+    kv = matmul_t(x, w.comp_kv)
+    score = matmul_t(x, w.comp_gate)
+    pooled, groups = [], []
+    for i in range(t):
+        pos = start + i
+        slot = pos % ratio
+        state.kv_state[slot] = kv[i]
+        state.score_state[slot] = score[i]
+        if slot == ratio - 1:
+            pooled.append(pool_group(state.kv_state, state.score_state))
+            groups.append(pos // ratio)
+    if not pooled:
+        return np.zeros((0, cfg.head_dim), F32), np.zeros(0, np.int64)
+    latents = rms_norm(bf16(np.stack(pooled)), w.comp_norm, cfg.norm_eps)
+    return latents, np.asarray(groups, np.int64)
+
+
+def index_keys(cfg: ModelConfig, w: AttentionWeights, latents: np.ndarray, group_pos: np.ndarray,
+               cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Index keys of new groups: k = k_norm(latent @ wk^T), RoPE at the group position, fp4 (32, E8M0)."""
+    assert w.wk is not None and w.k_norm is not None
+    k = rms_norm(linear(latents, w.wk), w.k_norm, cfg.norm_eps)
+    k = rope_tail(k, cos[group_pos], sin[group_pos], cfg.rope_dim)
+    return fp4_act_quant(k, 32, e4m3_scale=False)
+
+
+def candidate_blocks(score: np.ndarray, visible: np.ndarray, topk_blocks: int, block: int) -> np.ndarray:
+    """Level one of the two-level selection: [T, G] scores -> [T, G] bool mask of kept blocks.
+
+    Block score = max over its positions; the block holding the query's newest visible position is
+    pinned (+inf); the top `topk_blocks` blocks by (score desc, block asc) are kept if > -inf.
+    """
+    t, g = score.shape
+    nb = -(-g // block)
+    padded = np.full((t, nb * block), NEG_INF, F32)
+    padded[:, :g] = score
+    bscore = padded.reshape(t, nb, block).max(axis=-1)
+    last = (visible - 1) // block
+    rows = np.flatnonzero(last >= 0)
+    bscore[rows, last[rows]] = np.inf
+    keep = np.zeros((t, nb), bool)
+    k = min(topk_blocks, nb)
+    blocks = np.arange(nb)
+    for i in range(t):
+        order = np.lexsort((blocks, -bscore[i]))[:k]
+        keep[i, order] = bscore[i, order] > NEG_INF
+    return np.repeat(keep, block, axis=1)[:, :g]
+
+
+def topk_positions(score_row: np.ndarray, visible: int, topk: int) -> np.ndarray:
+    """The top min(topk, visible) visible positions by (score desc, position asc), ascending."""
+    k = min(topk, visible)
+    s = score_row[:visible]
+    order = np.lexsort((np.arange(visible), -s))[:k]
+    return np.sort(order)
+
+
+def indexer_scores(cfg: ModelConfig, w: AttentionWeights, x: np.ndarray, qr: np.ndarray, keys: np.ndarray,
+                   cos_q: np.ndarray, sin_q: np.ndarray) -> np.ndarray:
+    """Index scores [T, G] (bf16 values) of T queries against G index keys.
+
+    iq = fp4(RoPE(qr @ wq_b^T)); w = bf16((x @ proj^T) * ID^-0.5 * IH^-0.5);
+    score = bf16(sum_h bf16(relu(bf16(iq_h . k)) * w_h)).
+    """
+    assert w.idx_wq_b is not None and w.idx_proj is not None
+    t = x.shape[0]
+    iq = linear(qr, w.idx_wq_b).reshape(t, cfg.index_heads, cfg.index_head_dim)
+    iq = rope_tail(iq, cos_q[:, None], sin_q[:, None], cfg.rope_dim)
+    iq = fp4_act_quant(iq, 32, e4m3_scale=False)
+    head_w = bf16(linear(x, w.idx_proj) * F32(cfg.index_head_dim ** -0.5 * cfg.index_heads ** -0.5))
+    dots = bf16(f32(np.einsum("thd,gd->thg", iq.astype(np.float64), keys.astype(np.float64))))
+    weighted = bf16(np.maximum(dots, F32(0)) * head_w[:, :, None])
+    return bf16(sum_last(np.swapaxes(weighted, 1, 2)))
+
+
+def select(cfg: ModelConfig, role: LayerRole, score: np.ndarray, positions: np.ndarray,
+           shared: SharedRuntime) -> np.ndarray:
+    """Mask, candidate blocks and top-k: scores [T, G] -> selection [T, K] (ascending, -1 padded)."""
+    ratio = role.ratio
+    visible = (positions + 1) // ratio
+    cols = np.arange(score.shape[1])
+    score = np.where(cols[None, :] >= visible[:, None], NEG_INF, score).astype(F32)
+    if role.candidate_source:
+        shared.candidates = candidate_blocks(score, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+    elif role.uses_candidates:
+        assert shared.candidates is not None and shared.candidates.shape == score.shape
+        score = np.where(shared.candidates, score, NEG_INF).astype(F32)
+    out = np.full((score.shape[0], cfg.index_topk), -1, np.int64)
+    for i in range(score.shape[0]):
+        chosen = topk_positions(score[i], int(visible[i]), cfg.index_topk)
+        out[i, : chosen.size] = chosen
+    return out
+
+
+def sparse_attention(q: np.ndarray, rows: np.ndarray, entries: np.ndarray, sinks: np.ndarray,
+                     scale: float) -> np.ndarray:
+    """Sparse single-kv-head attention with a sink, online softmax in blocks of 64.
+
+    q [T, H, D] bf16; rows [N, D] bf16 (K = V); entries [T, E] int64 indices into rows, -1 = skip;
+    sinks [H] fp32. Per block: s = (q . k) * scale; running max from -1e30; p = exp(s - max),
+    summed in fp32, rounded to bf16 before the value product; the sink adds exp(sink - max) to
+    the denominator only. A row with no entry gives zeros. Returns o [T, H, D] bf16.
+    """
+    t, h, d = q.shape
+    scale32 = F32(scale)
+    valid = entries >= 0
+    gathered = rows[np.where(valid, entries, 0)] * valid[..., None]  # [T, E, D]
+    s = f32(np.einsum("thd,ted->the", q.astype(np.float64), gathered.astype(np.float64))) * scale32
+    s = np.where(valid[:, None, :], s, NEG_INF).astype(F32)
+    acc = np.zeros((t, h, d), F32)
+    sum_exp = np.zeros((t, h), F32)
+    run_max = np.full((t, h), F32(-1e30), F32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for b0 in range(0, entries.shape[1], SPARSE_BLOCK):
+            sb = s[:, :, b0:b0 + SPARSE_BLOCK]
+            prev = run_max
+            run_max = np.maximum(prev, sb.max(axis=-1))
+            rescale = exp(prev - run_max)
+            p = exp(sb - run_max[:, :, None])
+            sum_exp = sum_exp * rescale + sum_last(p)
+            pv = f32(np.einsum("the,ted->thd", bf16(p).astype(np.float64),
+                               gathered[:, b0:b0 + SPARSE_BLOCK].astype(np.float64)))
+            acc = acc * rescale[:, :, None] + pv
+        sum_exp = sum_exp + exp(np.asarray(sinks, F32)[None, :] - run_max)
+        return bf16(acc / sum_exp[:, :, None])
+
+
+def output_projection(cfg: ModelConfig, w: AttentionWeights, o: np.ndarray) -> np.ndarray:
+    """o [T, H, D] bf16 -> [T, C] bf16: group g of heads times its own wo_a block, then wo_b."""
+    t = o.shape[0]
+    groups = o.reshape(t, cfg.o_groups, cfg.group_width)
+    wo_a = w.wo_a.reshape(cfg.o_groups, cfg.o_lora_rank, cfg.group_width)
+    a = np.stack([linear(groups[:, g], wo_a[g]) for g in range(cfg.o_groups)], axis=1)
+    return linear(a.reshape(t, -1), w.wo_b)
+
+
+def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tables: RopeTables,
+                    state: LayerState, shared: SharedRuntime, x: np.ndarray, start: int,
+                    capture: dict | None = None) -> np.ndarray:
+    """One layer's attention over a chunk of T tokens at positions start..start+T-1.
+
+    x [T, C] bf16 (the normed sublayer input) -> [T, C] bf16. Updates `state` (ring, compressor,
+    caches) and, for source layers, `shared`.
+    """
+    t = x.shape[0]
+    rd, win = cfg.rope_dim, cfg.window
+    positions = start + np.arange(t)
+    cos, sin = tables.for_ratio(role.ratio)
+    cos_t, sin_t = cos[positions], sin[positions]
+
+    qr = rms_norm(linear(x, w.wq_a), w.q_norm, cfg.norm_eps)
+    q = linear(qr, w.wq_b).reshape(t, cfg.n_heads, cfg.head_dim)
+    q = rope_tail(q, cos_t[:, None], sin_t[:, None], rd)
+    kv = rms_norm(linear(x, w.wkv), w.kv_norm, cfg.norm_eps)
+    kv = act_quant(rope_tail(kv, cos_t, sin_t, rd), 32)
+
+    # window rows: the W - 1 positions before the chunk come from the ring, then the chunk itself
+    first = max(0, start - win + 1)
+    history = np.arange(first, start)
+    win_rows = np.concatenate([state.window_ring[history % win], kv], axis=0)
+    win_entries = window_positions(positions, win)
+    win_entries = np.where(win_entries >= 0, win_entries - first, -1)
+    for i in range(max(0, t - win), t):
+        state.window_ring[(start + i) % win] = kv[i]
+
+    entries = win_entries
+    rows = win_rows
+    if role.ratio > 0:
+        latents = np.zeros((0, cfg.head_dim), F32)
+        groups = np.zeros(0, np.int64)
+        if role.kv_source:
+            assert state.compressed is not None and state.index_keys is not None
+            latents, groups = compress(cfg, role, w, state, x, start)
+            group_pos = groups * role.ratio
+            if groups.size:
+                state.index_keys[groups] = index_keys(cfg, w, latents, group_pos, cos, sin)
+            shared.compressed, shared.index_keys = state.compressed, state.index_keys
+        width = (start + t) // role.ratio
+        if role.index_source and width == 0:
+            # no group is complete yet: nothing to score (the reference skips its indexer too)
+            shared.selection = np.full((t, cfg.index_topk), -1, np.int64)
+        elif role.index_source:
+            assert shared.index_keys is not None
+            score = indexer_scores(cfg, w, x, qr, shared.index_keys[:width], cos_t, sin_t)
+            shared.selection = select(cfg, role, score, positions, shared)
+            if capture is not None:
+                capture["index_score"] = score
+        if role.kv_source and groups.size:
+            rotated = rope_tail(latents, cos[group_pos], sin[group_pos], rd)
+            assert state.compressed is not None
+            state.compressed[groups] = fp4_act_quant(rotated, 16, e4m3_scale=True)
+        assert shared.compressed is not None and shared.selection is not None
+        selection = shared.selection
+        comp_entries = np.where(selection >= 0, selection + win_rows.shape[0], -1)
+        entries = np.concatenate([win_entries, comp_entries], axis=1)
+        rows = np.concatenate([win_rows, shared.compressed[:width]], axis=0)
+        if capture is not None:
+            capture.update(latents=latents, groups=groups, selection=selection.copy())
+            if shared.candidates is not None:
+                capture["candidates"] = shared.candidates.copy()
+
+    o = sparse_attention(q, rows, entries, w.sinks, cfg.head_dim ** -0.5)
+    o_rot = rope_tail(o, cos_t[:, None], sin_t[:, None], rd, inverse=True)
+    out = output_projection(cfg, w, o_rot)
+    if capture is not None:
+        capture.update(attn_x=x, qr=qr, q=q, kv=kv, attn_o=o, attn_out=out)
+    return out

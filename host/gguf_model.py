@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from flashv41.config import EngramConfig, LayerRole, ModelConfig
 from flashv41.errors import FlashError, ModelFormatError, UnsupportedError
@@ -73,12 +73,35 @@ class WeightStore:
         return iter(self._tensors.values())
 
     def close(self) -> None:
-        """Drop the memory map (the store is unusable afterwards)."""
+        """Drop this store's hold on the memory map (the store is unusable afterwards).
+
+        The map is released when the last array viewing it is freed. Unmapping it here would leave
+        every TensorRef still held elsewhere pointing at unmapped memory: a segfault on next use.
+        """
         self._tensors = {}
-        mm = getattr(self._reader, "data", None)
-        if mm is not None and hasattr(mm, "_mmap") and mm._mmap is not None:
-            mm._mmap.close()
         self._reader = None  # type: ignore[assignment]
+
+
+class _Reader(GGUFReader):
+    """gguf-py's reader, naming the tensor whose data runs past the end of a truncated file (gguf-py
+    itself fails there with a bare reshape error)."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        try:
+            super()._build_tensors(start_offs, fields)
+        except ValueError:
+            size = int(self.data.shape[0])
+            for field in fields:
+                # the tensor-info layout gguf-py's own _build_tensors unpacks
+                _, name, _, dims, raw_type, offset = field.parts
+                block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                end = int(start_offs + offset[0]) + int(np.prod(dims)) * block_bytes // block_values
+                if end > size:
+                    raise ModelFormatError(
+                        f"{Path(self.data.filename).name}: tensor {bytes(name).decode()} is truncated: "
+                        f"its data ends at byte {end}, the file has {size}"
+                    ) from None
+            raise
 
 
 def open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFReader, Path]:
@@ -90,7 +113,7 @@ def open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFReader, Path]:
     if magic != b"GGUF":
         raise ModelFormatError(f"{p.name}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     try:
-        return GGUFReader(p, "r"), p
+        return _Reader(p, "r"), p
     except FlashError:
         raise
     except Exception as exc:  # gguf-py raises plain ValueError / IndexError on damaged headers
@@ -170,14 +193,8 @@ def _detect_layout(fields: _Fields) -> None:
 
 
 def _read_tensors(reader: GGUFReader, path: Path) -> dict[str, TensorRef]:
-    size = path.stat().st_size
     out: dict[str, TensorRef] = {}
     for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise ModelFormatError(
-                f"{path.name}: tensor {t.name} is truncated: its data ends at byte {end}, the file has {size}"
-            )
         shape = tuple(int(x) for x in reversed([int(d) for d in t.shape]))
         try:
             gtype = GGMLType(int(t.tensor_type))

@@ -86,7 +86,9 @@ class MemoryEstimate:
             f"  {'layer':>5}  {'block type':<28} {'weights':>10} {'engram table':>16} {'state/seq':>10}",
         ]
         for m in self.layers:
-            table = "-" if not m.table_bytes else format_bytes(m.table_bytes) + ("" if m.table_on_device else " (host)")
+            table = "-"
+            if m.table_bytes:
+                table = format_bytes(m.table_bytes) + ("" if m.table_on_device else " (host)")
             lines.append(f"  {m.layer:>5}  {m.block_type:<28} {format_bytes(m.weight_bytes):>10} {table:>16} "
                          f"{format_bytes(m.state_bytes):>10}")
         lines.append(f"  {'':>5}  {'token_embd':<28} {format_bytes(self.embedding_bytes):>10}")
@@ -135,7 +137,8 @@ def _workspaces(config: ModelConfig, max_seq: int, max_tokens: int) -> tuple[tup
     t = max_tokens
     items = [
         (f"highway fp32 [{t}, {config.hc}, {config.dim}] x 2", 2 * t * config.hc * config.dim * FP32_BYTES),
-        (f"q bf16 [{t}, {config.n_heads * config.head_dim}]", t * config.n_heads * config.head_dim * BF16_BYTES),
+        (f"q bf16 [{t}, {config.n_heads * config.head_dim}]",
+         t * config.n_heads * config.head_dim * BF16_BYTES),
     ]
     if any(role.index_source for role in config.roles):
         items.append((f"index scores fp32 [{t}, {max_seq}]", t * max_seq * FP32_BYTES))
@@ -152,9 +155,11 @@ def estimate_memory(config: ModelConfig, weights: WeightStore, max_seq: int, max
     """The device memory an engine for `config` needs with sequences of up to `max_seq` positions
     and chunks of up to `max_tokens` tokens. Weight sizes are read from `weights` (as stored)."""
     if max_seq < 1 or max_tokens < 1:
-        raise InputError(f"max_seq and max_tokens must be >= 1, got max_seq {max_seq}, max_tokens {max_tokens}")
+        raise InputError(f"max_seq and max_tokens must be >= 1, got max_seq {max_seq}, "
+                         f"max_tokens {max_tokens}")
     if table_residency not in TABLE_RESIDENCIES:
-        raise InputError(f"table_residency must be one of {', '.join(TABLE_RESIDENCIES)}, got {table_residency!r}")
+        raise InputError(f"table_residency must be one of {', '.join(TABLE_RESIDENCIES)}, "
+                         f"got {table_residency!r}")
     layers = []
     for role in config.roles:
         specs = L.layer_tensor_specs(role.ratio, role.kv_source, role.index_source, role.engram)

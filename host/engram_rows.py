@@ -23,7 +23,8 @@ class EngramRowReader:
 
     def __init__(self, table: TensorRef):
         if len(table.shape) != 2:
-            raise InputError(f"{table.name}: an engram table is [rows, head_dim], found shape {list(table.shape)}")
+            raise InputError(f"{table.name}: an engram table is [rows, head_dim], "
+                             f"found shape {list(table.shape)}")
         self.table = table
         self.rows, self.head_dim = (int(n) for n in table.shape)
         self.row_bytes = table.row_bytes()
@@ -39,9 +40,9 @@ class EngramRowReader:
         bad = np.flatnonzero((flat < 0) | (flat >= self.rows))
         if bad.size:
             first = int(bad[0])
-            where = f"index {first}" if ids.ndim <= 1 else f"index {tuple(int(i) for i in np.unravel_index(first, ids.shape))}"
+            position = first if ids.ndim <= 1 else tuple(int(i) for i in np.unravel_index(first, ids.shape))
             raise InputError(
-                f"{self.table.name}: row id {flat[first]} at {where} of the ids is out of range: "
+                f"{self.table.name}: row id {flat[first]} at index {position} of the ids is out of range: "
                 f"the table has {self.rows} rows (valid ids 0..{self.rows - 1})"
             )
         return flat.astype(np.int64, copy=False)

@@ -1,0 +1,267 @@
+"""The `flashv41` command line (also `python -m flashv41`).
+
+Each subcommand is a pair of functions: `add_<name>_command(subparsers)` declares its arguments
+and `<name>_command(args) -> int` runs it; `SUBCOMMANDS` lists the declarers, so adding a command
+is adding a pair and one entry. Errors flashv41 raises on purpose (`FlashError`) print as one line,
+`flashv41: error: <message>`, with exit status 2; operating-system errors (a full disk, a
+directory that cannot be written) likewise with status 1. `main(argv)` returns the status
+instead of exiting, so the CLI can be driven from Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from flashv41 import __version__
+from flashv41.config import ModelConfig
+from flashv41.errors import FlashError
+from flashv41.memory import TABLE_RESIDENCIES, estimate_memory, format_bytes
+from flashv41.model import Model, load_model
+
+WRITABLE_WEIGHT_TYPES = ("BF16", "Q8_0", "Q2_K")
+WRITABLE_TABLE_TYPES = ("Q2_K", "Q8_0", "BF16")
+# a write shorter than this prints no progress lines, only the closing summary
+PROGRESS_AFTER_S = 2.0
+
+
+def add_synth_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from host.synth import PRESETS
+
+    p = subparsers.add_parser(
+        "synth", help="write a synthetic V4.1 model (random weights, real layout) to a GGUF file",
+        description="Write a complete synthetic DeepSeek-V4.1 model in the llama.cpp GGUF layout, with "
+                    "seeded random weights of realistic statistics.",
+    )
+    p.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                   help="model sizes: tiny (simulator-sized), small (the reference tests' sizes), "
+                        "flash (V4.1-Flash dimensions, 6 layers); default tiny")
+    p.add_argument("-o", "--output", required=True, type=Path, metavar="FILE.gguf", help="where to write")
+    p.add_argument("--weight-type", choices=WRITABLE_WEIGHT_TYPES, default="Q8_0",
+                   help="type of the dense matrices and the embedding (default Q8_0)")
+    p.add_argument("--table-type", choices=WRITABLE_TABLE_TYPES, default=None,
+                   help="type of the engram tables (default: the preset's, Q2_K where rows are 256 wide)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    p.add_argument("--engram-rows", type=int, default=None, metavar="N",
+                   help="about N rows per engram table (default: the preset's)")
+    p.set_defaults(handler=synth_command)
+
+
+def synth_command(args: argparse.Namespace) -> int:
+    from host.synth import PRESETS, print_progress, write_synthetic
+
+    overrides = {} if args.engram_rows is None else {"engram_rows": args.engram_rows}
+    table_type = args.table_type or PRESETS[args.preset].default_table_type
+    start = time.monotonic()
+    printer = print_progress(f"writing {args.output.name}")
+
+    def progress(name: str, done: int, total: int) -> None:
+        if time.monotonic() - start >= PROGRESS_AFTER_S:
+            printer(name, done, total)
+
+    path = write_synthetic(args.output, args.preset, weight_type=args.weight_type, table_type=table_type,
+                           seed=args.seed, progress=progress, **overrides)
+    elapsed = time.monotonic() - start
+    print(f"wrote {path} ({format_bytes(path.stat().st_size)}) in {elapsed:.2f} s: preset {args.preset}, "
+          f"weights {args.weight_type}, engram tables {table_type}, seed {args.seed}")
+    return 0
+
+
+def add_info_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "info", help="show a GGUF model's configuration, layer roles, tensors and memory estimate",
+        description="Load and validate a DeepSeek-V4.1 GGUF (llama.cpp layout) and describe it.",
+    )
+    p.add_argument("model", type=Path, metavar="FILE.gguf")
+    p.add_argument("--max-seq", type=int, default=None, metavar="N",
+                   help="positions per sequence for the memory estimate "
+                        "(default: the model's context length)")
+    p.add_argument("--max-tokens", type=int, default=512, metavar="N",
+                   help="tokens per forward chunk for the memory estimate (default 512)")
+    p.add_argument("--table-residency", choices=TABLE_RESIDENCIES, default="device",
+                   help="where the engram tables live (default device)")
+    p.set_defaults(handler=info_command)
+
+
+def info_command(args: argparse.Namespace) -> int:
+    model = load_model(args.model)
+    try:
+        cfg = model.config
+        max_seq = args.max_seq if args.max_seq is not None else cfg.context_length
+        print(describe_config(model))
+        print()
+        print(describe_roles(cfg))
+        print()
+        print(describe_tensors(model))
+        print()
+        print(estimate_memory(cfg, model.weights, max_seq, args.max_tokens, args.table_residency).table())
+    finally:
+        model.close()
+    return 0
+
+
+# ModelConfig fields by topic, for `info`; a field missing here still prints, under "other".
+CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
+    "sizes": ("n_layers", "context_length", "vocab_size", "dim", "hc", "sinkhorn_iters"),
+    "attention": ("n_heads", "head_dim", "rope_dim", "q_lora_rank", "window", "o_groups", "o_lora_rank",
+                  "compress_ratios"),
+    "indexer": ("index_heads", "index_head_dim", "index_topk"),
+    "candidates": ("candidate_source", "candidate_block_size", "candidate_topk_blocks"),
+    "epsilons": ("norm_eps", "hc_eps"),
+    "rope": ("rope_theta", "compress_rope_theta", "rope_factor", "rope_original_ctx", "beta_fast",
+             "beta_slow"),
+}
+CONFIG_SHOWN_ELSEWHERE = ("roles", "engram", "name")
+
+
+def _value(v: object) -> str:
+    if isinstance(v, tuple):
+        return "[" + ", ".join(str(x) for x in v) + "]"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def describe_config(model: Model) -> str:
+    """The file, then every ModelConfig field by topic, then the engram geometry."""
+    cfg = model.config
+    size = model.path.stat().st_size
+    lines = [f"{model.path.name}: {format_bytes(size)}, {len(model.weights.names())} tensors, "
+             f"architecture {cfg.name} (llama.cpp layout)"]
+    names = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in CONFIG_SHOWN_ELSEWHERE]
+    grouped = {n for group in CONFIG_GROUPS.values() for n in group}
+    groups = dict(CONFIG_GROUPS)
+    other = tuple(n for n in names if n not in grouped)
+    if other:
+        groups["other"] = other
+    for topic, fields in groups.items():
+        lines.append(f"  {topic + ':':<12} " + ", ".join(f"{n} {_value(getattr(cfg, n))}" for n in fields))
+    e = cfg.engram
+    if e is None:
+        lines.append(f"  {'engram:':<12} none")
+    else:
+        unmapped = int((e.token_map < 0).sum())
+        lines += [
+            f"  {'engram:':<12} layers {_value(e.layer_ids)}, heads {e.n_heads}, head_dim {e.head_dim}, "
+            f"max_ngram {e.max_ngram}, cols {e.cols}, pad_id {e.pad_id}",
+            f"  {'':<12} token map {e.token_map.size} entries ({unmapped} unmapped, compressed vocab "
+            f"{int(e.token_map.max()) + 1}), table rows {_value(e.table_rows)}",
+        ]
+    return "\n".join(lines)
+
+
+def describe_roles(cfg: ModelConfig) -> str:
+    """One line per layer: its block type and the flags that make it."""
+    def flag(b: bool) -> str:
+        return "yes" if b else "-"
+
+    header = ("layer", "block type", "ratio", "kv src", "index src", "cand. src", "uses cand.", "engram")
+    rows = [(str(r.layer), r.block_type, str(r.ratio), flag(r.kv_source), flag(r.index_source),
+             flag(r.candidate_source), flag(r.uses_candidates), flag(r.engram)) for r in cfg.roles]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = ["layer roles"]
+    for row in (header, *rows):
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def _type_name(ggml_type: object) -> str:
+    name = getattr(ggml_type, "name", None)
+    if name is not None:
+        return str(name)
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(int(ggml_type)).name  # type: ignore[call-overload]
+    except ValueError:
+        return f"type {ggml_type}"
+
+
+def _split_name(name: str) -> tuple[int | None, str]:
+    """`blk.3.attn_q_a.weight` -> (3, 'attn_q_a'); `token_embd.weight` -> (None, 'token_embd')."""
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[0] == "blk" and parts[1].isdigit():
+        layer: int | None = int(parts[1])
+        parts = parts[2:]
+    else:
+        layer = None
+    if parts[-1] == "weight":
+        parts = parts[:-1]
+    return layer, ".".join(parts)
+
+
+def describe_tensors(model: Model) -> str:
+    """Every tensor in the file by layer: type, NumPy shape and stored bytes; unused ones marked."""
+    from host import gguf_layout as L
+
+    cfg = model.config
+    used = {L.tensor_name(None, L.TOKEN_EMBD)}
+    for r in cfg.roles:
+        used.update(L.tensor_name(r.layer, s.role)
+                    for s in L.layer_tensor_specs(r.ratio, r.kv_source, r.index_source, r.engram))
+        if r.engram:
+            used.add(L.tensor_name(r.layer, L.ENGRAM_TABLE))
+    by_layer: dict[int | None, list[tuple[str, str, str, int, bool]]] = {}
+    for t in model.weights:
+        layer, role = _split_name(t.name)
+        shape = "[" + ", ".join(str(n) for n in t.shape) + "]"
+        row = (role, _type_name(t.ggml_type), shape, t.nbytes, t.name in used)
+        by_layer.setdefault(layer, []).append(row)
+    role_width = max((len(row[0]) for rows in by_layer.values() for row in rows), default=10)
+    shape_width = max((len(row[2]) for rows in by_layer.values() for row in rows), default=10)
+    lines = ["tensors (shape in NumPy order [out, in]; bytes as stored; * = not used by flashv41)"]
+    order = sorted(by_layer, key=lambda k: -1 if k is None else k)
+    for layer in order:
+        rows = by_layer[layer]
+        total = format_bytes(sum(row[3] for row in rows))
+        if layer is None:
+            title = "model"
+        else:
+            title = f"layer {layer}"
+            if layer < cfg.n_layers:
+                title += f" ({cfg.roles[layer].block_type}{', engram' if cfg.roles[layer].engram else ''})"
+        lines.append(f"  {title}: {len(rows)} tensor{'s' if len(rows) != 1 else ''}, {total}")
+        for role, type_name, shape, nbytes, is_used in rows:
+            lines.append(f"    {role:<{role_width}}  {type_name:<5} {shape:<{shape_width}} "
+                         f"{format_bytes(nbytes):>10}{'' if is_used else '  *'}")
+    return "\n".join(lines)
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
+    add_synth_command,
+    add_info_command,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashv41",
+        description="DeepSeek-V4.1-Flash engram and attention layers on the GPU (Numba-CUDA), "
+                    "from GGUF files.",
+    )
+    parser.add_argument("--version", action="version", version=f"flashv41 {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_command in SUBCOMMANDS:
+        add_command(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version and usage errors: hand back argparse's status
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return int(args.handler(args))
+    except FlashError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1

@@ -180,16 +180,15 @@ def _detect_layout(fields: _Fields) -> None:
             f"{fields.fname}: architecture {arch!r} is not supported (flashv41 runs {L.ARCH!r}, "
             "DeepSeek-V4.1 in the llama.cpp layout)"
         )
-    if any(fields.has(L.key(m)) for m in L.MXXM_MARKERS):
-        raise UnsupportedError(
-            f"{fields.fname}: this is the mxxm-t V4.1 layout (kv/index source lists, MXFP4 quants); "
-            "only the llama.cpp layout is supported so far"
-        )
-    if any(fields.has(L.key(m)) for m in L.DS4_MARKERS):
-        raise UnsupportedError(
-            f"{fields.fname}: this is the antirez ds4 V4.1 layout (HF-style keys, e4m3 engram rows); "
-            "only the llama.cpp layout is supported so far"
-        )
+    layouts = (("mxxm-t", L.MXXM_MARKERS, "kv/index source lists, MXFP4 quants"),
+               ("antirez ds4", L.DS4_MARKERS, "HF-style keys, e4m3 engram rows"))
+    for layout, markers, traits in layouts:
+        found = [L.key(m) for m in markers if fields.has(L.key(m))]
+        if found:
+            raise UnsupportedError(
+                f"{fields.fname}: metadata key {found[0]} marks the {layout} V4.1 layout ({traits}); "
+                "only the llama.cpp layout is supported so far"
+            )
 
 
 def _read_tensors(reader: GGUFReader, path: Path) -> dict[str, TensorRef]:

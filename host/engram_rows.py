@@ -56,4 +56,7 @@ class EngramRowReader:
 
     def dequantize(self, ids: np.ndarray) -> np.ndarray:
         """The values of rows `ids`: float32 [n, head_dim] (exact for every supported type)."""
-        return dequantize(self.read(ids), self.table.ggml_type, self.head_dim).reshape(-1, self.head_dim)
+        raw = self.read(ids)
+        if raw.shape[0] == 0:  # host.quants' block reshapes cannot infer a row length from no rows
+            return np.zeros((0, self.head_dim), np.float32)
+        return dequantize(raw, self.table.ggml_type, self.head_dim).reshape(-1, self.head_dim)

@@ -1,0 +1,68 @@
+"""Shared test setup: the kernel backend, the `gpu` marker, and synthetic models written once per
+session.
+
+The backend (a real GPU, or Numba's CUDA simulator on the CPU) must be chosen before anything
+imports numba.cuda, so `select_backend()` runs here, when pytest imports this file, before any
+test module. Nothing imported above it touches numba.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flashv41.runtime import select_backend, using_simulator
+from host.synth import write_synthetic
+
+select_backend()
+
+GPU_SKIP_REASON = "needs a real CUDA GPU (running on the CUDA simulator)"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return "flashv41 kernels: " + ("CUDA simulator (CPU)" if using_simulator() else "CUDA GPU")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not using_simulator():
+        return
+    skip_gpu = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+SynthModel = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def synth_model(tmp_path_factory: pytest.TempPathFactory) -> SynthModel:
+    """`synth_model(preset, **kwargs) -> Path`: a synthetic model written by host.synth.write_synthetic
+    with those arguments, once per session for each distinct set of arguments."""
+    root = tmp_path_factory.mktemp("models")
+    written: dict[tuple[str, tuple[tuple[str, str], ...]], Path] = {}
+
+    def make(preset: str = "tiny", **kwargs: Any) -> Path:
+        key = (preset, tuple(sorted((name, repr(value)) for name, value in kwargs.items())))
+        if key not in written:
+            name = "_".join([preset] + [f"{k}-{v}" for k, v in key[1]])
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+            written[key] = write_synthetic(root / f"{safe}.gguf", preset, **kwargs)
+        return written[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_path(synth_model: SynthModel) -> Path:
+    """The tiny preset with default types (Q8_0 weights, Q2_K engram tables)."""
+    return synth_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def small_path(synth_model: SynthModel) -> Path:
+    """The small preset with default types (Q8_0 weights, Q8_0 engram tables)."""
+    return synth_model("small")

@@ -1,0 +1,67 @@
+"""flashv41.memory: the estimate against sizes worked out by hand from the config and the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import flashv41
+from flashv41.errors import InputError
+from flashv41.memory import estimate_memory, format_bytes
+from host import gguf_layout as L
+
+
+def test_estimate_for_tiny(tiny_path: Path) -> None:
+    model = flashv41.load_model(tiny_path)
+    try:
+        cfg, weights = model.config, model.weights
+        assert cfg.engram is not None
+        max_seq, max_tokens = 256, 16
+        est = estimate_memory(cfg, weights, max_seq, max_tokens)
+        tables = sum(weights.get(i, L.ENGRAM_TABLE).nbytes for i in cfg.engram.layer_ids)
+        # every tensor the engine uses is every tensor of a synthetic file
+        assert est.weight_bytes == sum(t.nbytes for t in weights)
+
+        ring = cfg.window * cfg.head_dim * 2
+        state = max_seq * 8  # the hash cache
+        for role, layer in zip(cfg.roles, est.layers, strict=True):
+            expected = ring
+            if role.kv_source:
+                groups = max_seq // role.ratio
+                caches = groups * (cfg.head_dim + cfg.index_head_dim) * 2  # compressed rows, index keys
+                expected += caches + 2 * role.ratio * cfg.head_dim * 4
+            assert layer.state_bytes == expected, role.layer
+            assert layer.block_type == role.block_type
+            state += expected
+        assert est.state_bytes_per_sequence == state
+
+        t = max_tokens
+        workspace = (2 * t * cfg.hc * cfg.dim * 4 + t * cfg.n_heads * cfg.head_dim * 2 + t * max_seq * 4
+                     + t * cfg.engram.cols * cfg.engram.head_dim * 2 + t * cfg.dim * (cfg.hc + 1) * 2)
+        assert est.workspace_bytes == workspace
+        assert est.total_bytes(3) == est.weight_bytes + 3 * state + workspace
+
+        on_host = estimate_memory(cfg, weights, max_seq, max_tokens, table_residency="host")
+        assert on_host.weight_bytes == est.weight_bytes - tables
+        assert on_host.host_table_bytes == tables and est.host_table_bytes == 0
+        text = on_host.table()
+        assert "(host)" in text and format_bytes(on_host.total_bytes(1)) in text
+    finally:
+        model.close()
+
+
+def test_bad_arguments(tiny_path: Path) -> None:
+    model = flashv41.load_model(tiny_path)
+    try:
+        with pytest.raises(InputError, match="max_seq"):
+            estimate_memory(model.config, model.weights, 0, 4)
+        with pytest.raises(InputError, match="table_residency"):
+            estimate_memory(model.config, model.weights, 16, 4, table_residency="disk")
+    finally:
+        model.close()
+
+
+def test_format_bytes() -> None:
+    assert [format_bytes(n) for n in (0, 1023, 1536, 5 * 2**20, 3 * 2**30)] == [
+        "0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 GiB"]

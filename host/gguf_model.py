@@ -98,7 +98,7 @@ class _Reader(GGUFReader):
                 end = int(start_offs + offset[0]) + int(np.prod(dims)) * block_bytes // block_values
                 if end > size:
                     raise ModelFormatError(
-                        f"{Path(self.data.filename).name}: tensor {bytes(name).decode()} is truncated: "
+                        f"{Path(str(self.data.filename)).name}: tensor {bytes(name).decode()} is truncated: "
                         f"its data ends at byte {end}, the file has {size}"
                     ) from None
             raise

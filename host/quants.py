@@ -80,14 +80,6 @@ def quant_format(value: int | str | GGMLType) -> QuantFormat:
     return FORMATS[ggml_type(value)]
 
 
-def _as_bytes(data: np.ndarray, row_bytes: int) -> np.ndarray:
-    """The raw little-endian bytes of `data`, shaped [rows, row_bytes]."""
-    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-    if raw.size % row_bytes:
-        raise ValueError(f"{raw.size} bytes do not make rows of {row_bytes} bytes")
-    return raw.reshape(-1, row_bytes)
-
-
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
     """bf16 bit patterns (uint16) -> float32, exactly."""
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -131,19 +123,26 @@ def dequantize_q2_k(raw: np.ndarray) -> np.ndarray:
 def dequantize(data: np.ndarray, qtype: int | str | GGMLType, n_values: int | None = None) -> np.ndarray:
     """Any supported tensor's stored form -> float32.
 
-    `data` is what the file holds: a typed array (F32, F16) or raw bytes (uint8, last axis the
-    bytes of one row). The result has the row shape in values; `n_values` (values per row) is
-    needed only when `data` is a flat byte string.
+    `data` is what the file holds: raw bytes (uint8, the last axis one or more whole rows) or a
+    typed array (F32 / F16 values). Raw bytes give [..., n_values] when the last axis is exactly
+    one row, else [rows, n_values]; `n_values` (values per row) defaults to the last axis' worth.
     """
     fmt = quant_format(qtype)
-    t = fmt.ggml_type
+    data = np.asarray(data)
+    if data.dtype != np.uint8:
+        if fmt.ggml_type not in (GGMLType.F32, GGMLType.F16):
+            raise ValueError(f"{fmt.ggml_type.name} data must be raw bytes (uint8), got {data.dtype}")
+        return data.astype(np.float32)
     if n_values is None:
-        if data.dtype == np.uint8:
-            n_values = data.shape[-1] // fmt.block_bytes * fmt.block_values
-        else:
-            n_values = data.shape[-1]
-    lead = data.shape[:-1] if data.dtype != np.uint8 or data.ndim > 1 else ()
-    raw = _as_bytes(data, fmt.row_bytes(n_values))
+        n_values = data.shape[-1] // fmt.block_bytes * fmt.block_values if data.ndim else 0
+    row_bytes = fmt.row_bytes(n_values)
+    if data.size % row_bytes:
+        raise ValueError(f"{data.size} bytes do not make rows of {row_bytes} bytes ({n_values} {fmt.ggml_type.name} values)")
+    shape = (*data.shape[:-1], n_values) if data.ndim and data.shape[-1] == row_bytes else (data.size // row_bytes, n_values)
+    raw = np.ascontiguousarray(data).reshape(-1, row_bytes)
+    t = fmt.ggml_type
+    if raw.shape[0] == 0:
+        return np.zeros(shape, np.float32)
     if t == GGMLType.F32:
         out = raw.view("<f4").astype(np.float32)
     elif t == GGMLType.F16:
@@ -154,7 +153,7 @@ def dequantize(data: np.ndarray, qtype: int | str | GGMLType, n_values: int | No
         out = dequantize_q8_0(raw)
     else:
         out = dequantize_q2_k(raw)
-    return out.reshape(*lead, n_values) if lead else out.reshape(-1, n_values).squeeze(0)
+    return out.reshape(shape)
 
 
 def _round_half_even(x: np.ndarray) -> np.ndarray:
@@ -162,7 +161,10 @@ def _round_half_even(x: np.ndarray) -> np.ndarray:
 
 
 def _round_half_away(x: np.ndarray) -> np.ndarray:
-    return (np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))).astype(np.float32)
+    """roundf: halves away from zero. floor(|x| + 0.5) would round 0.49999997 up in float32."""
+    mag = np.abs(x)
+    whole = np.floor(mag)
+    return (np.sign(x) * (whole + np.floor(2 * (mag - whole)))).astype(np.float32)
 
 
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:

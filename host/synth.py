@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from flashv41.errors import InputError, UnsupportedError
 from host import gguf_layout as L
 from host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
+from host.numerics import bf16
 from host.quants import FORMATS, Q2_K_BLOCK, GGMLType, ggml_type, quantize
 
 # Per-norm mean of the weights, and per-projection gain over fan_in^-0.5 (the reference's testing.py).
@@ -48,6 +49,9 @@ EMBED_STD = 0.12
 WEIGHT_TYPED = ("attn_q_a", "attn_q_b", "attn_kv", "attn_output_a", "attn_output_b", "indexer.attn_q_b",
                 "engram_wkv", L.TOKEN_EMBD)
 BF16_TYPED = ("attn_compressor_kv", "attn_compressor_gate", "indexer.attn_k")
+# F32 tensors whose values the reference holds in bf16 (norm weights, the indexer's head weights,
+# the engram gate weights): stored F32 with bf16 values, as a converted checkpoint has them.
+BF16_VALUED = (*NORM_MEAN, "indexer.proj", "engram_q", "engram_k")
 
 
 @dataclass(frozen=True)
@@ -99,9 +103,9 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
-        vocab=128, dim=64, n_heads=2, head_dim=64, rope_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32,
+        vocab=128, dim=32, n_heads=2, head_dim=64, rope_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32,
         window=8, index_heads=2, index_head_dim=32, index_topk=4, candidate_block_size=2,
-        candidate_topk_blocks=3, max_ngram=3, engram_heads=2, engram_head_dim=256, engram_vocab_size=37,
+        candidate_topk_blocks=3, max_ngram=3, engram_heads=1, engram_head_dim=256, engram_vocab_size=37,
         context_length=256,
     ),
     "small": Preset(
@@ -191,7 +195,7 @@ def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType, table_r
             mean = NORM_MEAN.get(role)
             if mean is not None:
                 def make(rng, s, m=mean):
-                    return (np.float32(m) * (1 + np.float32(0.1) * rng.standard_normal(s, dtype=np.float32)))
+                    return bf16(np.float32(m) * (1 + np.float32(0.1) * rng.standard_normal(s, dtype=np.float32)))
             else:
                 def make(rng, s):
                     return _gaussian(s, 0.5, rng)
@@ -207,8 +211,13 @@ def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType, table_r
             gtype = GGMLType.BF16
         else:
             gtype = GGMLType.F32
-        out.append(PlannedTensor(name, shape, gtype,
-                                 lambda rng, s, sd=std, t=gtype: _stored(_gaussian(s, sd, rng), t)))
+        if role in BF16_VALUED:
+            def make_matrix(rng, s, sd=std, t=gtype):
+                return _stored(bf16(_gaussian(s, sd, rng)), t)
+        else:
+            def make_matrix(rng, s, sd=std, t=gtype):
+                return _stored(_gaussian(s, sd, rng), t)
+        out.append(PlannedTensor(name, shape, gtype, make_matrix))
 
     add(None, L.TOKEN_EMBD, (p.vocab, p.dim), True)
     for layer in range(p.n_layers):

@@ -1,0 +1,183 @@
+"""Device helpers shared by every stage: bit casts, bf16 / fp16 conversion, reductions, and the
+per-type weight dequantisers.
+
+Formats on the device: bf16 tensors are uint16 bit patterns, fp32 tensors float32, weights the
+GGUF's stored bytes (uint8 [rows, row_bytes]), whatever their type. The same kernels run on a GPU
+and on Numba's CUDA simulator; where the simulator lacks something (bit casts through libdevice,
+warp shuffles) the helper has a second body for it, chosen once at import.
+
+Dequantisers share one signature, `dequant_<type>(w, row, chunk, out)`: the 32 values of chunk
+`chunk` (values chunk*32 .. chunk*32+31) of weight row `row` into the local array `out`, exactly
+as host.quants.dequantize computes them (every product there is exact in float32, so the order
+of operations cannot change a bit).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint16, uint32
+
+from flashv41.runtime import using_simulator
+from host.quants import GGMLType
+
+SIM = using_simulator()
+CHUNK = 32  # values per dequantisation chunk: one Q8_0 block, an eighth of a Q2_K block
+WARP = 32
+
+
+def device(fn):
+    """A device helper: compiled for the GPU; on the simulator a plain function, because there a
+    jitted device call swaps module globals and costs about ten microseconds."""
+    return fn if SIM else cuda.jit(device=True)(fn)
+
+
+if SIM:
+    import struct
+
+    _BF16_VALUES = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+
+    def f32_from_bits(u):
+        return np.float32(struct.unpack("<f", struct.pack("<I", int(u) & 0xFFFFFFFF))[0])
+
+    def f32_bits(x):
+        return uint32(struct.unpack("<I", struct.pack("<f", float(x)))[0])
+
+    def bf16_to_f32(bits):
+        return _BF16_VALUES[int(bits)]
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def f32_from_bits(u):
+        return libdevice.int_as_float(int32(u))
+
+    @cuda.jit(device=True)
+    def f32_bits(x):
+        return uint32(libdevice.float_as_int(x))
+
+    @cuda.jit(device=True)
+    def bf16_to_f32(bits):
+        return f32_from_bits(uint32(bits) << 16)
+
+
+@device
+def f32_to_bf16(x):
+    """Round to the nearest bf16, ties to even (NaN stays NaN); returns the uint16 pattern."""
+    u = f32_bits(x)
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return uint16((u >> 16) | 0x40)
+    return uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+
+
+@device
+def bf16_round(x):
+    """x rounded to the nearest bf16 value, as float32."""
+    return bf16_to_f32(f32_to_bf16(x))
+
+
+@device
+def fp16_to_f32(h):
+    """An fp16 bit pattern (in the low 16 bits of h) -> float32, exactly."""
+    h = uint32(h)
+    sign = (h >> 15) & 1
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 0:
+        v = float32(m) * float32(5.960464477539063e-08)  # m * 2^-24, exact
+    elif e == 31:
+        v = f32_from_bits(uint32(0x7F800000) | (m << 13))
+    else:
+        v = f32_from_bits(((e + 112) << 23) | (m << 13))
+    return -v if sign else v
+
+
+@device
+def read_u16(b, row, off):
+    return uint32(b[row, off]) | (uint32(b[row, off + 1]) << 8)
+
+
+@device
+def dequant_q8_0(w, row, chunk, out):
+    base = chunk * 34
+    d = fp16_to_f32(read_u16(w, row, base))
+    for i in range(CHUNK):
+        q = int32(w[row, base + 2 + i])
+        if q >= 128:
+            q -= 256
+        out[i] = float32(q) * d
+
+
+@device
+def dequant_q2_k(w, row, chunk, out):
+    base = (chunk // 8) * 84
+    sub = chunk % 8
+    shift = 2 * (sub % 4)
+    qs = base + 16 + (sub // 4) * 32
+    d = fp16_to_f32(read_u16(w, row, base + 80))
+    dmin = fp16_to_f32(read_u16(w, row, base + 82))
+    for i in range(CHUNK):
+        sc = uint32(w[row, base + (sub * 32 + i) // 16])
+        scale = d * float32(sc & 15)
+        minimum = dmin * float32(sc >> 4)
+        q = (uint32(w[row, qs + i]) >> shift) & 3
+        out[i] = scale * float32(q) - minimum
+
+
+@device
+def dequant_bf16(w, row, chunk, out):
+    base = chunk * 64
+    for i in range(CHUNK):
+        out[i] = bf16_to_f32(read_u16(w, row, base + 2 * i))
+
+
+@device
+def dequant_f16(w, row, chunk, out):
+    base = chunk * 64
+    for i in range(CHUNK):
+        out[i] = fp16_to_f32(read_u16(w, row, base + 2 * i))
+
+
+@device
+def dequant_f32(w, row, chunk, out):
+    base = chunk * 128
+    for i in range(CHUNK):
+        o = base + 4 * i
+        u = read_u16(w, row, o) | (read_u16(w, row, o + 2) << 16)
+        out[i] = f32_from_bits(u)
+
+
+DEQUANT = {
+    GGMLType.Q8_0: dequant_q8_0,
+    GGMLType.Q2_K: dequant_q2_k,
+    GGMLType.BF16: dequant_bf16,
+    GGMLType.F16: dequant_f16,
+    GGMLType.F32: dequant_f32,
+}
+
+if SIM:
+    @cuda.jit(device=True)
+    def warp_sum(v, scratch):
+        """Sum of v over the 32 lanes of the calling warp, returned to every lane. `scratch` is a
+        shared float32 array with one slot per thread of the block; every thread must call."""
+        tid = cuda.threadIdx.x + cuda.threadIdx.y * cuda.blockDim.x
+        scratch[tid] = v
+        cuda.syncthreads()
+        first = tid - tid % WARP
+        total = float32(0)
+        for i in range(WARP):
+            total += scratch[first + i]
+        cuda.syncthreads()
+        return total
+else:
+    @cuda.jit(device=True)
+    def warp_sum(v, scratch):
+        """Sum of v over the 32 lanes of the calling warp (butterfly shuffles), to every lane."""
+        for offset in (16, 8, 4, 2, 1):
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+        return v
+
+
+def grid_1d(n: int, block: int) -> int:
+    return max(1, math.ceil(n / block))

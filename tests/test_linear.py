@@ -1,0 +1,76 @@
+"""stages.linear against the oracle's linear (host.numerics): every weight type, both kernels,
+bf16 and fp32 inputs and outputs, the grouped product. Bounds: tests/bounds.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from host.numerics import bf16, from_bits, linear as oracle_linear, matmul_t, to_bits
+from host.quants import GGMLType, dequantize, quantize
+from tests.bounds import assert_bf16_product, assert_within, f32_sum_error
+
+from numba import cuda  # noqa: E402  (after conftest chose the backend)
+
+from stages.linear import GEMV_MAX_TOKENS, DeviceWeight, linear  # noqa: E402
+
+TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16, GGMLType.F16, GGMLType.F32]
+
+
+def weight(rng, n, k, gtype):
+    values = (rng.standard_normal((n, k)) * k**-0.5).astype(np.float32)
+    stored = np.ascontiguousarray(quantize(values, gtype)).view(np.uint8).reshape(n, -1)
+    return DeviceWeight.from_values("w", values, gtype), dequantize(stored, gtype, k)
+
+
+@pytest.mark.parametrize("gtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("kernel,tokens", [("gemv", 1), ("gemv", GEMV_MAX_TOKENS), ("gemm", 3), ("", 19)])
+def test_bf16_in_bf16_out(gtype, kernel, tokens):
+    rng = np.random.default_rng(int(gtype) * 100 + tokens)
+    n, k = 40, 256
+    w, wq = weight(rng, n, k, gtype)
+    x = bf16(rng.standard_normal((tokens, k)).astype(np.float32))
+    y = cuda.device_array((tokens, n), np.uint16)
+    linear(cuda.to_device(to_bits(x)), w, y, tokens, kernel=kernel)
+    got = from_bits(y.copy_to_host())
+    assert_bf16_product(got, oracle_linear(x, wq), x, wq, f"{gtype.name} {kernel or 'auto'} T={tokens}")
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "gemm"])
+def test_f32_in_f32_out(kernel):
+    """The hc mixes' product: fp32 highway in, fp32 mixes out."""
+    rng = np.random.default_rng(7)
+    n, k, tokens = 24, 128, 5
+    w, wq = weight(rng, n, k, GGMLType.F32)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    y = cuda.device_array((tokens, n), np.float32)
+    linear(cuda.to_device(x), w, y, tokens, kernel=kernel)
+    ref = matmul_t(x, wq)
+    bound = f32_sum_error(np.abs(x.astype(np.float64)) @ np.abs(wq.astype(np.float64)).T, k) + np.abs(ref) * 2.0**-24
+    assert_within(y.copy_to_host(), ref, bound, f"f32 {kernel}")
+
+
+@pytest.mark.parametrize("kernel,tokens", [("gemv", 2), ("gemm", 9)])
+def test_grouped(kernel, tokens):
+    """The attention's wo_a: G groups of R outputs, group g reading its own slice of the input."""
+    rng = np.random.default_rng(11)
+    groups, rows, width = 3, 32, 64
+    w, wq = weight(rng, groups * rows, width, GGMLType.Q8_0)
+    x = bf16(rng.standard_normal((tokens, groups * width)).astype(np.float32))
+    y = cuda.device_array((tokens, groups * rows), np.uint16)
+    linear(cuda.to_device(to_bits(x)), w, y, tokens, group_rows=rows, kernel=kernel)
+    got = from_bits(y.copy_to_host())
+    for g in range(groups):
+        xs, ws = x[:, g * width:(g + 1) * width], wq[g * rows:(g + 1) * rows]
+        assert_bf16_product(got[:, g * rows:(g + 1) * rows], oracle_linear(xs, ws), xs, ws, f"group {g}")
+
+
+def test_shape_errors_are_clear():
+    rng = np.random.default_rng(0)
+    w, _ = weight(rng, 8, 64, GGMLType.BF16)
+    x = cuda.to_device(np.zeros((2, 32), np.uint16))
+    with pytest.raises(ValueError, match="linear w"):
+        linear(x, w, cuda.device_array((2, 8), np.uint16), 2)
+    with pytest.raises(ValueError, match="gemv takes at most"):
+        linear(cuda.to_device(np.zeros((9, 64), np.uint16)), w, cuda.device_array((9, 8), np.uint16), 9,
+               kernel="gemv")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GQ
 from gguf import GGUFReader, GGUFValueType
-from gguf_edit import rewrite_gguf
+from tests.gguf_edit import rewrite_gguf
 
 import flashv41
 from flashv41.errors import ModelFormatError, UnsupportedError

@@ -43,6 +43,11 @@ else:
     TM, TN, WM, WN = 32, 64, 2, 4
 # gemm tile: TM tokens x TN outputs, threads (TN / WN) x (TM / WM), each WM x WN outputs
 THREADS_X, THREADS_Y = TN // WN, TM // WM
+# shared and local array shapes must be compile-time constants: module globals, computed once
+GEMV_SCRATCH = LANES * GEMV_ROWS
+X_TILE = (TM, CHUNK + 1)  # +1 column: no shared-memory bank conflicts on the k walk
+W_TILE = (TN, CHUNK + 1)
+ACC_TILE = (WM, WN)
 
 
 @dataclass
@@ -114,7 +119,7 @@ def gemv_kernel(gtype: GGMLType, x_bf16: bool, out_bf16: bool):
 
     @cuda.jit
     def gemv(x, w, y, n_tokens, n_rows, k, group_rows):
-        scratch = cuda.shared.array(LANES * GEMV_ROWS, float32)
+        scratch = cuda.shared.array(GEMV_SCRATCH, float32)
         lane = cuda.threadIdx.x
         row = cuda.blockIdx.x * GEMV_ROWS + cuda.threadIdx.y
         acc = cuda.local.array(GEMV_MAX_TOKENS, float32)
@@ -148,14 +153,14 @@ def gemm_kernel(gtype: GGMLType, x_bf16: bool, out_bf16: bool):
 
     @cuda.jit
     def gemm(x, w, y, n_tokens, n_rows, k, row0, x_off):
-        xs = cuda.shared.array((TM, CHUNK + 1), float32)
-        ws = cuda.shared.array((TN, CHUNK + 1), float32)
+        xs = cuda.shared.array(X_TILE, float32)
+        ws = cuda.shared.array(W_TILE, float32)
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         tid = ty * THREADS_X + tx
         t0 = cuda.blockIdx.y * TM
         n0 = cuda.blockIdx.x * TN
-        acc = cuda.local.array((WM, WN), float32)
+        acc = cuda.local.array(ACC_TILE, float32)
         buf = cuda.local.array(CHUNK, float32)
         for i in range(WM):
             for j in range(WN):

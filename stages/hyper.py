@@ -1,0 +1,235 @@
+"""Hyper-connection glue on the device: the token embedding, the mixes each sublayer derives from
+the highway (with Sinkhorn), the collapse into a normed sublayer input, and the expansion back.
+
+Shapes: T tokens, hc copies, C dim, M = (2 + hc) * hc mixes. The highway h is float32
+[T, hc, C] (SPEC.md 2: kept in fp32 on the device); sublayer inputs and outputs are bf16 bits.
+
+- `embed`: h[t, c] = bf16(dequant(token_embd[id_t])) for every copy c.
+- `mixes`: raw = h_flat @ fn^T (stages.linear, fp32), then per token r = rsqrt(mean(h^2) + eps),
+  pre = sigmoid(raw * r * s0 + b) + hc_eps, post = 2 sigmoid(raw * r * s1 + b), comb = Sinkhorn.
+- `pre_norm`: x = attn_norm(bf16(sum_c pre[c] h[c])) in bf16.
+- `post`: h[c] = post[c] * a + sum_k comb[k, c] h[k], in place; a = None is a zero sublayer.
+
+Oracle: host.oracle.hc (hc_mixes / sinkhorn_split, hc_pre, hc_post), host.numerics.rms_norm,
+host.oracle.Oracle.embed. Sums run in fp32 here (float64 there); transcendentals are CUDA's.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from flashv41.errors import UnsupportedError
+from host.quants import GGMLType
+from stages.device import CHUNK, DEQUANT, SIM, bf16_round, bf16_to_f32, f32_to_bf16
+from stages.linear import DeviceWeight, linear
+
+MAX_HC = 4
+BLOCK = 4 if SIM else 256  # threads per token block (a power of two: the reduction halves it)
+COMB_CELLS = MAX_HC * MAX_HC
+
+
+@cuda.jit(device=True)
+def _block_sum(v, scratch):
+    """Sum of v over the block's threads (a power of two), returned to every thread."""
+    tid = cuda.threadIdx.x
+    scratch[tid] = v
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            scratch[tid] += scratch[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    total = scratch[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True)
+def _sigmoid(x):
+    return float32(1) / (float32(1) + math.exp(-x))
+
+
+@cuda.jit
+def _mixes_kernel(h, raw, scale, base, pre, post, comb, width, hc, iters, norm_eps, hc_eps):
+    """One block per token: the rsqrt of the highway's mean square, then split and Sinkhorn."""
+    scratch = cuda.shared.array(BLOCK, float32)
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    ss = float32(0)
+    for i in range(tid, width, cuda.blockDim.x):
+        v = h[t, i]
+        ss += v * v
+    total = _block_sum(ss, scratch)
+    if tid != 0:
+        return
+    r = float32(1) / math.sqrt(total / float32(width) + norm_eps)
+    for c in range(hc):
+        pre[t, c] = _sigmoid(raw[t, c] * r * scale[0] + base[c]) + hc_eps
+        post[t, c] = float32(2) * _sigmoid(raw[t, hc + c] * r * scale[1] + base[hc + c])
+    m = cuda.local.array(COMB_CELLS, float32)
+    for k in range(hc):
+        row_max = float32(-math.inf)
+        for c in range(hc):
+            v = raw[t, 2 * hc + k * hc + c] * r * scale[2] + base[2 * hc + k * hc + c]
+            m[k * hc + c] = v
+            row_max = max(row_max, v)
+        row_sum = float32(0)
+        for c in range(hc):
+            e = math.exp(m[k * hc + c] - row_max)
+            m[k * hc + c] = e
+            row_sum += e
+        for c in range(hc):
+            m[k * hc + c] = m[k * hc + c] / row_sum + hc_eps
+    for it in range(iters):
+        if it > 0:
+            for k in range(hc):
+                s = float32(0)
+                for c in range(hc):
+                    s += m[k * hc + c]
+                for c in range(hc):
+                    m[k * hc + c] = m[k * hc + c] / (s + hc_eps)
+        for c in range(hc):
+            s = float32(0)
+            for k in range(hc):
+                s += m[k * hc + c]
+            for k in range(hc):
+                m[k * hc + c] = m[k * hc + c] / (s + hc_eps)
+    for k in range(hc):
+        for c in range(hc):
+            comb[t, k, c] = m[k * hc + c]
+
+
+@cuda.jit
+def _pre_norm_kernel(h, pre, weight, out, hc, dim, eps):
+    """One block per token: y = bf16(sum_c pre[c] h[c]); out = bf16(w * (y * rsqrt(mean(y^2) + eps)))."""
+    scratch = cuda.shared.array(BLOCK, float32)
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    ss = float32(0)
+    for d in range(tid, dim, cuda.blockDim.x):
+        y = float32(0)
+        for c in range(hc):
+            y += pre[t, c] * h[t, c, d]
+        y = bf16_round(y)
+        ss += y * y
+    total = _block_sum(ss, scratch)
+    r = float32(1) / math.sqrt(total / float32(dim) + eps)
+    for d in range(tid, dim, cuda.blockDim.x):
+        y = float32(0)
+        for c in range(hc):
+            y += pre[t, c] * h[t, c, d]
+        y = bf16_round(y)
+        out[t, d] = f32_to_bf16(weight[d] * (y * r))
+
+
+@cuda.jit
+def _post_kernel(h, a, post, comb, hc, dim, has_output):
+    """h[t, c, d] = post[c] * a[t, d] + sum_k comb[k, c] h[t, k, d], in place (one thread per d)."""
+    t = cuda.blockIdx.y
+    d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if d >= dim:
+        return
+    old = cuda.local.array(MAX_HC, float32)
+    for k in range(hc):
+        old[k] = h[t, k, d]
+    av = bf16_to_f32(a[t, d]) if has_output else float32(0)
+    for c in range(hc):
+        s = float32(0)
+        for k in range(hc):
+            s += comb[t, k, c] * old[k]
+        h[t, c, d] = post[t, c] * av + s if has_output else s
+
+
+@lru_cache(maxsize=None)
+def embed_kernel(gtype: GGMLType):
+    """h[t, c, :] = bf16(dequant(table[ids[t]])) for every copy; one thread per 32-value chunk."""
+    dequant = DEQUANT[gtype]
+
+    @cuda.jit
+    def embed(ids, table, h, n_tokens, hc, chunks):
+        t = cuda.blockIdx.y
+        chunk = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if t >= n_tokens or chunk >= chunks:
+            return
+        buf = cuda.local.array(CHUNK, float32)
+        dequant(table, int32(ids[t]), chunk, buf)
+        for i in range(CHUNK):
+            v = bf16_round(buf[i])
+            for c in range(hc):
+                h[t, c, chunk * CHUNK + i] = v
+
+    return embed
+
+
+class HyperStage:
+    """The hc weights of every layer and the embedding table on the device, plus the mix buffers
+    for up to `max_tokens` tokens. The highway and the sublayer buffers belong to the caller."""
+
+    def __init__(self, model, max_tokens: int, stream=0):
+        cfg = model.config
+        if not 1 <= cfg.hc <= MAX_HC:
+            raise UnsupportedError(f"hyper-connections: hc = {cfg.hc}, supported 1..{MAX_HC}")
+        self.cfg = cfg
+        self.max_tokens = max_tokens
+        self.stream = stream
+        self.embedding = DeviceWeight.from_ref(model.tensor(None, "token_embd"), stream)
+        self.layers = []
+        for i in range(cfg.n_layers):
+            per = {}
+            for kind in ("attn", "ffn"):
+                per[kind] = (
+                    DeviceWeight.from_ref(model.tensor(i, f"hc_{kind}_fn"), stream),
+                    cuda.to_device(model.tensor(i, f"hc_{kind}_scale").dequantize(), stream=stream),
+                    cuda.to_device(model.tensor(i, f"hc_{kind}_base").dequantize(), stream=stream),
+                )
+            per["attn_norm"] = cuda.to_device(model.tensor(i, "attn_norm").dequantize(), stream=stream)
+            self.layers.append(per)
+        hc = cfg.hc
+        self.raw = cuda.device_array((max_tokens, cfg.mix_hc), np.float32)  # [T, M]
+        self.post = cuda.device_array((max_tokens, hc), np.float32)  # [T, hc]
+        self.comb = cuda.device_array((max_tokens, hc, hc), np.float32)  # [T, hc(k), hc(c)]
+        self.ids = cuda.device_array(max_tokens, np.int32)  # [T]
+        self.no_output = cuda.device_array((1, 1), np.uint16)  # stands in for `a` of a zero sublayer
+
+    def embed(self, token_ids: np.ndarray, h, n_tokens: int) -> None:
+        """Write the embedded tokens into every copy of h [>= T, hc, C]."""
+        self.ids[:n_tokens].copy_to_device(np.ascontiguousarray(token_ids, np.int32), stream=self.stream)
+        chunks = self.cfg.dim // CHUNK
+        threads = min(64, chunks)
+        grid = ((chunks + threads - 1) // threads, n_tokens)
+        embed_kernel(self.embedding.gtype)[grid, threads, self.stream](
+            self.ids, self.embedding.data, h, n_tokens, self.cfg.hc, chunks)
+
+    def mixes(self, layer: int, kind: str, h, pre, n_tokens: int) -> None:
+        """pre [T, hc] (caller's buffer), self.post and self.comb from h for sublayer `kind`."""
+        fn, scale, base = self.layers[layer][kind]
+        cfg = self.cfg
+        flat = h.reshape(h.shape[0], -1)
+        linear(flat, fn, self.raw, n_tokens, stream=self.stream)
+        _mixes_kernel[n_tokens, BLOCK, self.stream](
+            flat, self.raw, scale, base, pre, self.post, self.comb, cfg.hc * cfg.dim, cfg.hc,
+            cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))
+
+    def pre_norm(self, layer: int, h, pre, x, n_tokens: int) -> None:
+        """x [T, C] bf16 = attn_norm(hc_pre(h, pre))."""
+        cfg = self.cfg
+        _pre_norm_kernel[n_tokens, BLOCK, self.stream](
+            h, pre, self.layers[layer]["attn_norm"], x, cfg.hc, cfg.dim, np.float32(cfg.norm_eps))
+
+    def post_mix(self, h, a, n_tokens: int) -> None:
+        """h = hc_post(a, h, self.post, self.comb) in place; a None is a zero sublayer output."""
+        cfg = self.cfg
+        threads = 32 if SIM else 128
+        grid = ((cfg.dim + threads - 1) // threads, n_tokens)
+        _post_kernel[grid, threads, self.stream](h, self.no_output if a is None else a, self.post, self.comb,
+                                                 cfg.hc, cfg.dim, a is not None)
+
+    def free(self) -> None:
+        self.layers = []
+        self.embedding = None  # type: ignore[assignment]
+        self.raw = self.post = self.comb = self.ids = self.no_output = None

@@ -1,0 +1,93 @@
+"""stages.hyper against the oracle (host.oracle.hc, rms_norm, Oracle.embed) on the tiny model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashv41
+from host.numerics import bf16, from_bits, rms_norm, to_bits
+from host.oracle import Oracle
+from host.oracle.hc import hc_mixes, hc_post, hc_pre
+from tests.bounds import assert_within, bf16_ulp, f32_sum_error
+
+from numba import cuda  # noqa: E402  (after conftest chose the backend)
+
+from stages.hyper import HyperStage  # noqa: E402
+
+T = 5
+
+
+@pytest.fixture(scope="module")
+def setup(synth_model):
+    model = flashv41.load_model(synth_model("tiny"))
+    stage = HyperStage(model, max_tokens=8)
+    yield model, Oracle(model, max_seq=64), stage
+    stage.free()
+
+
+def highway(cfg, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((T, cfg.hc, cfg.dim)) * 0.3).astype(np.float32)
+
+
+def test_embed_is_exact(setup):
+    model, oracle, stage = setup
+    cfg = model.config
+    ids = np.array([0, 5, 127, 64, 3])
+    h = cuda.device_array((8, cfg.hc, cfg.dim), np.float32)
+    stage.embed(ids, h, T)
+    want = np.repeat(oracle.embed(ids)[:, None, :], cfg.hc, axis=1)
+    assert np.array_equal(h.copy_to_host()[:T].view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("layer,kind", [(0, "attn"), (3, "ffn")])
+def test_mixes(setup, layer, kind):
+    model, oracle, stage = setup
+    cfg = model.config
+    h = highway(cfg, layer)
+    pre = cuda.device_array((8, cfg.hc), np.float32)
+    stage.mixes(layer, kind, cuda.to_device(h), pre, T)
+    want_pre, want_post, want_comb = hc_mixes(h, oracle.weight(layer, f"hc_{kind}_fn"),
+                                              oracle.weight(layer, f"hc_{kind}_scale"),
+                                              oracle.weight(layer, f"hc_{kind}_base"), cfg.hc, cfg.sinkhorn_iters,
+                                              cfg.norm_eps, cfg.hc_eps)
+    # fp32 sums and CUDA's exp vs float64 sums and correctly rounded exp: a few ulp on pre / post;
+    # 20 Sinkhorn rounds amplify last-ulp differences (two correct fp32 implementations were seen
+    # 7e-6 apart on comb entries, which lie in [0, 1])
+    assert_within(pre.copy_to_host()[:T], want_pre, 1e-6, "pre")
+    assert_within(stage.post.copy_to_host()[:T], want_post, 2e-6, "post")
+    assert_within(stage.comb.copy_to_host()[:T], want_comb, 2e-5, "comb")
+
+
+def test_pre_norm(setup):
+    model, oracle, stage = setup
+    cfg = model.config
+    h = highway(cfg, 7)
+    rng = np.random.default_rng(8)
+    pre = rng.uniform(0.1, 1.0, (T, cfg.hc)).astype(np.float32)
+    x = cuda.device_array((8, cfg.dim), np.uint16)
+    stage.pre_norm(2, cuda.to_device(h), cuda.to_device(pre), x, T)
+    want = rms_norm(hc_pre(h, pre), oracle.weight(2, "attn_norm"), cfg.norm_eps)
+    got = from_bits(x.copy_to_host()[:T])
+    # the collapsed value may round to a neighbouring bf16 (fp32 vs float64 sum over hc), and the
+    # output adds its own rounding: two bf16 ulps
+    assert_within(got, want, 2 * bf16_ulp(np.maximum(np.abs(got), np.abs(want))), "pre_norm")
+
+
+@pytest.mark.parametrize("with_output", [True, False])
+def test_post(setup, with_output):
+    model, oracle, stage = setup
+    cfg = model.config
+    h = highway(cfg, 9)
+    rng = np.random.default_rng(10)
+    a = bf16(rng.standard_normal((T, cfg.dim)).astype(np.float32))
+    hd = cuda.to_device(h)
+    stage.mixes(1, "attn", hd, cuda.device_array((8, cfg.hc), np.float32), T)
+    post, comb = stage.post.copy_to_host()[:T], stage.comb.copy_to_host()[:T]
+    stage.post_mix(hd, cuda.to_device(to_bits(a)) if with_output else None, T)
+    want = hc_post(a if with_output else None, h, post, comb)
+    terms = np.abs(comb).transpose(0, 2, 1) @ np.abs(h) + (np.abs(post)[:, :, None] * np.abs(a)[:, None, :]
+                                                           if with_output else 0)
+    bound = f32_sum_error(terms, cfg.hc + 1) + np.abs(want) * 2.0**-23
+    assert_within(hd.copy_to_host()[:T], want, bound, "post")

@@ -1,6 +1,7 @@
 """flashv41: DeepSeek-V4.1-Flash engram and attention layers on the GPU, from GGUF files.
 
-Public API: `load_model`, `Model`, `ModelConfig`, `LayerRole`, `EngramConfig` and the errors.
+Public API: `load_model`, `Model`, `Engine` / `Sequence`, `ModelConfig`, `LayerRole`,
+`EngramConfig` and the errors.
 """
 
 from flashv41.config import EngramConfig, LayerRole, ModelConfig
@@ -12,10 +13,12 @@ from flashv41.errors import (
     SequenceStateError,
     UnsupportedError,
 )
+from flashv41.engine import Engine, Sequence
 from flashv41.model import Model, load_model
 
 __all__ = [
     "CapacityError",
+    "Engine",
     "EngramConfig",
     "FlashError",
     "InputError",
@@ -23,6 +26,7 @@ __all__ = [
     "Model",
     "ModelConfig",
     "ModelFormatError",
+    "Sequence",
     "SequenceStateError",
     "UnsupportedError",
     "load_model",

@@ -1,0 +1,227 @@
+"""The engine: every stage created once, sequences with their own device state, and the scheduler
+that runs a chunk of tokens through the layer stack.
+
+    import flashv41
+    model = flashv41.load_model("model.gguf")
+    engine = flashv41.Engine(model, max_seq=4096, max_tokens=256)
+    seq = engine.new_sequence()
+    h = seq.prefill(token_ids)      # final highway [T, hc, dim] float32 (NumPy)
+    h = seq.decode(token_id)        # [1, hc, dim]
+    seq.release()                   # frees its device state; the engine stays usable
+    engine.close()
+
+Per layer, in order (SPEC.md 2): engram (hash once per call for all engram layers -> rows ->
+projection -> gate) -> attention mixes, hc_pre + attn_norm -> attention -> hc_post -> the FFN
+sublayer as a zero output with its own mixes, whose `pre` is the next layer's pre-mix.
+
+The engine's workspaces are shared by its sequences, so calls on one engine must not run
+concurrently (one Python thread drives an engine). A prompt longer than `max_tokens` is prefilled
+in chunks of `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from flashv41.errors import CapacityError, InputError, SequenceStateError
+from flashv41.model import Model
+from flashv41.runtime import select_backend
+
+ProgressFn = Callable[[str], None]
+
+
+class Engine:
+    """DeepSeek-V4.1 engram + attention layers on the GPU (or the CUDA simulator) for one model.
+
+    max_seq: positions a sequence may hold (sizes the per-sequence caches and RoPE tables).
+    max_tokens: tokens per forward call (sizes the workspaces; longer prompts are chunked).
+    table_residency: "device" (engram tables uploaded once) or "host" (rows read from the
+    memory-mapped file per call and uploaded).
+    """
+
+    def __init__(self, model: Model, max_seq: int = 4096, max_tokens: int = 256,
+                 table_residency: str = "device", progress: ProgressFn | None = None):
+        cfg = model.config
+        if max_tokens < 1 or max_seq < 1:
+            raise InputError(f"max_tokens ({max_tokens}) and max_seq ({max_seq}) must be at least 1")
+        if max_seq > cfg.context_length:
+            raise CapacityError(f"max_seq {max_seq} exceeds the model's context length {cfg.context_length}")
+        if table_residency not in ("device", "host"):
+            raise InputError(f"table_residency must be 'device' or 'host', got {table_residency!r}")
+        select_backend()
+        from numba import cuda
+
+        from stages.attention import AttentionStage
+        from stages.engram import EngramStage
+        from stages.engram_hash import FastEngramHasher
+        from stages.hyper import HyperStage
+
+        self._cuda = cuda
+        self._hasher_cls = FastEngramHasher
+        self.model = model
+        self.cfg = cfg
+        self.max_seq = max_seq
+        self.max_tokens = max_tokens
+        self.table_residency = table_residency
+        say = progress or (lambda _msg: None)
+        say("uploading hyper-connection weights and the embedding")
+        self.hyper = HyperStage(model, max_tokens)
+        say("uploading attention weights")
+        self.attention = AttentionStage(model, max_tokens, max_seq)
+        self.engram = None
+        if cfg.engram is not None:
+            say(f"uploading engram weights (tables: {table_residency})")
+            self.engram = EngramStage(model, max_tokens, table_residency)
+        hc, dim = cfg.hc, cfg.dim
+        self.h = cuda.device_array((max_tokens, hc, dim), np.float32)  # [T, hc, C] the highway
+        self.x = cuda.device_array((max_tokens, dim), np.uint16)  # [T, C] bf16 sublayer input
+        self.a = cuda.device_array((max_tokens, dim), np.uint16)  # [T, C] bf16 attention output
+        self.pre = [cuda.device_array((max_tokens, hc), np.float32) for _ in range(3)]  # [T, hc] mixes
+        self.mask = cuda.device_array(max_tokens, np.uint8)  # [T] engram token mask
+        self._one_hot = np.zeros((max_tokens, hc), np.float32)
+        self._one_hot[:, 0] = 1
+        self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()
+        self.closed = False
+        say("engine ready")
+
+    def new_sequence(self) -> Sequence:
+        """A new, empty sequence with its own device state."""
+        self._check_open()
+        seq = Sequence(self)
+        self._sequences.add(seq)
+        return seq
+
+    def close(self) -> None:
+        """Release every sequence and free the engine's device memory (idempotent)."""
+        if self.closed:
+            return
+        for seq in list(self._sequences):
+            seq.release()
+        for stage in (self.hyper, self.attention, self.engram):
+            if stage is not None:
+                stage.free()
+        self.h = self.x = self.a = self.mask = None
+        self.pre = []
+        self.closed = True
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SequenceStateError("this engine was closed")
+
+    def _forward(self, seq: Sequence, ids: np.ndarray, mask: np.ndarray | None, capture: bool) -> np.ndarray:
+        """One chunk of T <= max_tokens tokens at the sequence's position; returns h [T, hc, C]."""
+        cfg = self.cfg
+        t = ids.size
+        start = seq.position
+        self.hyper.embed(ids, self.h, t)
+        hashes = seq.hasher.hash(ids, start, mask) if seq.hasher is not None else None
+        mask_dev = None
+        if mask is not None:
+            self.mask[:t].copy_to_device(mask.astype(np.uint8))
+            mask_dev = self.mask
+        pre_mix, pre_next, unused = self.pre
+        pre_mix[:t].copy_to_device(self._one_hot[:t])
+        shared = self.attention.new_shared()
+        captures: list[dict] = []
+        for role in cfg.roles:
+            i = role.layer
+            cap: dict | None = {} if capture else None
+            if role.engram:
+                assert self.engram is not None and hashes is not None and cfg.engram is not None
+                self.engram.apply(i, self.h, hashes[:, cfg.engram.hash_index(i)], t, mask_dev, cap)
+            self.hyper.mixes(i, "attn", self.h, unused, t)
+            self.hyper.pre_norm(i, self.h, pre_mix, self.x, t)
+            self.attention.forward(i, self.x, self.a, seq.state, shared, start, t, cap)
+            self.hyper.post_mix(self.h, self.a, t)
+            if cap is not None:
+                cap["h_attn"] = self.h.copy_to_host()[:t]
+            self.hyper.mixes(i, "ffn", self.h, pre_next, t)
+            self.hyper.post_mix(self.h, None, t)
+            pre_mix, pre_next = pre_next, pre_mix
+            if cap is not None:
+                cap["h_out"] = self.h.copy_to_host()[:t]
+                captures.append(cap)
+        seq.position += t
+        if capture:
+            seq.captures = captures
+        return self.h.copy_to_host()[:t]
+
+
+class Sequence:
+    """One sequence on an engine: its position, its hash history and its device state."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.position = 0
+        self.captures: list[dict] = []
+        self.state = engine.attention.new_state()
+        engram = engine.cfg.engram
+        self.hasher = engine._hasher_cls(engram, engine.max_seq) if engram is not None else None
+        self.released = False
+
+    @property
+    def max_seq(self) -> int:
+        return self.engine.max_seq
+
+    def _validate(self, token_ids: Any, token_mask: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.released:
+            raise SequenceStateError("this sequence was released")
+        self.engine._check_open()
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"token ids must be a non-empty 1-D integer array, got shape {ids.shape} "
+                             f"dtype {ids.dtype}")
+        vocab = self.engine.cfg.vocab_size
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if bad.size:
+            raise InputError(f"token id {int(ids[bad[0]])} at index {int(bad[0])} is outside the vocabulary "
+                             f"[0, {vocab})")
+        if self.position + ids.size > self.max_seq:
+            raise CapacityError(f"{ids.size} tokens at position {self.position} exceed max_seq {self.max_seq} "
+                                f"({self.max_seq - self.position} positions left)")
+        mask = None
+        if token_mask is not None:
+            mask = np.asarray(token_mask)
+            if mask.dtype != np.bool_ or mask.shape != ids.shape:
+                raise InputError(f"token_mask must be a bool array of shape {ids.shape}, got {mask.dtype} "
+                                 f"{mask.shape}")
+        return ids.astype(np.int64), mask
+
+    def prefill(self, token_ids: Any, token_mask: Any = None, capture: bool = False) -> np.ndarray:
+        """Run tokens from the current position (chunks of max_tokens); returns h [T, hc, dim] float32.
+
+        token_mask: bool [T], False = the token takes no part in any n-gram and gets no engram
+        contribution. capture: keep every layer's intermediates of the (last) chunk in `captures`.
+        """
+        ids, mask = self._validate(token_ids, token_mask)
+        step = self.engine.max_tokens
+        out = []
+        for s in range(0, ids.size, step):
+            part_mask = None if mask is None else mask[s:s + step]
+            out.append(self.engine._forward(self, ids[s:s + step], part_mask, capture))
+        return np.concatenate(out) if len(out) > 1 else out[0]
+
+    def decode(self, token_id: int, token_mask: bool | None = None, capture: bool = False) -> np.ndarray:
+        """One token at the current position; returns h [1, hc, dim]."""
+        if not isinstance(token_id, (int, np.integer)) or isinstance(token_id, bool):
+            raise InputError(f"decode takes one integer token id, got {type(token_id).__name__}")
+        mask = None if token_mask is None else np.array([bool(token_mask)])
+        return self.prefill(np.array([token_id], np.int64), mask, capture)
+
+    def release(self) -> None:
+        """Free this sequence's device state (idempotent); the engine stays usable."""
+        if self.released:
+            return
+        self.state.free()
+        self.hasher = None
+        self.released = True

@@ -54,8 +54,8 @@ class Engine:
             raise InputError(f"table_residency must be 'device' or 'host', got {table_residency!r}")
         select_backend()
         from numba import cuda
-
         from stages.attention import AttentionStage
+
         from stages.engram import EngramStage
         from stages.engram_hash import FastEngramHasher
         from stages.hyper import HyperStage

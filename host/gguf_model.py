@@ -354,7 +354,8 @@ def _roles(cfg_values: dict, store: WeightStore, engram_layers: tuple[int, ...],
         if idx[i]:
             last_idx = i
         if r > 0:
-            for what, src in (("kv source (attn_compressor_kv)", last_kv), ("index source (indexer.attn_q_b)", last_idx)):
+            sources = (("kv source (attn_compressor_kv)", last_kv), ("index source (indexer.attn_q_b)", last_idx))
+            for what, src in sources:
                 if src is None:
                     raise ModelFormatError(f"{fname}: layer {i} (compress ratio {r}) has no {what} at or before it")
                 if ratios[src] != r:
@@ -410,13 +411,16 @@ def _check_geometry(v: dict, fname: str) -> None:
     """Size relations the math relies on (RoPE pairs, quantiser blocks, output groups)."""
     rules = [
         (v["n_layers"] >= 1, "block_count must be at least 1"),
-        (v["rope_dim"] % 2 == 0 and 0 < v["rope_dim"] <= v["head_dim"], "rope.dimension_count must be even and <= key_length"),
+        (v["rope_dim"] % 2 == 0 and 0 < v["rope_dim"] <= v["head_dim"],
+         "rope.dimension_count must be even and <= key_length"),
         (v["rope_dim"] <= v["index_head_dim"], "rope.dimension_count must be <= attention.indexer.key_length"),
         (v["head_dim"] % 32 == 0, "attention.key_length must be a multiple of 32 (fp8 and fp4 quantiser blocks)"),
         (v["index_head_dim"] % 32 == 0, "attention.indexer.key_length must be a multiple of 32 (fp4 blocks)"),
         ((v["n_heads"] * v["head_dim"]) % v["o_groups"] == 0, "heads * key_length must split into output groups"),
-        (v["window"] >= 1 and v["hc"] >= 1 and v["sinkhorn_iters"] >= 1, "window, hc and sinkhorn iterations must be >= 1"),
-        (v["index_topk"] >= 1 and v["candidate_block_size"] >= 1, "indexer top_k and candidate block size must be >= 1"),
+        (v["window"] >= 1 and v["hc"] >= 1 and v["sinkhorn_iters"] >= 1,
+         "window, hc and sinkhorn iterations must be >= 1"),
+        (v["index_topk"] >= 1 and v["candidate_block_size"] >= 1,
+         "indexer top_k and candidate block size must be >= 1"),
     ]
     for ok, message in rules:
         if not ok:

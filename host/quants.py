@@ -137,8 +137,10 @@ def dequantize(data: np.ndarray, qtype: int | str | GGMLType, n_values: int | No
         n_values = data.shape[-1] // fmt.block_bytes * fmt.block_values if data.ndim else 0
     row_bytes = fmt.row_bytes(n_values)
     if data.size % row_bytes:
-        raise ValueError(f"{data.size} bytes do not make rows of {row_bytes} bytes ({n_values} {fmt.ggml_type.name} values)")
-    shape = (*data.shape[:-1], n_values) if data.ndim and data.shape[-1] == row_bytes else (data.size // row_bytes, n_values)
+        raise ValueError(f"{data.size} bytes do not make rows of {row_bytes} bytes "
+                         f"({n_values} {fmt.ggml_type.name} values)")
+    one_row_per_line = data.ndim and data.shape[-1] == row_bytes
+    shape = (*data.shape[:-1], n_values) if one_row_per_line else (data.size // row_bytes, n_values)
     raw = np.ascontiguousarray(data).reshape(-1, row_bytes)
     t = fmt.ggml_type
     if raw.shape[0] == 0:

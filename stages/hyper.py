@@ -17,7 +17,7 @@ host.oracle.Oracle.embed. Sums run in fp32 here (float64 there); transcendentals
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 from numba import cuda, float32, int32
@@ -145,7 +145,7 @@ def _post_kernel(h, a, post, comb, hc, dim, has_output):
         h[t, c, d] = post[t, c] * av + s if has_output else s
 
 
-@lru_cache(maxsize=None)
+@cache
 def embed_kernel(gtype: GGMLType):
     """h[t, c, :] = bf16(dequant(table[ids[t]])) for every copy; one thread per 32-value chunk."""
     dequant = DEQUANT[gtype]

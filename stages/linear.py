@@ -19,7 +19,7 @@ summation error, |err| <= K * 2^-24 * sum_k |x_k w_k|, plus one bf16 rounding st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 from numba import cuda, float32
@@ -112,7 +112,7 @@ else:
                     acc[i, j] += a * ws[tx * WN + j, kk]
 
 
-@lru_cache(maxsize=None)
+@cache
 def gemv_kernel(gtype: GGMLType, x_bf16: bool, out_bf16: bool):
     """One warp per output row; block = (LANES, GEMV_ROWS rows)."""
     dequant = DEQUANT[gtype]
@@ -146,7 +146,7 @@ def gemv_kernel(gtype: GGMLType, x_bf16: bool, out_bf16: bool):
     return gemv
 
 
-@lru_cache(maxsize=None)
+@cache
 def gemm_kernel(gtype: GGMLType, x_bf16: bool, out_bf16: bool):
     """Tiles of TM tokens x TN outputs; block = (THREADS_X, THREADS_Y)."""
     dequant = DEQUANT[gtype]

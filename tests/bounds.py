@@ -31,9 +31,10 @@ def assert_within(got: np.ndarray, ref: np.ndarray, bound: np.ndarray, what: str
     excess = err - np.broadcast_to(bound, err.shape)
     if not (excess <= 0).all():
         i = np.unravel_index(int(np.argmax(excess)), err.shape)
+        limit = np.broadcast_to(bound, err.shape)[i]
         raise AssertionError(
             f"{what}: {int((excess > 0).sum())} of {err.size} values out of bound; worst at {i}: "
-            f"got {got64[i]!r}, oracle {ref64[i]!r}, error {err[i]:.3e} > bound {np.broadcast_to(bound, err.shape)[i]:.3e}"
+            f"got {got64[i]!r}, oracle {ref64[i]!r}, error {err[i]:.3e} > bound {limit:.3e}"
         )
 
 

@@ -75,11 +75,10 @@ class _FakeEvent:
 def install() -> None:
     """Switch numba.cuda to compile-only launches and NumPy-backed device arrays."""
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
-    from numba import cuda, typeof
     import numba.cuda.api as api
-    import numba.cuda.dispatcher as dispatcher
-
     import numba.cuda.cudadrv.devices as devices
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda, typeof
 
     device = _FakeDevice()
     context = type("FakeContext", (), {"device": device})()

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
 import flashv41
 from host.numerics import bf16, from_bits, rms_norm, to_bits
 from host.oracle import Oracle
 from host.oracle.hc import hc_mixes, hc_post, hc_pre
-from tests.bounds import assert_within, bf16_ulp, f32_sum_error
-
-from numba import cuda  # noqa: E402  (after conftest chose the backend)
-
 from stages.hyper import HyperStage  # noqa: E402
+from tests.bounds import assert_within, bf16_ulp, f32_sum_error
 
 T = 5
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from host.numerics import bf16, from_bits, linear as oracle_linear, matmul_t, to_bits
-from host.quants import GGMLType, dequantize, quantize
-from tests.bounds import assert_bf16_product, assert_within, f32_sum_error
-
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
+from host.numerics import bf16, from_bits, matmul_t, to_bits
+from host.numerics import linear as oracle_linear
+from host.quants import GGMLType, dequantize, quantize
 from stages.linear import GEMV_MAX_TOKENS, DeviceWeight, linear  # noqa: E402
+from tests.bounds import assert_bf16_product, assert_within, f32_sum_error
 
 TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16, GGMLType.F16, GGMLType.F32]
 

@@ -231,9 +231,40 @@ def describe_tensors(model: Model) -> str:
     return "\n".join(lines)
 
 
+def add_bench_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from flashv41.bench import MIN_REPS, BenchOptions
+
+    defaults = BenchOptions()
+    p = subparsers.add_parser(
+        "bench", help="measure the PERF.md rows on the GPU (copy bandwidth, GEMVs, engram steps, hash)",
+        description="Run the benchmark rows (PERF.md) on the GPU: the copy bandwidth first, then every "
+                    "selected row with its median time, bytes, bound and ratio. Needs a CUDA GPU.",
+    )
+    p.add_argument("--rows", nargs="+", default=[], metavar="PATTERN",
+                   help="row names or fnmatch patterns to run (e.g. 'engram.wkv*'); default all")
+    p.add_argument("--weight-type", nargs="+", default=list(defaults.weight_types), choices=WRITABLE_WEIGHT_TYPES,
+                   dest="weight_types", help="weight types of the GEMV and step rows (default Q8_0 Q2_K)")
+    p.add_argument("--reps", type=int, default=defaults.reps, metavar="N",
+                   help=f"timed repetitions per row, the median is reported (default and minimum {MIN_REPS})")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--workdir", type=Path, default=defaults.workdir, metavar="DIR",
+                   help=f"where synthetic models for the rows are written and reused (default {defaults.workdir})")
+    p.set_defaults(handler=bench_command)
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    from flashv41.bench import BenchOptions, run
+
+    options = BenchOptions(reps=args.reps, rows=tuple(args.rows), weight_types=tuple(args.weight_types),
+                           workdir=args.workdir)
+    run(options, args.json)
+    return 0
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
     add_synth_command,
     add_info_command,
+    add_bench_command,
 )
 
 

@@ -1,0 +1,211 @@
+"""Benchmark rows of the engram sublayer (PERF.md P1, P3 and P6) at V4.1-Flash dimensions.
+
+- `engram.wkv_gemv.<type>` (P1): the engram projection for one token, [dim * (hc + 1), cols * 256]
+  = [25600, 6144] (157.3 M weights) read from its stored blocks; bound = stored bytes / copy
+  bandwidth. The weights are random stored blocks: a GEMV's time does not depend on the values.
+- `engram.step.<type>.device` (P3): one decode step's device work (rows kernel, wkv GEMV, gate)
+  queued behind a sleeping kernel so that Python's launch cost is excluded, as in a replayed
+  graph; bound = (wkv bytes + the token's row bytes) / copy bandwidth.
+- `engram.step.<type>.<residency>.python` (P3): whole steps as Python issues them back to back
+  (hash, row upload, the three kernels), launch cost included: what the engine gets without a
+  graph.
+- `engram.hash.64k` (P6): stages.engram_hash on a 64k-token prefill with the flash preset's two
+  engram layers, host clock; bound = the target rate (20 M token-layers/s), so ratio <= 1 meets it.
+
+The step rows run an EngramStage on a one-layer flash-dimension model written once into the
+options' work directory (Q8_0 weights, a Q2_K table of a few million rows). For another wkv type
+the stage's wkv is swapped for random stored blocks of that type and shape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, device_time, host_time, pipelined_time
+from flashv41.config import EngramConfig
+from flashv41.errors import InputError
+from host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
+from host.quants import Q2_K_BLOCK, Q8_0_BLOCK, GGMLType, ggml_type
+from host.synth import preset
+
+WEIGHT_TYPES = (GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16)  # random wkv blocks can be made for these
+HASH_TOKENS = 65536
+HASH_TARGET = 20e6  # token-layers per second (PERF.md P6)
+STEP_TABLE_ROWS = 3_000_000
+# the flash preset cut to one window-only layer with engram: the smallest file with a real engram layer
+STEP_MODEL = dict(compress_ratios=(0,), kv_sources=(), index_sources=(), candidate_source=99, engram_layers=(0,),
+                  vocab=1024, engram_rows=STEP_TABLE_ROWS)
+
+
+def engram_config(preset_name: str, **overrides) -> EngramConfig:
+    """The EngramConfig a synthetic model of this preset carries (host.synth.write_synthetic's
+    tables), built without writing the file."""
+    p = preset(preset_name, **overrides)
+    n = len(p.engram_layers)
+    primes = engram_primes(n, p.max_ngram, p.engram_heads, p.engram_vocab_size)
+    token_map, compressed = stub_token_map(p.vocab, p.unmapped_tail)
+    return EngramConfig(
+        layer_ids=tuple(p.engram_layers), n_heads=p.engram_heads, head_dim=p.engram_head_dim,
+        max_ngram=p.max_ngram, multipliers=engram_multipliers(p.engram_layers, p.max_ngram, compressed),
+        primes=primes, offsets=engram_offsets(primes), token_map=token_map,
+        pad_id=int(token_map[p.engram_pad_token]), table_rows=tuple(int(primes[i].sum()) for i in range(n)),
+    )
+
+
+def random_stored(n: int, k: int, gtype: GGMLType, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [n, row_bytes]: random but finite stored rows of `gtype` (values of RMS about k^-0.5)."""
+    if gtype == GGMLType.Q8_0:
+        blocks = np.zeros(n * k // 32, Q8_0_BLOCK)
+        blocks["d"] = np.float16(1.8 * k**-0.5 / 64)
+        blocks["qs"] = rng.integers(-127, 128, size=blocks["qs"].shape, dtype=np.int8)
+    elif gtype == GGMLType.Q2_K:
+        blocks = np.zeros(n * k // 256, Q2_K_BLOCK)
+        blocks["scales"] = rng.integers(0, 256, size=blocks["scales"].shape, dtype=np.uint8)
+        blocks["qs"] = rng.integers(0, 256, size=blocks["qs"].shape, dtype=np.uint8)
+        blocks["d"] = np.float16(k**-0.5 / 8)
+        blocks["dmin"] = np.float16(k**-0.5 / 8)
+    elif gtype == GGMLType.BF16:
+        values = (rng.standard_normal((n, k), dtype=np.float32) * np.float32(k**-0.5)).view(np.uint32)
+        return (values >> 16).astype(np.uint16).view(np.uint8).reshape(n, -1)
+    else:
+        raise InputError(f"bench: no random {gtype.name} weights")
+    return blocks.view(np.uint8).reshape(n, -1)
+
+
+def _random_weight(name: str, n: int, k: int, gtype: GGMLType, stream):
+    from numba import cuda
+
+    from stages.linear import DeviceWeight
+
+    stored = random_stored(n, k, gtype, np.random.default_rng(int(gtype)))
+    return DeviceWeight(name, gtype, n, k, cuda.to_device(stored, stream=stream))
+
+
+def _flash_shapes() -> tuple[int, int, int]:
+    """(dim, hc, cols * head_dim) of the flash preset."""
+    p = preset("flash")
+    return p.dim, p.hc, (p.max_ngram - 1) * p.engram_heads * p.engram_head_dim
+
+
+def gemv_case(wtype: str) -> BenchCase:
+    gtype = ggml_type(wtype)
+
+    def run(ctx: BenchContext) -> list[BenchRow]:
+        from numba import cuda
+
+        from stages.linear import linear
+
+        dim, hc, k = _flash_shapes()
+        n = dim * (hc + 1)
+        stream = cuda.stream()
+        w = _random_weight("engram_wkv", n, k, gtype, stream)
+        rng = np.random.default_rng(1)
+        x = cuda.to_device(rng.integers(0x3C00, 0x3F80, size=(1, k), dtype=np.uint16), stream=stream)
+        y = cuda.device_array((1, n), np.uint16, stream=stream)
+        o = ctx.options
+        median = device_time(lambda: linear(x, w, y, 1, stream=stream), o.reps, o.warmup, stream)
+        return [BenchRow(f"engram.wkv_gemv.{wtype}", median, ctx.memory_bound(w.nbytes), bytes=w.nbytes,
+                         note=f"[{n}, {k}] {wtype}, 1 token: {w.nbytes / median / ctx.copy_bandwidth:.0%} of copy "
+                              "bandwidth")]
+
+    return BenchCase(f"engram.wkv_gemv.{wtype}", run)
+
+
+_MODELS: dict[str, object] = {}
+
+
+def step_model(options: BenchOptions):
+    """The one-layer flash-dimension model of the step rows, written once per work directory."""
+    import flashv41
+    from host.synth import write_synthetic
+
+    path = options.workdir / f"flash-engram-{STEP_TABLE_ROWS}.gguf"
+    key = str(path)
+    if key not in _MODELS:
+        if not path.exists():
+            write_synthetic(path, "flash", weight_type="Q8_0", table_type="Q2_K", **STEP_MODEL)
+        _MODELS[key] = flashv41.load_model(path)
+    return _MODELS[key]
+
+
+def step_case(wtype: str, residency: str) -> BenchCase:
+    gtype = ggml_type(wtype)
+    name = f"engram.step.{wtype}.{residency}"
+
+    def run(ctx: BenchContext) -> list[BenchRow]:
+        from numba import cuda
+
+        from stages.engram import EngramStage
+        from stages.engram_hash import FastEngramHasher
+
+        model = step_model(ctx.options)
+        cfg = model.config
+        assert cfg.engram is not None
+        layer = cfg.engram.layer_ids[0]
+        stream = cuda.stream()
+        stage = EngramStage(model, 8, residency, stream=stream)
+        try:
+            weights = stage.layers[layer]
+            if weights.wkv.gtype != gtype:
+                weights.wkv = _random_weight(weights.wkv.name, weights.wkv.n, weights.wkv.k, gtype, stream)
+            hasher = FastEngramHasher(cfg.engram, 64)
+            rng = np.random.default_rng(2)
+            hasher.hash(rng.integers(0, cfg.vocab_size, 16), 0)
+            token = np.array([5], np.int64)
+            h = cuda.to_device(rng.standard_normal((1, cfg.hc, cfg.dim), dtype=np.float32), stream=stream)
+            row_bytes = cfg.engram.cols * weights.table.row_bytes
+            nbytes = weights.wkv.nbytes + row_bytes
+            o = ctx.options
+            rows = []
+
+            def python_step() -> None:
+                ids = hasher.hash(token, 16)[:, 0]
+                stage.apply(layer, h, ids, 1)
+
+            if residency == "device":
+                stage.upload_rows(layer, hasher.hash(token, 16)[:, 0], 1)
+
+                def device_step() -> None:
+                    stage.dequantize_rows(layer, 1)
+                    stage.project(layer, 1)
+                    stage.gate(layer, h, 1)
+
+                median = device_time(device_step, o.reps, o.warmup, stream)
+                rows.append(BenchRow(name, median, ctx.memory_bound(nbytes), bytes=nbytes,
+                                     note=f"rows + wkv {wtype} + gate, 1 token, launch cost excluded"))
+            median = pipelined_time(python_step, o.reps, o.warmup, stream)
+            rows.append(BenchRow(f"{name}.python", median, ctx.memory_bound(nbytes), bytes=nbytes,
+                                 note=f"hash + apply, {residency} table, back to back from Python"))
+            return rows
+        finally:
+            stage.free()
+
+    return BenchCase(name, run)
+
+
+def hash_case() -> BenchCase:
+    def run(ctx: BenchContext) -> list[BenchRow]:
+        from stages.engram_hash import FastEngramHasher
+
+        cfg = engram_config("flash")
+        ids = np.random.default_rng(3).integers(0, cfg.token_map.shape[0], HASH_TOKENS)
+        hasher = FastEngramHasher(cfg, HASH_TOKENS)
+        median = host_time(lambda: hasher.hash(ids, 0), ctx.options.reps, ctx.options.warmup)
+        work = HASH_TOKENS * len(cfg.layer_ids)
+        return [BenchRow("engram.hash.64k", median, work / HASH_TARGET,
+                         note=f"host: {work / median / 1e6:.1f} M token-layers/s ({HASH_TOKENS} tokens x "
+                              f"{len(cfg.layer_ids)} layers x {cfg.cols} cols); bound = the 20 M/s target")]
+
+    return BenchCase("engram.hash.64k", run)
+
+
+def cases(options: BenchOptions) -> list[BenchCase]:
+    """Every engram row for the options' weight types."""
+    for wtype in options.weight_types:
+        if ggml_type(wtype) not in WEIGHT_TYPES:
+            raise InputError(f"bench: no engram rows for weight type {wtype} "
+                             f"(have {', '.join(t.name for t in WEIGHT_TYPES)})")
+    out = [gemv_case(w) for w in options.weight_types]
+    out += [step_case(w, r) for w in options.weight_types for r in ("device", "host")]
+    out.append(hash_case())
+    return out

@@ -1,0 +1,178 @@
+"""Engram rows on the device (SPEC.md 2.1, step 2): gather table rows by id, dequantise them to bf16.
+
+Shapes: T tokens, L = cols row ids per token, E = the table's row width (head_dim, 256 at flash).
+Row ids int64 [T, L] (from the hasher, on the host) -> rows bf16 bits uint16 [T, L * E], i.e. the
+[T * L, E] rows back to back, each token's L rows in column order.
+
+A table lives in one of two places, chosen per model (`RESIDENCIES`):
+- `device`: the table's stored bytes (uint8 [rows, row_bytes]) are uploaded once; the ids are
+  uploaded and one kernel gathers the rows by id and dequantises them.
+- `host`: the table stays in the memory-mapped file; the rows are read by id on the host
+  (host.engram_rows.EngramRowReader), uploaded into a preallocated device byte buffer, and the
+  same kernel dequantises them in place of a gather.
+Host-to-device copies go through pinned staging buffers, so they run asynchronously on the
+stage's stream; an event keeps the host from refilling a staging buffer while a copy from it may
+still be in flight.
+
+Every type in stages.device.DEQUANT is supported (Q2_K, Q8_0, BF16, F16, F32): one thread per
+32-value chunk of a row, the per-type dequantiser, then the round to bf16 (nearest even). The
+dequantised values are exact in float32 (host.quants), so the rows are bit-identical to the
+oracle's, host.oracle.engram.engram_rows.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+from numba import cuda, float32
+
+from flashv41.errors import InputError, UnsupportedError
+from host.engram_rows import EngramRowReader
+from host.gguf_model import TensorRef
+from host.quants import FORMATS, GGMLType
+from stages.device import CHUNK, DEQUANT, SIM, f32_to_bf16, grid_1d
+
+RESIDENCIES = ("device", "host")
+# threads per block: one thread per 32-value chunk; the simulator runs each thread as a Python thread
+ROWS_THREADS = 8 if SIM else 128
+
+
+@cache
+def rows_kernel(gtype: GGMLType, gathered: bool):
+    """The row kernel for one table type. gathered: rows come from the whole table by id (device
+    residency); otherwise row r of the source is already the r-th requested row (host residency)."""
+    dequant = DEQUANT[gtype]
+
+    @cuda.jit
+    def rows(source, ids, out, n_tokens, cols, chunks):
+        # source uint8 [rows, >= row_bytes]; ids int64 [>= T, L]; out uint16 [>= T, L * E]
+        buf = cuda.local.array(CHUNK, float32)
+        i = cuda.grid(1)
+        if i < n_tokens * cols * chunks:
+            chunk = i % chunks
+            r = i // chunks
+            t = r // cols
+            c = r % cols
+            row = ids[t, c] if gathered else r
+            dequant(source, row, chunk, buf)
+            base = (c * chunks + chunk) * CHUNK
+            for k in range(CHUNK):
+                out[t, base + k] = f32_to_bf16(buf[k])
+
+    return rows
+
+
+def is_device_array(a: object) -> bool:
+    """A Numba device array (on the simulator as on a GPU), not a host array."""
+    return not isinstance(a, np.ndarray) and hasattr(a, "copy_to_host") and hasattr(a, "dtype")
+
+
+def check_row_ids(row_ids: np.ndarray, n_tokens: int, cols: int, table_rows: int, what: str) -> np.ndarray:
+    """row_ids as int64 [n_tokens, cols] (C order), or InputError naming the first bad id."""
+    ids = np.asarray(row_ids)
+    if ids.shape != (n_tokens, cols) or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"{what}: row ids must be an integer array of shape ({n_tokens}, {cols}), "
+                         f"got {ids.dtype} {ids.shape}")
+    bad = np.flatnonzero((ids < 0) | (ids >= table_rows))
+    if bad.size:
+        t, c = (int(i) for i in np.unravel_index(int(bad[0]), ids.shape))
+        raise InputError(f"{what}: row id {ids[t, c]} at token {t}, column {c} is out of range: the table "
+                         f"has {table_rows} rows (valid ids 0..{table_rows - 1})")
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+class RowWorkspace:
+    """The buffers that row loads share, allocated once for up to `max_tokens` tokens.
+
+    ids int64 [max_tokens, L] on the device (device residency) and its pinned staging copy;
+    raw uint8 [max_tokens * L, row_bytes] on the device (host residency) and its pinned staging copy.
+    """
+
+    def __init__(self, max_tokens: int, cols: int, row_bytes: int, residency: str):
+        if residency not in RESIDENCIES:
+            raise InputError(f"table residency must be one of {', '.join(RESIDENCIES)}, got {residency!r}")
+        self.max_tokens = max_tokens
+        self.cols = cols
+        self.residency = residency
+        self.ids_host = cuda.pinned_array((max_tokens, cols), np.int64)
+        self.ids = cuda.device_array((max_tokens, cols), np.int64)
+        if residency == "host":
+            self.raw_host = cuda.pinned_array((max_tokens * cols, row_bytes), np.uint8)
+            self.raw = cuda.device_array((max_tokens * cols, row_bytes), np.uint8)
+        else:
+            self.raw_host = self.raw = None
+        # recorded after each upload from the staging buffers; waited on before they are refilled
+        self.uploaded = cuda.event()
+
+    @property
+    def row_bytes(self) -> int:
+        return 0 if self.raw is None else int(self.raw.shape[1])
+
+
+class TableRows:
+    """One layer's table in its residency. `load` fills rows bf16 bits [T, L * E] from row ids."""
+
+    def __init__(self, table: TensorRef, residency: str, stream=0):
+        if residency not in RESIDENCIES:
+            raise InputError(f"table residency must be one of {', '.join(RESIDENCIES)}, got {residency!r}")
+        if table.ggml_type not in DEQUANT:
+            raise UnsupportedError(f"{table.name}: engram tables of type {table.ggml_type.name} are not supported")
+        if len(table.shape) != 2 or table.shape[1] % CHUNK:
+            raise UnsupportedError(f"{table.name}: an engram table is [rows, head_dim] with head_dim a multiple "
+                                   f"of {CHUNK}, found shape {list(table.shape)}")
+        self.name = table.name
+        self.gtype = table.ggml_type
+        self.residency = residency
+        self.rows, self.head_dim = (int(n) for n in table.shape)
+        self.row_bytes = FORMATS[self.gtype].row_bytes(self.head_dim)
+        if residency == "device":
+            self.data = cuda.to_device(table.raw(), stream=stream)  # uint8 [rows, row_bytes]
+            self.reader = None
+        else:
+            self.data = None
+            self.reader = EngramRowReader(table)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.rows * self.row_bytes if self.data is not None else 0
+
+    def load(self, row_ids: np.ndarray, n_tokens: int, ws: RowWorkspace, out, stream=0) -> None:
+        """out[:n_tokens] = the bf16 rows of row_ids (int [n_tokens, L]); out uint16 [>= T, L * E]."""
+        self.upload(row_ids, n_tokens, ws, stream)
+        self.dequantize(n_tokens, ws, out, stream)
+
+    def upload(self, row_ids: np.ndarray, n_tokens: int, ws: RowWorkspace, stream=0) -> None:
+        """Validate row_ids int [n_tokens, L] and put what the kernel reads on the device: the ids
+        (device residency) or the rows' stored bytes (host residency)."""
+        if n_tokens > ws.max_tokens:
+            raise InputError(f"{self.name}: {n_tokens} tokens exceed the workspace's {ws.max_tokens}")
+        ids = check_row_ids(row_ids, n_tokens, ws.cols, self.rows, self.name)
+        n = n_tokens * ws.cols
+        ws.uploaded.synchronize()
+        if self.residency == "device":
+            ws.ids_host[:n_tokens] = ids
+            ws.ids[:n_tokens].copy_to_device(ws.ids_host[:n_tokens], stream=stream)
+        else:
+            if ws.raw is None or ws.row_bytes < self.row_bytes:
+                raise InputError(f"{self.name}: the workspace has no host-residency buffer of "
+                                 f"{self.row_bytes}-byte rows")
+            ws.raw_host[:n, :self.row_bytes] = self.reader.read(ids)
+            ws.raw[:n].copy_to_device(ws.raw_host[:n], stream=stream)
+        ws.uploaded.record(stream)
+
+    def dequantize(self, n_tokens: int, ws: RowWorkspace, out, stream=0) -> None:
+        """out[:n_tokens] = the rows `upload` put on the device, dequantised to bf16 bits."""
+        cols = ws.cols
+        if out.dtype != np.uint16 or out.shape[0] < n_tokens or out.shape[1] != cols * self.head_dim:
+            raise InputError(f"{self.name}: rows output must be uint16 [>= {n_tokens}, {cols * self.head_dim}], "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        gathered = self.residency == "device"
+        source = self.data if gathered else ws.raw
+        chunks = self.head_dim // CHUNK
+        grid = grid_1d(n_tokens * cols * chunks, ROWS_THREADS)
+        rows_kernel(self.gtype, gathered)[grid, ROWS_THREADS, stream](source, ws.ids, out, n_tokens, cols, chunks)
+
+    def free(self) -> None:
+        self.data = None
+        self.reader = None

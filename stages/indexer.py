@@ -1,0 +1,336 @@
+"""The indexer on the device: index queries, index scores, candidate blocks and the top-k selection.
+
+Shapes (T tokens, IH x ID index heads, G = width groups, K = index_topk, B = candidate block size,
+NB = ceil(G / B) blocks; bf16 = uint16 bit patterns):
+- `index_queries`: qr bf16 [T, Q], x bf16 [T, C] -> iq = fp4_32(RoPE(qr @ wq_b^T)) bf16 [T, IH*ID] and
+  hw = x @ proj^T bf16 [T, IH].
+- `index_scores`: iq, hw, keys bf16 [>=G, ID] -> score bf16 [T, >=G]:
+  score[t, g] = bf16(sum_h bf16(relu(bf16(iq_h . k_g)) * w_h)), w_h = bf16(hw_h * ID^-0.5 * IH^-0.5),
+  for g < G = (positions[T-1] + 1) // ratio.
+- `select`: score -> selection int32 [T, K] (ascending, -1 padded) and, on the candidate source, the
+  block mask uint8 [T, >=NB] that later index sources respect.
+Oracle: host.oracle.attention (`indexer_scores`, `select`, `candidate_blocks`, `topk_positions`).
+
+Exactness. The index queries and keys are fp4 values: in a block of 32 along ID every value is an
+E2M1 code times the block's power-of-two scale, so a product is (an integer <= 144) * s_q * s_k / 4
+and the fp32 sum of a block's 32 products is exact in any order; the ID / 32 block sums and the
+IH head terms (bf16 values) are added in float64, exactly. So a score equals the oracle's bit for
+bit (for other inputs the block sums would carry fp32 rounding). The selection is integer logic on
+the bf16 scores and equals the oracle's exactly: a score maps to a 16-bit key whose unsigned order
+is the score order (-0 and +0 one key, -inf the lowest), a radix select (16 / RADIX_BITS passes of
+one histogram each) finds the k-th largest key tau and how many keys lie above it, and an ordered
+compaction over positions (a block-wide prefix sum over per-thread segments) keeps every key above
+tau plus the first ties at tau, lower positions first: (score desc, position asc), written
+ascending. Candidate blocks are the same routine over block keys (the max key of the block's
+visible positions, the newest visible block pinned at +inf, kept only if above -inf). One block of
+threads per query row; nothing leaves the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+from numba import cuda, float32, float64, int32, int64, uint32
+
+from flashv41.errors import InputError
+from stages.device import SIM, bf16_round, bf16_to_f32, device, f32_to_bf16
+from stages.linear import DeviceWeight, linear
+from stages.norm_rope_quant import DeviceArray, check_array, check_rows, fp4_quant, mul_rn, rope
+
+FP4_BLOCK = 32  # the fp4 (E8M0) block of the index queries and keys
+# Score tiles: SCORE_GROUPS groups per block, SCORE_HEAD_THREADS threads over the heads; a block
+# walks its row's tiles with a grid stride, so the grid need not follow the width.
+SCORE_GROUPS = 1 if SIM else 32
+SCORE_HEAD_THREADS = 1 if SIM else 32
+SCORE_MAX_BLOCKS = 1 if SIM else 65535  # blocks per row (the simulator pays ~1 ms a block)
+SELECT_THREADS = 1 if SIM else 512
+RADIX_BITS = 4 if SIM else 8
+
+NEG_KEY = 0x007F  # the key of -inf
+POS_KEY = 0xFF80  # the key of +inf
+POSITIONS, MASKED, BLOCKS = 0, 1, 2  # what a top-k pass ranks
+
+if SIM:
+    def _block_dot(qs, h, ks, g, d0):
+        return np.float32(np.dot(qs[h, d0:d0 + FP4_BLOCK], ks[g, d0:d0 + FP4_BLOCK]))
+else:
+    @cuda.jit(device=True)
+    def _block_dot(qs, h, ks, g, d0):
+        s = float32(0)
+        for d in range(d0, d0 + FP4_BLOCK):
+            s += qs[h, d] * ks[g, d]
+        return s
+
+
+@device
+def score_key(bits):
+    """A bf16 score's 16-bit key: unsigned key order == score order; -0 and +0 share one key."""
+    b = uint32(bits)
+    if b == 0x8000:
+        b = uint32(0)
+    if b & 0x8000:
+        return int64((~b) & 0xFFFF)
+    return int64(b | 0x8000)
+
+
+@cache
+def score_kernel(index_heads: int, index_dim: int, head_threads: int, groups: int):
+    """Block (head_threads, groups) per tile of `groups` groups of one query row."""
+    nt = head_threads * groups
+    sync = nt > 1
+    dims = index_dim + 1  # padded shared rows: threads of a warp read different heads' rows
+
+    @cuda.jit
+    def kernel(iq, hw, keys, score, positions, n_tokens, ratio, w_scale):
+        qs = cuda.shared.array((index_heads, dims), float32)
+        ks = cuda.shared.array((groups, dims), float32)
+        ws = cuda.shared.array(index_heads, float32)
+        part = cuda.shared.array((groups, head_threads), float64)
+        t = cuda.blockIdx.y
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        tid = ty * head_threads + tx
+        width = (positions[n_tokens - 1] + 1) // ratio
+        for i in range(tid, index_heads * index_dim, nt):
+            qs[i // index_dim, i % index_dim] = bf16_to_f32(iq[t, i])
+        for h in range(tid, index_heads, nt):
+            ws[h] = bf16_round(mul_rn(bf16_to_f32(hw[t, h]), w_scale))
+        for g0 in range(cuda.blockIdx.x * groups, width, cuda.gridDim.x * groups):
+            if sync:
+                cuda.syncthreads()  # queries loaded; the previous tile's keys and partials consumed
+            for i in range(tid, groups * index_dim, nt):
+                g = g0 + i // index_dim
+                ks[i // index_dim, i % index_dim] = bf16_to_f32(keys[g, i % index_dim]) if g < width else float32(0)
+            if sync:
+                cuda.syncthreads()
+            acc = float64(0)
+            for h in range(tx, index_heads, head_threads):
+                dot = float64(0)
+                for d0 in range(0, index_dim, FP4_BLOCK):
+                    dot += float64(_block_dot(qs, h, ks, ty, d0))
+                v = bf16_round(float32(dot))
+                if v > 0:  # relu: a zero or negative dot adds a zero term
+                    acc += float64(bf16_round(mul_rn(v, ws[h])))
+            part[ty, tx] = acc
+            if sync:
+                cuda.syncthreads()
+            g = g0 + ty
+            if tx == 0 and g < width:
+                total = float64(0)
+                for j in range(head_threads):
+                    total += part[ty, j]
+                score[t, g] = f32_to_bf16(float32(total))
+
+    return kernel
+
+
+@cache
+def select_kernel(threads: int, radix_bits: int):
+    """One block of `threads` threads per query row: candidate blocks (candidate source), then the
+    top-k positions."""
+    nt = threads
+    sync = nt > 1
+    bins = 1 << radix_bits
+    passes = 16 // radix_bits
+    bins_per_thread = max(1, bins // nt)
+
+    @device
+    def exclusive_scan(v, buf, tid):
+        """(sum of v over the threads before tid, sum over all threads); int64."""
+        if not sync:
+            return int64(0), v
+        buf[tid] = v
+        cuda.syncthreads()
+        off = 1
+        while off < nt:
+            add = buf[tid - off] if tid >= off else int64(0)
+            cuda.syncthreads()
+            buf[tid] += add
+            cuda.syncthreads()
+            off *= 2
+        incl = buf[tid]
+        total = buf[nt - 1]
+        cuda.syncthreads()  # buf is free again
+        return incl - v, total
+
+    @device
+    def item_key(mode, score, cand, t, i, visible, blk):
+        """The key of item i: position i (mode POSITIONS / MASKED) or block i (BLOCKS)."""
+        if mode == BLOCKS:
+            if visible >= 1 and i == (visible - 1) // blk:
+                return int64(POS_KEY)
+            best = int64(NEG_KEY)
+            for g in range(i * blk, min(i * blk + blk, visible)):
+                best = max(best, score_key(score[t, g]))
+            return best
+        if mode == MASKED and cand[t, i // blk] == 0:
+            return int64(NEG_KEY)
+        return score_key(score[t, i])
+
+    @device
+    def top_k(mode, score, cand, sel, t, n, k, visible, blk, finite_only, hist, buf, found, tid):
+        """The k items of 0..n-1 with the largest keys, ties to the lower index. BLOCKS: cand[t, i] =
+        kept (kept items must also be above -inf); else: sel[t] = the items ascending, -1 padded."""
+        prefix = int64(0)
+        prefix_mask = int64(0)
+        k_rem = int64(k)
+        above = int64(0)
+        if k > 0:
+            for ps in range(passes):
+                shift = 16 - radix_bits * (ps + 1)
+                for b in range(tid, bins, nt):
+                    hist[b] = 0
+                if sync:
+                    cuda.syncthreads()
+                for i in range(tid, n, nt):
+                    key = item_key(mode, score, cand, t, i, visible, blk)
+                    if (key & prefix_mask) == prefix:
+                        cuda.atomic.add(hist, int32((key >> shift) & (bins - 1)), 1)
+                if sync:
+                    cuda.syncthreads()
+                # bins in descending key order: thread tid holds ranks tid*bpt .. tid*bpt+bpt-1
+                r0 = min(tid * bins_per_thread, bins)
+                r1 = min(r0 + bins_per_thread, bins)
+                local = int64(0)
+                for r in range(r0, r1):
+                    local += hist[bins - 1 - r]
+                c, _ = exclusive_scan(local, buf, tid)
+                for r in range(r0, r1):
+                    h = hist[bins - 1 - r]
+                    if c < k_rem and k_rem <= c + h:
+                        found[0] = bins - 1 - r
+                        found[1] = c
+                    c += h
+                if sync:
+                    cuda.syncthreads()
+                prefix |= found[0] << shift
+                prefix_mask |= (bins - 1) << shift
+                above += found[1]
+                k_rem -= found[1]
+        tau = prefix
+        need = k_rem  # how many keys equal to tau to take, lowest indices first
+        if k == 0 or (finite_only and tau == NEG_KEY):
+            need = int64(0)
+        seg = (n + nt - 1) // nt
+        lo = min(tid * seg, n)
+        hi = min(lo + seg, n)
+        n_gt = int64(0)
+        n_eq = int64(0)
+        for i in range(lo, hi):
+            key = item_key(mode, score, cand, t, i, visible, blk)
+            if k > 0 and key > tau:
+                n_gt += 1
+            elif k > 0 and key == tau:
+                n_eq += 1
+        excl, _ = exclusive_scan((n_gt << 32) | n_eq, buf, tid)
+        eq_before = excl & 0xFFFFFFFF
+        o = (excl >> 32) + min(eq_before, need)
+        tie = eq_before
+        for i in range(lo, hi):
+            key = item_key(mode, score, cand, t, i, visible, blk)
+            take = k > 0 and key > tau
+            if k > 0 and key == tau:
+                take = tie < need
+                tie += 1
+            if mode == BLOCKS:
+                cand[t, i] = 1 if take else 0
+            elif take:
+                sel[t, o] = i
+                o += 1
+        if mode != BLOCKS:
+            for i in range(above + need + tid, sel.shape[1], nt):
+                sel[t, i] = -1
+
+    @cuda.jit
+    def kernel(score, cand, sel, positions, n_tokens, ratio, candidate_source, use_candidates, blk, topk_blocks):
+        hist = cuda.shared.array(bins, int32)
+        buf = cuda.shared.array(nt, int64)
+        found = cuda.shared.array(2, int64)
+        t = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        width = (positions[n_tokens - 1] + 1) // ratio
+        visible = (positions[t] + 1) // ratio
+        if candidate_source:
+            nb = (width + blk - 1) // blk
+            top_k(BLOCKS, score, cand, sel, t, nb, min(topk_blocks, nb), visible, blk, True, hist, buf, found, tid)
+        mode = MASKED if use_candidates else POSITIONS
+        top_k(mode, score, cand, sel, t, visible, min(sel.shape[1], visible), visible, blk, False, hist, buf, found,
+              tid)
+
+    return kernel
+
+
+@dataclass
+class IndexerWeights:
+    """One index source's indexer weights on the device."""
+
+    wq_b: DeviceWeight  # [IH * ID, Q]
+    proj: DeviceWeight  # [IH, C]
+
+
+def index_queries(w: IndexerWeights, qr: DeviceArray, x: DeviceArray, iq: DeviceArray, hw: DeviceArray,
+                  positions: DeviceArray, n_tokens: int, cos: DeviceArray, sin: DeviceArray, stream=0) -> None:
+    """iq[:T] = fp4_32(RoPE(qr @ wq_b^T)) per head; hw[:T] = x @ proj^T (bf16, unscaled)."""
+    heads = w.proj.n
+    linear(qr, w.wq_b, iq, n_tokens, stream=stream)
+    rope(iq, cos, sin, positions, n_tokens, heads, stream=stream)
+    fp4_quant(iq, n_tokens, FP4_BLOCK, False, stream=stream)
+    linear(x, w.proj, hw, n_tokens, stream=stream)
+
+
+def index_scores(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, score: DeviceArray, positions: DeviceArray,
+                 n_tokens: int, ratio: int, width: int, w_scale: float, stream=0,
+                 tile: tuple[int, int] = (0, 0)) -> None:
+    """score[t, g] for t < T and g < G = (positions[T-1] + 1) // ratio (bf16 bits).
+
+    width: G as the host knows it; it only sizes the grid (the kernel reads G off the positions,
+    and its blocks stride over the row, so a captured graph may pass the cache's length).
+    w_scale: ID^-0.5 * IH^-0.5 rounded to fp32 as the oracle does. tile: (head threads, groups)
+    per block (0 = the default; tests force others).
+    """
+    for a, what in ((iq, "iq"), (hw, "hw"), (keys, "keys"), (score, "score")):
+        check_array(a, (np.uint16,), 2, f"index_scores {what}")
+    check_array(positions, (np.int32,), 1, "index_scores positions")
+    for a, what in ((iq, "iq"), (hw, "hw"), (score, "score"), (positions, "positions")):
+        check_rows(a, n_tokens, f"index_scores {what}")
+    heads = hw.shape[1]
+    index_dim = keys.shape[1]
+    if iq.shape[1] != heads * index_dim or index_dim % FP4_BLOCK:
+        raise InputError(f"index_scores: iq {iq.shape} is not {heads} heads of {index_dim} (keys {keys.shape})")
+    if width > min(keys.shape[0], score.shape[1]):
+        raise InputError(f"index_scores: {width} groups, keys {keys.shape}, score {score.shape}")
+    if n_tokens == 0 or width == 0:
+        return
+    head_threads = tile[0] or min(SCORE_HEAD_THREADS, heads)
+    groups = tile[1] or SCORE_GROUPS
+    blocks = min((width + groups - 1) // groups, SCORE_MAX_BLOCKS)
+    kernel = score_kernel(heads, index_dim, head_threads, groups)
+    kernel[(blocks, n_tokens), (head_threads, groups), stream](
+        iq, hw, keys, score, positions, n_tokens, ratio, np.float32(w_scale))
+
+
+def select(score: DeviceArray, positions: DeviceArray, candidates: DeviceArray, selection: DeviceArray,
+           n_tokens: int, ratio: int, candidate_source: bool, use_candidates: bool, block: int, topk_blocks: int,
+           stream=0, threads: int = 0, radix_bits: int = 0) -> None:
+    """selection[:T] (int32 [T, K]): the top min(K, visible) visible positions of each row by
+    (score desc, position asc), ascending, -1 padded; visible = (positions[t] + 1) // ratio.
+
+    candidate_source: first write candidates[t, b] (uint8) = block b kept, for b < NB.
+    use_candidates: positions in blocks with candidates[t, b] == 0 rank as -inf.
+    threads (a power of two), radix_bits (4 or 8): the kernel's shape (0 = the defaults; tests
+    force others).
+    """
+    check_array(score, (np.uint16,), 2, "select score")
+    check_array(positions, (np.int32,), 1, "select positions")
+    check_array(candidates, (np.uint8,), 2, "select candidates")
+    check_array(selection, (np.int32,), 2, "select selection")
+    for a, what in ((score, "score"), (positions, "positions"), (candidates, "candidates"), (selection, "selection")):
+        check_rows(a, n_tokens, f"select {what}")
+    if n_tokens == 0:
+        return
+    nt = threads or SELECT_THREADS
+    select_kernel(nt, radix_bits or RADIX_BITS)[n_tokens, nt, stream](
+        score, candidates, selection, positions, n_tokens, ratio, bool(candidate_source), bool(use_candidates),
+        block, topk_blocks)

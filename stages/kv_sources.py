@@ -1,0 +1,217 @@
+"""The kv sources' compressor, index keys and compressed cache on the device.
+
+A kv-source layer turns its chunk of T tokens into the latents of the groups the chunk completes
+(group j stands for position j * ratio; which tokens complete a group depends only on (start, T,
+ratio): `completed_groups`), then publishes two caches:
+- index keys: k = k_norm(latent @ wk^T) [ID], RoPE at j * ratio, fp4 (32, E8M0) -> `index_keys[j]`;
+- compressed rows: the latent, RoPE at j * ratio, fp4 (16, E4M3 scale) -> `compressed[j]`.
+
+Ratio 1: latent = norm(x @ wkv_c^T) (bf16 linear). Ratio r > 1: fp32 projections kv = x @ wkv_c^T and
+score = x @ wgate^T (stages.linear, fp32 out); a group's latent pools its r tokens per channel with
+softmax weights over their scores, rounded to bf16, then normed. Tokens of a group not yet complete
+wait in the per-sequence fp32 state [r, D] (slot = position % r), exactly as the oracle keeps it.
+
+Shapes: x bf16 [T, C]; kv_state / score_state fp32 [ratio, D]; caches bf16 [max_seq // ratio, D]
+and [max_seq // ratio, ID]; workspaces for T <= max_tokens rows. Oracle: host.oracle.attention
+(`compress`, `pool_group`, `index_keys`, and the compressed write in `attention_layer`).
+
+Every kernel reads the chunk's positions from the device (`positions`, int32 [T]) and derives the
+first completed group from positions[0], so a launch depends on the host only through counts.
+The pooling is bit-exact to `pool_group` given the same projections (fp32 products rounded before
+the float64 sums, exp in float64 rounded once, one fp32 division); what differs from the oracle is
+only the projections' fp32 summation order (stages.linear).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, float64
+
+from stages.device import SIM, f32_to_bf16, grid_1d
+from stages.linear import DeviceWeight, linear
+from stages.norm_rope_quant import DeviceArray, exp_f32, fp4_quant, mul_rn, rms_norm, rope
+
+POOL_THREADS = 64 if SIM else 128
+COPY_THREADS = 64 if SIM else 256
+NEG_INF = float32(-np.inf)
+
+
+def completed_groups(start: int, n_tokens: int, ratio: int) -> tuple[int, int]:
+    """(first group, count) of the groups whose last token lies in positions start..start+T-1."""
+    first_end = start + (ratio - 1 - start % ratio) % ratio  # first position p with p % ratio == ratio - 1
+    last = start + n_tokens - 1
+    if first_end > last:
+        return first_end // ratio, 0
+    return first_end // ratio, (last - first_end) // ratio + 1
+
+
+@cuda.jit
+def _pool_kernel(kv, score, kv_state, score_state, pooled, group_pos, positions, n_tokens, n_groups, ratio,
+                 width):
+    """Threads over channels, blockIdx.y over the completed groups (at least one block row).
+
+    Group gi's tokens come from the chunk, or (for the first group only) from the state where they
+    precede the chunk. Block row 0 then stores the chunk's last token of each slot into the state,
+    after it pooled: the only reader of the state is that same thread, so no barrier is needed."""
+    d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    gi = cuda.blockIdx.y
+    if d >= width:
+        return
+    start = positions[0]
+    first_end = start + (ratio - 1 - start % ratio) % ratio
+    if gi < n_groups:
+        p0 = (first_end // ratio + gi) * ratio
+        m = NEG_INF
+        for s in range(ratio):
+            p = p0 + s
+            sc = score[p - start, d] if p >= start else score_state[s, d]
+            m = max(m, sc)
+        den = float64(0)
+        for s in range(ratio):
+            p = p0 + s
+            sc = score[p - start, d] if p >= start else score_state[s, d]
+            den += float64(exp_f32(sc - m))
+        den32 = float32(den)
+        acc = float64(0)
+        for s in range(ratio):
+            p = p0 + s
+            sc = score[p - start, d] if p >= start else score_state[s, d]
+            v = kv[p - start, d] if p >= start else kv_state[s, d]
+            acc += float64(mul_rn(v, exp_f32(sc - m) / den32))
+        pooled[gi, d] = f32_to_bf16(float32(acc))
+        if d == 0:
+            group_pos[gi] = p0
+    if gi == 0:
+        last = start + n_tokens - 1
+        for s in range(ratio):
+            p = last - (last - s) % ratio  # the chunk's last position in slot s
+            if p >= start:
+                kv_state[s, d] = kv[p - start, d]
+                score_state[s, d] = score[p - start, d]
+
+
+@cuda.jit
+def _scatter_rows_kernel(src, dst, positions, n_rows, ratio, width):
+    """dst[g0 + r] = src[r] for r < n_rows, g0 the first group completed by the chunk."""
+    i = cuda.grid(1)
+    if i >= n_rows * width:
+        return
+    r = i // width
+    c = i % width
+    start = positions[0]
+    g0 = (start + (ratio - 1 - start % ratio) % ratio) // ratio
+    dst[g0 + r, c] = src[r, c]
+
+
+@dataclass
+class KvSourceWeights:
+    """One kv-source layer's compressor and index-key weights on the device."""
+
+    ratio: int
+    comp_kv: DeviceWeight  # [D, C]
+    comp_gate: DeviceWeight | None  # [D, C], ratio > 1 only
+    comp_norm: DeviceArray  # fp32 [D]
+    wk: DeviceWeight  # [ID, D]
+    k_norm: DeviceArray  # fp32 [ID]
+
+
+@dataclass
+class KvSourceState:
+    """One sequence's compressor state and caches of one kv-source layer."""
+
+    kv_state: DeviceArray  # fp32 [ratio, D]: the partial group's projections, slot = position % ratio
+    score_state: DeviceArray  # fp32 [ratio, D]: their gate scores (-inf = empty)
+    compressed: DeviceArray  # bf16 [max_seq // ratio, D]: latents after RoPE + fp4
+    index_keys: DeviceArray  # bf16 [max_seq // ratio, ID]: index keys after RoPE + fp4
+
+    @classmethod
+    def allocate(cls, ratio: int, head_dim: int, index_head_dim: int, max_seq: int) -> KvSourceState:
+        groups = max(1, max_seq // ratio)
+        state = cls(cuda.device_array((ratio, head_dim), np.float32),
+                    cuda.device_array((ratio, head_dim), np.float32),
+                    cuda.device_array((groups, head_dim), np.uint16),
+                    cuda.device_array((groups, index_head_dim), np.uint16))
+        state.reset()
+        return state
+
+    def reset(self) -> None:
+        """Back to an empty sequence: zero state and caches, scores -inf (as the oracle starts)."""
+        self.kv_state.copy_to_device(np.zeros(self.kv_state.shape, np.float32))
+        self.score_state.copy_to_device(np.full(self.score_state.shape, -np.inf, np.float32))
+        self.compressed.copy_to_device(np.zeros(self.compressed.shape, np.uint16))
+        self.index_keys.copy_to_device(np.zeros(self.index_keys.shape, np.uint16))
+
+
+@dataclass
+class KvSourceWorkspace:
+    """Per-call scratch for up to max_tokens tokens (shared by every kv-source layer)."""
+
+    proj_kv: DeviceArray  # fp32 [T, D]: ratio > 1 projections
+    proj_score: DeviceArray  # fp32 [T, D]: ratio > 1 gate scores
+    raw: DeviceArray  # bf16 [T, D]: ratio 1 projection, or the pooled groups before the norm
+    latent: DeviceArray  # bf16 [T, D]: the new groups' latents (before RoPE), then their cache rows
+    key_raw: DeviceArray  # bf16 [T, ID]: latent @ wk^T
+    keys: DeviceArray  # bf16 [T, ID]: the new groups' index keys
+    group_pos: DeviceArray  # int32 [T]: position j * ratio of each new group (ratio > 1)
+
+    @classmethod
+    def allocate(cls, max_tokens: int, head_dim: int, index_head_dim: int) -> KvSourceWorkspace:
+        def bf16(width: int) -> DeviceArray:
+            return cuda.device_array((max_tokens, width), np.uint16)
+
+        return cls(cuda.device_array((max_tokens, head_dim), np.float32),
+                   cuda.device_array((max_tokens, head_dim), np.float32),
+                   bf16(head_dim), bf16(head_dim), bf16(index_head_dim), bf16(index_head_dim),
+                   cuda.device_array(max_tokens, np.int32))
+
+
+def pool_groups(proj_kv: DeviceArray, proj_score: DeviceArray, state: KvSourceState, pooled: DeviceArray,
+                group_pos: DeviceArray, positions: DeviceArray, n_tokens: int, n_groups: int, stream=0) -> None:
+    """The ratio > 1 pooling: the chunk's fp32 projections [T, D] and the state -> pooled bf16 rows
+    [n_groups, D] and their positions (int32 [n_groups]); the state keeps the chunk's last token of
+    every slot. n_groups must be `completed_groups(start, n_tokens, ratio)[1]`."""
+    ratio, width = state.kv_state.shape
+    grid = (grid_1d(width, POOL_THREADS), max(n_groups, 1))
+    _pool_kernel[grid, POOL_THREADS, stream](proj_kv, proj_score, state.kv_state, state.score_state, pooled,
+                                             group_pos, positions, n_tokens, n_groups, ratio, width)
+
+
+def compress(w: KvSourceWeights, state: KvSourceState, ws: KvSourceWorkspace, x: DeviceArray,
+             positions: DeviceArray, start: int, n_tokens: int, eps: float, stream=0) -> tuple[int, int, DeviceArray]:
+    """The compressor over a chunk: latents (bf16, before RoPE) of the n groups it completes into
+    ws.latent[:n]. Returns (first group g0, n, group positions: int32 device array, n used)."""
+    g0, n = completed_groups(start, n_tokens, w.ratio)
+    if w.ratio == 1:
+        linear(x, w.comp_kv, ws.raw, n_tokens, stream=stream)
+        rms_norm(ws.raw, w.comp_norm, ws.latent, n_tokens, eps, stream=stream)
+        return g0, n, positions
+    assert w.comp_gate is not None
+    linear(x, w.comp_kv, ws.proj_kv, n_tokens, stream=stream)
+    linear(x, w.comp_gate, ws.proj_score, n_tokens, stream=stream)
+    pool_groups(ws.proj_kv, ws.proj_score, state, ws.raw, ws.group_pos, positions, n_tokens, n, stream)
+    if n:
+        rms_norm(ws.raw, w.comp_norm, ws.latent, n, eps, stream=stream)
+    return g0, n, ws.group_pos
+
+
+def publish(w: KvSourceWeights, state: KvSourceState, ws: KvSourceWorkspace, positions: DeviceArray,
+            group_pos: DeviceArray, n: int, cos: DeviceArray, sin: DeviceArray, eps: float, stream=0) -> None:
+    """Index keys and compressed rows of the n new groups (latents in ws.latent[:n]) into the caches.
+
+    keys = fp4_32(RoPE(k_norm(latent @ wk^T))); rows = fp4_16e4m3(RoPE(latent)), both at the group
+    positions; written to cache rows g0 .. g0+n-1 by a kernel that reads g0 off the device positions.
+    """
+    if n == 0:
+        return
+    linear(ws.latent, w.wk, ws.key_raw, n, stream=stream)
+    rms_norm(ws.key_raw, w.k_norm, ws.keys, n, eps, stream=stream)
+    rope(ws.keys, cos, sin, group_pos, n, 1, stream=stream)
+    fp4_quant(ws.keys, n, 32, False, stream=stream)
+    rope(ws.latent, cos, sin, group_pos, n, 1, stream=stream)
+    fp4_quant(ws.latent, n, 16, True, stream=stream)
+    for src, dst in ((ws.keys, state.index_keys), (ws.latent, state.compressed)):
+        width = src.shape[1]
+        _scatter_rows_kernel[grid_1d(n * width, COPY_THREADS), COPY_THREADS, stream](
+            src, dst, positions, n, w.ratio, width)

@@ -1,0 +1,517 @@
+"""The attention stages' kernels against their oracle functions (host.numerics, host.oracle.attention).
+
+Exact (bit for bit, given the same inputs): RMSNorm, RoPE, act_quant, fp4_quant (stages.norm_rope_quant
+says why), the compressor pooling and the kv-source caches, index scores, selections and candidate
+blocks, the entry lists. Within a derived bound: sparse attention (test_sparse_attention says which).
+Simulator shapes here; `gpu` tests repeat the heavy kernels at V4.1-Flash sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from numba import cuda  # noqa: E402  (after conftest chose the backend)
+
+from flashv41.config import LayerRole
+from flashv41.errors import InputError
+from flashv41.model import load_model
+from host.numerics import act_quant, bf16, e4m3, fp4_act_quant, from_bits, rms_norm, to_bits
+from host.oracle import attention as oracle
+from host.oracle import rope_tables
+from stages import indexer, kv_sources  # noqa: E402
+from stages import norm_rope_quant as nrq  # noqa: E402
+from stages.linear import DeviceWeight  # noqa: E402
+from stages.sparse_attention import build_entries, sparse_attention  # noqa: E402
+from tests.bounds import assert_within, bf16_ulp
+
+
+def dev_bf16(x: np.ndarray):
+    return cuda.to_device(to_bits(x))
+
+
+def host_bf16(a) -> np.ndarray:
+    return from_bits(a.copy_to_host())
+
+
+def assert_bits_equal(got_bits: np.ndarray, ref_values: np.ndarray, what: str) -> None:
+    """Bit-exact (signed zeros included); the first mismatches are printed."""
+    ref_bits = to_bits(ref_values)
+    bad = np.argwhere(got_bits != ref_bits)
+    if bad.size:
+        first = [tuple(int(v) for v in i) for i in bad[:5]]
+        detail = [(i, float(from_bits(got_bits[i])), float(ref_values[i])) for i in first]
+        raise AssertionError(f"{what}: {len(bad)} of {ref_bits.size} values differ; "
+                             f"first (index, got, oracle): {detail}")
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg(tiny_path):
+    model = load_model(tiny_path)
+    yield model.config
+    model.close()
+
+
+def random_rows(rng, rows: int, width: int) -> np.ndarray:
+    """bf16 rows of normal values, each row at its own scale (2^-40 .. 2^40), some exact zeros."""
+    scale = np.exp2(rng.integers(-40, 41, size=(rows, 1))).astype(np.float32)
+    x = rng.standard_normal((rows, width)).astype(np.float32) * scale
+    x[rng.random((rows, width)) < 0.05] = 0.0
+    x[rng.random((rows, width)) < 0.02] = -0.0
+    return bf16(x)
+
+
+# ---- RMSNorm, RoPE ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [0, 2, 4])
+@pytest.mark.parametrize("dtype", [np.uint16, np.float32])
+def test_rms_norm_exact(dtype, threads):
+    rng = np.random.default_rng(1)
+    rows, width = 6, 96
+    x = random_rows(rng, rows, width)
+    if dtype == np.float32:
+        x = x * np.float32(1 + 2.0**-12)  # fp32 values that are not bf16
+    weight = bf16(rng.standard_normal(width).astype(np.float32))
+    xd = dev_bf16(x) if dtype == np.uint16 else cuda.to_device(x)
+    out = cuda.device_array((rows + 2, width), np.uint16)
+    nrq.rms_norm(xd, cuda.to_device(weight), out, rows, 1e-6, threads=threads)
+    assert_bits_equal(out.copy_to_host()[:rows], rms_norm(x, weight, 1e-6), f"rms_norm {np.dtype(dtype).name}")
+
+
+def test_rms_norm_in_place():
+    rng = np.random.default_rng(2)
+    x = random_rows(rng, 3, 64)
+    weight = bf16(rng.random(64).astype(np.float32))
+    xd = dev_bf16(x)
+    nrq.rms_norm(xd, cuda.to_device(weight), xd, 3, 1e-20)
+    assert_bits_equal(xd.copy_to_host(), rms_norm(x, weight, 1e-20), "rms_norm in place")
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+@pytest.mark.parametrize("heads", [1, 3])
+def test_rope_exact(tiny_cfg, heads, compressed):
+    """Forward and inverse rotation of each head's tail, positions anywhere in the table."""
+    rng = np.random.default_rng(3 + heads)
+    max_seq, head_dim = 200, 32
+    tables = rope_tables(tiny_cfg, max_seq)
+    cos, sin = tables.compressed if compressed else tables.plain
+    rd = tiny_cfg.rope_dim
+    rows = 7
+    positions = np.array([0, 1, 2, 77, 150, 198, 199], np.int32)
+    x = bf16(rng.standard_normal((rows, heads, head_dim)).astype(np.float32))
+    for inverse in (False, True):
+        xd = dev_bf16(x.reshape(rows, -1))
+        nrq.rope(xd, cuda.to_device(cos), cuda.to_device(sin), cuda.to_device(positions), rows, heads, inverse)
+        ref = oracle.rope_tail(x, cos[positions][:, None], sin[positions][:, None], rd, inverse)
+        assert_bits_equal(xd.copy_to_host().reshape(rows, heads, head_dim), ref, f"rope inverse={inverse}")
+
+
+# ---- quantisers --------------------------------------------------------------------------------------
+
+def fp8_crafted_blocks() -> np.ndarray:
+    """Blocks of 32 that hit every corner of act_quant: ties between e4m3 neighbours (normal and
+    subnormal), the amax floor, exact power-of-two scales, signed zeros, huge and tiny magnitudes."""
+    ties = [1.0625, 1.1875, -1.3125, 1.9375, 3.0 + 1 / 8, 448.0, 416.0 + 16, 2.0**-7 + 2.0**-10,
+            3 * 2.0**-10, 5 * 2.0**-10, -7 * 2.0**-10, 2.0**-12, -0.0, 0.0, 240.0, 232.0]
+    base = np.array(ties + [0.5 * (i + 1) for i in range(16)], np.float32)
+    blocks = [base, base * 2.0**-20, base * 2.0**30, -base, np.zeros(32, np.float32),
+              np.full(32, 1e-6, np.float32), np.full(32, -3e-38, np.float32)]
+    return bf16(np.stack(blocks).reshape(1, -1))
+
+
+def fp4_crafted_blocks(block: int) -> np.ndarray:
+    """E2M1 midpoints and neighbours times an exact scale, saturation after an e4m3 scale rounds
+    down (amax / 6 = 1.0625 -> 1.0, so |x / s| reaches 6.375 and clips), signed zeros, tiny blocks."""
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -2.5, 0.5, 3.0, -0.0, 0.0, 5.5, 0.125, 6.0]
+    rows = []
+    for scale in (1.0, 1.25, 2.0**-5, 2.0**12):
+        v = np.array((mids * 2)[:block], np.float32) * np.float32(scale)
+        rows.append(v)
+    sat = np.linspace(-6.375, 6.375, block).astype(np.float32)
+    sat[0] = 6.375
+    rows += [sat, np.zeros(block, np.float32), np.full(block, 1e-30, np.float32)]
+    return bf16(np.concatenate(rows)[None, :])
+
+
+def test_act_quant_exact():
+    rng = np.random.default_rng(4)
+    for x in (random_rows(rng, 9, 128), fp8_crafted_blocks()):
+        xd = dev_bf16(x)
+        nrq.act_quant(xd, x.shape[0])
+        assert_bits_equal(xd.copy_to_host(), act_quant(x), "act_quant")
+
+
+@pytest.mark.parametrize("block,e4m3_scale", [(16, True), (32, False)])
+def test_fp4_quant_exact(block, e4m3_scale):
+    rng = np.random.default_rng(5 + block)
+    for x in (random_rows(rng, 9, 128), fp4_crafted_blocks(block)):
+        xd = dev_bf16(x)
+        nrq.fp4_quant(xd, x.shape[0], block, e4m3_scale)
+        assert_bits_equal(xd.copy_to_host(), fp4_act_quant(x, block, e4m3_scale), f"fp4 {block}")
+
+
+def test_crafted_inputs_hit_the_corners():
+    """The crafted blocks above really contain ties and saturation (else they test nothing)."""
+    x = fp8_crafted_blocks()[0, :32]
+    q = e4m3(x)
+    assert np.any(q != x) and np.any(np.abs(x) == 448)
+    v = fp4_crafted_blocks(16)[0, 64:80]  # the saturating block
+    assert np.abs(v).max() / e4m3(np.abs(v).max() / 6) > 6
+
+
+def test_quantiser_shape_errors():
+    x = cuda.to_device(np.zeros((2, 40), np.uint16))
+    with pytest.raises(InputError, match="blocks of 32"):
+        nrq.act_quant(x, 2)
+    with pytest.raises(InputError, match="rows requested"):
+        nrq.fp4_quant(cuda.to_device(np.zeros((2, 32), np.uint16)), 3, 16, True)
+    with pytest.raises(InputError, match="uint16"):
+        nrq.rms_norm(cuda.to_device(np.zeros((2, 32), np.float64)), cuda.to_device(np.ones(32, np.float32)),
+                     cuda.device_array((2, 32), np.uint16), 2, 1e-6)
+
+
+# ---- kv sources ----------------------------------------------------------------------------------------
+
+def test_completed_groups():
+    for ratio in (1, 2, 3, 4):
+        for start in range(12):
+            for n in range(1, 9):
+                ends = [p // ratio for p in range(start, start + n) if p % ratio == ratio - 1]
+                g0, count = kv_sources.completed_groups(start, n, ratio)
+                assert count == len(ends) and (not ends or ends[0] == g0), (ratio, start, n)
+
+
+def one_hot(rows: int, cols: int, shift: int, scale: float) -> np.ndarray:
+    """Rows that each pick one input (times a power of two): a projection every implementation
+    computes exactly, so the stages after it see the oracle's very inputs."""
+    w = np.zeros((rows, cols), np.float32)
+    w[np.arange(rows), (np.arange(rows) * 7 + shift) % cols] = scale
+    return w
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+def test_kv_source_exact_across_calls(tiny_cfg, ratio):
+    """compress + publish against oracle.compress / oracle.index_keys / the compressed write, chunk
+    after chunk (groups split across calls, calls that complete none), with projections that are
+    exact everywhere: latents, state, both caches bit-exact."""
+    cfg = tiny_cfg
+    rng = np.random.default_rng(6 + ratio)
+    c, d, idd = cfg.dim, cfg.head_dim, cfg.index_head_dim
+    max_seq, max_tokens = 40, 8
+    role = LayerRole(1, ratio, True, True, False, False, False)
+    w = oracle.AttentionWeights(*([None] * 9), comp_kv=one_hot(d, c, 0, 1.0),
+                                comp_gate=one_hot(d, c, 3, 4.0) if ratio > 1 else None,
+                                comp_norm=bf16(rng.random(d).astype(np.float32) + 0.5), wk=one_hot(idd, d, 1, 2.0),
+                                k_norm=bf16(rng.random(idd).astype(np.float32) + 0.5))
+    gtype = "F32" if ratio > 1 else "BF16"
+    dw = kv_sources.KvSourceWeights(
+        ratio, DeviceWeight.from_values("kv", w.comp_kv, gtype),
+        DeviceWeight.from_values("gate", w.comp_gate, gtype) if w.comp_gate is not None else None,
+        cuda.to_device(w.comp_norm), DeviceWeight.from_values("wk", w.wk, "BF16"), cuda.to_device(w.k_norm))
+    tables = rope_tables(cfg, max_seq)
+    cos, sin = tables.compressed
+    dcos, dsin = cuda.to_device(cos), cuda.to_device(sin)
+    ostate = oracle.LayerState.create(cfg, role, max_seq)
+    state = kv_sources.KvSourceState.allocate(ratio, d, idd, max_seq)
+    ws = kv_sources.KvSourceWorkspace.allocate(max_tokens, d, idd)
+    start = 0
+    for n in (3, 1, 2, 5, 1, 8, 1):
+        x = bf16(rng.standard_normal((n, c)).astype(np.float32))
+        positions = cuda.to_device(np.arange(start, start + n, dtype=np.int32))
+        latents, groups = oracle.compress(cfg, role, w, ostate, x, start)
+        g0, count, gpos = kv_sources.compress(dw, state, ws, dev_bf16(x), positions, start, n, cfg.norm_eps)
+        assert count == groups.size and (count == 0 or g0 == groups[0])
+        assert_bits_equal(ws.latent.copy_to_host()[:count], latents, f"latents at {start}")
+        if count:
+            gp = groups * ratio
+            ostate.index_keys[groups] = oracle.index_keys(cfg, w, latents, gp, cos, sin)
+            rotated = oracle.rope_tail(latents, cos[gp], sin[gp], cfg.rope_dim)
+            ostate.compressed[groups] = fp4_act_quant(rotated, 16, e4m3_scale=True)
+            assert np.array_equal(gpos.copy_to_host()[:count], gp)
+        kv_sources.publish(dw, state, ws, positions, gpos, count, dcos, dsin, cfg.norm_eps)
+        if ratio > 1:
+            assert np.array_equal(state.kv_state.copy_to_host(), ostate.kv_state)
+            assert np.array_equal(state.score_state.copy_to_host(), ostate.score_state)
+        assert_bits_equal(state.index_keys.copy_to_host(), ostate.index_keys, f"index keys after {start + n}")
+        assert_bits_equal(state.compressed.copy_to_host(), ostate.compressed, f"compressed after {start + n}")
+        start += n
+
+
+def test_pooling_exact_on_random_projections():
+    """The pooling kernel alone on arbitrary fp32 projections (wide score ranges, so the softmax
+    weights are far from even) against oracle.pool_group."""
+    rng = np.random.default_rng(8)
+    ratio, d, n = 2, 48, 6
+    kv = rng.standard_normal((n, d)).astype(np.float32)
+    score = (rng.standard_normal((n, d)) * 30).astype(np.float32)
+    state = kv_sources.KvSourceState.allocate(ratio, d, 32, 8)
+    pooled = cuda.device_array((n, d), np.uint16)
+    gpos = cuda.device_array(n, np.int32)
+    kv_sources.pool_groups(cuda.to_device(kv), cuda.to_device(score), state, pooled, gpos,
+                           cuda.to_device(np.arange(n, dtype=np.int32)), n, n // ratio)
+    ref = np.stack([oracle.pool_group(kv[g * ratio:(g + 1) * ratio], score[g * ratio:(g + 1) * ratio])
+                    for g in range(n // ratio)])
+    assert_bits_equal(pooled.copy_to_host()[:n // ratio], bf16(ref), "pooled groups")
+
+
+# ---- indexer -------------------------------------------------------------------------------------------
+
+def fake_indexer_cfg(cfg, heads: int, dim: int):
+    return dataclasses.replace(cfg, index_heads=heads, index_head_dim=dim)
+
+
+@pytest.mark.parametrize("tile", [(0, 0), (2, 3)])
+def test_index_scores_exact(tiny_cfg, tile):
+    """index_queries + index_scores against oracle.indexer_scores. The projections are one-hot (exact
+    in any implementation), so both sides score the very same fp4 queries: every score bit-exact."""
+    rng = np.random.default_rng(9)
+    heads, dim, t, width = 3, 64, 5, 13
+    cfg = fake_indexer_cfg(tiny_cfg, heads, dim)
+    c = 32
+    qr = bf16(rng.standard_normal((t, heads * dim)).astype(np.float32))
+    x = bf16(rng.standard_normal((t, c)).astype(np.float32))
+    keys = fp4_act_quant(bf16(rng.standard_normal((width + 3, dim)).astype(np.float32)), 32, False)
+    keys[2] = 0.0  # an all-zero key: every dot is zero
+    w = oracle.AttentionWeights(*([None] * 9), idx_wq_b=np.eye(heads * dim, dtype=np.float32),
+                                idx_proj=one_hot(heads, c, 5, 1.0))
+    positions = np.arange(width - t, width)
+    cos, sin = rope_tables(cfg, 64).compressed
+    ref = oracle.indexer_scores(cfg, w, x, qr, keys[:width], cos[positions], sin[positions])
+    iw = indexer.IndexerWeights(DeviceWeight.from_values("wq_b", w.idx_wq_b, "BF16"),
+                                DeviceWeight.from_values("proj", w.idx_proj, "F32"))
+    iq = cuda.device_array((t, heads * dim), np.uint16)
+    hw = cuda.device_array((t, heads), np.uint16)
+    pos = cuda.to_device(positions.astype(np.int32))
+    indexer.index_queries(iw, dev_bf16(qr), dev_bf16(x), iq, hw, pos, t, cuda.to_device(cos), cuda.to_device(sin))
+    score = cuda.device_array((t, width + 3), np.uint16)
+    scale = np.float32(dim ** -0.5 * heads ** -0.5)
+    indexer.index_scores(iq, hw, dev_bf16(keys), score, pos, t, 1, width, scale, tile=tile)
+    got = host_bf16(score)[:, :width]
+    assert np.array_equal(got, ref), f"{int((got != ref).sum())} scores differ"
+    assert (ref == 0).any() and (ref > 0).any()
+
+
+def score_patterns(rng, t: int, width: int) -> dict[str, np.ndarray]:
+    """Random scores and tie-heavy ones: a handful of values (signed zeros among them), one value
+    everywhere, and negative-only rows."""
+    few = np.array([-2.0, -0.5, -0.0, 0.0, 0.5, 1.0, 3.0], np.float32)
+    return {
+        "random": bf16(rng.standard_normal((t, width)).astype(np.float32)),
+        "ties": few[rng.integers(0, few.size, (t, width))],
+        "constant": np.full((t, width), 0.25, np.float32),
+        "negative": -bf16(rng.random((t, width)).astype(np.float32) * 0.01 + 1),
+    }
+
+
+SELECT_CASES = [  # (ratio, start, T, topk, block, topk_blocks)
+    (1, 10, 6, 4, 2, 3),  # the tiny preset
+    (2, 0, 7, 4, 2, 3),  # queries that see no group yet
+    (2, 30, 5, 8, 4, 2),  # top-k cut inside many ties; few candidate blocks
+    (1, 3, 4, 16, 3, 8),  # k above the visible count; ragged last block
+]
+
+
+@pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: f"r{c[0]}s{c[1]}T{c[2]}k{c[3]}b{c[4]}x{c[5]}")
+def test_select_exact(tiny_cfg, case):
+    """Candidate source, a later index source respecting its mask, and a plain index source, each
+    against oracle.select on the same scores: selections and masks exactly equal."""
+    ratio, start, t, topk, block, topk_blocks = case
+    cfg = dataclasses.replace(tiny_cfg, index_topk=topk, candidate_block_size=block,
+                              candidate_topk_blocks=topk_blocks)
+    rng = np.random.default_rng(10 + start)
+    positions = np.arange(start, start + t)
+    width = (start + t) // ratio
+    pos = cuda.to_device(positions.astype(np.int32))
+    nb = -(-width // block)
+    for name, scores in score_patterns(rng, t, width).items():
+        shared = oracle.SharedRuntime()
+        cand = cuda.to_device(np.full((t, nb + 2), 7, np.uint8))
+        for source, uses in ((True, False), (False, True), (False, False)):
+            role = LayerRole(3, ratio, False, True, source, uses, False)
+            other = score_patterns(rng, t, width)["ties"] if uses else scores
+            ref = oracle.select(cfg, role, other, positions, shared)
+            sel = cuda.to_device(np.full((t, topk), 99, np.int32))
+            indexer.select(dev_bf16(other), pos, cand, sel, t, ratio, source, uses, block, topk_blocks)
+            assert np.array_equal(sel.copy_to_host(), ref), f"{name} source={source} uses={uses}"
+            if source:
+                mask = np.repeat(cand.copy_to_host()[:, :nb].astype(bool), block, axis=1)[:, :width]
+                assert np.array_equal(mask, shared.candidates), f"{name}: candidate blocks"
+
+
+@pytest.mark.parametrize("threads,radix_bits", [(2, 8), (4, 4)])
+def test_select_other_shapes(tiny_cfg, threads, radix_bits):
+    """The kernel with several threads per row (segments, block scans) and the GPU's 8-bit radix."""
+    cfg = dataclasses.replace(tiny_cfg, index_topk=5, candidate_block_size=3, candidate_topk_blocks=2)
+    rng = np.random.default_rng(11)
+    t, start, ratio = 3, 17, 1
+    positions = np.arange(start, start + t)
+    width = start + t
+    scores = score_patterns(rng, t, width)["ties"]
+    pos = cuda.to_device(positions.astype(np.int32))
+    shared = oracle.SharedRuntime()
+    cand = cuda.device_array((t, 8), np.uint8)
+    for source, uses in ((True, False), (False, True)):
+        role = LayerRole(3, ratio, False, True, source, uses, False)
+        ref = oracle.select(cfg, role, scores, positions, shared)
+        sel = cuda.device_array((t, 5), np.int32)
+        indexer.select(dev_bf16(scores), pos, cand, sel, t, ratio, source, uses, 3, 2, threads=threads,
+                       radix_bits=radix_bits)
+        assert np.array_equal(sel.copy_to_host(), ref)
+
+
+# ---- entries and sparse attention ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("start,t", [(0, 5), (6, 4), (13, 1), (20, 12)])
+def test_entries_name_the_window_positions(start, t):
+    """Each window entry resolves to the row of the position oracle.window_positions names (ring rows
+    label their slot's position, chunk rows their own), then the selection shifted past both."""
+    window, cap, k = 8, 12, 3
+    positions = np.arange(start, start + t)
+    ring_pos = np.full(window, -5)
+    for p in range(max(0, start - window), start):
+        ring_pos[p % window] = p
+    labels = np.concatenate([ring_pos, positions, np.full(cap - t, -9)])
+    selection = np.where(np.arange(k)[None, :] < 2, np.arange(t)[:, None] + np.arange(k)[None, :], -1)
+    entries = cuda.device_array((t, window + k), np.int32)
+    build_entries(cuda.to_device(positions.astype(np.int32)), cuda.to_device(selection.astype(np.int32)), entries,
+                  t, window, cap)
+    got = entries.copy_to_host()
+    win = got[:, :window]
+    named = np.where(win >= 0, labels[np.clip(win, 0, None)], -1)
+    assert np.array_equal(named, oracle.window_positions(positions, window))
+    assert np.array_equal(got[:, window:], np.where(selection >= 0, selection + window + cap, -1))
+
+
+def attention_inputs(rng, t: int, heads: int, dim: int, window: int, chunk: int, groups: int, n_entries: int):
+    """q (bf16), rows as the layer makes them (fp8 window rows, fp4 compressed rows), entries with
+    skips and an all-empty row, sinks large enough to matter."""
+    q = bf16((rng.standard_normal((t, heads, dim)) * 2).astype(np.float32))
+    ring = act_quant(bf16(rng.standard_normal((window, dim)).astype(np.float32)))
+    chunk_rows = act_quant(bf16(rng.standard_normal((chunk, dim)).astype(np.float32)))
+    comp = fp4_act_quant(bf16(rng.standard_normal((groups, dim)).astype(np.float32)), 16, True)
+    n_rows = window + chunk + groups
+    entries = rng.integers(-1, n_rows, (t, n_entries)).astype(np.int32)
+    entries[1] = -1
+    sinks = (rng.standard_normal(heads) * 2).astype(np.float32)
+    return q, ring, chunk_rows, comp, entries, sinks
+
+
+def sparse_bound(q, rows, entries, sinks, scale, ref) -> np.ndarray:
+    """What fp32 accumulation may change, elementwise.
+
+    The kernel's score s_j = q . k_j sums D products in fp32: |ds| <= delta = scale * D * 2^-24 *
+    max_j sum_d |q_d k_jd| (+ the shared fp32 rounding of the scale product). The max moves by as
+    much, so p_j = exp(s_j - max) moves by a relative eps <= 2 delta + 2^-22. Rounding p_j to bf16 can
+    then fall on the other side of a rounding boundary: one bf16 step, <= 2^-7 p_j. The value sums
+    (64 fp32 terms per block, two roundings per block in the rescale) add < 2^-16 relative, the
+    denominator the same. With A_d = sum_j p_j |v_jd| / S (weights of the final softmax, sink in S):
+    |do_d| <= (2^-7 + eps + 2^-16) A_d + (eps + 2^-16) |o_d| + one bf16 ulp of o_d (the output rounding).
+    """
+    valid = entries >= 0
+    k = rows[np.where(valid, entries, 0)].astype(np.float64) * valid[..., None]  # [T, E, D]
+    q64 = q.astype(np.float64)
+    s = np.einsum("thd,ted->the", q64, k) * scale
+    mag = np.einsum("thd,ted->the", np.abs(q64), np.abs(k))
+    delta = scale * q.shape[-1] * 2.0**-24 * mag.max() + 2.0**-24 * np.abs(s).max()
+    eps = 2 * delta + 2.0**-22
+    s = np.where(valid[:, None, :], s, -np.inf)
+    m = np.maximum(s.max(axis=-1), sinks[None, :])
+    p = np.exp(s - m[..., None])
+    denom = p.sum(-1) + np.exp(sinks[None, :] - m)
+    weighted = np.einsum("the,ted->thd", p, np.abs(k)) / denom[..., None]
+    return (2.0**-7 + eps + 2.0**-16) * weighted + (eps + 2.0**-16) * np.abs(ref) + bf16_ulp(ref)
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_sparse_attention_within_bound(threads):
+    rng = np.random.default_rng(12)
+    t, heads, dim, window, chunk, groups = 4, 2, 64, 8, 6, 40
+    q, ring, chunk_rows, comp, entries, sinks = attention_inputs(rng, t, heads, dim, window, chunk, groups, 140)
+    rows = np.concatenate([ring, chunk_rows, comp])
+    scale = dim ** -0.5
+    ref = oracle.sparse_attention(q, rows, entries.astype(np.int64), sinks, scale)
+    out = cuda.device_array((t, heads, dim), np.uint16)
+    sparse_attention(dev_bf16(q), dev_bf16(ring), dev_bf16(chunk_rows), dev_bf16(comp), cuda.to_device(entries),
+                     cuda.to_device(sinks), out, t, scale, threads=threads)
+    got = host_bf16(out)
+    assert np.all(got[1] == 0) and np.all(ref[1] == 0), "a row without entries gives zeros"
+    assert_within(got, ref, sparse_bound(q, rows, entries, sinks, scale, ref), "sparse attention")
+    # the bound allows a bf16 step per probability; flips are rare, so nearly every value is equal
+    assert np.mean(got == ref) > 0.95
+
+
+def test_sparse_attention_shape_errors():
+    q = cuda.device_array((2, 2, 64), np.uint16)
+    rows = cuda.device_array((8, 64), np.uint16)
+    with pytest.raises(InputError, match="do not agree"):
+        sparse_attention(q, rows, rows, cuda.device_array((4, 32), np.uint16), cuda.device_array((2, 8), np.int32),
+                         cuda.to_device(np.zeros(2, np.float32)), q, 2, 0.1)
+
+
+# ---- V4.1-Flash sizes on the GPU -----------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_flash_select_exact(tiny_cfg):
+    """Top-512 of 32768 scores with 8-position candidate blocks (top 2048), random and tie-heavy."""
+    cfg = dataclasses.replace(tiny_cfg, index_topk=512, candidate_block_size=8, candidate_topk_blocks=2048)
+    rng = np.random.default_rng(13)
+    t, start = 4, 32768 - 4
+    positions = np.arange(start, start + t)
+    width = start + t
+    pos = cuda.to_device(positions.astype(np.int32))
+    for name, scores in score_patterns(rng, t, width).items():
+        shared = oracle.SharedRuntime()
+        cand = cuda.device_array((t, width // 8 + 1), np.uint8)
+        for source, uses in ((True, False), (False, True), (False, False)):
+            role = LayerRole(3, 1, False, True, source, uses, False)
+            ref = oracle.select(cfg, role, scores, positions, shared)
+            sel = cuda.device_array((t, 512), np.int32)
+            indexer.select(dev_bf16(scores), pos, cand, sel, t, 1, source, uses, 8, 2048)
+            assert np.array_equal(sel.copy_to_host(), ref), f"{name} source={source} uses={uses}"
+
+
+@pytest.mark.gpu
+def test_flash_sparse_attention_within_bound():
+    """64 heads x 512, a 128-slot window plus top-512 entries (ten blocks of 64)."""
+    rng = np.random.default_rng(14)
+    t, heads, dim, window, chunk, groups = 3, 64, 512, 128, 64, 1024
+    q, ring, chunk_rows, comp, entries, sinks = attention_inputs(rng, t, heads, dim, window, chunk, groups, 640)
+    rows = np.concatenate([ring, chunk_rows, comp])
+    scale = dim ** -0.5
+    ref = oracle.sparse_attention(q, rows, entries.astype(np.int64), sinks, scale)
+    out = cuda.device_array((t, heads, dim), np.uint16)
+    sparse_attention(dev_bf16(q), dev_bf16(ring), dev_bf16(chunk_rows), dev_bf16(comp), cuda.to_device(entries),
+                     cuda.to_device(sinks), out, t, scale)
+    got = host_bf16(out)
+    assert np.all(got[1] == 0)
+    assert_within(got, ref, sparse_bound(q, rows, entries, sinks, scale, ref), "sparse attention (flash)")
+    print(f"\nflash sparse attention: {np.mean(got == ref):.4f} of values equal, max error "
+          f"{np.abs(got - ref).max():.3e}")
+
+
+@pytest.mark.gpu
+def test_flash_index_scores_exact(tiny_cfg):
+    """32 heads x 128 against 4096 keys (one-hot projections: the same queries on both sides)."""
+    rng = np.random.default_rng(15)
+    heads, dim, t, width = 32, 128, 3, 4096
+    cfg = fake_indexer_cfg(tiny_cfg, heads, dim)
+    c = 64
+    qr = bf16(rng.standard_normal((t, heads * dim)).astype(np.float32))
+    x = bf16(rng.standard_normal((t, c)).astype(np.float32))
+    keys = fp4_act_quant(bf16(rng.standard_normal((width, dim)).astype(np.float32)), 32, False)
+    w = oracle.AttentionWeights(*([None] * 9), idx_wq_b=np.eye(heads * dim, dtype=np.float32),
+                                idx_proj=one_hot(heads, c, 5, 1.0))
+    positions = np.arange(width - t, width)
+    cos, sin = rope_tables(cfg, width).compressed
+    ref = oracle.indexer_scores(cfg, w, x, qr, keys, cos[positions], sin[positions])
+    iw = indexer.IndexerWeights(DeviceWeight.from_values("wq_b", w.idx_wq_b, "BF16"),
+                                DeviceWeight.from_values("proj", w.idx_proj, "F32"))
+    iq = cuda.device_array((t, heads * dim), np.uint16)
+    hw = cuda.device_array((t, heads), np.uint16)
+    pos = cuda.to_device(positions.astype(np.int32))
+    indexer.index_queries(iw, dev_bf16(qr), dev_bf16(x), iq, hw, pos, t, cuda.to_device(cos), cuda.to_device(sin))
+    score = cuda.device_array((t, width), np.uint16)
+    indexer.index_scores(iq, hw, dev_bf16(keys), score, pos, t, 1, width, np.float32(dim ** -0.5 * heads ** -0.5))
+    assert np.array_equal(host_bf16(score), ref)
+

@@ -56,14 +56,14 @@ def random_stored(n: int, k: int, gtype: GGMLType, rng: np.random.Generator) -> 
     """uint8 [n, row_bytes]: random but finite stored rows of `gtype` (values of RMS about k^-0.5)."""
     if gtype == GGMLType.Q8_0:
         blocks = np.zeros(n * k // 32, Q8_0_BLOCK)
-        blocks["d"] = np.float16(1.8 * k**-0.5 / 64)
+        blocks["d"] = np.float16(k**-0.5 / 73)  # uniform levels in [-127, 127]: RMS about 73
         blocks["qs"] = rng.integers(-127, 128, size=blocks["qs"].shape, dtype=np.int8)
     elif gtype == GGMLType.Q2_K:
         blocks = np.zeros(n * k // 256, Q2_K_BLOCK)
         blocks["scales"] = rng.integers(0, 256, size=blocks["scales"].shape, dtype=np.uint8)
         blocks["qs"] = rng.integers(0, 256, size=blocks["qs"].shape, dtype=np.uint8)
-        blocks["d"] = np.float16(k**-0.5 / 8)
-        blocks["dmin"] = np.float16(k**-0.5 / 8)
+        blocks["d"] = np.float16(k**-0.5 / 14)
+        blocks["dmin"] = np.float16(k**-0.5 / 14)
     elif gtype == GGMLType.BF16:
         values = (rng.standard_normal((n, k), dtype=np.float32) * np.float32(k**-0.5)).view(np.uint32)
         return (values >> 16).astype(np.uint16).view(np.uint8).reshape(n, -1)

@@ -264,9 +264,9 @@ def test_gate_within_bound(t: int, hc: int, c: int, threads: int) -> None:
 
 
 def check_apply(model, oracle_, st, layer: int, h: np.ndarray, row_ids: np.ndarray, mask=None,
-                mask_dtype=np.uint8) -> None:
+                mask_dtype=np.uint8) -> dict[str, float]:
     """st.apply against engram_layer's capture: rows equal, kv within the product bound, g and h
-    within gate_bounds of the oracle's gate run on the stage's kv."""
+    within gate_bounds of the oracle's gate run on the stage's kv. Returns the largest errors."""
     t = h.shape[0]
     cfg = model.config
     h_dev = cuda.to_device(np.concatenate([h, np.full((2, *h.shape[1:]), 7, F32)]))  # rows past T untouched
@@ -286,6 +286,9 @@ def check_apply(model, oracle_, st, layer: int, h: np.ndarray, row_ids: np.ndarr
     assert_within(cap["engram_gate"], g_ref, dg, f"gate layer {layer} T={t}")
     assert_within(out[:t], h_ref, dh, f"h layer {layer} T={t}")
     assert (out[t:] == 7).all()
+    return {"kv": float(np.abs(cap["engram_kv"] - want["engram_kv"]).max()),
+            "gate": float(np.abs(cap["engram_gate"] - g_ref).max()),
+            "h": float(np.abs(out[:t] - h_ref).max())}
 
 
 def _highway(rng: np.random.Generator, t: int, cfg) -> np.ndarray:

@@ -261,9 +261,36 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_run_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "run", help="run one sequence (prefill, then decode steps) and summarise the final highway",
+        description="Prefill a prompt, decode N more tokens one at a time, and print the timings and "
+                    "the final highway's statistics. Without MODEL, the built-in tiny synthetic model "
+                    "(written once into $FLASHV41_CACHE, $XDG_CACHE_HOME/flashv41 or ~/.cache/flashv41).",
+    )
+    p.add_argument("model", type=Path, nargs="?", default=None, metavar="MODEL.gguf",
+                   help="the model (default: the built-in tiny model)")
+    p.add_argument("--oracle", action="store_true", help="run the NumPy oracle (CPU) instead of the GPU engine")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--tokens", default=None, metavar="ID,ID,...", help="the prompt's token ids")
+    prompt.add_argument("--prompt-len", type=int, default=16, metavar="N",
+                        help="a random prompt of N tokens from --seed (default 16)")
+    p.add_argument("--decode", type=int, default=4, metavar="N", help="decode steps after the prompt (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt and decode tokens (default 0)")
+    p.set_defaults(handler=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from flashv41.runner import parse_tokens, run_model
+
+    tokens = None if args.tokens is None else parse_tokens(args.tokens)
+    return run_model(args.model, args.oracle, tokens, args.prompt_len, args.decode, args.seed)
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
     add_synth_command,
     add_info_command,
+    add_run_command,
     add_bench_command,
 )
 

@@ -1,0 +1,201 @@
+"""`flashv41 run`: one sequence through a model, prefill then decode steps, with a short report.
+
+The work is done by a *runner*, anything with `new_sequence()` whose sequences have
+`prefill(token_ids) -> [T, hc, dim]`, `decode(token_id) -> [1, hc, dim]` and `release()`: the NumPy
+oracle (`host.oracle.Oracle`) or the GPU engine (`flashv41.engine.Engine`), so `make_runner` is the
+one place that chooses. Without a model file the built-in tiny synthetic model is used, written once
+into the cache directory (`$FLASHV41_CACHE`, else `$XDG_CACHE_HOME/flashv41`, else
+`~/.cache/flashv41`) and rewritten when it is missing or unreadable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from flashv41.errors import CapacityError, FlashError, InputError, UnsupportedError
+from flashv41.model import Model, load_model
+
+CACHE_ENV = "FLASHV41_CACHE"
+BUILTIN_NAME = "tiny.gguf"
+ENGINE_MISSING = ("the GPU engine is not wired into `flashv41 run` yet; "
+                  "use --oracle to run the NumPy oracle")
+
+
+class RunnerSequence(Protocol):
+    def prefill(self, token_ids: Any) -> np.ndarray: ...
+
+    def decode(self, token_id: int) -> np.ndarray: ...
+
+    def release(self) -> None: ...
+
+
+class Runner(Protocol):
+    def new_sequence(self) -> RunnerSequence: ...
+
+
+def cache_dir() -> Path:
+    """Where the built-in model is kept: $FLASHV41_CACHE, $XDG_CACHE_HOME/flashv41, ~/.cache/flashv41."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "flashv41"
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def builtin_model(cache: Path | None = None, log: Callable[[str], None] = _stderr) -> Path:
+    """The built-in tiny model's path, writing it first (atomically) if it is missing or unreadable."""
+    from host.synth import write_synthetic
+
+    folder = cache if cache is not None else cache_dir()
+    path = folder / BUILTIN_NAME
+    if path.is_file():
+        try:
+            load_model(path).close()
+            return path
+        except FlashError as exc:
+            log(f"rewriting the built-in model: {path} is unreadable ({exc})")
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"{BUILTIN_NAME}.{os.getpid()}.tmp"
+    try:
+        write_synthetic(tmp, "tiny")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log(f"wrote the built-in tiny model to {path}")
+    return path
+
+
+def make_runner(model: Model, oracle: bool, max_seq: int) -> Runner:
+    """The NumPy oracle, or the GPU engine (not wired in yet: raises UnsupportedError)."""
+    if oracle:
+        from host.oracle import Oracle
+
+        return Oracle(model, max_seq=max_seq)
+    raise UnsupportedError(ENGINE_MISSING)
+
+
+def parse_tokens(text: str) -> np.ndarray:
+    """'1,2,3' -> int64 ids."""
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InputError(f"--tokens takes comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise InputError("--tokens is empty")
+    return np.array(ids, np.int64)
+
+
+def random_tokens(vocab: int, count: int, seed: int, stream: int) -> np.ndarray:
+    """`count` ids in [0, vocab), from the seed; stream 0 = the prompt, 1 = the decode steps."""
+    return np.random.default_rng([seed, stream]).integers(0, vocab, size=count, dtype=np.int64)
+
+
+@dataclass
+class RunResult:
+    prompt: np.ndarray
+    decoded: np.ndarray
+    highway: np.ndarray  # [prompt + decode, hc, dim] fp32: every position's final highway
+    prefill_s: float
+    decode_s: float
+
+
+def run_sequence(runner: Runner, prompt: np.ndarray, decoded: np.ndarray) -> RunResult:
+    """Prefill `prompt` in one call, then decode `decoded` one token at a time."""
+    seq = runner.new_sequence()
+    try:
+        start = time.perf_counter()
+        outs = [np.asarray(seq.prefill(prompt))]
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for token in decoded:
+            outs.append(np.asarray(seq.decode(int(token))))
+        decode_s = time.perf_counter() - start
+    finally:
+        seq.release()
+    return RunResult(prompt, decoded, np.concatenate(outs, axis=0), prefill_s, decode_s)
+
+
+def highway_stats(h: np.ndarray) -> str:
+    """mean, std, min, max, sum (float64) and the sha256 of the float32 bytes (first 16 hex digits)."""
+    a = np.ascontiguousarray(h, np.float32)
+    x = a.astype(np.float64)
+    digest = hashlib.sha256(a.tobytes()).hexdigest()[:16]
+    return (f"mean {x.mean():.6g}, std {x.std():.6g}, min {x.min():.6g}, max {x.max():.6g}, "
+            f"sum {x.sum():.9g}, sha256 {digest}")
+
+
+def _ids(ids: np.ndarray, shown: int = 12) -> str:
+    values = [str(int(v)) for v in ids]
+    if len(values) > shown:
+        values = values[: shown - 2] + ["...", *values[-2:]]
+    return "[" + ", ".join(values) + "]"
+
+
+def _rate(count: int, seconds: float, unit: str) -> str:
+    if count == 0:
+        return "none"
+    per = seconds / count * 1e3
+    return f"{count} {unit}{'s' if count != 1 else ''} in {seconds:.3f} s ({per:.2f} ms each)"
+
+
+def report(model: Model, runner_name: str, result: RunResult, seed: int) -> list[str]:
+    """The summary lines `flashv41 run` prints."""
+    cfg = model.config
+    roles = ", ".join(f"{r.layer} {r.block_type}{'+engram' if r.engram else ''}" for r in cfg.roles)
+    h = result.highway
+    return [
+        f"model: {model.path} ({cfg.describe()})",
+        f"roles: {roles}",
+        f"runner: {runner_name}",
+        f"tokens: prompt {result.prompt.size} {_ids(result.prompt)}, decode {result.decoded.size} "
+        f"{_ids(result.decoded)} (seed {seed})",
+        f"prefill: {result.prompt.size} tokens in one call, {result.prefill_s:.3f} s "
+        f"({result.prompt.size / max(result.prefill_s, 1e-9):.0f} tokens/s)",
+        f"decode: {_rate(result.decoded.size, result.decode_s, 'step')}",
+        f"final highway [{', '.join(str(n) for n in h.shape)}] fp32: {highway_stats(h)}",
+        f"last position: {highway_stats(h[-1])}",
+    ]
+
+
+def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, prompt_len: int, n_decode: int,
+              seed: int, out: Callable[[str], None] = print) -> int:
+    """The whole `flashv41 run`; returns the exit status."""
+    if prompt_len < 1 or n_decode < 0:
+        raise InputError(f"--prompt-len must be >= 1 and --decode >= 0, got {prompt_len} and {n_decode}")
+    path = model_path if model_path is not None else builtin_model()
+    model = load_model(path)
+    try:
+        cfg = model.config
+        prompt = tokens if tokens is not None else random_tokens(cfg.vocab_size, prompt_len, seed, 0)
+        decoded = random_tokens(cfg.vocab_size, n_decode, seed, 1)
+        max_seq = prompt.size + n_decode
+        if max_seq > cfg.context_length:
+            raise CapacityError(f"{prompt.size} prompt tokens and {n_decode} decode steps exceed the model's "
+                                f"context length {cfg.context_length}")
+        runner = make_runner(model, oracle, max_seq)
+        try:
+            result = run_sequence(runner, prompt, decoded)
+        finally:
+            close = getattr(runner, "close", None)
+            if close is not None:
+                close()
+        for line in report(model, "NumPy oracle" if oracle else "GPU engine", result, seed):
+            out(line)
+    finally:
+        model.close()
+    return 0
+

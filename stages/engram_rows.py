@@ -64,8 +64,9 @@ def rows_kernel(gtype: GGMLType, gathered: bool):
 
 
 def is_device_array(a: object) -> bool:
-    """A Numba device array (on the simulator as on a GPU), not a host array."""
-    return not isinstance(a, np.ndarray) and hasattr(a, "copy_to_host") and hasattr(a, "dtype")
+    """A Numba device array (on the simulator as on a GPU), not a host array (a plain or pinned
+    np.ndarray; an ndarray subclass with `copy_to_host` is tests/compile_check.py's stand-in)."""
+    return type(a) is not np.ndarray and hasattr(a, "copy_to_host") and hasattr(a, "dtype")
 
 
 def check_row_ids(row_ids: np.ndarray, n_tokens: int, cols: int, table_rows: int, what: str) -> np.ndarray:

@@ -1,0 +1,451 @@
+"""One V4.1 attention layer on the device, every layer kind, prefill in chunks from any position.
+
+The per-layer orchestration of the attention stages, step for step as the oracle
+(host.oracle.attention.attention_layer) runs them, for a chunk of T tokens at positions
+start .. start+T-1 (C dim, H x D heads, Q q_lora, W window, K index_topk; bf16 = uint16 bits):
+
+    qr = q_norm(x @ wq_a^T)                      [T, Q]       stages.linear, norm_rope_quant
+    q = RoPE(qr @ wq_b^T)                        [T, H, D]
+    kv = act_quant(RoPE(kv_norm(x @ wkv^T)))     [T, D]       this chunk's window rows
+    kv sources: compressor -> latents of the completed groups -> index keys and compressed rows
+        published into the sequence's caches                 stages.kv_sources
+    index sources: scores against the last kv source's index keys, candidate blocks (candidate
+        source) or their mask (later index sources), top-k -> the shared selection [T, K]
+                                                              stages.indexer
+    entries: W window positions oldest first (ring slots before the chunk, chunk rows after),
+        then the selection (ratio > 0 layers)                 stages.sparse_attention
+    o = sparse attention with the sink               [T, H, D]
+    out = (RoPE^-1(o) grouped @ wo_a^T) @ wo_b^T     [T, C]
+    the ring takes the chunk's last min(T, W) rows (after the attention read it)
+
+Ratio > 0 layers rotate everything with the compressed (YaRN) table, ratio 0 with the plain one.
+
+API (what the engine calls):
+    stage = AttentionStage(model, max_tokens, max_seq)    # weights, RoPE tables, workspaces
+    state = stage.new_state()                             # one sequence, every layer
+    shared = stage.new_shared()                           # one forward call down the stack
+    for layer in range(n_layers): stage.forward(layer, x, out, state, shared, start, T)
+
+Decode (T = 1) allocates nothing on the device: every array is a workspace sized once for
+max_tokens, or sequence state. It uploads one thing, the positions (int32 [T], once per forward
+call: the layers share them; skipped when they did not change). Every kernel reads positions off
+the device (window slots, ring slot, group ids, visible counts, score width), entries and
+selections are built on the device, and nothing comes back to the host. Host decisions depend
+only on (start, T): how many groups a chunk completes, and whether a layer has any group to score.
+For a captured graph the index-score grid would be sized for the cache rather than the width
+(stages.indexer.index_scores takes any width >= the real one).
+
+One forward call at a time per stage: the selection and candidate mask that a SharedRuntime
+points at are the stage's workspaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from flashv41.config import LayerRole, ModelConfig
+from flashv41.errors import CapacityError, InputError, ModelFormatError, SequenceStateError
+from flashv41.model import Model
+from host.numerics import from_bits
+from host.oracle import rope_tables
+from stages import indexer, kv_sources
+from stages.device import SIM, grid_1d
+from stages.indexer import IndexerWeights
+from stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
+from stages.linear import DeviceWeight, linear
+from stages.norm_rope_quant import DeviceArray, act_quant, check_array, rms_norm, rope
+from stages.sparse_attention import build_entries, sparse_attention
+
+COPY_THREADS = 64 if SIM else 256
+
+# GGUF roles (blk.{i}.{role}.weight) of the tensors the attention reads.
+ROLE = {
+    "sinks": "attn_sinks", "wq_a": "attn_q_a", "q_norm": "attn_q_a_norm", "wq_b": "attn_q_b",
+    "wkv": "attn_kv", "kv_norm": "attn_kv_a_norm", "wo_a": "attn_output_a", "wo_b": "attn_output_b",
+    "comp_kv": "attn_compressor_kv", "comp_gate": "attn_compressor_gate",
+    "comp_norm": "attn_compressor_norm", "wk": "indexer.attn_k", "k_norm": "indexer.k_norm",
+    "idx_wq_b": "indexer.attn_q_b", "idx_proj": "indexer.proj",
+}
+
+
+# The stage's device workspaces (attribute names), sized once for max_tokens.
+WORKSPACES = ("positions", "qa", "qr", "q", "kv_raw", "kv", "o", "oa", "entries_window", "entries_all", "selection",
+              "score", "candidates", "iq", "hw", "source_ws")
+
+
+@cuda.jit
+def _ring_write_kernel(kv, ring, positions, n_tokens, width):
+    """ring[positions[r] % W] = kv[r] for the chunk's last min(T, W) rows."""
+    i = cuda.grid(1)
+    window = ring.shape[0]
+    first = max(0, n_tokens - window)
+    if i >= (n_tokens - first) * width:
+        return
+    r = first + i // width
+    c = i % width
+    ring[positions[r] % window, c] = kv[r, c]
+
+
+@cuda.jit
+def _fill_kernel(a, n_rows, value):
+    i = cuda.grid(1)
+    if i < n_rows * a.shape[1]:
+        a[i // a.shape[1], i % a.shape[1]] = value
+
+
+@dataclass
+class LayerWeights:
+    """One layer's attention weights on the device ([out, in] matrices in their stored type)."""
+
+    role: LayerRole
+    sinks: DeviceArray  # fp32 [H]
+    wq_a: DeviceWeight  # [Q, C]
+    q_norm: DeviceArray  # fp32 [Q]
+    wq_b: DeviceWeight  # [H * D, Q]
+    wkv: DeviceWeight  # [D, C]
+    kv_norm: DeviceArray  # fp32 [D]
+    wo_a: DeviceWeight  # [O * o_lora, H * D / O]
+    wo_b: DeviceWeight  # [C, O * o_lora]
+    source: KvSourceWeights | None = None  # kv sources
+    indexer: IndexerWeights | None = None  # index sources
+
+    def matrices(self) -> list[DeviceWeight]:
+        out = [self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b]
+        if self.source is not None:
+            out += [self.source.comp_kv, self.source.wk]
+            if self.source.comp_gate is not None:
+                out.append(self.source.comp_gate)
+        if self.indexer is not None:
+            out += [self.indexer.wq_b, self.indexer.proj]
+        return out
+
+
+@dataclass
+class LayerState:
+    """One sequence's device state of one layer."""
+
+    ring: DeviceArray  # bf16 [W, D], slot = position % W
+    source: KvSourceState | None = None  # kv sources: compressor state and the two caches
+
+
+class AttentionState:
+    """One sequence's attention state on the device, every layer (AttentionStage.new_state)."""
+
+    def __init__(self, stage: AttentionStage):
+        cfg = stage.cfg
+        self.stage = stage
+        self.max_seq = stage.max_seq
+        self.layers: list[LayerState] = []
+        for role in cfg.roles:
+            source = None
+            if role.kv_source:
+                source = KvSourceState.allocate(role.ratio, cfg.head_dim, cfg.index_head_dim, stage.max_seq)
+            self.layers.append(LayerState(cuda.device_array((cfg.window, cfg.head_dim), np.uint16), source))
+        self.freed = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to an empty sequence (zero rings and caches, empty compressor groups)."""
+        if self.freed:
+            raise SequenceStateError("this attention state was freed")
+        for layer in self.layers:
+            layer.ring.copy_to_device(np.zeros(layer.ring.shape, np.uint16))
+            if layer.source is not None:
+                layer.source.reset()
+
+    def nbytes(self) -> int:
+        arrays = []
+        for layer in self.layers:
+            arrays.append(layer.ring)
+            if layer.source is not None:
+                s = layer.source
+                arrays += [s.kv_state, s.score_state, s.compressed, s.index_keys]
+        return sum(int(a.nbytes) for a in arrays)
+
+    def free(self) -> None:
+        """Release the device memory (idempotent); the state is unusable afterwards."""
+        self.layers = []
+        self.freed = True
+
+
+@dataclass
+class SharedRuntime:
+    """What source layers hand down the stack within one forward call (device references)."""
+
+    compressed: DeviceArray | None = None  # the last kv source's compressed cache [G, D] bf16
+    index_keys: DeviceArray | None = None  # its index-key cache [G, ID] bf16
+    selection: DeviceArray | None = None  # [>=T, K] int32: the last index source's selection
+    candidates: DeviceArray | None = None  # [>=T, NB] uint8: the candidate source's block mask
+    candidate_width: int = 0  # the score width that mask was made for
+
+
+class AttentionStage:
+    """Every layer's attention weights, the RoPE tables and the workspaces, on one stream."""
+
+    def __init__(self, model: Model, max_tokens: int, max_seq: int, stream=0):
+        cfg = model.config
+        if max_tokens < 1 or max_seq < 1:
+            raise InputError(f"max_tokens ({max_tokens}) and max_seq ({max_seq}) must be at least 1")
+        if max_seq > cfg.context_length:
+            raise CapacityError(f"max_seq {max_seq} exceeds the model's context length {cfg.context_length}")
+        self.cfg: ModelConfig = cfg
+        self.max_tokens = max_tokens
+        self.max_seq = max_seq
+        self.stream = stream  # every launch and copy goes here (a numba or cuda.core stream, a graph builder)
+        self.eps = np.float32(cfg.norm_eps)
+        self.scale = np.float32(cfg.head_dim ** -0.5)
+        self.index_scale = np.float32(cfg.index_head_dim ** -0.5 * cfg.index_heads ** -0.5)
+        self.layers = [self._load_layer(model, role) for role in cfg.roles]
+        tables = rope_tables(cfg, max_seq)
+        self.tables = {False: tuple(cuda.to_device(a) for a in tables.plain),
+                       True: tuple(cuda.to_device(a) for a in tables.compressed)}
+        self._allocate_workspaces()
+        self.freed = False
+
+    def _load_layer(self, model: Model, role: LayerRole) -> LayerWeights:
+        cfg, i = self.cfg, role.layer
+
+        def matrix(name: str, n: int, k: int) -> DeviceWeight:
+            w = DeviceWeight.from_ref(model.tensor(i, ROLE[name]), self.stream)
+            if (w.n, w.k) != (n, k):
+                raise ModelFormatError(f"blk.{i}.{ROLE[name]}: shape [{w.n}, {w.k}], expected [{n}, {k}]")
+            return w
+
+        def vector(name: str, n: int) -> DeviceArray:
+            v = np.ascontiguousarray(model.tensor(i, ROLE[name]).dequantize().reshape(-1), np.float32)
+            if v.shape != (n,):
+                raise ModelFormatError(f"blk.{i}.{ROLE[name]}: {v.size} values, expected {n}")
+            return cuda.to_device(v)
+
+        c, d, q = cfg.dim, cfg.head_dim, cfg.q_lora_rank
+        w = LayerWeights(role, vector("sinks", cfg.n_heads), matrix("wq_a", q, c), vector("q_norm", q),
+                         matrix("wq_b", cfg.n_heads * d, q), matrix("wkv", d, c), vector("kv_norm", d),
+                         matrix("wo_a", cfg.o_groups * cfg.o_lora_rank, cfg.group_width),
+                         matrix("wo_b", c, cfg.o_groups * cfg.o_lora_rank))
+        if role.kv_source:
+            w.source = KvSourceWeights(role.ratio, matrix("comp_kv", d, c),
+                                       matrix("comp_gate", d, c) if role.ratio > 1 else None,
+                                       vector("comp_norm", d), matrix("wk", cfg.index_head_dim, d),
+                                       vector("k_norm", cfg.index_head_dim))
+        if role.index_source:
+            w.indexer = IndexerWeights(matrix("idx_wq_b", cfg.index_heads * cfg.index_head_dim, q),
+                                       matrix("idx_proj", cfg.index_heads, c))
+        return w
+
+    def _allocate_workspaces(self) -> None:
+        cfg, t = self.cfg, self.max_tokens
+
+        def bf16(*shape: int) -> DeviceArray:
+            return cuda.device_array((t, *shape), np.uint16)
+
+        self.host_positions = np.zeros(t, np.int32)  # pageable: the driver stages it, so reuse is safe
+        self.positions = cuda.device_array(t, np.int32)  # int32 [T]: start .. start+T-1
+        self._positions_for: tuple[int, int] | None = None
+        self.qa = bf16(cfg.q_lora_rank)  # x @ wq_a^T
+        self.qr = bf16(cfg.q_lora_rank)
+        self.q = bf16(cfg.n_heads, cfg.head_dim)
+        self.q_rows = self.q.reshape(t, cfg.n_heads * cfg.head_dim)
+        self.kv_raw = bf16(cfg.head_dim)  # x @ wkv^T
+        self.kv = bf16(cfg.head_dim)  # the chunk's window rows
+        self.o = bf16(cfg.n_heads, cfg.head_dim)
+        self.o_rows = self.o.reshape(t, cfg.n_heads * cfg.head_dim)
+        self.oa = bf16(cfg.o_groups * cfg.o_lora_rank)
+        self.entries_window = cuda.device_array((t, cfg.window), np.int32)
+        ratios = [r.ratio for r in cfg.roles if r.ratio > 0]
+        self.max_groups = self.max_seq // min(ratios) if ratios else 0
+        self.entries_all = self.selection = self.score = self.candidates = self.iq = self.hw = None
+        if ratios:
+            self.entries_all = cuda.device_array((t, cfg.window + cfg.index_topk), np.int32)
+            self.selection = cuda.device_array((t, cfg.index_topk), np.int32)  # [T, K]
+        if any(r.index_source for r in cfg.roles):
+            blocks = -(-self.max_groups // cfg.candidate_block_size)
+            self.iq = bf16(cfg.index_heads * cfg.index_head_dim)  # [T, IH * ID]
+            self.hw = bf16(cfg.index_heads)  # [T, IH]
+            self.score = bf16(max(1, self.max_groups))  # [T, G]
+            self.candidates = cuda.device_array((t, max(1, blocks)), np.uint8)  # [T, NB]
+        self.source_ws = None
+        if any(r.kv_source for r in cfg.roles):
+            self.source_ws = KvSourceWorkspace.allocate(t, cfg.head_dim, cfg.index_head_dim)
+
+    def new_state(self) -> AttentionState:
+        self._check_live()
+        return AttentionState(self)
+
+    def new_shared(self) -> SharedRuntime:
+        """For one forward call down the stack (allocates nothing)."""
+        return SharedRuntime()
+
+    def weight_bytes(self, layer: int) -> int:
+        """Bytes of the layer's weight matrices (what a decode step streams, norms aside)."""
+        return sum(w.nbytes for w in self.layers[layer].matrices())
+
+    def workspace_bytes(self) -> int:
+        arrays = [getattr(self, name) for name in WORKSPACES if name != "source_ws"]
+        if self.source_ws is not None:
+            arrays += list(vars(self.source_ws).values())
+        return sum(int(a.nbytes) for a in arrays if a is not None)
+
+    def free(self) -> None:
+        """Release weights, tables and workspaces (idempotent); numba frees what is unreferenced."""
+        self.layers = []
+        self.tables = {}
+        for name in (*WORKSPACES, "q_rows", "o_rows"):
+            setattr(self, name, None)
+        self.freed = True
+
+    def _check_live(self) -> None:
+        if self.freed:
+            raise SequenceStateError("this attention stage was freed")
+
+    def _check_call(self, layer: int, x: DeviceArray, out: DeviceArray, state: AttentionState, start: int,
+                    n_tokens: int) -> None:
+        self._check_live()
+        if not 0 <= layer < self.cfg.n_layers:
+            raise InputError(f"layer {layer} is outside 0..{self.cfg.n_layers - 1}")
+        if n_tokens < 1:
+            raise InputError(f"n_tokens must be at least 1, got {n_tokens}")
+        if n_tokens > self.max_tokens:
+            raise CapacityError(f"{n_tokens} tokens exceed max_tokens {self.max_tokens} of this stage")
+        if start < 0:
+            raise InputError(f"start must be >= 0, got {start}")
+        if start + n_tokens > self.max_seq:
+            raise CapacityError(f"{n_tokens} tokens at position {start} exceed max_seq {self.max_seq}")
+        for a, what in ((x, "x"), (out, "out")):
+            check_array(a, (np.uint16,), 2, f"attention {what}")
+            if a.shape[0] < n_tokens or a.shape[1] != self.cfg.dim:
+                raise InputError(f"attention {what}: expected [>= {n_tokens}, {self.cfg.dim}] bf16, got {a.shape}")
+        if state.freed or state.stage is not self:
+            raise SequenceStateError("the attention state was freed or belongs to another stage")
+
+    def _check_shared(self, layer: int, role: LayerRole, shared: SharedRuntime, start: int, t: int) -> None:
+        """What a layer needs from the source layers above it, checked before it changes any state."""
+        if role.ratio == 0:
+            return
+        where = f"layer {layer} ({role.block_type})"
+        if not role.kv_source and shared.compressed is None:
+            raise InputError(f"{where} reads compressed rows, but no kv source ran before it in this forward call "
+                             "(call the layers in order)")
+        if not role.index_source and shared.selection is None:
+            raise InputError(f"{where} attends the shared selection, but no index source ran before it in this "
+                             "forward call (call the layers in order)")
+        width = (start + t) // role.ratio
+        if not role.index_source or width == 0:
+            return
+        rows = self.max_seq // role.ratio if role.kv_source else (
+            0 if shared.index_keys is None else shared.index_keys.shape[0])
+        if rows < width:
+            raise InputError(f"{where} scores {width} groups, but the last kv source holds {rows} index-key rows")
+        if role.uses_candidates and (shared.candidates is None or shared.candidate_width != width):
+            found = "none" if shared.candidates is None else f"one of {shared.candidate_width} groups"
+            raise InputError(f"{where} respects a candidate mask of {width} groups, but the candidate source "
+                             f"published {found}")
+
+    def _upload_positions(self, start: int, n_tokens: int) -> None:
+        if self._positions_for != (start, n_tokens):
+            self.host_positions[:n_tokens] = np.arange(start, start + n_tokens, dtype=np.int32)
+            self.positions[:n_tokens].copy_to_device(self.host_positions[:n_tokens], stream=self.stream)
+            self._positions_for = (start, n_tokens)
+
+    def forward(self, layer: int, x: DeviceArray, out: DeviceArray, state: AttentionState, shared: SharedRuntime,
+                start: int, n_tokens: int, capture: dict | None = None) -> None:
+        """out[:T] = attention of layer `layer` over x[:T] (bf16 [>=T, C], the normed sublayer
+        input) at positions start..start+T-1; updates the sequence's state and, on source layers,
+        `shared`. capture: filled with the oracle's capture keys (host arrays, bf16 values as fp32)."""
+        self._check_call(layer, x, out, state, start, n_tokens)
+        cfg, s, t = self.cfg, self.stream, n_tokens
+        w = self.layers[layer]
+        role = w.role
+        self._check_shared(layer, role, shared, start, t)
+        st = state.layers[layer]
+        self._upload_positions(start, t)
+        pos = self.positions
+        cos, sin = self.tables[role.ratio > 0]
+
+        linear(x, w.wq_a, self.qa, t, stream=s)
+        rms_norm(self.qa, w.q_norm, self.qr, t, self.eps, stream=s)
+        linear(self.qr, w.wq_b, self.q_rows, t, stream=s)
+        rope(self.q_rows, cos, sin, pos, t, cfg.n_heads, stream=s)
+        linear(x, w.wkv, self.kv_raw, t, stream=s)
+        rms_norm(self.kv_raw, w.kv_norm, self.kv, t, self.eps, stream=s)
+        rope(self.kv, cos, sin, pos, t, 1, stream=s)
+        act_quant(self.kv, t, stream=s)
+
+        entries, comp_rows, selection = self.entries_window, self.kv, None
+        if role.ratio > 0:
+            selection = self._sources(layer, w, st, shared, x, start, t, cos, sin, capture)
+            entries, comp_rows = self.entries_all, shared.compressed
+        build_entries(pos, selection, entries, t, cfg.window, self.kv.shape[0], stream=s)
+        sparse_attention(self.q, st.ring, self.kv, comp_rows, entries, w.sinks, self.o, t, self.scale, stream=s)
+        if capture is not None:
+            capture["attn_o"] = self._host(self.o, t)
+        rope(self.o_rows, cos, sin, pos, t, cfg.n_heads, inverse=True, stream=s)
+        linear(self.o_rows, w.wo_a, self.oa, t, group_rows=cfg.o_lora_rank, stream=s)
+        linear(self.oa, w.wo_b, out, t, stream=s)
+        n_ring = min(t, cfg.window) * cfg.head_dim
+        _ring_write_kernel[grid_1d(n_ring, COPY_THREADS), COPY_THREADS, s](self.kv, st.ring, pos, t, cfg.head_dim)
+        if capture is not None:
+            capture.update(attn_x=self._host(x, t), qr=self._host(self.qr, t), q=self._host(self.q, t),
+                           kv=self._host(self.kv, t), attn_out=self._host(out, t))
+
+    def _sources(self, layer: int, w: LayerWeights, st: LayerState, shared: SharedRuntime, x: DeviceArray,
+                 start: int, t: int, cos: DeviceArray, sin: DeviceArray, capture: dict | None) -> DeviceArray:
+        """A ratio > 0 layer's kv-source and index-source work; returns the selection to attend."""
+        cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
+        n_groups = 0
+        g0 = 0
+        if w.source is not None:
+            assert st.source is not None and self.source_ws is not None
+            ws = self.source_ws
+            g0, n_groups, group_pos = kv_sources.compress(w.source, st.source, ws, x, pos, start, t, self.eps, s)
+            if capture is not None:
+                capture["latents"] = self._host(ws.latent, n_groups)
+            kv_sources.publish(w.source, st.source, ws, pos, group_pos, n_groups, cos, sin, self.eps, s)
+            shared.compressed, shared.index_keys = st.source.compressed, st.source.index_keys
+        width = (start + t) // role.ratio
+        if w.indexer is not None:
+            self._index(w, shared, x, t, width, cos, sin, capture)
+        assert shared.selection is not None
+        if capture is not None:
+            if w.source is None:
+                capture["latents"] = np.zeros((0, cfg.head_dim), np.float32)
+            capture["groups"] = np.arange(g0, g0 + n_groups, dtype=np.int64)
+            capture["selection"] = self._download(shared.selection, t).astype(np.int64)
+            if shared.candidates is not None:
+                blocks = self._download(shared.candidates, t).astype(bool)
+                capture["candidates"] = np.repeat(blocks, cfg.candidate_block_size, axis=1)[:, :shared.candidate_width]
+        return shared.selection
+
+    def _index(self, w: LayerWeights, shared: SharedRuntime, x: DeviceArray, t: int, width: int,
+               cos: DeviceArray, sin: DeviceArray, capture: dict | None) -> None:
+        """The indexer of an index source: publishes its selection (and, on the candidate source,
+        the candidate mask) into `shared`."""
+        cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
+        assert w.indexer is not None and self.selection is not None and self.candidates is not None
+        shared.selection = self.selection
+        if width == 0:
+            # no group is complete yet: nothing to score (the reference skips its indexer too)
+            n = t * cfg.index_topk
+            _fill_kernel[grid_1d(n, COPY_THREADS), COPY_THREADS, s](self.selection, t, -1)
+            return
+        assert shared.index_keys is not None
+        indexer.index_queries(w.indexer, self.qr, x, self.iq, self.hw, pos, t, cos, sin, stream=s)
+        indexer.index_scores(self.iq, self.hw, shared.index_keys, self.score, pos, t, role.ratio, width,
+                             self.index_scale, stream=s)
+        indexer.select(self.score, pos, self.candidates, self.selection, t, role.ratio, role.candidate_source,
+                       role.uses_candidates, cfg.candidate_block_size, cfg.candidate_topk_blocks, stream=s)
+        if role.candidate_source:
+            shared.candidates, shared.candidate_width = self.candidates, width
+        if capture is not None:
+            capture["index_score"] = from_bits(self._download(self.score, t)[:, :width])
+
+    def _download(self, a: DeviceArray, rows: int) -> np.ndarray:
+        """The first rows of a device array on the host (synchronises: captures only)."""
+        cuda.synchronize()
+        return a[:rows].copy_to_host()
+
+    def _host(self, a: DeviceArray, rows: int) -> np.ndarray:
+        """The first rows of a bf16 device array as fp32 values on the host."""
+        return from_bits(self._download(a, rows))

@@ -1,0 +1,293 @@
+"""AttentionStage.forward against host.oracle.attention.attention_layer, layer by layer, every block type.
+
+The stage and the oracle run side by side on the same x (the normed sublayer input, drawn once per
+layer and position, so every chunking sees the same inputs), each with its own state (device
+AttentionState / oracle LayerState) and its own shared runtime, fed down the six-layer stack.
+
+What is compared, per layer call:
+- the capture keys: the same set as the oracle's;
+- integers exactly: the groups a chunk completes, the selection and the candidate blocks, except on
+  rows where the index scores themselves differ (then the oracle's select() applied to the stage's
+  own scores must give the stage's selection, and those scores must agree with the oracle's to a
+  cosine of 0.999: a bf16 ulp in a projection that moves an fp4 code of an index query or key moves
+  a score by a few percent at most, and nothing else can change it);
+- the layer output on the other rows: cosine >= 0.99999 (SPEC.md 4) and no value off by more than
+  2^-4 of its row's largest (one flipped fp8 / fp4 code, diluted by the softmax and the projections,
+  stays far below that; a wrong row, scale, rotation or order does not).
+Across chunkings the outputs at each position agree with the one-shot prefill the same way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda  # noqa: E402  (after conftest chose the backend)
+
+from flashv41.errors import CapacityError, InputError, SequenceStateError
+from flashv41.model import load_model
+from host.numerics import bf16, from_bits, to_bits
+from host.oracle import Oracle
+from host.oracle import attention as oracle
+from stages.attention import AttentionStage  # noqa: E402
+
+COSINE = 0.99999
+ROW_REL = 2.0**-4
+SCORE_COSINE = 0.999
+X_STD = 0.025  # the normed sublayer input: attn_norm weights ~0.025 times a unit-RMS row
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    den = np.sqrt((a64 @ a64) * (b64 @ b64))
+    return 1.0 if den == 0 else float(a64 @ b64 / den)
+
+
+def assert_rows_close(got: np.ndarray, ref: np.ndarray, what: str) -> None:
+    c = cosine(got, ref)
+    limit = ROW_REL * np.abs(ref).max(axis=-1, keepdims=True)
+    worst = float((np.abs(got - ref) - limit).max()) if got.size else 0.0
+    assert c >= COSINE and worst <= 0, (f"{what}: cosine {c:.7f} (>= {COSINE}), "
+                                        f"worst excess over the row bound {worst:.3e}")
+
+
+class SideBySide:
+    """One sequence on the stage and on the oracle, with the inputs of every (layer, position)."""
+
+    def __init__(self, stage: AttentionStage, orc: Oracle, total: int, seed: int):
+        cfg = stage.cfg
+        self.stage, self.orc, self.cfg = stage, orc, cfg
+        rng = np.random.default_rng(seed)
+        self.x = [bf16((rng.standard_normal((total, cfg.dim)) * X_STD).astype(np.float32)) for _ in cfg.roles]
+        self.out = [np.zeros((total, cfg.dim), np.float32) for _ in cfg.roles]
+        self.state = stage.new_state()
+        self.ostates = [oracle.LayerState.create(cfg, role, stage.max_seq) for role in cfg.roles]
+        self.weights = [orc.attention_weights(i) for i in range(cfg.n_layers)]
+        self.position = 0
+        self.flipped_rows = 0
+        self.worst = [(1.0, 0.0) for _ in cfg.roles]  # per layer: lowest cosine, largest |error|
+
+    def run(self, chunks: list[int]) -> None:
+        for t in chunks:
+            self.forward(t)
+
+    def forward(self, t: int) -> None:
+        cfg, start = self.cfg, self.position
+        shared, oshared = self.stage.new_shared(), oracle.SharedRuntime()
+        xd = cuda.device_array((self.stage.max_tokens, cfg.dim), np.uint16)
+        out = cuda.device_array((self.stage.max_tokens, cfg.dim), np.uint16)
+        positions = start + np.arange(t)
+        for role in cfg.roles:
+            i = role.layer
+            x = self.x[i][start:start + t]
+            xd[:t].copy_to_device(to_bits(x))
+            cap: dict = {}
+            ocap: dict = {}
+            self.stage.forward(i, xd, out, self.state, shared, start, t, cap)
+            ref = oracle.attention_layer(cfg, role, self.weights[i], self.orc.tables, self.ostates[i], oshared, x,
+                                         start, ocap)
+            got = from_bits(out.copy_to_host()[:t])
+            where = f"layer {i} ({role.block_type}) positions {start}..{start + t - 1}"
+            assert set(cap) == set(ocap), f"{where}: capture keys {sorted(cap)} vs {sorted(ocap)}"
+            same = np.ones(t, bool)
+            if role.ratio > 0:
+                assert np.array_equal(cap["groups"], ocap["groups"]), where
+                same = self.check_selection(role, cap, ocap, positions, where)
+            assert_rows_close(got[same], ref[same], where)
+            self.worst[i] = (min(self.worst[i][0], cosine(got[same], ref[same])),
+                             max(self.worst[i][1], float(np.abs(got[same] - ref[same]).max(initial=0))))
+            self.out[i][start:start + t] = got
+        self.position += t
+
+    def check_selection(self, role, cap: dict, ocap: dict, positions: np.ndarray, where: str) -> np.ndarray:
+        """Rows whose selection (and candidate blocks) equal the oracle's; the others must be explained
+        by their index scores (see the module docstring)."""
+        same = np.all(cap["selection"] == ocap["selection"], axis=1)
+        if "candidates" in ocap:
+            same &= np.all(cap["candidates"] == ocap["candidates"], axis=1)
+        if same.all():
+            return same
+        assert "index_score" in cap, f"{where}: a consumer's selection differs from the oracle's index source's"
+        shared = oracle.SharedRuntime(candidates=cap.get("candidates") if role.uses_candidates else None)
+        own = oracle.select(self.cfg, role, cap["index_score"], positions, shared)
+        assert np.array_equal(own, cap["selection"]), f"{where}: the selection is not top-k of the stage's own scores"
+        for r in np.flatnonzero(~same):
+            c = cosine(cap["index_score"][r], ocap["index_score"][r])
+            assert c >= SCORE_COSINE, f"{where}: row {r} selection differs with scores at cosine {c:.5f}"
+        self.flipped_rows += int((~same).sum())
+        assert self.flipped_rows <= 0.1 * len(positions) * self.cfg.n_layers + 1, f"{where}: too many flipped rows"
+        return same
+
+    def report(self) -> str:
+        return "\n".join(f"layer {i} {role.block_type:28s} cosine >= {c:.7f}, max |error| {e:.3e}, "
+                         f"max |out| {np.abs(self.out[i]).max():.3e}"
+                         for i, (role, (c, e)) in enumerate(zip(self.cfg.roles, self.worst, strict=True)))
+
+    def check_state(self) -> None:
+        """Rings and caches against the oracle's (cosine: quantised values, same inputs up to rounding)."""
+        for i, (layer, ostate) in enumerate(zip(self.state.layers, self.ostates, strict=True)):
+            pairs = [("ring", layer.ring, ostate.window_ring)]
+            if layer.source is not None:
+                pairs += [("compressed", layer.source.compressed, ostate.compressed),
+                          ("index keys", layer.source.index_keys, ostate.index_keys)]
+            for what, dev, ref in pairs:
+                got = from_bits(dev.copy_to_host())
+                assert cosine(got, ref) >= COSINE, f"layer {i} {what}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    model = load_model(tiny_path)
+    max_seq = 32
+    stage = AttentionStage(model, 12, max_seq)
+    yield stage, Oracle(model, max_seq)
+    stage.free()
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def one_shot(tiny):
+    """Prefill of 12 positions in one call (the window wraps, six ratio-2 groups), then decode steps."""
+    run = SideBySide(*tiny, total=16, seed=1)
+    run.run([12, 1, 1, 1, 1])
+    return run
+
+
+def test_prefill_then_decode(one_shot):
+    one_shot.check_state()
+
+
+@pytest.mark.parametrize("chunks", [[3, 3, 3, 3, 1, 1, 1, 1], [5, 5, 2, 1, 1, 1, 1]], ids=["chunks3", "chunks5"])
+def test_chunked_prefill_matches_one_shot(tiny, one_shot, chunks):
+    """Chunks of 3 and 5 (groups and the window split across calls), then decode: each call against
+    the oracle, and every position's output against the one-shot run's (SPEC.md 3.3)."""
+    run = SideBySide(*tiny, total=16, seed=1)
+    run.run(chunks)
+    run.check_state()
+    for i, (got, ref) in enumerate(zip(run.out, one_shot.out, strict=True)):
+        assert_rows_close(got, ref, f"layer {i}: chunks {chunks} vs one shot")
+
+
+def test_decode_allocates_nothing_and_uploads_the_position(tiny, monkeypatch):
+    """A decode step down the stack makes no device allocation and one host-to-device copy (the
+    positions, shared by the layers)."""
+    stage, _ = tiny
+    cfg = stage.cfg
+    state = stage.new_state()
+    x = cuda.to_device(np.zeros((1, cfg.dim), np.uint16))
+    out = cuda.device_array((1, cfg.dim), np.uint16)
+    shared = stage.new_shared()
+    for layer in range(cfg.n_layers):
+        stage.forward(layer, x, out, state, shared, 0, 1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a device allocation inside a decode step")
+
+    for name in ("device_array", "to_device", "device_array_like", "pinned_array", "mapped_array", "managed_array"):
+        if hasattr(cuda, name):
+            monkeypatch.setattr(cuda, name, refuse)
+    copies = []
+    array_type = type(stage.positions)
+    original = array_type.copy_to_device
+
+    def counted(self, *args, **kwargs):
+        copies.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(array_type, "copy_to_device", counted)
+    for position in (1, 2):
+        shared = stage.new_shared()
+        for layer in range(cfg.n_layers):
+            stage.forward(layer, x, out, state, shared, position, 1)
+    assert copies == [(1,), (1,)]
+    state.free()
+
+
+def test_errors_are_clear(tiny):
+    stage, _ = tiny
+    cfg = stage.cfg
+    state = stage.new_state()
+    x = cuda.to_device(np.zeros((stage.max_tokens + 1, cfg.dim), np.uint16))
+    out = cuda.device_array((stage.max_tokens + 1, cfg.dim), np.uint16)
+    with pytest.raises(CapacityError, match="max_tokens"):
+        stage.forward(0, x, out, state, stage.new_shared(), 0, stage.max_tokens + 1)
+    with pytest.raises(CapacityError, match="max_seq"):
+        stage.forward(0, x, out, state, stage.new_shared(), stage.max_seq - 1, 2)
+    with pytest.raises(InputError, match="attention x"):
+        stage.forward(0, cuda.device_array((4, cfg.dim), np.float32), out, state, stage.new_shared(), 0, 2)
+    with pytest.raises(InputError, match="attention out"):
+        stage.forward(0, x, cuda.device_array((4, cfg.dim + 1), np.uint16), state, stage.new_shared(), 0, 2)
+    with pytest.raises(InputError, match="layer 9"):
+        stage.forward(9, x, out, state, stage.new_shared(), 0, 2)
+    consumer = next(r.layer for r in cfg.roles if r.ratio > 0 and not r.kv_source and not r.index_source)
+    with pytest.raises(InputError, match="no kv source ran before it"):
+        stage.forward(consumer, x, out, state, stage.new_shared(), 0, 2)
+    later = next(r.layer for r in cfg.roles if r.uses_candidates)
+    shared = stage.new_shared()
+    for layer in range(later):
+        if cfg.roles[layer].candidate_source:
+            continue  # skip the candidate source: its mask is missing below
+        stage.forward(layer, x, out, state, shared, 0, 2)
+    with pytest.raises(InputError, match="candidate mask"):
+        stage.forward(later, x, out, state, shared, 0, 2)
+    state.free()
+    state.free()
+    with pytest.raises(SequenceStateError):
+        stage.forward(0, x, out, state, stage.new_shared(), 0, 2)
+    with pytest.raises(SequenceStateError):
+        state.reset()
+
+
+def test_stage_free_is_idempotent(tiny_path):
+    model = load_model(tiny_path)
+    stage = AttentionStage(model, 2, 16)
+    assert stage.weight_bytes(1) > stage.weight_bytes(0) > 0 and stage.workspace_bytes() > 0
+    stage.free()
+    stage.free()
+    with pytest.raises(SequenceStateError):
+        stage.new_state()
+    with pytest.raises(CapacityError, match="context length"):
+        AttentionStage(model, 2, model.config.context_length + 1)
+    model.close()
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_small_prefill_chunks_and_decode(small_path):
+    """The small preset (dim 256, 4 heads x 64, window 16, index 4 x 64 top-8): one-shot prefill of
+    40, then chunks of 3 and 5 to 40, each followed by decode steps past several window wraps."""
+    model = load_model(small_path)
+    max_seq = 64
+    stage = AttentionStage(model, 40, max_seq)
+    orc = Oracle(model, max_seq)
+    one = SideBySide(stage, orc, total=48, seed=2)
+    one.run([40] + [1] * 8)
+    one.check_state()
+    print(f"\nsmall, one-shot prefill + decode ({one.flipped_rows} rows with a different selection):\n" + one.report())
+    for step in (3, 5):
+        run = SideBySide(stage, orc, total=48, seed=2)
+        run.run([step] * (40 // step) + [40 % step] * (40 % step > 0) + [1] * 8)
+        run.check_state()
+        for i, (got, ref) in enumerate(zip(run.out, one.out, strict=True)):
+            assert_rows_close(got, ref, f"layer {i}: chunks of {step} vs one shot")
+    stage.free()
+    model.close()
+
+
+@pytest.mark.gpu
+def test_flash_dimensions(synth_model):
+    """V4.1-Flash dimensions (64 heads x 512, q_lora 1280, window 128, index 32 x 128, top-512,
+    8 output groups), the six-layer schedule, no engram: prefill of 200 tokens in chunks of 64, then
+    8 decode steps, each layer against the oracle. Prints cosine and max error per layer."""
+    path = synth_model("flash", vocab=1024, engram_layers=())
+    model = load_model(path)
+    max_seq = 256
+    stage = AttentionStage(model, 64, max_seq)
+    orc = Oracle(model, max_seq)
+    run = SideBySide(stage, orc, total=208, seed=3)
+    run.run([64, 64, 64, 8] + [1] * 8)
+    run.check_state()
+    print(f"\nflash dimensions, 200 prefill + 8 decode ({run.flipped_rows} rows with a different selection):\n"
+          + run.report())
+    stage.free()
+    model.close()

@@ -57,7 +57,7 @@ def engram_primes(n_layers: int, max_ngram: int, n_heads: int, engram_vocab_size
 
 def engram_offsets(primes: np.ndarray) -> np.ndarray:
     """Running sums of each layer's primes, flattened [n-gram][head], starting at 0."""
-    flat = primes.reshape(primes.shape[0], -1)
+    flat = primes.reshape(primes.shape[0], int(np.prod(primes.shape[1:])))
     starts = np.concatenate([np.zeros((flat.shape[0], 1), np.int64), np.cumsum(flat, axis=1)[:, :-1]], axis=1)
     return starts.reshape(primes.shape)
 
@@ -69,7 +69,7 @@ def engram_multipliers(layer_ids: tuple[int, ...], max_ngram: int, compressed_vo
     for layer_id in layer_ids:
         draw = np.random.default_rng(10007 * layer_id).integers(0, bound, size=(max_ngram,), dtype=np.int64)
         rows.append(draw * 2 + 1)
-    return np.stack(rows)
+    return np.stack(rows) if rows else np.zeros((0, max_ngram), np.int64)
 
 
 def stub_token_map(vocab: int, unmapped_tail: int = 0) -> tuple[np.ndarray, int]:

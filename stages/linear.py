@@ -6,8 +6,15 @@ product (the attention's `wo_a`: G groups of `group_rows` outputs, each reading 
 slice of x) is the same kernel with the input offset `(n // group_rows) * K`.
 
 Two kernels, chosen by the token count:
-- `gemv` (T <= GEMV_MAX_TOKENS): one warp per output row streams that row's stored blocks once,
-  dequantising 32 values at a time, and reuses them for every token of the step.
+- `gemv` (T <= GEMV_MAX_TOKENS): one warp per output row streams that row's stored blocks once and
+  reuses them for every token of the step. K goes in segments of SEG_CHUNKS 32-value chunks: the
+  block stages the segment's inputs in shared memory (fp32, once for all its rows), each warp
+  copies its row's stored bytes of the segment into shared memory with coalesced 32-bit loads
+  (16-bit where rows are not a whole number of 32-bit words), then each lane dequantises one chunk
+  from there. (Dequantising straight from global memory
+  would have the lanes of a warp read bytes 34 or 84 bytes apart: a dozen cache-line requests per
+  load instruction, and the kernel bound by L1 traffic instead of DRAM bandwidth.) A block's rows
+  belong to one group, so a grouped product is one launch.
 - `gemm` (more tokens): a shared-memory tile of tokens x outputs, K in steps of 32, the weight
   chunk dequantised once per tile; a grouped product is one launch per group.
 
@@ -32,19 +39,23 @@ if SIM:
     from stages.device import _BF16_VALUES
 
 GEMV_MAX_TOKENS = 8
+GEMV_TOKEN_CAPS = (1, 2, 4, 8)  # gemv is compiled per cap: its shared inputs and accumulators fit T
+SEG_CHUNKS = 32  # chunks per gemv segment (a whole number of Q2_K blocks): one per lane of a warp
+SEG_VALUES = SEG_CHUNKS * CHUNK
+GEMV_SHARED_BYTES = 46 * 1024  # under the 48 KiB of static shared memory a block may have
 # The simulator runs every thread as a Python thread and a barrier costs about a millisecond, so
-# there a "warp" is one lane (warp_sum is then the identity) and gemm tiles have few threads. The
+# there a "warp" is one lane (warp_sum is then the identity) and blocks have few threads. The
 # kernels' logic is the same; only these sizes change.
 if SIM:
     LANES, GEMV_ROWS = 1, 32
     TM, TN, WM, WN = 16, 32, 16, 32
 else:
-    LANES, GEMV_ROWS = WARP, 4  # GEMV_ROWS warps (output rows) per block
+    LANES, GEMV_ROWS = WARP, 8  # at most GEMV_ROWS warps (output rows) per block
     TM, TN, WM, WN = 32, 64, 2, 4
 # gemm tile: TM tokens x TN outputs, threads (TN / WN) x (TM / WM), each WM x WN outputs
 THREADS_X, THREADS_Y = TN // WN, TM // WM
 # shared and local array shapes must be compile-time constants: module globals, computed once
-GEMV_SCRATCH = LANES * GEMV_ROWS
+# (the gemv's, which depend on the weight type and the token cap, are closure constants of its factory)
 X_TILE = (TM, CHUNK + 1)  # +1 column: no shared-memory bank conflicts on the k walk
 W_TILE = (TN, CHUNK + 1)
 ACC_TILE = (WM, WN)
@@ -86,22 +97,43 @@ def _load_x(x, t, k, x_bf16):
 
 
 if SIM:
-    # The simulator executes kernels as Python: these two inner loops, the bulk of every product,
-    # run as NumPy float32 operations there (same values, another fp32 summation order).
-    def _chunk_dot(buf, x, t, base, x_bf16):
-        row = x[t, base:base + CHUNK]
-        vals = _BF16_VALUES[row] if x_bf16 else row
-        return np.float32(np.dot(buf, vals))
+    # The simulator executes kernels as Python: the inner loops, the bulk of every product, and the
+    # gemv's staging copies run as NumPy operations there (same values, another fp32 summation
+    # order; the copies by the block's first thread, the one lane of its warp).
+    def _chunk_dot(buf, xs, t, c):
+        return np.float32(np.dot(buf, xs[t, c, :CHUNK]))
+
+    def _stage_x(xs, x, n_tokens, x0, n_chunks, tid, x_bf16):
+        if tid == 0:
+            vals = np.asarray(x[:n_tokens, x0:x0 + n_chunks * CHUNK])
+            vals = _BF16_VALUES[vals] if x_bf16 else vals
+            xs[:n_tokens, :n_chunks, :CHUNK] = vals.reshape(n_tokens, n_chunks, CHUNK)
+
+    def _stage_w(ws, ww, slot, row, w0, n_words, lane):
+        ws[slot, :n_words] = np.asarray(ww[row, w0:w0 + n_words])
 
     def _tile_fma(acc, xs, ws, ty, tx):
         acc += xs[ty * WM:(ty + 1) * WM, :CHUNK] @ ws[tx * WN:(tx + 1) * WN, :CHUNK].T
 else:
     @cuda.jit(device=True)
-    def _chunk_dot(buf, x, t, base, x_bf16):
+    def _chunk_dot(buf, xs, t, c):
         s = float32(0)
         for i in range(CHUNK):
-            s += buf[i] * _load_x(x, t, base + i, x_bf16)
+            s += buf[i] * xs[t, c, i]
         return s
+
+    @cuda.jit(device=True)
+    def _stage_x(xs, x, n_tokens, x0, n_chunks, tid, x_bf16):
+        """xs[t, c, i] = x[t, x0 + c * CHUNK + i]: consecutive threads read consecutive inputs, and
+        the 33-wide rows of xs keep the writes (and the lanes' later reads) free of bank conflicts."""
+        for t in range(n_tokens):
+            for v in range(tid, n_chunks * CHUNK, LANES * cuda.blockDim.y):
+                xs[t, v // CHUNK, v % CHUNK] = _load_x(x, t, x0 + v, x_bf16)
+
+    @cuda.jit(device=True)
+    def _stage_w(ws, ww, slot, row, w0, n_words, lane):
+        for i in range(lane, n_words, LANES):
+            ws[slot, i] = ww[row, w0 + i]
 
     @cuda.jit(device=True)
     def _tile_fma(acc, xs, ws, ty, tx):
@@ -112,29 +144,67 @@ else:
                     acc[i, j] += a * ws[tx * WN + j, kk]
 
 
+def gemv_token_cap(n_tokens: int) -> int:
+    """The smallest compiled token cap that holds n_tokens (<= GEMV_MAX_TOKENS)."""
+    return next(cap for cap in GEMV_TOKEN_CAPS if cap >= n_tokens)
+
+
+def gemv_rows(gtype: GGMLType, tokens: int) -> int:
+    """Output rows (warps) per gemv block: GEMV_ROWS, fewer where the staged segments of wide
+    types would not fit the shared memory beside the staged inputs."""
+    inputs = tokens * SEG_CHUNKS * (CHUNK + 1) * 4
+    return max(1, min(GEMV_ROWS, (GEMV_SHARED_BYTES - inputs) // FORMATS[gtype].row_bytes(SEG_VALUES)))
+
+
 @cache
-def gemv_kernel(gtype: GGMLType, x_bf16: bool, out_bf16: bool):
-    """One warp per output row; block = (LANES, GEMV_ROWS rows)."""
+def gemv_kernel(gtype: GGMLType, x_bf16: bool, out_bf16: bool, tokens: int = GEMV_MAX_TOKENS,
+                wide: bool = False):
+    """One warp per output row, for up to `tokens` tokens; block = (LANES, gemv_rows(gtype, tokens))
+    rows of one group; grid = groups * blocks_per_group. wide: the rows are whole 32-bit words
+    (copied as such); otherwise 16-bit words, which every type's rows are."""
     dequant = DEQUANT[gtype]
+    rows = gemv_rows(gtype, tokens)
+    word = np.uint32 if wide else np.uint16
+    seg_words = FORMATS[gtype].row_bytes(SEG_VALUES) // np.dtype(word).itemsize
+    xs_shape = (tokens, SEG_CHUNKS, CHUNK + 1)
+    ws_shape = (rows, seg_words)
+    scratch_size = LANES * rows
 
     @cuda.jit
-    def gemv(x, w, y, n_tokens, n_rows, k, group_rows):
-        scratch = cuda.shared.array(GEMV_SCRATCH, float32)
+    def gemv(x, w, y, n_tokens, k, group_rows, blocks_per_group):
+        xs = cuda.shared.array(xs_shape, float32)  # [T, chunk, value] this segment's inputs
+        ws = cuda.shared.array(ws_shape, word)  # [row of the block, word] this segment's stored bytes
+        scratch = cuda.shared.array(scratch_size, float32)
+        wb = ws.view(np.uint8)  # the dequantisers read bytes
+        ww = w.view(word)  # [N, row words]
         lane = cuda.threadIdx.x
-        row = cuda.blockIdx.x * GEMV_ROWS + cuda.threadIdx.y
-        acc = cuda.local.array(GEMV_MAX_TOKENS, float32)
+        slot = cuda.threadIdx.y
+        tid = slot * LANES + lane
+        group = cuda.blockIdx.x // blocks_per_group
+        local = (cuda.blockIdx.x - group * blocks_per_group) * rows + slot
+        row = group * group_rows + local
+        live = local < group_rows
+        acc = cuda.local.array(tokens, float32)
         buf = cuda.local.array(CHUNK, float32)
-        for t in range(GEMV_MAX_TOKENS):
+        for t in range(tokens):
             acc[t] = float32(0)
-        live = row < n_rows
-        if live:
-            x_off = (row // group_rows) * k
-            for c in range(lane, k // CHUNK, LANES):
-                dequant(w, row, c, buf)
-                base = x_off + c * CHUNK
-                for t in range(n_tokens):
-                    acc[t] += _chunk_dot(buf, x, t, base, x_bf16)
-        for t in range(GEMV_MAX_TOKENS):
+        n_chunks = k // CHUNK
+        for seg in range(0, n_chunks, SEG_CHUNKS):
+            here = min(SEG_CHUNKS, n_chunks - seg)
+            _stage_x(xs, x, n_tokens, group * k + seg * CHUNK, here, tid, x_bf16)
+            if live:
+                # segments start on block boundaries, at a whole word; the last one ends with the row
+                start = (seg // SEG_CHUNKS) * seg_words
+                _stage_w(ws, ww, slot, row, start, min(seg_words, ww.shape[1] - start), lane)
+            cuda.syncthreads()
+            if live:
+                for c in range(lane, here, LANES):
+                    dequant(wb, slot, c, buf)
+                    for t in range(tokens):
+                        if t < n_tokens:
+                            acc[t] += _chunk_dot(buf, xs, t, c)
+            cuda.syncthreads()
+        for t in range(tokens):
             if t < n_tokens:
                 total = warp_sum(acc[t], scratch) if LANES > 1 else acc[t]
                 if live and lane == 0:
@@ -214,9 +284,12 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     if use_gemv:
         if n_tokens > GEMV_MAX_TOKENS:
             raise ValueError(f"linear {w.name}: gemv takes at most {GEMV_MAX_TOKENS} tokens, got {n_tokens}")
-        grid = (w.n + GEMV_ROWS - 1) // GEMV_ROWS
-        gemv_kernel(w.gtype, x_bf16, out_bf16)[grid, (LANES, GEMV_ROWS), stream](
-            x, w.data, y, n_tokens, w.n, w.k, group_rows)
+        cap = gemv_token_cap(n_tokens)
+        rows = gemv_rows(w.gtype, cap)
+        per_group = (group_rows + rows - 1) // rows
+        wide = FORMATS[w.gtype].row_bytes(w.k) % 4 == 0
+        gemv_kernel(w.gtype, x_bf16, out_bf16, cap, wide)[groups * per_group, (LANES, rows), stream](
+            x, w.data, y, n_tokens, w.k, group_rows, per_group)
     else:
         gemm = gemm_kernel(w.gtype, x_bf16, out_bf16)
         grid = ((group_rows + TN - 1) // TN, (n_tokens + TM - 1) // TM)

@@ -10,7 +10,7 @@ from numba import cuda  # noqa: E402  (after conftest chose the backend)
 from host.numerics import bf16, from_bits, matmul_t, to_bits
 from host.numerics import linear as oracle_linear
 from host.quants import GGMLType, dequantize, quantize
-from stages.linear import GEMV_MAX_TOKENS, DeviceWeight, linear  # noqa: E402
+from stages.linear import GEMV_MAX_TOKENS, SEG_VALUES, DeviceWeight, linear  # noqa: E402
 from tests.bounds import assert_bf16_product, assert_within, f32_sum_error
 
 TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16, GGMLType.F16, GGMLType.F32]
@@ -58,6 +58,24 @@ def test_grouped(kernel, tokens):
     x = bf16(rng.standard_normal((tokens, groups * width)).astype(np.float32))
     y = cuda.device_array((tokens, groups * rows), np.uint16)
     linear(cuda.to_device(to_bits(x)), w, y, tokens, group_rows=rows, kernel=kernel)
+    got = from_bits(y.copy_to_host())
+    for g in range(groups):
+        xs, ws = x[:, g * width:(g + 1) * width], wq[g * rows:(g + 1) * rows]
+        assert_bf16_product(got[:, g * rows:(g + 1) * rows], oracle_linear(xs, ws), xs, ws, f"group {g}")
+
+
+@pytest.mark.parametrize("gtype,extra", [(GGMLType.Q2_K, 256), (GGMLType.Q8_0, 32), (GGMLType.Q8_0, 64),
+                                         (GGMLType.F32, 32)], ids=["Q2_K", "Q8_0-odd-blocks", "Q8_0", "F32"])
+def test_gemv_several_segments(gtype, extra):
+    """K past one gemv segment (SEG_VALUES) with a partial last one, and groups of a row count that
+    does not fill the kernel's blocks: every output row of every group, against the oracle. An odd
+    number of Q8_0 blocks makes rows that are not whole 32-bit words (the 16-bit copy)."""
+    rng = np.random.default_rng(int(gtype) + extra)
+    groups, rows, width, tokens = 2, 5, SEG_VALUES + extra, 3
+    w, wq = weight(rng, groups * rows, width, gtype)
+    x = bf16(rng.standard_normal((tokens, groups * width)).astype(np.float32))
+    y = cuda.device_array((tokens, groups * rows), np.uint16)
+    linear(cuda.to_device(to_bits(x)), w, y, tokens, group_rows=rows, kernel="gemv")
     got = from_bits(y.copy_to_host())
     for g in range(groups):
         xs, ws = x[:, g * width:(g + 1) * width], wq[g * rows:(g + 1) * rows]

@@ -250,6 +250,35 @@ def test_stage_free_is_idempotent(tiny_path):
     model.close()
 
 
+def test_model_without_engram_layers(synth_model):
+    """A model with no engram layer (as the flash-dimension GPU test and the bench write one) loads
+    and runs the whole stack."""
+    model = load_model(synth_model("tiny", engram_layers=()))
+    assert model.config.engram is None
+    stage = AttentionStage(model, 2, 8)
+    state = stage.new_state()
+    x = cuda.to_device(np.zeros((2, model.config.dim), np.uint16))
+    out = cuda.device_array((2, model.config.dim), np.uint16)
+    shared = stage.new_shared()
+    for layer in range(model.config.n_layers):
+        stage.forward(layer, x, out, state, shared, 0, 2)
+    assert not from_bits(out.copy_to_host()).any()  # x = 0: every projection and the attention are zero
+    stage.free()
+    model.close()
+
+
+def test_bench_cases():
+    """The attention bench rows (flashv41 bench, GPU only): one case per weight type; clear refusal
+    of a type without random stored blocks."""
+    from flashv41.bench import BenchOptions
+    from flashv41.bench_attention import cases
+
+    assert [c.name for c in cases(BenchOptions(weight_types=("Q8_0", "BF16")))] == [
+        "attention.decode.Q8_0", "attention.decode.BF16"]
+    with pytest.raises(InputError, match="no attention rows for weight type F16"):
+        cases(BenchOptions(weight_types=("F16",)))
+
+
 # ---- on the GPU -----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -1,0 +1,134 @@
+"""Benchmark rows of the attention layers (PERF.md P2, M1) at V4.1-Flash dimensions.
+
+- `attention.decode.<type>.<block type>` (P2): one decode step of one layer of each block type (swa,
+  kv_index_source_r2, consumer_r2, candidate_source_r1, consumer_r1, candidate_index_source_r1),
+  launch cost excluded: the step's launches are queued behind a sleeping kernel, as a replayed
+  graph would run them. Bound = the bytes of the weight matrices the step reads (every projection
+  of the layer, compressor and indexer included) / the copy bandwidth.
+- `attention.decode.<type>.<block type>.python`: the same steps back to back as Python issues them
+  (about 25 launches a layer), what the engine gets without a graph.
+
+The rows run an AttentionStage on the six-layer flash-dimension model (no engram) written once
+into the options' work directory in Q8_0, prefilled to DECODE_POSITION in chunks; the measured
+step is at DECODE_POSITION (odd, so the ratio-2 kv source completes a group and does its whole
+work: pooling, index keys, compressed row), with 640 attention entries (window 128 + top-512) and
+512 / 1024 groups scored. For another weight type the layer's dense projections (wq_a, wq_b, wkv,
+wo_a, wo_b, the indexer's wq_b) are swapped for random stored blocks of that type before the
+prefill; the compressor, wk and proj keep the types published files use. Memory (M1) per layer is
+in the notes: weights, and the stage's workspaces and one sequence's state for the whole stack.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, device_time, pipelined_time
+from flashv41.bench_engram import WEIGHT_TYPES, random_stored
+from flashv41.errors import InputError
+from host.quants import GGMLType, ggml_type
+
+DECODE_POSITION = 1023
+PREFILL_CHUNK = 256
+X_STD = 0.025  # the normed sublayer input's scale
+MODEL = dict(vocab=1024, engram_layers=())
+HOLD_S = 0.02  # the sleeping kernel outlasts the queued steps' Python launch time
+QUEUED = 4
+
+
+def attention_model(options: BenchOptions):
+    """The six-layer flash-dimension model without engram, written once per work directory."""
+    import flashv41
+    from host.synth import write_synthetic
+
+    path = options.workdir / "flash-attention-Q8_0.gguf"
+    if not path.exists():
+        write_synthetic(path, "flash", weight_type="Q8_0", **MODEL)
+    return flashv41.load_model(path)
+
+
+def swap_dense(stage, gtype: GGMLType, stream) -> None:
+    """Replace every layer's dense projections by random stored blocks of `gtype`, same shapes."""
+    from numba import cuda
+
+    from stages.linear import DeviceWeight
+
+    rng = np.random.default_rng(int(gtype))
+
+    def random_like(w: DeviceWeight) -> DeviceWeight:
+        return DeviceWeight(w.name, gtype, w.n, w.k, cuda.to_device(random_stored(w.n, w.k, gtype, rng), stream=stream))
+
+    for layer in stage.layers:
+        for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            setattr(layer, name, random_like(getattr(layer, name)))
+        if layer.indexer is not None:
+            layer.indexer.wq_b = random_like(layer.indexer.wq_b)
+
+
+def decode_case(wtype: str) -> BenchCase:
+    gtype = ggml_type(wtype)
+    name = f"attention.decode.{wtype}"
+
+    def run(ctx: BenchContext) -> list[BenchRow]:
+        from numba import cuda
+
+        from host.numerics import bf16, to_bits
+        from stages.attention import AttentionStage
+
+        model = attention_model(ctx.options)
+        cfg = model.config
+        stream = cuda.stream()
+        stage = AttentionStage(model, PREFILL_CHUNK, DECODE_POSITION + 1, stream=stream)
+        state = None
+        try:
+            if gtype != GGMLType.Q8_0:
+                swap_dense(stage, gtype, stream)
+            state = stage.new_state()
+            rng = np.random.default_rng(4)
+            x = cuda.to_device(to_bits(bf16((rng.standard_normal((PREFILL_CHUNK, cfg.dim)) * X_STD)
+                                            .astype(np.float32))), stream=stream)
+            out = cuda.device_array((PREFILL_CHUNK, cfg.dim), np.uint16, stream=stream)
+            for start in range(0, DECODE_POSITION, PREFILL_CHUNK):
+                n = min(PREFILL_CHUNK, DECODE_POSITION - start)
+                shared = stage.new_shared()
+                for role in cfg.roles:
+                    stage.forward(role.layer, x, out, state, shared, start, n)
+            shared = stage.new_shared()  # the stack once at the measured position: every source published
+            for role in cfg.roles:
+                stage.forward(role.layer, x, out, state, shared, DECODE_POSITION, 1)
+            stream.synchronize()
+            memory = (f"workspaces {stage.workspace_bytes() / 1e6:.1f} MB, sequence state "
+                      f"{state.nbytes() / 1e6:.1f} MB (stack)")
+            o = ctx.options
+            rows = []
+            for role in cfg.roles:
+
+                def step(layer: int = role.layer) -> None:
+                    stage.forward(layer, x, out, state, shared, DECODE_POSITION, 1)
+
+                nbytes = stage.weight_bytes(role.layer)
+                bound = ctx.memory_bound(nbytes)
+                row = f"{name}.{role.block_type}"
+                median = device_time(step, o.reps, o.warmup, stream, n=QUEUED, hold_s=HOLD_S)
+                rows.append(BenchRow(row, median, bound, bytes=nbytes,
+                                     note=f"layer {role.layer}, position {DECODE_POSITION}, launch cost excluded; "
+                                          f"weights {nbytes / 1e6:.1f} MB; {memory}"))
+                median = pipelined_time(step, o.reps, o.warmup, stream)
+                rows.append(BenchRow(f"{row}.python", median, bound, bytes=nbytes,
+                                     note="back to back from Python, launch cost included"))
+            return rows
+        finally:
+            if state is not None:
+                state.free()
+            stage.free()
+            model.close()
+
+    return BenchCase(name, run)
+
+
+def cases(options: BenchOptions) -> list[BenchCase]:
+    """One case per weight type: every block type's decode step, device-only and from Python."""
+    for wtype in options.weight_types:
+        if ggml_type(wtype) not in WEIGHT_TYPES:
+            raise InputError(f"bench: no attention rows for weight type {wtype} "
+                             f"(have {', '.join(t.name for t in WEIGHT_TYPES)})")
+    return [decode_case(w) for w in options.weight_types]

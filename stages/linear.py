@@ -47,7 +47,7 @@ GEMV_SHARED_BYTES = 46 * 1024  # under the 48 KiB of static shared memory a bloc
 # there a "warp" is one lane (warp_sum is then the identity) and blocks have few threads. The
 # kernels' logic is the same; only these sizes change.
 if SIM:
-    LANES, GEMV_ROWS = 1, 32
+    LANES, GEMV_ROWS = 1, 1  # one thread per block, walking all of its group's rows
     TM, TN, WM, WN = 16, 32, 16, 32
 else:
     LANES, GEMV_ROWS = WARP, 8  # at most GEMV_ROWS warps (output rows) per block
@@ -169,6 +169,7 @@ def gemv_kernel(gtype: GGMLType, x_bf16: bool, out_bf16: bool, tokens: int = GEM
     xs_shape = (tokens, SEG_CHUNKS, CHUNK + 1)
     ws_shape = (rows, seg_words)
     scratch_size = LANES * rows
+    block_threads = LANES * rows
 
     @cuda.jit
     def gemv(x, w, y, n_tokens, k, group_rows, blocks_per_group):
@@ -181,37 +182,43 @@ def gemv_kernel(gtype: GGMLType, x_bf16: bool, out_bf16: bool, tokens: int = GEM
         slot = cuda.threadIdx.y
         tid = slot * LANES + lane
         group = cuda.blockIdx.x // blocks_per_group
-        local = (cuda.blockIdx.x - group * blocks_per_group) * rows + slot
-        row = group * group_rows + local
-        live = local < group_rows
         acc = cuda.local.array(tokens, float32)
         buf = cuda.local.array(CHUNK, float32)
-        for t in range(tokens):
-            acc[t] = float32(0)
         n_chunks = k // CHUNK
-        for seg in range(0, n_chunks, SEG_CHUNKS):
-            here = min(SEG_CHUNKS, n_chunks - seg)
-            _stage_x(xs, x, n_tokens, group * k + seg * CHUNK, here, tid, x_bf16)
-            if live:
-                # segments start on block boundaries, at a whole word; the last one ends with the row
-                start = (seg // SEG_CHUNKS) * seg_words
-                _stage_w(ws, ww, slot, row, start, min(seg_words, ww.shape[1] - start), lane)
-            cuda.syncthreads()
-            if live:
-                for c in range(lane, here, LANES):
-                    dequant(wb, slot, c, buf)
-                    for t in range(tokens):
-                        if t < n_tokens:
-                            acc[t] += _chunk_dot(buf, xs, t, c)
-            cuda.syncthreads()
-        for t in range(tokens):
-            if t < n_tokens:
-                total = warp_sum(acc[t], scratch) if LANES > 1 else acc[t]
-                if live and lane == 0:
-                    if out_bf16:
-                        y[t, row] = f32_to_bf16(total)
-                    else:
-                        y[t, row] = total
+        # a block-uniform walk over its rows (once on a GPU, whose grid covers the group; the whole
+        # group in the simulator's one-thread blocks), so every thread meets the same barriers
+        first = (cuda.blockIdx.x - group * blocks_per_group) * rows
+        for base in range(first, group_rows, blocks_per_group * rows):
+            local = base + slot
+            row = group * group_rows + local
+            live = local < group_rows
+            for t in range(tokens):
+                acc[t] = float32(0)
+            for seg in range(0, n_chunks, SEG_CHUNKS):
+                here = min(SEG_CHUNKS, n_chunks - seg)
+                _stage_x(xs, x, n_tokens, group * k + seg * CHUNK, here, tid, x_bf16)
+                if live:
+                    # segments start on block boundaries, at a whole word; the last one ends with the row
+                    start = (seg // SEG_CHUNKS) * seg_words
+                    _stage_w(ws, ww, slot, row, start, min(seg_words, ww.shape[1] - start), lane)
+                if block_threads > 1:  # a barrier in a one-thread block is a no-op, but not a free one
+                    cuda.syncthreads()
+                if live:
+                    for c in range(lane, here, LANES):
+                        dequant(wb, slot, c, buf)
+                        for t in range(tokens):
+                            if t < n_tokens:
+                                acc[t] += _chunk_dot(buf, xs, t, c)
+                if block_threads > 1:
+                    cuda.syncthreads()
+            for t in range(tokens):
+                if t < n_tokens:
+                    total = warp_sum(acc[t], scratch) if LANES > 1 else acc[t]
+                    if live and lane == 0:
+                        if out_bf16:
+                            y[t, row] = f32_to_bf16(total)
+                        else:
+                            y[t, row] = total
 
     return gemv
 
@@ -286,7 +293,7 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
             raise ValueError(f"linear {w.name}: gemv takes at most {GEMV_MAX_TOKENS} tokens, got {n_tokens}")
         cap = gemv_token_cap(n_tokens)
         rows = gemv_rows(w.gtype, cap)
-        per_group = (group_rows + rows - 1) // rows
+        per_group = 1 if SIM else (group_rows + rows - 1) // rows
         wide = FORMATS[w.gtype].row_bytes(w.k) % 4 == 0
         gemv_kernel(w.gtype, x_bf16, out_bf16, cap, wide)[groups * per_group, (LANES, rows), stream](
             x, w.data, y, n_tokens, w.k, group_rows, per_group)

@@ -64,6 +64,7 @@ class SideBySide:
         self.weights = [orc.attention_weights(i) for i in range(cfg.n_layers)]
         self.position = 0
         self.flipped_rows = 0
+        self.explained = np.zeros(0, bool)  # rows of the current call whose selection differs, explained
         self.worst = [(1.0, 0.0) for _ in cfg.roles]  # per layer: lowest cosine, largest |error|
 
     def run(self, chunks: list[int]) -> None:
@@ -99,23 +100,28 @@ class SideBySide:
         self.position += t
 
     def check_selection(self, role, cap: dict, ocap: dict, positions: np.ndarray, where: str) -> np.ndarray:
-        """Rows whose selection (and candidate blocks) equal the oracle's; the others must be explained
-        by their index scores (see the module docstring)."""
-        same = np.all(cap["selection"] == ocap["selection"], axis=1)
+        """Rows whose selection (and candidate blocks) equal the oracle's. On an index source the other
+        rows must be explained by its own scores (see the module docstring); a consumer may differ
+        only on rows its index source explained."""
+        differs = ~np.all(cap["selection"] == ocap["selection"], axis=1)
         if "candidates" in ocap:
-            same &= np.all(cap["candidates"] == ocap["candidates"], axis=1)
-        if same.all():
-            return same
-        assert "index_score" in cap, f"{where}: a consumer's selection differs from the oracle's index source's"
+            differs |= ~np.all(cap["candidates"] == ocap["candidates"], axis=1)
+        if not role.index_source:
+            assert not (differs & ~self.explained).any(), f"{where}: selection differs where its source's did not"
+            return ~differs
+        self.explained = differs
+        if not differs.any():
+            return ~differs
+        assert "index_score" in cap, f"{where}: selection differs before any group is complete"
         shared = oracle.SharedRuntime(candidates=cap.get("candidates") if role.uses_candidates else None)
         own = oracle.select(self.cfg, role, cap["index_score"], positions, shared)
         assert np.array_equal(own, cap["selection"]), f"{where}: the selection is not top-k of the stage's own scores"
-        for r in np.flatnonzero(~same):
+        for r in np.flatnonzero(differs):
             c = cosine(cap["index_score"][r], ocap["index_score"][r])
             assert c >= SCORE_COSINE, f"{where}: row {r} selection differs with scores at cosine {c:.5f}"
-        self.flipped_rows += int((~same).sum())
+        self.flipped_rows += int(differs.sum())
         assert self.flipped_rows <= 0.1 * len(positions) * self.cfg.n_layers + 1, f"{where}: too many flipped rows"
-        return same
+        return ~differs
 
     def report(self) -> str:
         return "\n".join(f"layer {i} {role.block_type:28s} cosine >= {c:.7f}, max |error| {e:.3e}, "

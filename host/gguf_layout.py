@@ -147,6 +147,18 @@ ENGRAM_TENSORS = (
 ENGRAM_TABLE = "engram_embd"
 TOKEN_EMBD = "token_embd"
 
+# The attention tensors by the names the oracle's AttentionWeights and the attention stage give
+# them: every layer's, then those of kv sources (compressor, index keys) and index sources.
+ATTENTION_ROLES = {
+    "attn_norm": "attn_norm", "sinks": "attn_sinks", "wq_a": "attn_q_a", "q_norm": "attn_q_a_norm",
+    "wq_b": "attn_q_b", "wkv": "attn_kv", "kv_norm": "attn_kv_a_norm", "wo_a": "attn_output_a",
+    "wo_b": "attn_output_b",
+}
+OPTIONAL_ATTENTION_ROLES = {
+    "comp_kv": "attn_compressor_kv", "comp_gate": "attn_compressor_gate", "comp_norm": "attn_compressor_norm",
+    "wk": "indexer.attn_k", "k_norm": "indexer.k_norm", "idx_wq_b": "indexer.attn_q_b", "idx_proj": "indexer.proj",
+}
+
 
 def tensor_name(layer: int | None, role: str) -> str:
     """`blk.{layer}.{role}.weight`, or `{role}.weight` for a model-level tensor."""

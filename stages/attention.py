@@ -49,6 +49,7 @@ from numba import cuda
 from flashv41.config import LayerRole, ModelConfig
 from flashv41.errors import CapacityError, InputError, ModelFormatError, SequenceStateError
 from flashv41.model import Model
+from host import gguf_layout as L
 from host.numerics import from_bits
 from host.oracle import rope_tables
 from stages import indexer, kv_sources
@@ -60,16 +61,7 @@ from stages.norm_rope_quant import DeviceArray, act_quant, check_array, rms_norm
 from stages.sparse_attention import build_entries, sparse_attention
 
 COPY_THREADS = 64 if SIM else 256
-
-# GGUF roles (blk.{i}.{role}.weight) of the tensors the attention reads.
-ROLE = {
-    "sinks": "attn_sinks", "wq_a": "attn_q_a", "q_norm": "attn_q_a_norm", "wq_b": "attn_q_b",
-    "wkv": "attn_kv", "kv_norm": "attn_kv_a_norm", "wo_a": "attn_output_a", "wo_b": "attn_output_b",
-    "comp_kv": "attn_compressor_kv", "comp_gate": "attn_compressor_gate",
-    "comp_norm": "attn_compressor_norm", "wk": "indexer.attn_k", "k_norm": "indexer.k_norm",
-    "idx_wq_b": "indexer.attn_q_b", "idx_proj": "indexer.proj",
-}
-
+ROLES = {**L.ATTENTION_ROLES, **L.OPTIONAL_ATTENTION_ROLES}  # blk.{i}.{role}.weight by weight name
 
 # The stage's device workspaces (attribute names), sized once for max_tokens.
 WORKSPACES = ("positions", "qa", "qr", "q", "kv_raw", "kv", "o", "oa", "entries_window", "entries_all", "selection",
@@ -209,15 +201,15 @@ class AttentionStage:
         cfg, i = self.cfg, role.layer
 
         def matrix(name: str, n: int, k: int) -> DeviceWeight:
-            w = DeviceWeight.from_ref(model.tensor(i, ROLE[name]), self.stream)
+            w = DeviceWeight.from_ref(model.tensor(i, ROLES[name]), self.stream)
             if (w.n, w.k) != (n, k):
-                raise ModelFormatError(f"blk.{i}.{ROLE[name]}: shape [{w.n}, {w.k}], expected [{n}, {k}]")
+                raise ModelFormatError(f"blk.{i}.{ROLES[name]}: shape [{w.n}, {w.k}], expected [{n}, {k}]")
             return w
 
         def vector(name: str, n: int) -> DeviceArray:
-            v = np.ascontiguousarray(model.tensor(i, ROLE[name]).dequantize().reshape(-1), np.float32)
+            v = np.ascontiguousarray(model.tensor(i, ROLES[name]).dequantize().reshape(-1), np.float32)
             if v.shape != (n,):
-                raise ModelFormatError(f"blk.{i}.{ROLE[name]}: {v.size} values, expected {n}")
+                raise ModelFormatError(f"blk.{i}.{ROLES[name]}: {v.size} values, expected {n}")
             return cuda.to_device(v)
 
         c, d, q = cfg.dim, cfg.head_dim, cfg.q_lora_rank

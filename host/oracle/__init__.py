@@ -32,16 +32,6 @@ from host.quants import dequantize
 
 __all__ = ["Oracle", "OracleSequence", "rope_tables"]
 
-_ATTN_ROLES = {
-    "attn_norm": "attn_norm", "sinks": "attn_sinks", "wq_a": "attn_q_a", "q_norm": "attn_q_a_norm",
-    "wq_b": "attn_q_b", "wkv": "attn_kv", "kv_norm": "attn_kv_a_norm", "wo_a": "attn_output_a",
-    "wo_b": "attn_output_b",
-}
-_OPTIONAL_ROLES = {
-    "comp_kv": "attn_compressor_kv", "comp_gate": "attn_compressor_gate", "comp_norm": "attn_compressor_norm",
-    "wk": "indexer.attn_k", "k_norm": "indexer.k_norm", "idx_wq_b": "indexer.attn_q_b", "idx_proj": "indexer.proj",
-}
-
 
 def rope_tables(cfg: ModelConfig, max_seq: int) -> RopeTables:
     """The two rotation tables of a model, for positions 0..max_seq-1."""
@@ -70,8 +60,8 @@ class Oracle:
         return self._cache[k]
 
     def attention_weights(self, layer: int) -> AttentionWeights:
-        args = {name: self.weight(layer, role) for name, role in _ATTN_ROLES.items()}
-        for name, role in _OPTIONAL_ROLES.items():
+        args = {name: self.weight(layer, role) for name, role in L.ATTENTION_ROLES.items()}
+        for name, role in L.OPTIONAL_ATTENTION_ROLES.items():
             if self.model.weights.has(layer, role):
                 args[name] = self.weight(layer, role)
         return AttentionWeights(**args)

@@ -129,7 +129,6 @@ class AttentionState:
     def __init__(self, stage: AttentionStage):
         cfg = stage.cfg
         self.stage = stage
-        self.max_seq = stage.max_seq
         self.layers: list[LayerState] = []
         for role in cfg.roles:
             source = None

@@ -208,6 +208,7 @@ def build_entries(positions: DeviceArray, selection: DeviceArray | None, entries
         raise InputError(f"build_entries: entries {entries.shape} for {window} window + {n_selected} selected")
     total = n_tokens * (window + n_selected)
     if total:
+        # without a selection the kernel reads none: any int32 [T, *] array stands in for it
         _entries_kernel[grid_1d(total, ENTRY_THREADS), ENTRY_THREADS, stream](
             positions, entries if selection is None else selection, entries, n_tokens, window, chunk_capacity,
             n_selected)

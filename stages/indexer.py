@@ -41,11 +41,13 @@ from stages.norm_rope_quant import DeviceArray, check_array, check_rows, fp4_qua
 
 FP4_BLOCK = 32  # the fp4 (E8M0) block of the index queries and keys
 # Score tiles: SCORE_GROUPS groups per block, SCORE_HEAD_THREADS threads over the heads; a block
-# walks its row's tiles with a grid stride, so the grid need not follow the width.
-SCORE_GROUPS = 1 if SIM else 32
+# walks its row's tiles with a grid stride, so the grid need not follow the width. Block sizes keep
+# registers x threads well inside the 64 K registers of a block (ptxas for sm_90: the score kernel
+# takes 64 registers a thread, the select kernel 152).
+SCORE_GROUPS = 1 if SIM else 16
 SCORE_HEAD_THREADS = 1 if SIM else 32
 SCORE_MAX_BLOCKS = 1 if SIM else 65535  # blocks per row (the simulator pays ~1 ms a block)
-SELECT_THREADS = 1 if SIM else 512
+SELECT_THREADS = 1 if SIM else 256
 RADIX_BITS = 4 if SIM else 8
 
 NEG_KEY = 0x007F  # the key of -inf

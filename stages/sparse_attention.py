@@ -42,7 +42,8 @@ if SIM:
 SPARSE_BLOCK = 64
 START_MAX = float32(-1e30)
 NEG_INF = float32(-np.inf)
-# The simulator runs one thread per block (no barriers, lanes of one); the GPU 128 threads in warps.
+# The simulator runs one thread per block (no barriers, lanes of one); the GPU 128 threads in warps
+# (132 registers a thread for sm_90).
 ATTN_THREADS = 1 if SIM else 128
 LANES = 1 if SIM else WARP
 ENTRY_THREADS = 64 if SIM else 256

@@ -37,13 +37,14 @@ from numba import cuda, float32, float64, int32, int64, uint32
 from flashv41.errors import InputError
 from stages.device import SIM, bf16_round, bf16_to_f32, device, f32_to_bf16
 from stages.linear import DeviceWeight, linear
-from stages.norm_rope_quant import DeviceArray, check_array, check_rows, fp4_quant, mul_rn, rope
+from stages.norm_rope_quant import DeviceArray, check_array, check_rows, fp4_quant, jit_for, mul_rn, rope
 
 FP4_BLOCK = 32  # the fp4 (E8M0) block of the index queries and keys
 # Score tiles: SCORE_GROUPS groups per block, SCORE_HEAD_THREADS threads over the heads; a block
 # walks its row's tiles with a grid stride, so the grid need not follow the width. Block sizes keep
 # registers x threads well inside the 64 K registers of a block (ptxas for sm_90: the score kernel
-# takes 64 registers a thread, the select kernel 152).
+# takes 64 registers a thread at flash sizes, the select kernel 152); launch bounds (jit_for) make
+# sure of it for any size.
 SCORE_GROUPS = 1 if SIM else 16
 SCORE_HEAD_THREADS = 1 if SIM else 32
 SCORE_MAX_BLOCKS = 1 if SIM else 65535  # blocks per row (the simulator pays ~1 ms a block)
@@ -84,7 +85,7 @@ def score_kernel(index_heads: int, index_dim: int, head_threads: int, groups: in
     sync = nt > 1
     dims = index_dim + 1  # padded shared rows: threads of a warp read different heads' rows
 
-    @cuda.jit
+    @jit_for(nt)
     def kernel(iq, hw, keys, score, positions, n_tokens, ratio, w_scale):
         qs = cuda.shared.array((index_heads, dims), float32)
         ks = cuda.shared.array((groups, dims), float32)
@@ -245,7 +246,7 @@ def select_kernel(threads: int, radix_bits: int):
             for i in range(above + need + tid, sel.shape[1], nt):
                 sel[t, i] = -1
 
-    @cuda.jit
+    @jit_for(nt)
     def kernel(score, cand, sel, positions, n_tokens, ratio, candidate_source, use_candidates, blk, topk_blocks):
         hist = cuda.shared.array(bins, int32)
         buf = cuda.shared.array(nt, int64)

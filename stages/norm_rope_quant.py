@@ -90,6 +90,12 @@ else:
         return libdevice.rintf(float32(x))
 
 
+def jit_for(threads: int):
+    """cuda.jit for a kernel launched with `threads` threads a block: on the GPU the compiler keeps
+    registers x threads inside the register file (launch bounds), so any block size launches."""
+    return cuda.jit if SIM else cuda.jit(launch_bounds=threads)
+
+
 @device
 def pow2_ceil(amax, max_inv):
     """2^ceil(log2(amax * max_inv)) read off the fp32 bits (host.numerics.pow2_ceil_scale)."""
@@ -157,7 +163,7 @@ def rms_norm_kernel(x_bf16: bool, threads: int):
     """One block of `threads` threads per row: float64 partial sums, a tree in shared memory."""
     sync = threads > 1
 
-    @cuda.jit
+    @jit_for(threads)
     def kernel(x, weight, out, n_rows, width, eps):
         partial = cuda.shared.array(threads, float64)
         r = cuda.blockIdx.x

@@ -34,7 +34,7 @@ from numba import cuda, float32, float64, int32
 
 from flashv41.errors import InputError
 from stages.device import SIM, WARP, bf16_round, bf16_to_f32, device, f32_to_bf16, grid_1d, warp_sum
-from stages.norm_rope_quant import DeviceArray, check_array, check_rows, exp_f32, mul_rn
+from stages.norm_rope_quant import DeviceArray, check_array, check_rows, exp_f32, jit_for, mul_rn
 
 if SIM:
     from stages.device import _BF16_VALUES
@@ -99,7 +99,7 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int):
     warps = threads // lanes
     per_thread = head_dim // threads
 
-    @cuda.jit
+    @jit_for(threads)
     def kernel(q, ring, chunk, comp, entries, sinks, out, n_entries, scale):
         qs = cuda.shared.array(head_dim, float32)
         ss = cuda.shared.array(SPARSE_BLOCK, float32)  # the block's scores (-inf: skipped)

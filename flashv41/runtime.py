@@ -45,6 +45,45 @@ def select_backend() -> bool:
     return using_simulator()
 
 
+def harden_simulator() -> None:
+    """Make Numba's simulated shared memory thread-safe (call after numba.cuda is imported).
+
+    The simulator hands every thread of a block the same NumPy array for a `cuda.shared.array`
+    line, created by whichever thread gets there first; that check-then-create is not locked, so
+    two threads arriving together can each get a private array and the block's threads stop
+    sharing memory. Serialising the allocation restores the CUDA semantics.
+    """
+    import threading
+    import traceback
+
+    import numpy as np
+    from numba.core import types
+    from numba.np import numpy_support
+
+    from numba.cuda.simulator import kernelapi
+
+    shared = kernelapi.FakeCUDAShared
+    if getattr(shared.array, "_flashv41_locked", False):
+        return
+    dynamic = shared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory, or the simulator's refusal
+            return dynamic(self, shape, dtype, alignment)
+        # one array per source line of the kernel (as the simulator keys them), created once
+        caller = tuple(traceback.extract_stack(sys._getframe())[-2][0:2])
+        with lock:
+            found = self._allocations.get(caller)
+            if found is None:
+                as_numpy = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else dtype
+                found = self._allocations[caller] = np.empty(shape, as_numpy)
+        return found
+
+    array._flashv41_locked = True  # type: ignore[attr-defined]
+    shared.array = array
+
+
 def using_simulator() -> bool:
     return os.environ.get(_SIM, "0") not in ("", "0")
 

@@ -4,6 +4,7 @@ Importing this package selects the backend (real GPU or the CUDA simulator) befo
 is first imported; see flashv41.runtime.
 """
 
-from flashv41.runtime import select_backend
+from flashv41.runtime import harden_simulator, select_backend
 
-select_backend()
+if select_backend():
+    harden_simulator()

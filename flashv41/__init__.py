@@ -5,6 +5,7 @@ Public API: `load_model`, `Model`, `Engine` / `Sequence`, `ModelConfig`, `LayerR
 """
 
 from flashv41.config import EngramConfig, LayerRole, ModelConfig
+from flashv41.engine import Engine, Sequence
 from flashv41.errors import (
     CapacityError,
     FlashError,
@@ -13,7 +14,6 @@ from flashv41.errors import (
     SequenceStateError,
     UnsupportedError,
 )
-from flashv41.engine import Engine, Sequence
 from flashv41.model import Model, load_model
 
 __all__ = [

@@ -273,10 +273,12 @@ def add_run_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--oracle", action="store_true", help="run the NumPy oracle (CPU) instead of the GPU engine")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--tokens", default=None, metavar="ID,ID,...", help="the prompt's token ids")
-    prompt.add_argument("--prompt-len", type=int, default=16, metavar="N",
-                        help="a random prompt of N tokens from --seed (default 16)")
+    prompt.add_argument("--prompt-len", type=int, default=8, metavar="N",
+                        help="a random prompt of N tokens from --seed (default 8)")
     p.add_argument("--decode", type=int, default=4, metavar="N", help="decode steps after the prompt (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt and decode tokens (default 0)")
+    p.add_argument("--check", action="store_true",
+                   help="also compare every layer's output with the NumPy oracle (exit 1 below cosine 0.99999)")
     p.set_defaults(handler=run_command)
 
 
@@ -284,7 +286,7 @@ def run_command(args: argparse.Namespace) -> int:
     from flashv41.runner import parse_tokens, run_model
 
     tokens = None if args.tokens is None else parse_tokens(args.tokens)
-    return run_model(args.model, args.oracle, tokens, args.prompt_len, args.decode, args.seed)
+    return run_model(args.model, args.oracle, tokens, args.prompt_len, args.decode, args.seed, check=args.check)
 
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (

@@ -21,7 +21,9 @@ in chunks of `max_tokens`.
 
 from __future__ import annotations
 
+import time
 import weakref
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -41,10 +43,13 @@ class Engine:
     max_tokens: tokens per forward call (sizes the workspaces; longer prompts are chunked).
     table_residency: "device" (engram tables uploaded once) or "host" (rows read from the
     memory-mapped file per call and uploaded).
+    profile: synchronise around every stage and add its wall time to `stage_seconds` (slower;
+    for timing tables).
+    progress: called with a line of text at each step of the (possibly long) set-up.
     """
 
     def __init__(self, model: Model, max_seq: int = 4096, max_tokens: int = 256,
-                 table_residency: str = "device", progress: ProgressFn | None = None):
+                 table_residency: str = "device", profile: bool = False, progress: ProgressFn | None = None):
         cfg = model.config
         if max_tokens < 1 or max_seq < 1:
             raise InputError(f"max_tokens ({max_tokens}) and max_seq ({max_seq}) must be at least 1")
@@ -54,8 +59,8 @@ class Engine:
             raise InputError(f"table_residency must be 'device' or 'host', got {table_residency!r}")
         select_backend()
         from numba import cuda
-        from stages.attention import AttentionStage
 
+        from stages.attention import AttentionStage
         from stages.engram import EngramStage
         from stages.engram_hash import FastEngramHasher
         from stages.hyper import HyperStage
@@ -84,6 +89,8 @@ class Engine:
         self.mask = cuda.device_array(max_tokens, np.uint8)  # [T] engram token mask
         self._one_hot = np.zeros((max_tokens, hc), np.float32)
         self._one_hot[:, 0] = 1
+        self.profile = profile
+        self.stage_seconds: defaultdict[str, float] = defaultdict(float)
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self.closed = False
         say("engine ready")
@@ -118,13 +125,25 @@ class Engine:
         if self.closed:
             raise SequenceStateError("this engine was closed")
 
+    def _stage(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one stage; when profiling, time it between two device synchronisations."""
+        if not self.profile:
+            return fn(*args)
+        self._cuda.synchronize()
+        start = time.perf_counter()
+        result = fn(*args)
+        self._cuda.synchronize()
+        self.stage_seconds[name] += time.perf_counter() - start
+        return result
+
     def _forward(self, seq: Sequence, ids: np.ndarray, mask: np.ndarray | None, capture: bool) -> np.ndarray:
         """One chunk of T <= max_tokens tokens at the sequence's position; returns h [T, hc, C]."""
         cfg = self.cfg
         t = ids.size
         start = seq.position
-        self.hyper.embed(ids, self.h, t)
-        hashes = seq.hasher.hash(ids, start, mask) if seq.hasher is not None else None
+        stage = self._stage
+        stage("embedding", self.hyper.embed, ids, self.h, t)
+        hashes = stage("engram hash (host)", seq.hasher.hash, ids, start, mask) if seq.hasher is not None else None
         mask_dev = None
         if mask is not None:
             self.mask[:t].copy_to_device(mask.astype(np.uint8))
@@ -138,15 +157,17 @@ class Engine:
             cap: dict | None = {} if capture else None
             if role.engram:
                 assert self.engram is not None and hashes is not None and cfg.engram is not None
-                self.engram.apply(i, self.h, hashes[:, cfg.engram.hash_index(i)], t, mask_dev, cap)
-            self.hyper.mixes(i, "attn", self.h, unused, t)
-            self.hyper.pre_norm(i, self.h, pre_mix, self.x, t)
-            self.attention.forward(i, self.x, self.a, seq.state, shared, start, t, cap)
-            self.hyper.post_mix(self.h, self.a, t)
+                stage("engram rows, projection, gate", self.engram.apply, i, self.h,
+                      hashes[:, cfg.engram.hash_index(i)], t, mask_dev, cap)
+            stage("hc mixes", self.hyper.mixes, i, "attn", self.h, unused, t)
+            stage("hc_pre + attn_norm", self.hyper.pre_norm, i, self.h, pre_mix, self.x, t)
+            stage(f"attention ({role.block_type})", self.attention.forward, i, self.x, self.a, seq.state, shared,
+                  start, t, cap)
+            stage("hc_post", self.hyper.post_mix, self.h, self.a, t)
             if cap is not None:
                 cap["h_attn"] = self.h.copy_to_host()[:t]
-            self.hyper.mixes(i, "ffn", self.h, pre_next, t)
-            self.hyper.post_mix(self.h, None, t)
+            stage("hc mixes", self.hyper.mixes, i, "ffn", self.h, pre_next, t)
+            stage("hc_post", self.hyper.post_mix, self.h, None, t)
             pre_mix, pre_next = pre_next, pre_mix
             if cap is not None:
                 cap["h_out"] = self.h.copy_to_host()[:t]
@@ -154,7 +175,7 @@ class Engine:
         seq.position += t
         if capture:
             seq.captures = captures
-        return self.h.copy_to_host()[:t]
+        return stage("highway download", lambda: self.h.copy_to_host()[:t])
 
 
 class Sequence:
@@ -217,6 +238,25 @@ class Sequence:
             raise InputError(f"decode takes one integer token id, got {type(token_id).__name__}")
         mask = None if token_mask is None else np.array([bool(token_mask)])
         return self.prefill(np.array([token_id], np.int64), mask, capture)
+
+    def attention_state(self) -> list[dict[str, np.ndarray]]:
+        """Every layer's attention state copied to the host, in the oracle's form (bf16 values as
+        float32): window_ring, and for kv sources kv_state, score_state, compressed, index_keys.
+        `host.oracle.OracleSequence.load_attention_state` takes it (for layer-by-layer checks)."""
+        if self.released:
+            raise SequenceStateError("this sequence was released")
+        from host.numerics import from_bits
+
+        out = []
+        for layer in self.state.layers:
+            entry = {"window_ring": from_bits(layer.ring.copy_to_host())}
+            if layer.source is not None:
+                src = layer.source
+                entry.update(kv_state=src.kv_state.copy_to_host(), score_state=src.score_state.copy_to_host(),
+                             compressed=from_bits(src.compressed.copy_to_host()),
+                             index_keys=from_bits(src.index_keys.copy_to_host()))
+            out.append(entry)
+        return out
 
     def release(self) -> None:
         """Free this sequence's device state (idempotent); the engine stays usable."""

@@ -21,13 +21,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flashv41.errors import CapacityError, FlashError, InputError, UnsupportedError
+from flashv41.errors import CapacityError, FlashError, InputError
 from flashv41.model import Model, load_model
 
 CACHE_ENV = "FLASHV41_CACHE"
 BUILTIN_NAME = "tiny.gguf"
-ENGINE_MISSING = ("the GPU engine is not wired into `flashv41 run` yet; "
-                  "use --oracle to run the NumPy oracle")
+CHECK_COSINE = 0.99999  # SPEC.md 4: per-layer cosine similarity to the oracle
 
 
 class RunnerSequence(Protocol):
@@ -79,13 +78,71 @@ def builtin_model(cache: Path | None = None, log: Callable[[str], None] = _stder
     return path
 
 
-def make_runner(model: Model, oracle: bool, max_seq: int) -> Runner:
-    """The NumPy oracle, or the GPU engine (not wired in yet: raises UnsupportedError)."""
+def make_runner(model: Model, oracle: bool, max_seq: int, max_tokens: int = 256) -> Runner:
+    """The NumPy oracle, or the engine (on the GPU, or on the CUDA simulator without one) with
+    per-stage timing on."""
     if oracle:
         from host.oracle import Oracle
 
         return Oracle(model, max_seq=max_seq)
-    raise UnsupportedError(ENGINE_MISSING)
+    from flashv41.engine import Engine
+
+    return Engine(model, max_seq=max_seq, max_tokens=min(max_tokens, max_seq), profile=True,
+                  progress=lambda line: _stderr(f"engine: {line}"))
+
+
+def stage_table(seconds: dict[str, float]) -> list[str]:
+    """The engine's per-stage wall times (each stage between two device synchronisations)."""
+    total = sum(seconds.values())
+    lines = [f"  {'stage':<42} {'seconds':>9} {'share':>6}"]
+    for name, sec in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {name:<42} {sec:9.4f} {100 * sec / max(total, 1e-12):5.1f}%")
+    lines.append(f"  {'total':<42} {total:9.4f}")
+    return lines
+
+
+def _agreement(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
+    g = np.asarray(got, np.float64).ravel()
+    w = np.asarray(want, np.float64).ravel()
+    cos = float(g @ w / max(np.linalg.norm(g) * np.linalg.norm(w), 1e-300))
+    return float(np.abs(g - w).max()), cos
+
+
+def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded: np.ndarray) -> tuple[list[str], bool]:
+    """Every layer's output against the oracle's: the prompt's last chunk, then each decode step
+    from the engine's own attention state (so each step's arithmetic is what is compared; the fp4 /
+    fp8 quantisers make two correct runs drift apart over free-running steps). Returns the report
+    lines and whether every layer reached CHECK_COSINE."""
+    from host.oracle import Oracle
+
+    oracle = Oracle(model, max_seq=engine.max_seq)
+    seq, ref = engine.new_sequence(), oracle.new_sequence()
+    worst: list[tuple[float, float]] = [(0.0, 1.0)] * model.config.n_layers
+    try:
+        start = max(0, prompt.size - engine.max_tokens)
+        if start:
+            seq.prefill(prompt[:start])
+            ref.prefill(prompt[:start])
+        calls = [("prefill", prompt[start:])] + [("decode", np.array([t])) for t in decoded]
+        for _, ids in calls:
+            ref.load_attention_state(seq.attention_state())
+            seq.prefill(ids, capture=True)
+            ref.prefill(ids, capture=True)
+            for i, (cap, ocap) in enumerate(zip(seq.captures, ref.captures, strict=True)):
+                err, cos = _agreement(cap["h_out"], ocap["h_out"])
+                worst[i] = (max(worst[i][0], err), min(worst[i][1], cos))
+    finally:
+        seq.release()
+    roles = model.config.roles
+    lines = [f"check against the oracle ({len(calls)} calls; each from the engine's state): per layer, the "
+             f"largest |error| and the lowest cosine of its output highway"]
+    ok = True
+    for role, (err, cos) in zip(roles, worst, strict=True):
+        good = cos >= CHECK_COSINE
+        ok &= good
+        lines.append(f"  layer {role.layer:>3} {role.block_type:<28} max |err| {err:.3e}  cosine {cos:.8f}"
+                     f"{'' if good else f'  < {CHECK_COSINE}'}")
+    return lines, ok
 
 
 def parse_tokens(text: str) -> np.ndarray:
@@ -172,7 +229,7 @@ def report(model: Model, runner_name: str, result: RunResult, seed: int) -> list
 
 
 def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, prompt_len: int, n_decode: int,
-              seed: int, out: Callable[[str], None] = print) -> int:
+              seed: int, out: Callable[[str], None] = print, check: bool = False) -> int:
     """The whole `flashv41 run`; returns the exit status."""
     if prompt_len < 1 or n_decode < 0:
         raise InputError(f"--prompt-len must be >= 1 and --decode >= 0, got {prompt_len} and {n_decode}")
@@ -186,16 +243,34 @@ def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, 
         if max_seq > cfg.context_length:
             raise CapacityError(f"{prompt.size} prompt tokens and {n_decode} decode steps exceed the model's "
                                 f"context length {cfg.context_length}")
+        if check and oracle:
+            raise InputError("--check compares the engine with the oracle; it cannot be combined with --oracle")
         runner = make_runner(model, oracle, max_seq)
+        status = 0
         try:
             result = run_sequence(runner, prompt, decoded)
+            name = "NumPy oracle"
+            if not oracle:
+                from flashv41.runtime import backend_name, using_simulator
+
+                name = f"engine on {backend_name()}" + (" (no GPU found)" if using_simulator() else "")
+            for line in report(model, name, result, seed):
+                out(line)
+            seconds = getattr(runner, "stage_seconds", None)
+            if seconds:
+                out("stage times (prefill and decode together):")
+                for line in stage_table(seconds):
+                    out(line)
+            if check:
+                lines, ok = check_against_oracle(model, runner, prompt, decoded)
+                for line in lines:
+                    out(line)
+                status = 0 if ok else 1
         finally:
             close = getattr(runner, "close", None)
             if close is not None:
                 close()
-        for line in report(model, "NumPy oracle" if oracle else "GPU engine", result, seed):
-            out(line)
     finally:
         model.close()
-    return 0
+    return status
 

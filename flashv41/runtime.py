@@ -58,9 +58,8 @@ def harden_simulator() -> None:
 
     import numpy as np
     from numba.core import types
-    from numba.np import numpy_support
-
     from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
 
     shared = kernelapi.FakeCUDAShared
     if getattr(shared.array, "_flashv41_locked", False):

@@ -1,5 +1,5 @@
 """`flashv41 run`: the built-in tiny model in a cache directory, the oracle run and its report, the
-engine's placeholder, and errors as one line."""
+engine run with its stage table and its check against the oracle, and errors as one line."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from flashv41 import load_model
 from flashv41.cli import main
 from flashv41.runner import BUILTIN_NAME, CACHE_ENV, cache_dir, random_tokens
+from flashv41.runtime import using_simulator
 from host.oracle import Oracle
 
 
@@ -103,12 +104,24 @@ def test_run_rewrites_a_missing_or_broken_cache(cache: Path, capsys: pytest.Capt
     capsys.readouterr()
 
 
-def test_run_without_oracle_says_the_engine_is_missing(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", "--prompt-len", "3"]) == 2
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert lines[-1].startswith("flashv41: error: ") and "engine" in lines[-1] and "--oracle" in lines[-1]
-    assert captured.out == ""
+def test_run_engine_with_check(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The main job: the engine (here on the simulator, and it says so), its stage table, and the
+    per-layer agreement with the oracle; the final highway equals the oracle's within the check."""
+    assert main(["run", "--prompt-len", "5", "--decode", "2", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "runner: engine on " in out
+    if using_simulator():
+        assert "CUDA simulator" in out and "no GPU found" in out
+    for words in ("stage times", "attention (kv_index_source_r2)", "engram rows, projection, gate", "hc mixes",
+                  "check against the oracle (3 calls"):
+        assert words in out, words
+    layers = [x for x in out.splitlines() if x.strip().startswith("layer ")]
+    assert len(layers) == 6 and all("cosine" in x and "<" not in x for x in layers), layers
+
+
+def test_run_check_refuses_oracle(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--oracle", "--check", "--prompt-len", "2"]) == 2
+    assert "--check" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("args", "words"), [

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GQ
 from gguf import GGUFReader, GGUFValueType
-from tests.gguf_edit import rewrite_gguf
 
 import flashv41
 from flashv41.errors import ModelFormatError, UnsupportedError
@@ -20,6 +19,7 @@ from host.engram_tables import engram_multipliers, engram_offsets, engram_primes
 from host.gguf_model import TensorRef
 from host.quants import FORMATS, GGMLType, dequantize, ggml_type
 from host.synth import BF16_TYPED, EMBED_STD, GAIN, NORM_MEAN, WEIGHT_TYPED, Preset, preset
+from tests.gguf_edit import rewrite_gguf
 
 WEIGHT_TYPES = ("BF16", "Q8_0", "Q2_K")
 # small's engram rows are 32 values wide: no Q2_K tables there

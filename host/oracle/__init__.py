@@ -163,6 +163,20 @@ class OracleSequence:
         mask = None if token_mask is None else np.array([bool(token_mask)])
         return self.prefill(np.array([token_id], np.int64), mask, capture)
 
+    def load_attention_state(self, layers: list[dict[str, np.ndarray]]) -> None:
+        """Overwrite every layer's attention state (window ring, compressor partial group, caches)
+        with another implementation's, e.g. `flashv41.Sequence.attention_state()`, so the next call
+        is compared from the same starting point. Positions and the hash history are not touched."""
+        if len(layers) != len(self.states):
+            raise InputError(f"{len(layers)} layer states for a model of {len(self.states)} layers")
+        for state, values in zip(self.states, layers, strict=True):
+            for name, value in values.items():
+                target = getattr(state, name)
+                if target is None or target.shape != value.shape:
+                    raise InputError(f"attention state {name}: shape {value.shape} does not fit "
+                                     f"{None if target is None else target.shape}")
+                target[...] = value
+
     def release(self) -> None:
         """Drop the sequence's state; further calls raise SequenceStateError."""
         self.states = []

@@ -1,0 +1,101 @@
+"""The engine on a real GPU: the small preset and a few flash-sized layers against the oracle,
+device memory returned by `release` and `close` (the driver's free-memory figure), and bitwise
+determinism run to run. Agreement as in tests/test_engine.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashv41
+from host.oracle import Oracle
+from tests.test_engine import agreement, assert_agrees, assert_layers_agree, sync_state
+
+pytestmark = pytest.mark.gpu
+
+
+def free_bytes() -> int:
+    from numba import cuda
+
+    cuda.synchronize()
+    context = cuda.current_context()
+    context.deallocations.clear()  # numba defers frees: flush them before reading the figure
+    return int(context.get_memory_info()[0])
+
+
+def run_and_check(engine, oracle, ids, prompt, chunked=None):
+    """Prefill `prompt` tokens (optionally in calls of `chunked`), then decode the rest one by one,
+    comparing every call layer by layer from the engine's state. Returns the lowest cosines."""
+    seq, ref = engine.new_sequence(), oracle.new_sequence()
+    step = chunked or prompt
+    lowest = []
+    for s in range(0, prompt, step):
+        sync_state(seq, ref)
+        seq.prefill(ids[s:min(prompt, s + step)], capture=True)
+        ref.prefill(ids[s:min(prompt, s + step)], capture=True)
+        assert_layers_agree(seq, ref, f"prefill at {s}")
+    for i, tok in enumerate(ids[prompt:]):
+        sync_state(seq, ref)
+        got = seq.decode(int(tok), capture=True)
+        want = ref.decode(int(tok), capture=True)
+        assert_layers_agree(seq, ref, f"decode at {prompt + i}")
+        lowest.append(agreement(got, want)[0])
+    seq.release()
+    return lowest
+
+
+def test_small_prefill_chunks_and_decode(synth_model):
+    model = flashv41.load_model(synth_model("small"))
+    with flashv41.Engine(model, max_seq=128, max_tokens=32) as engine:
+        oracle = Oracle(model, max_seq=128)
+        ids = np.random.default_rng(0).integers(0, model.config.vocab_size, 40 + 3 * model.config.window)
+        lowest = run_and_check(engine, oracle, ids, 40, chunked=16)
+        print(f"small: lowest decode-step cosine {min(lowest):.8f} over {len(lowest)} steps")
+
+
+def test_flash_dimension_layers(synth_model):
+    """Three layers at V4.1-Flash sizes (window only + engram, ratio-2 kv/index source + engram,
+    ratio-2 consumer), Q8_0 weights, a Q2_K engram table: 200 tokens in chunks of 64, then decode."""
+    path = synth_model("flash", vocab=2048, compress_ratios=(0, 2, 2), kv_sources=(1,), index_sources=(1,),
+                       candidate_source=99, engram_layers=(0, 1), engram_rows=120_000, context_length=4096)
+    model = flashv41.load_model(path)
+    with flashv41.Engine(model, max_seq=512, max_tokens=64) as engine:
+        oracle = Oracle(model, max_seq=512)
+        ids = np.random.default_rng(1).integers(0, 2048, 204)
+        lowest = run_and_check(engine, oracle, ids, 200, chunked=64)
+        print(f"flash dims: lowest decode-step cosine {min(lowest):.8f}")
+
+
+def test_release_and_close_return_device_memory(synth_model):
+    model = flashv41.load_model(synth_model("small"))
+    before = free_bytes()
+    engine = flashv41.Engine(model, max_seq=128, max_tokens=16)
+    with_engine = free_bytes()
+    for _ in range(20):
+        seqs = [engine.new_sequence() for _ in range(3)]
+        for seq in seqs:
+            seq.prefill(np.arange(5))
+        for seq in seqs:
+            seq.release()
+    assert free_bytes() == with_engine, "sequences leaked device memory"
+    engine.close()
+    for _ in range(3):
+        flashv41.Engine(model, max_seq=128, max_tokens=16).close()
+    import gc
+
+    gc.collect()
+    assert free_bytes() >= before - (2 << 20), f"engines leaked: {before - free_bytes()} bytes"
+
+
+def test_bitwise_deterministic(synth_model):
+    model = flashv41.load_model(synth_model("small"))
+    ids = np.random.default_rng(2).integers(0, model.config.vocab_size, 24)
+    runs = []
+    with flashv41.Engine(model, max_seq=64, max_tokens=16) as engine:
+        for _ in range(3):
+            seq = engine.new_sequence()
+            outs = [seq.prefill(ids[:20])] + [seq.decode(int(t)) for t in ids[20:]]
+            runs.append(np.concatenate(outs))
+            seq.release()
+    assert all(np.array_equal(runs[0].view(np.uint32), r.view(np.uint32)) for r in runs[1:])
+    assert_agrees(runs[0], runs[1], "runs")

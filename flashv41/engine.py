@@ -155,6 +155,8 @@ class Engine:
         for role in cfg.roles:
             i = role.layer
             cap: dict | None = {} if capture else None
+            if cap is not None:
+                cap.update(h_in=self.h.copy_to_host()[:t], pre_mix=pre_mix.copy_to_host()[:t])
             if role.engram:
                 assert self.engram is not None and hashes is not None and cfg.engram is not None
                 stage("engram rows, projection, gate", self.engram.apply, i, self.h,

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import flashv41
+from flashv41.check import agreement
 from host.oracle import Oracle
-from tests.test_engine import agreement, assert_agrees, assert_layers_agree, sync_state
+from tests.test_engine import compare_call
 
 pytestmark = pytest.mark.gpu
 
@@ -23,25 +24,15 @@ def free_bytes() -> int:
     return int(context.get_memory_info()[0])
 
 
-def run_and_check(engine, oracle, ids, prompt, chunked=None):
-    """Prefill `prompt` tokens (optionally in calls of `chunked`), then decode the rest one by one,
-    comparing every call layer by layer from the engine's state. Returns the lowest cosines."""
+def run_and_check(engine, oracle, ids, prompt, chunked):
+    """Prefill `prompt` tokens in calls of `chunked`, then decode the rest one by one, comparing
+    every call layer by layer (tests/test_engine.py's compare_call)."""
     seq, ref = engine.new_sequence(), oracle.new_sequence()
-    step = chunked or prompt
-    lowest = []
-    for s in range(0, prompt, step):
-        sync_state(seq, ref)
-        seq.prefill(ids[s:min(prompt, s + step)], capture=True)
-        ref.prefill(ids[s:min(prompt, s + step)], capture=True)
-        assert_layers_agree(seq, ref, f"prefill at {s}")
+    for s in range(0, prompt, chunked):
+        compare_call(seq, ref, ids[s:min(prompt, s + chunked)], f"prefill at {s}")
     for i, tok in enumerate(ids[prompt:]):
-        sync_state(seq, ref)
-        got = seq.decode(int(tok), capture=True)
-        want = ref.decode(int(tok), capture=True)
-        assert_layers_agree(seq, ref, f"decode at {prompt + i}")
-        lowest.append(agreement(got, want)[0])
+        compare_call(seq, ref, np.array([tok]), f"decode at {prompt + i}")
     seq.release()
-    return lowest
 
 
 def test_small_prefill_chunks_and_decode(synth_model):
@@ -49,8 +40,7 @@ def test_small_prefill_chunks_and_decode(synth_model):
     with flashv41.Engine(model, max_seq=128, max_tokens=32) as engine:
         oracle = Oracle(model, max_seq=128)
         ids = np.random.default_rng(0).integers(0, model.config.vocab_size, 40 + 3 * model.config.window)
-        lowest = run_and_check(engine, oracle, ids, 40, chunked=16)
-        print(f"small: lowest decode-step cosine {min(lowest):.8f} over {len(lowest)} steps")
+        run_and_check(engine, oracle, ids, 40, chunked=16)
 
 
 def test_flash_dimension_layers(synth_model):
@@ -62,8 +52,7 @@ def test_flash_dimension_layers(synth_model):
     with flashv41.Engine(model, max_seq=512, max_tokens=64) as engine:
         oracle = Oracle(model, max_seq=512)
         ids = np.random.default_rng(1).integers(0, 2048, 204)
-        lowest = run_and_check(engine, oracle, ids, 200, chunked=64)
-        print(f"flash dims: lowest decode-step cosine {min(lowest):.8f}")
+        run_and_check(engine, oracle, ids, 200, chunked=64)
 
 
 def test_release_and_close_return_device_memory(synth_model):
@@ -98,4 +87,4 @@ def test_bitwise_deterministic(synth_model):
             runs.append(np.concatenate(outs))
             seq.release()
     assert all(np.array_equal(runs[0].view(np.uint32), r.view(np.uint32)) for r in runs[1:])
-    assert_agrees(runs[0], runs[1], "runs")
+    assert agreement(runs[0], runs[1])[0] == 1.0

@@ -119,8 +119,14 @@ class OracleSequence:
                 raise InputError(f"token_mask must be bool of shape {ids.shape}, got {mask.dtype} {mask.shape}")
         return ids.astype(np.int64), mask
 
-    def prefill(self, token_ids, token_mask=None, capture: bool = False) -> np.ndarray:
-        """Run a chunk of tokens from the current position; returns the final highway [T, hc, C] fp32."""
+    def prefill(self, token_ids, token_mask=None, capture: bool = False,
+                layer_inputs: list[tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
+        """Run a chunk of tokens from the current position; returns the final highway [T, hc, C] fp32.
+
+        layer_inputs: per layer, (h [T, hc, C], pre_mix [T, hc]) to start that layer from instead
+        of the previous layer's result (e.g. another implementation's `h_in` / `pre_mix` captures),
+        so each layer is compared from identical inputs rather than through the whole chain.
+        """
         ids, mask = self._check(token_ids, token_mask)
         cfg, o = self.cfg, self.oracle
         start = self.position
@@ -134,6 +140,10 @@ class OracleSequence:
         for role in cfg.roles:
             i = role.layer
             cap: dict | None = {} if capture else None
+            if layer_inputs is not None:
+                h, pre_mix = (np.asarray(v, F32) for v in layer_inputs[i])
+            if cap is not None:
+                cap.update(h_in=h, pre_mix=pre_mix)
             if role.engram:
                 assert cfg.engram is not None and hashes is not None
                 e = cfg.engram.hash_index(i)

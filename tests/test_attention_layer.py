@@ -31,6 +31,8 @@ from host.oracle import attention as oracle
 from stages.attention import AttentionStage  # noqa: E402
 
 COSINE = 0.99999
+STATE_SAME = 0.999
+STATE_COSINE = 0.9999
 ROW_REL = 2.0**-4
 SCORE_COSINE = 0.999
 X_STD = 0.025  # the normed sublayer input: attn_norm weights ~0.025 times a unit-RMS row
@@ -129,7 +131,11 @@ class SideBySide:
                          for i, (role, (c, e)) in enumerate(zip(self.cfg.roles, self.worst, strict=True)))
 
     def check_state(self) -> None:
-        """Rings and caches against the oracle's (cosine: quantised values, same inputs up to rounding)."""
+        """Rings and caches against the oracle's. They hold quantised values (fp8 rows, fp4 latents
+        and keys) computed from inputs equal up to fp32 rounding, so a value sitting on a rounding
+        boundary can land one code apart: at least STATE_SAME of the values must be identical,
+        and the arrays agree to cosine STATE_COSINE (a single fp4 flip among ~16k values costs
+        about 5e-6 of cosine)."""
         for i, (layer, ostate) in enumerate(zip(self.state.layers, self.ostates, strict=True)):
             pairs = [("ring", layer.ring, ostate.window_ring)]
             if layer.source is not None:
@@ -137,7 +143,9 @@ class SideBySide:
                           ("index keys", layer.source.index_keys, ostate.index_keys)]
             for what, dev, ref in pairs:
                 got = from_bits(dev.copy_to_host())
-                assert cosine(got, ref) >= COSINE, f"layer {i} {what}"
+                same = float((got == ref).mean())
+                assert same >= STATE_SAME, f"layer {i} {what}: only {same:.5f} of the values identical"
+                assert cosine(got, ref) >= STATE_COSINE, f"layer {i} {what}: cosine {cosine(got, ref):.7f}"
 
 
 @pytest.fixture(scope="module")

@@ -153,7 +153,7 @@ def pipelined_time(fn: Callable[[], None], reps: int, warmup: int, stream, n: in
     return statistics.median(_events_time(fn, n, stream) for _ in range(reps))
 
 
-def host_time(fn: Callable[[], None], reps: int, warmup: int) -> float:
+def host_time(fn: Callable[[], object], reps: int, warmup: int) -> float:
     """Median wall-clock seconds of whole calls (fn must leave no work pending if that matters)."""
     for _ in range(warmup):
         fn()

@@ -20,6 +20,8 @@ in the notes: weights, and the stage's workspaces and one sequence's state for t
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, device_time, pipelined_time
@@ -30,7 +32,7 @@ from host.quants import GGMLType, ggml_type
 DECODE_POSITION = 1023
 PREFILL_CHUNK = 256
 X_STD = 0.025  # the normed sublayer input's scale
-MODEL = dict(vocab=1024, engram_layers=())
+MODEL: dict[str, Any] = dict(vocab=1024, engram_layers=())  # Preset overrides for write_synthetic
 HOLD_S = 0.02  # the sleeping kernel outlasts the queued steps' Python launch time
 QUEUED = 4
 

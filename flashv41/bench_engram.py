@@ -19,6 +19,8 @@ the stage's wkv is swapped for random stored blocks of that type and shape.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, device_time, host_time, pipelined_time
@@ -33,8 +35,8 @@ HASH_TOKENS = 65536
 HASH_TARGET = 20e6  # token-layers per second (PERF.md P6)
 STEP_TABLE_ROWS = 3_000_000
 # the flash preset cut to one window-only layer with engram: the smallest file with a real engram layer
-STEP_MODEL = dict(compress_ratios=(0,), kv_sources=(), index_sources=(), candidate_source=99, engram_layers=(0,),
-                  vocab=1024, engram_rows=STEP_TABLE_ROWS)
+STEP_MODEL: dict[str, Any] = dict(compress_ratios=(0,), kv_sources=(), index_sources=(), candidate_source=99,
+                                  engram_layers=(0,), vocab=1024, engram_rows=STEP_TABLE_ROWS)
 
 
 def engram_config(preset_name: str, **overrides) -> EngramConfig:

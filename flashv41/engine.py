@@ -77,7 +77,7 @@ class Engine:
         self.hyper = HyperStage(model, max_tokens)
         say("uploading attention weights")
         self.attention = AttentionStage(model, max_tokens, max_seq)
-        self.engram = None
+        self.engram: EngramStage | None = None
         if cfg.engram is not None:
             say(f"uploading engram weights (tables: {table_residency})")
             self.engram = EngramStage(model, max_tokens, table_residency)
@@ -108,9 +108,10 @@ class Engine:
             return
         for seq in list(self._sequences):
             seq.release()
-        for stage in (self.hyper, self.attention, self.engram):
-            if stage is not None:
-                stage.free()
+        self.hyper.free()
+        self.attention.free()
+        if self.engram is not None:
+            self.engram.free()
         self.h = self.x = self.a = self.mask = None
         self.pre = []
         self.closed = True

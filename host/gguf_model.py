@@ -198,12 +198,11 @@ def _read_tensors(reader: GGUFReader, path: Path) -> dict[str, TensorRef]:
         try:
             gtype = GGMLType(int(t.tensor_type))
         except ValueError:
-            gtype = None  # type: ignore[assignment]
-        if gtype is None:
-            # keep it visible to `info`, refuse it only if the engine needs it
+            # keep it visible to `info`, refuse it only if the engine needs it (_check_tensor): the
+            # raw type number stands in for the GGMLType, on purpose
             out[t.name] = TensorRef(t.name, int(t.tensor_type), shape, t.data)  # type: ignore[arg-type]
-        else:
-            out[t.name] = TensorRef(t.name, gtype, shape, t.data)
+            continue
+        out[t.name] = TensorRef(t.name, gtype, shape, t.data)
     return out
 
 

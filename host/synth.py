@@ -136,12 +136,15 @@ def preset(name: str, **overrides) -> Preset:
     return replace(p, **overrides)
 
 
+MakeFn = Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]  # (rng, shape) -> the stored form
+
+
 @dataclass(frozen=True)
 class PlannedTensor:
     name: str
     shape: tuple[int, ...]  # NumPy order
     gtype: GGMLType
-    make: Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]  # (rng, shape) -> the stored form
+    make: MakeFn
 
     @property
     def nbytes(self) -> int:
@@ -193,12 +196,15 @@ def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType, table_r
         name = L.tensor_name(layer, role)
         if not matrix:
             mean = NORM_MEAN.get(role)
+            make: MakeFn
             if mean is not None:
-                def make(rng, s, m=mean):
+                def make_norm(rng, s, m=mean):
                     return bf16(np.float32(m) * (1 + np.float32(0.1) * rng.standard_normal(s, dtype=np.float32)))
+                make = make_norm
             else:
-                def make(rng, s):
+                def make_vector(rng, s):
                     return _gaussian(s, 0.5, rng)
+                make = make_vector
             out.append(PlannedTensor(name, shape, GGMLType.F32, make))
             return
         if role == L.TOKEN_EMBD:
@@ -229,12 +235,15 @@ def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType, table_r
             rows = table_rows[p.engram_layers.index(layer)]
             shape = (rows, p.engram_head_dim)
             t = _fit_type(table_type, p.engram_head_dim)
+            make_table: MakeFn
             if t == GGMLType.Q2_K:
-                def make_table(rng, s):
+                def make_q2k(rng, s):
                     return _q2k_table(s[0], s[1], rng)
+                make_table = make_q2k
             else:
-                def make_table(rng, s, tt=t):
+                def make_stored(rng, s, tt=t):
                     return _stored(_gaussian(s, 1.0, rng), tt)
+                make_table = make_stored
             out.append(PlannedTensor(L.tensor_name(layer, L.ENGRAM_TABLE), shape, t, make_table))
     return out
 
@@ -339,29 +348,29 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     try:
         writer.add_name(f"flashv41 synthetic {preset_name}")
         _write_metadata(writer, p, primes, offsets, multipliers, token_map, pad_id)
-        for t in plan:
-            shape, dtype = _byte_shape(t)
-            writer.add_tensor_info(t.name, shape, dtype, t.nbytes, raw_dtype=_raw_dtype(t.gtype))
+        for planned in plan:
+            shape, dtype = _byte_shape(planned)
+            writer.add_tensor_info(planned.name, shape, dtype, planned.nbytes, raw_dtype=_raw_dtype(planned.gtype))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        total = sum(t.nbytes for t in plan)
+        total = sum(planned.nbytes for planned in plan)
         done = 0
         rng = np.random.default_rng(seed)
         assert writer.fout is not None
         fout = writer.fout[0]
-        for t in plan:
+        for planned in plan:
             first = True
-            for chunk in _chunks(t, rng, max_values=1 << 24):
+            for chunk in _chunks(planned, rng, max_values=1 << 24):
                 if first:
                     writer.write_padding(fout, fout.tell())
                     first = False
                 chunk.tofile(fout)
                 done += chunk.nbytes
                 if progress is not None:
-                    progress(t.name, done, total)
-            writer.write_padding(fout, t.nbytes)
-            writer.tensors[0].pop(t.name)
+                    progress(planned.name, done, total)
+            writer.write_padding(fout, planned.nbytes)
+            writer.tensors[0].pop(planned.name)
         writer.close()
         os.replace(tmp, out)
     except BaseException:

@@ -53,11 +53,11 @@ from host import gguf_layout as L
 from host.numerics import from_bits
 from host.oracle import rope_tables
 from stages import indexer, kv_sources
-from stages.device import SIM, grid_1d
+from stages.device import SIM, DeviceArray, grid_1d
 from stages.indexer import IndexerWeights
 from stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
 from stages.linear import DeviceWeight, linear
-from stages.norm_rope_quant import DeviceArray, act_quant, check_array, rms_norm, rope
+from stages.norm_rope_quant import act_quant, check_array, rms_norm, rope
 from stages.sparse_attention import build_entries, sparse_attention
 
 COPY_THREADS = 64 if SIM else 256

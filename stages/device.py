@@ -15,12 +15,15 @@ of operations cannot change a bit).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 from flashv41.runtime import using_simulator
 from host.quants import GGMLType
+
+DeviceArray = Any  # a numba device array (DeviceNDArray; the simulator's FakeCUDAArray)
 
 SIM = using_simulator()
 CHUNK = 32  # values per dequantisation chunk: one Q8_0 block, an eighth of a Q2_K block

@@ -26,7 +26,7 @@ from flashv41.errors import CapacityError, InputError, ModelFormatError, Unsuppo
 from flashv41.model import Model
 from host import gguf_layout as L
 from host.numerics import F32, from_bits
-from stages.device import DEQUANT
+from stages.device import DEQUANT, DeviceArray
 from stages.engram_gate import check_hc, engram_gate
 from stages.engram_rows import RESIDENCIES, RowWorkspace, TableRows, is_device_array
 from stages.linear import DeviceWeight, linear
@@ -40,7 +40,7 @@ class EngramLayerWeights:
 
     layer: int
     wkv: DeviceWeight  # stored [C * (hc + 1), L * E]
-    qk: object  # float32 [hc, C]
+    qk: DeviceArray  # float32 [hc, C]
     table: TableRows  # [rows, E], on the device or read from the host
 
 

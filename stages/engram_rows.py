@@ -158,6 +158,7 @@ class TableRows:
             if ws.raw is None or ws.row_bytes < self.row_bytes:
                 raise InputError(f"{self.name}: the workspace has no host-residency buffer of "
                                  f"{self.row_bytes}-byte rows")
+            assert self.reader is not None  # host residency reads through one
             ws.raw_host[:n, :self.row_bytes] = self.reader.read(ids)
             ws.raw[:n].copy_to_device(ws.raw_host[:n], stream=stream)
         ws.uploaded.record(stream)

@@ -35,9 +35,9 @@ import numpy as np
 from numba import cuda, float32, float64, int32, int64, uint32
 
 from flashv41.errors import InputError
-from stages.device import SIM, bf16_round, bf16_to_f32, device, f32_to_bf16
+from stages.device import SIM, DeviceArray, bf16_round, bf16_to_f32, device, f32_to_bf16
 from stages.linear import DeviceWeight, linear
-from stages.norm_rope_quant import DeviceArray, check_array, check_rows, fp4_quant, jit_for, mul_rn, rope
+from stages.norm_rope_quant import check_array, check_rows, fp4_quant, jit_for, mul_rn, rope
 
 FP4_BLOCK = 32  # the fp4 (E8M0) block of the index queries and keys
 # Score tiles: SCORE_GROUPS groups per block, SCORE_HEAD_THREADS threads over the heads; a block

@@ -28,15 +28,12 @@ from __future__ import annotations
 
 import math
 from functools import cache
-from typing import Any
 
 import numpy as np
 from numba import cuda, float32, float64, int32, uint32
 
 from flashv41.errors import InputError
-from stages.device import SIM, bf16_to_f32, device, f32_bits, f32_from_bits, f32_to_bf16, grid_1d
-
-DeviceArray = Any  # a numba device array (DeviceNDArray; the simulator's FakeCUDAArray)
+from stages.device import SIM, DeviceArray, bf16_to_f32, device, f32_bits, f32_from_bits, f32_to_bf16, grid_1d
 
 ACT_BLOCK = 32
 FP8_MAX = float32(448.0)
@@ -93,7 +90,9 @@ else:
 def jit_for(threads: int):
     """cuda.jit for a kernel launched with `threads` threads a block: on the GPU the compiler keeps
     registers x threads inside the register file (launch bounds), so any block size launches."""
-    return cuda.jit if SIM else cuda.jit(launch_bounds=threads)
+    # mypy types numba.cuda as the simulator's API (its star import comes first), whose jit takes
+    # no launch_bounds; the GPU's does
+    return cuda.jit if SIM else cuda.jit(launch_bounds=threads)  # type: ignore[call-arg]
 
 
 @device

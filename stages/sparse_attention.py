@@ -33,8 +33,8 @@ import numpy as np
 from numba import cuda, float32, float64, int32
 
 from flashv41.errors import InputError
-from stages.device import SIM, WARP, bf16_round, bf16_to_f32, device, f32_to_bf16, grid_1d, warp_sum
-from stages.norm_rope_quant import DeviceArray, check_array, check_rows, exp_f32, jit_for, mul_rn
+from stages.device import SIM, WARP, DeviceArray, bf16_round, bf16_to_f32, device, f32_to_bf16, grid_1d, warp_sum
+from stages.norm_rope_quant import check_array, check_rows, exp_f32, jit_for, mul_rn
 
 if SIM:
     from stages.device import _BF16_VALUES

@@ -1,0 +1,87 @@
+"""The examples run as written: each one's `main` on the tiny model with small arguments, its output
+checked (every layer's line, the agreement table and its verdict or exit 1, the decode timings and
+the stage table). Shapes are the simulator's: about 25 s together."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from flashv41 import check
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+BLOCK_TYPES = ("swa+engram", "kv_index_source_r2+engram", "consumer_r2", "candidate_source_r1", "consumer_r1",
+               "candidate_index_source_r1")
+
+
+def load_example(name: str) -> ModuleType:
+    """examples/<name>.py as a module (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_model) -> str:
+    return str(synth_model("tiny"))
+
+
+def layer_rows(out: str) -> list[str]:
+    return [line for line in out.splitlines() if re.match(r"\s+\d+\s{2}\S", line)]
+
+
+def test_inspect_layers(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert load_example("inspect_layers").main(["--model", tiny, "--prompt-len", "4", "--query", "-1"]) == 0
+    out = capsys.readouterr().out
+    assert "compressed positions selected by query 3" in out
+    rows = layer_rows(out)
+    assert [row.split()[1] for row in rows] == list(BLOCK_TYPES)
+    for row in rows:
+        h_rms, attn_rms = (float(v) for v in row.split()[2:4])
+        assert 0 < h_rms < 100 and 0 < attn_rms < 100, row
+    gates = [row.split()[4] for row in rows]
+    assert all(0 < float(g) < 1 for g in gates[:2]) and gates[2:] == ["-"] * 4  # a sigmoid, engram layers only
+    assert rows[0].endswith("- (window only)")
+    # the last query of four (positions 0..3) sees ratio-2 groups 0..1 and ratio-1 groups 0..3 (top-4)
+    assert rows[1].endswith("[0, 1]") and rows[3].endswith("[0, 1, 2, 3]")
+    assert "final highway [4, 4, 32]" in out
+
+
+def test_compare_oracle(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert load_example("compare_oracle").main(["--model", tiny, "--prompt-len", "4", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("prefill 4", "decode at 4"))]
+    assert len(rows) == 2 * len(BLOCK_TYPES)
+    for row in rows:
+        cosine = float(row.split()[-5])
+        assert cosine > 0.999 and row.endswith("ok"), row
+    assert out.splitlines()[-1] == "every layer agrees (6 layers x 2 calls)"
+
+
+def test_compare_oracle_exits_1_on_disagreement(tiny: str, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check, "COSINE", 2.0)  # no cosine reaches it: every unflipped layer fails
+    assert load_example("compare_oracle").main(["--model", tiny, "--prompt-len", "2", "--steps", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and out.splitlines()[-1].startswith("DISAGREEMENT: ")
+
+
+def test_decode_loop(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert load_example("decode_loop").main(["--model", tiny, "--prompt-len", "4", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"prefill: 4 tokens in [\d.]+ ms", out)
+    assert re.search(r"decode: first step [\d.]+ ms at position 4", out)
+    assert re.search(r"decode: 1 step, [\d.]+ ms per step .* [\d.]+ tokens/s with stage timing on", out)
+    stages = out[out.index("stage times per decode step"):]
+    for name in ("embedding", "engram rows, projection, gate", "hc mixes", "attention (swa)", "total"):
+        assert f"  {name} " in stages, name
+    assert "final highway [1, 4, 32] at position 5" in out
+    assert out.splitlines()[-1] == "released the sequence (released=True) and closed the engine (closed=True)"

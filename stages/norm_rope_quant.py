@@ -210,6 +210,15 @@ def _rope_kernel(x, cos, sin, positions, n_rows, heads, head_dim, rope_dim, inve
     x[r, col + 1] = f32_to_bf16(mul_rn(a, s) + mul_rn(b, c))
 
 
+@device
+def block_amax(x, r, c0, n):
+    """max |x[r, c0:c0 + n]| of a row of bf16 bits, as float32 (exact: a max takes no rounding)."""
+    amax = float32(0)
+    for c in range(c0, c0 + n):
+        amax = max(amax, abs(bf16_to_f32(x[r, c])))
+    return amax
+
+
 @cuda.jit
 def _act_quant_kernel(x, n_rows, width):
     """One thread per block of 32 values: fp8 e4m3 quantise-dequantise with a power-of-two scale."""
@@ -219,10 +228,7 @@ def _act_quant_kernel(x, n_rows, width):
         return
     r = i // per_row
     c0 = (i % per_row) * ACT_BLOCK
-    amax = float32(0)
-    for c in range(c0, c0 + ACT_BLOCK):
-        amax = max(amax, abs(bf16_to_f32(x[r, c])))
-    s = pow2_ceil(max(amax, ACT_AMAX_FLOOR), FP8_MAX_INV)
+    s = pow2_ceil(max(block_amax(x, r, c0, ACT_BLOCK), ACT_AMAX_FLOOR), FP8_MAX_INV)
     for c in range(c0, c0 + ACT_BLOCK):
         x[r, c] = f32_to_bf16(mul_rn(e4m3_round(bf16_to_f32(x[r, c]) / s), s))
 
@@ -236,9 +242,7 @@ def _fp4_quant_kernel(x, n_rows, width, block, e4m3_scale):
         return
     r = i // per_row
     c0 = (i % per_row) * block
-    amax = float32(0)
-    for c in range(c0, c0 + block):
-        amax = max(amax, abs(bf16_to_f32(x[r, c])))
+    amax = block_amax(x, r, c0, block)
     if e4m3_scale:
         s = e4m3_round(max(amax, FP4_E4M3_FLOOR) / FP4_MAX)
     else:

@@ -423,11 +423,11 @@ def sparse_bound(q, rows, entries, sinks, scale, ref) -> np.ndarray:
     return (2.0**-7 + eps + 2.0**-16) * weighted + (eps + 2.0**-16) * np.abs(ref) + bf16_ulp(ref)
 
 
-@pytest.mark.parametrize("threads", [0, 2])
-def test_sparse_attention_within_bound(threads):
-    rng = np.random.default_rng(12)
-    t, heads, dim, window, chunk, groups = 4, 2, 64, 8, 6, 40
-    q, ring, chunk_rows, comp, entries, sinks = attention_inputs(rng, t, heads, dim, window, chunk, groups, 140)
+def check_sparse_attention(seed, t, heads, dim, window, chunk, groups, width, what, threads=0):
+    """Random inputs (row 1 without entries) through the kernel and the oracle: within
+    sparse_bound, zeros for the empty row, and (flips being rare) nearly every value equal."""
+    rng = np.random.default_rng(seed)
+    q, ring, chunk_rows, comp, entries, sinks = attention_inputs(rng, t, heads, dim, window, chunk, groups, width)
     rows = np.concatenate([ring, chunk_rows, comp])
     scale = dim ** -0.5
     ref = oracle.sparse_attention(q, rows, entries.astype(np.int64), sinks, scale)
@@ -436,9 +436,14 @@ def test_sparse_attention_within_bound(threads):
                      cuda.to_device(sinks), out, t, scale, threads=threads)
     got = host_bf16(out)
     assert np.all(got[1] == 0) and np.all(ref[1] == 0), "a row without entries gives zeros"
-    assert_within(got, ref, sparse_bound(q, rows, entries, sinks, scale, ref), "sparse attention")
-    # the bound allows a bf16 step per probability; flips are rare, so nearly every value is equal
+    assert_within(got, ref, sparse_bound(q, rows, entries, sinks, scale, ref), what)
     assert np.mean(got == ref) > 0.95
+    return got, ref
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_sparse_attention_within_bound(threads):
+    check_sparse_attention(12, 4, 2, 64, 8, 6, 40, 140, "sparse attention", threads)
 
 
 def test_sparse_attention_shape_errors():
@@ -474,18 +479,7 @@ def test_flash_select_exact(tiny_cfg):
 @pytest.mark.gpu
 def test_flash_sparse_attention_within_bound():
     """64 heads x 512, a 128-slot window plus top-512 entries (ten blocks of 64)."""
-    rng = np.random.default_rng(14)
-    t, heads, dim, window, chunk, groups = 3, 64, 512, 128, 64, 1024
-    q, ring, chunk_rows, comp, entries, sinks = attention_inputs(rng, t, heads, dim, window, chunk, groups, 640)
-    rows = np.concatenate([ring, chunk_rows, comp])
-    scale = dim ** -0.5
-    ref = oracle.sparse_attention(q, rows, entries.astype(np.int64), sinks, scale)
-    out = cuda.device_array((t, heads, dim), np.uint16)
-    sparse_attention(dev_bf16(q), dev_bf16(ring), dev_bf16(chunk_rows), dev_bf16(comp), cuda.to_device(entries),
-                     cuda.to_device(sinks), out, t, scale)
-    got = host_bf16(out)
-    assert np.all(got[1] == 0)
-    assert_within(got, ref, sparse_bound(q, rows, entries, sinks, scale, ref), "sparse attention (flash)")
+    got, ref = check_sparse_attention(14, 3, 64, 512, 128, 64, 1024, 640, "sparse attention (flash)")
     print(f"\nflash sparse attention: {np.mean(got == ref):.4f} of values equal, max error "
           f"{np.abs(got - ref).max():.3e}")
 

@@ -9,6 +9,9 @@
 - `engram.step.<type>.<residency>.python` (P3): whole steps as Python issues them back to back
   (hash, row upload, the three kernels), launch cost included: what the engine gets without a
   graph.
+- `engram.rows.device`, `engram.gate`: the row gather + dequantisation and the gate alone, device
+  work of one token; bound = the bytes they move / copy bandwidth (both are latency-bound at one
+  token).
 - `engram.hash.64k` (P6): stages.engram_hash on a 64k-token prefill with the flash preset's two
   engram layers, host clock; bound = the target rate (20 M token-layers/s), so ratio <= 1 meets it.
 
@@ -175,6 +178,17 @@ def step_case(wtype: str, residency: str) -> BenchCase:
                 median = device_time(device_step, o.reps, o.warmup, stream)
                 rows.append(BenchRow(name, median, ctx.memory_bound(nbytes), bytes=nbytes,
                                      note=f"rows + wkv {wtype} + gate, 1 token, launch cost excluded"))
+                if gtype == GGMLType.Q8_0:  # the two small stages once (they do not depend on the wkv type)
+                    # rows: the token's table rows read, 256 bf16 values each written
+                    moved = row_bytes + cfg.engram.cols * cfg.engram.head_dim * 2
+                    median = device_time(lambda: stage.dequantize_rows(layer, 1), o.reps, o.warmup, stream)
+                    rows.append(BenchRow("engram.rows.device", median, ctx.memory_bound(moved), bytes=moved,
+                                         note=f"gather + dequantise {cfg.engram.cols} Q2_K rows to bf16, 1 token"))
+                    # gate: the highway read and written, the key/value row read
+                    moved = 2 * cfg.hc * cfg.dim * 4 + (cfg.hc + 1) * cfg.dim * 2 + cfg.hc * cfg.dim * 4
+                    median = device_time(lambda: stage.gate(layer, h, 1), o.reps, o.warmup, stream)
+                    rows.append(BenchRow("engram.gate", median, ctx.memory_bound(moved), bytes=moved,
+                                         note="normalised dot, signed-sqrt sigmoid, h += g * value, 1 token"))
             median = pipelined_time(python_step, o.reps, o.warmup, stream)
             rows.append(BenchRow(f"{name}.python", median, ctx.memory_bound(nbytes), bytes=nbytes,
                                  note=f"hash + apply, {residency} table, back to back from Python"))

@@ -32,6 +32,7 @@ import numpy as np
 from flashv41.errors import CapacityError, InputError, SequenceStateError
 from flashv41.model import Model
 from flashv41.runtime import select_backend
+from host.tokens import check_tokens
 
 ProgressFn = Callable[[str], None]
 
@@ -201,25 +202,11 @@ class Sequence:
         if self.released:
             raise SequenceStateError("this sequence was released")
         self.engine._check_open()
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise InputError(f"token ids must be a non-empty 1-D integer array, got shape {ids.shape} "
-                             f"dtype {ids.dtype}")
-        vocab = self.engine.cfg.vocab_size
-        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
-        if bad.size:
-            raise InputError(f"token id {int(ids[bad[0]])} at index {int(bad[0])} is outside the vocabulary "
-                             f"[0, {vocab})")
+        ids, mask = check_tokens(token_ids, token_mask, self.engine.cfg.vocab_size)
         if self.position + ids.size > self.max_seq:
             raise CapacityError(f"{ids.size} tokens at position {self.position} exceed max_seq {self.max_seq} "
                                 f"({self.max_seq - self.position} positions left)")
-        mask = None
-        if token_mask is not None:
-            mask = np.asarray(token_mask)
-            if mask.dtype != np.bool_ or mask.shape != ids.shape:
-                raise InputError(f"token_mask must be a bool array of shape {ids.shape}, got {mask.dtype} "
-                                 f"{mask.shape}")
-        return ids.astype(np.int64), mask
+        return ids, mask
 
     def prefill(self, token_ids: Any, token_mask: Any = None, capture: bool = False) -> np.ndarray:
         """Run tokens from the current position (chunks of max_tokens); returns h [T, hc, dim] float32.

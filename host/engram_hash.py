@@ -14,28 +14,17 @@ from __future__ import annotations
 import numpy as np
 
 from flashv41.config import EngramConfig
-from flashv41.errors import CapacityError, InputError
+from flashv41.errors import CapacityError
+from host.tokens import check_tokens
 
 DEAD = -1
 
 
 def compress_tokens(engram: EngramConfig, token_ids: np.ndarray, token_mask: np.ndarray | None) -> np.ndarray:
     """Raw ids -> compressed ids (int64), -1 where unmapped or masked out; validates the ids."""
-    ids = np.asarray(token_ids)
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise InputError(f"token ids must be a 1-D integer array, got shape {ids.shape} dtype {ids.dtype}")
-    vocab = engram.token_map.shape[0]
-    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
-    if bad.size:
-        i = int(bad[0])
-        raise InputError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {vocab})")
-    compressed = engram.token_map[ids.astype(np.int64)]
-    if token_mask is not None:
-        mask = np.asarray(token_mask)
-        if mask.shape != ids.shape or mask.dtype != np.bool_:
-            raise InputError(f"token_mask must be a bool array of shape {ids.shape}, got {mask.dtype} {mask.shape}")
-        compressed = np.where(mask, compressed, DEAD)
-    return compressed
+    ids, mask = check_tokens(token_ids, token_mask, engram.token_map.shape[0], allow_empty=True)
+    compressed = engram.token_map[ids]
+    return compressed if mask is None else np.where(mask, compressed, DEAD)
 
 
 def hash_positions(engram: EngramConfig, history: np.ndarray, start: int, count: int) -> np.ndarray:

@@ -75,6 +75,14 @@ def f32_to_bf16(x):
 
 
 @device
+def load_f32(x, r, c, x_bf16):
+    """x[r, c] as float32, from bf16 bits (x_bf16) or a float32 array."""
+    if x_bf16:
+        return bf16_to_f32(x[r, c])
+    return float32(x[r, c])
+
+
+@device
 def bf16_round(x):
     """x rounded to the nearest bf16 value, as float32."""
     return bf16_to_f32(f32_to_bf16(x))

@@ -33,7 +33,7 @@ from numba import cuda, float32
 
 from host.gguf_model import TensorRef
 from host.quants import FORMATS, GGMLType, quantize
-from stages.device import CHUNK, DEQUANT, SIM, WARP, bf16_to_f32, device, f32_to_bf16, warp_sum
+from stages.device import CHUNK, DEQUANT, SIM, WARP, f32_to_bf16, load_f32, warp_sum
 
 if SIM:
     from stages.device import _BF16_VALUES
@@ -89,13 +89,6 @@ class DeviceWeight:
         return self.n * FORMATS[self.gtype].row_bytes(self.k)
 
 
-@device
-def _load_x(x, t, k, x_bf16):
-    if x_bf16:
-        return bf16_to_f32(x[t, k])
-    return float32(x[t, k])
-
-
 if SIM:
     # The simulator executes kernels as Python: the inner loops, the bulk of every product, and the
     # gemv's staging copies run as NumPy operations there (same values, another fp32 summation
@@ -128,7 +121,7 @@ else:
         the 33-wide rows of xs keep the writes (and the lanes' later reads) free of bank conflicts."""
         for t in range(n_tokens):
             for v in range(tid, n_chunks * CHUNK, LANES * cuda.blockDim.y):
-                xs[t, v // CHUNK, v % CHUNK] = _load_x(x, t, x0 + v, x_bf16)
+                xs[t, v // CHUNK, v % CHUNK] = load_f32(x, t, x0 + v, x_bf16)
 
     @cuda.jit(device=True)
     def _stage_w(ws, ww, slot, row, w0, n_words, lane):
@@ -247,7 +240,7 @@ def gemm_kernel(gtype: GGMLType, x_bf16: bool, out_bf16: bool):
                 r = idx // CHUNK
                 kk = idx % CHUNK
                 t = t0 + r
-                xs[r, kk] = _load_x(x, t, x_off + c * CHUNK + kk, x_bf16) if t < n_tokens else float32(0)
+                xs[r, kk] = load_f32(x, t, x_off + c * CHUNK + kk, x_bf16) if t < n_tokens else float32(0)
             for r in range(tid, TN, THREADS_X * THREADS_Y):
                 n = n0 + r
                 if n < n_rows:

@@ -33,7 +33,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32, uint32
 
 from flashv41.errors import InputError
-from stages.device import SIM, DeviceArray, bf16_to_f32, device, f32_bits, f32_from_bits, f32_to_bf16, grid_1d
+from stages.device import SIM, DeviceArray, bf16_to_f32, device, f32_bits, f32_from_bits, f32_to_bf16, grid_1d, load_f32
 
 ACT_BLOCK = 32
 FP8_MAX = float32(448.0)
@@ -146,17 +146,6 @@ def e2m1_round(v):
     return -r if (f32_bits(v) >> 31) != 0 else r
 
 
-if SIM:
-    def _load(x, r, c, x_bf16):
-        return bf16_to_f32(x[r, c]) if x_bf16 else np.float32(x[r, c])
-else:
-    @cuda.jit(device=True)
-    def _load(x, r, c, x_bf16):
-        if x_bf16:
-            return bf16_to_f32(x[r, c])
-        return float32(x[r, c])
-
-
 @cache
 def rms_norm_kernel(x_bf16: bool, threads: int):
     """One block of `threads` threads per row: float64 partial sums, a tree in shared memory."""
@@ -169,7 +158,7 @@ def rms_norm_kernel(x_bf16: bool, threads: int):
         tid = cuda.threadIdx.x
         acc = float64(0)
         for c in range(tid, width, threads):
-            v = _load(x, r, c, x_bf16)
+            v = load_f32(x, r, c, x_bf16)
             acc += float64(mul_rn(v, v))
         partial[tid] = acc
         step = threads // 2
@@ -185,7 +174,7 @@ def rms_norm_kernel(x_bf16: bool, threads: int):
         rs = float32(1.0 / math.sqrt(float64(mean + eps)))
         # a thread rewrites only the values it read itself, so out may be x
         for c in range(tid, width, threads):
-            out[r, c] = f32_to_bf16(mul_rn(weight[c], mul_rn(_load(x, r, c, x_bf16), rs)))
+            out[r, c] = f32_to_bf16(mul_rn(weight[c], mul_rn(load_f32(x, r, c, x_bf16), rs)))
 
     return kernel
 

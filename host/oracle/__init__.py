@@ -29,6 +29,7 @@ from host.oracle.attention import AttentionWeights, LayerState, RopeTables, Shar
 from host.oracle.engram import engram_layer
 from host.oracle.hc import hc_mixes, hc_post, hc_pre
 from host.quants import dequantize
+from host.tokens import check_tokens
 
 __all__ = ["Oracle", "OracleSequence", "rope_tables"]
 
@@ -103,21 +104,10 @@ class OracleSequence:
     def _check(self, token_ids, token_mask) -> tuple[np.ndarray, np.ndarray | None]:
         if self.released:
             raise SequenceStateError("this sequence was released")
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise InputError(f"token ids must be a non-empty 1-D integer array, got shape {ids.shape} {ids.dtype}")
-        bad = np.flatnonzero((ids < 0) | (ids >= self.cfg.vocab_size))
-        if bad.size:
-            raise InputError(f"token id {int(ids[bad[0]])} at index {int(bad[0])} is outside the vocabulary "
-                             f"[0, {self.cfg.vocab_size})")
+        ids, mask = check_tokens(token_ids, token_mask, self.cfg.vocab_size)
         if self.position + ids.size > self.max_seq:
             raise CapacityError(f"{ids.size} tokens at position {self.position} exceed max_seq {self.max_seq}")
-        mask = None
-        if token_mask is not None:
-            mask = np.asarray(token_mask)
-            if mask.dtype != np.bool_ or mask.shape != ids.shape:
-                raise InputError(f"token_mask must be bool of shape {ids.shape}, got {mask.dtype} {mask.shape}")
-        return ids.astype(np.int64), mask
+        return ids, mask
 
     def prefill(self, token_ids, token_mask=None, capture: bool = False,
                 layer_inputs: list[tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:

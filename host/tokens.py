@@ -1,0 +1,27 @@
+"""Validating the token ids (and the optional token mask) a caller hands in: one check for the
+oracle, the engine and the engram hasher, so they refuse the same input with the same words."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashv41.errors import InputError
+
+
+def check_tokens(token_ids, token_mask, vocab: int, allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """(ids int64 [T], mask bool [T] or None), or InputError naming the first bad id and its index,
+    or what is wrong with the mask's dtype or shape."""
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (ids.size == 0 and not allow_empty):
+        kind = "1-D integer array" if allow_empty else "non-empty 1-D integer array"
+        raise InputError(f"token ids must be a {kind}, got shape {ids.shape} dtype {ids.dtype}")
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if bad.size:
+        i = int(bad[0])
+        raise InputError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {vocab})")
+    mask = None
+    if token_mask is not None:
+        mask = np.asarray(token_mask)
+        if mask.dtype != np.bool_ or mask.shape != ids.shape:
+            raise InputError(f"token_mask must be a bool array of shape {ids.shape}, got {mask.dtype} {mask.shape}")
+    return ids.astype(np.int64), mask

@@ -261,22 +261,20 @@ def fake_indexer_cfg(cfg, heads: int, dim: int):
     return dataclasses.replace(cfg, index_heads=heads, index_head_dim=dim)
 
 
-@pytest.mark.parametrize("tile", [(0, 0), (2, 3)])
-def test_index_scores_exact(tiny_cfg, tile):
-    """index_queries + index_scores against oracle.indexer_scores. The projections are one-hot (exact
-    in any implementation), so both sides score the very same fp4 queries: every score bit-exact."""
-    rng = np.random.default_rng(9)
-    heads, dim, t, width = 3, 64, 5, 13
+def check_index_scores(tiny_cfg, seed, heads, dim, t, width, spare, c, tile=(0, 0)):
+    """index_queries + index_scores against oracle.indexer_scores, every score bit-exact. The
+    projections are one-hot (exact in any implementation), so both sides score the very same fp4
+    queries; key 2 is all zero (every dot zero); the key cache has `spare` rows past the width."""
+    rng = np.random.default_rng(seed)
     cfg = fake_indexer_cfg(tiny_cfg, heads, dim)
-    c = 32
     qr = bf16(rng.standard_normal((t, heads * dim)).astype(np.float32))
     x = bf16(rng.standard_normal((t, c)).astype(np.float32))
-    keys = fp4_act_quant(bf16(rng.standard_normal((width + 3, dim)).astype(np.float32)), 32, False)
-    keys[2] = 0.0  # an all-zero key: every dot is zero
+    keys = fp4_act_quant(bf16(rng.standard_normal((width + spare, dim)).astype(np.float32)), 32, False)
+    keys[2] = 0.0
     w = oracle.AttentionWeights(*([None] * 9), idx_wq_b=np.eye(heads * dim, dtype=np.float32),
                                 idx_proj=one_hot(heads, c, 5, 1.0))
     positions = np.arange(width - t, width)
-    cos, sin = rope_tables(cfg, 64).compressed
+    cos, sin = rope_tables(cfg, max(64, width)).compressed
     ref = oracle.indexer_scores(cfg, w, x, qr, keys[:width], cos[positions], sin[positions])
     iw = indexer.IndexerWeights(DeviceWeight.from_values("wq_b", w.idx_wq_b, "BF16"),
                                 DeviceWeight.from_values("proj", w.idx_proj, "F32"))
@@ -284,12 +282,17 @@ def test_index_scores_exact(tiny_cfg, tile):
     hw = cuda.device_array((t, heads), np.uint16)
     pos = cuda.to_device(positions.astype(np.int32))
     indexer.index_queries(iw, dev_bf16(qr), dev_bf16(x), iq, hw, pos, t, cuda.to_device(cos), cuda.to_device(sin))
-    score = cuda.device_array((t, width + 3), np.uint16)
+    score = cuda.device_array((t, width + spare), np.uint16)
     scale = np.float32(dim ** -0.5 * heads ** -0.5)
     indexer.index_scores(iq, hw, dev_bf16(keys), score, pos, t, 1, width, scale, tile=tile)
     got = host_bf16(score)[:, :width]
     assert np.array_equal(got, ref), f"{int((got != ref).sum())} scores differ"
     assert (ref == 0).any() and (ref > 0).any()
+
+
+@pytest.mark.parametrize("tile", [(0, 0), (2, 3)])
+def test_index_scores_exact(tiny_cfg, tile):
+    check_index_scores(tiny_cfg, 9, heads=3, dim=64, t=5, width=13, spare=3, c=32, tile=tile)
 
 
 def score_patterns(rng, t: int, width: int) -> dict[str, np.ndarray]:
@@ -486,26 +489,6 @@ def test_flash_sparse_attention_within_bound():
 
 @pytest.mark.gpu
 def test_flash_index_scores_exact(tiny_cfg):
-    """32 heads x 128 against 4096 keys (one-hot projections: the same queries on both sides)."""
-    rng = np.random.default_rng(15)
-    heads, dim, t, width = 32, 128, 3, 4096
-    cfg = fake_indexer_cfg(tiny_cfg, heads, dim)
-    c = 64
-    qr = bf16(rng.standard_normal((t, heads * dim)).astype(np.float32))
-    x = bf16(rng.standard_normal((t, c)).astype(np.float32))
-    keys = fp4_act_quant(bf16(rng.standard_normal((width, dim)).astype(np.float32)), 32, False)
-    w = oracle.AttentionWeights(*([None] * 9), idx_wq_b=np.eye(heads * dim, dtype=np.float32),
-                                idx_proj=one_hot(heads, c, 5, 1.0))
-    positions = np.arange(width - t, width)
-    cos, sin = rope_tables(cfg, width).compressed
-    ref = oracle.indexer_scores(cfg, w, x, qr, keys, cos[positions], sin[positions])
-    iw = indexer.IndexerWeights(DeviceWeight.from_values("wq_b", w.idx_wq_b, "BF16"),
-                                DeviceWeight.from_values("proj", w.idx_proj, "F32"))
-    iq = cuda.device_array((t, heads * dim), np.uint16)
-    hw = cuda.device_array((t, heads), np.uint16)
-    pos = cuda.to_device(positions.astype(np.int32))
-    indexer.index_queries(iw, dev_bf16(qr), dev_bf16(x), iq, hw, pos, t, cuda.to_device(cos), cuda.to_device(sin))
-    score = cuda.device_array((t, width), np.uint16)
-    indexer.index_scores(iq, hw, dev_bf16(keys), score, pos, t, 1, width, np.float32(dim ** -0.5 * heads ** -0.5))
-    assert np.array_equal(host_bf16(score), ref)
+    """32 heads x 128 against 4096 keys."""
+    check_index_scores(tiny_cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64)
 

@@ -35,7 +35,7 @@ from flashv41.errors import InputError, UnsupportedError
 from flashv41.runtime import backend_name, select_backend
 
 # the modules whose `cases(options)` make up the benchmark
-BENCH_MODULES: tuple[str, ...] = ("flashv41.bench_engram", "flashv41.bench_attention")
+BENCH_MODULES: tuple[str, ...] = ("flashv41.bench_gemv", "flashv41.bench_engram", "flashv41.bench_attention")
 COPY_BYTES = 512 << 20  # device-to-device copy for the bandwidth: well past the 50 MB L2
 MIN_REPS = 20
 
@@ -47,7 +47,7 @@ class BenchOptions:
     reps: int = MIN_REPS
     warmup: int = 3
     rows: tuple[str, ...] = ()
-    weight_types: tuple[str, ...] = ("Q8_0", "Q2_K")
+    weight_types: tuple[str, ...] = ("Q8_0", "Q2_K", "BF16")
     workdir: Path = Path(tempfile.gettempdir()) / "flashv41-bench"
 
 

@@ -50,14 +50,13 @@ def attention_model(options: BenchOptions):
 
 def swap_dense(stage, gtype: GGMLType, stream) -> None:
     """Replace every layer's dense projections by random stored blocks of `gtype`, same shapes."""
-    from numba import cuda
 
     from stages.linear import DeviceWeight
 
     rng = np.random.default_rng(int(gtype))
 
     def random_like(w: DeviceWeight) -> DeviceWeight:
-        return DeviceWeight(w.name, gtype, w.n, w.k, cuda.to_device(random_stored(w.n, w.k, gtype, rng), stream=stream))
+        return DeviceWeight.from_stored(w.name, gtype, random_stored(w.n, w.k, gtype, rng), w.k, stream)
 
     for layer in stage.layers:
         for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):

@@ -78,12 +78,10 @@ def random_stored(n: int, k: int, gtype: GGMLType, rng: np.random.Generator) -> 
 
 
 def _random_weight(name: str, n: int, k: int, gtype: GGMLType, stream):
-    from numba import cuda
-
     from stages.linear import DeviceWeight
 
     stored = random_stored(n, k, gtype, np.random.default_rng(int(gtype)))
-    return DeviceWeight(name, gtype, n, k, cuda.to_device(stored, stream=stream))
+    return DeviceWeight.from_stored(name, gtype, stored, k, stream)
 
 
 def _flash_shapes() -> tuple[int, int, int]:

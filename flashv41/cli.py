@@ -243,7 +243,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p.add_argument("--rows", nargs="+", default=[], metavar="PATTERN",
                    help="row names or fnmatch patterns to run (e.g. 'engram.wkv*'); default all")
     p.add_argument("--weight-type", nargs="+", default=list(defaults.weight_types), choices=WRITABLE_WEIGHT_TYPES,
-                   dest="weight_types", help="weight types of the GEMV and step rows (default Q8_0 Q2_K)")
+                   dest="weight_types", help="weight types of the GEMV and step rows (default Q8_0 Q2_K BF16)")
     p.add_argument("--reps", type=int, default=defaults.reps, metavar="N",
                    help=f"timed repetitions per row, the median is reported (default and minimum {MIN_REPS})")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")

@@ -121,6 +121,19 @@ def dequant_q8_0(w, row, chunk, out):
 
 
 @device
+def dequant_q8_0_split(w, row, chunk, out):
+    """Q8_0 in the split layout (stages.linear.split_q8_0): quants at 32 * chunk, scales after the
+    row's K quants."""
+    k = (w.shape[1] // 34) * CHUNK
+    d = fp16_to_f32(read_u16(w, row, k + 2 * chunk))
+    for i in range(CHUNK):
+        q = int32(w[row, chunk * CHUNK + i])
+        if q >= 128:
+            q -= 256
+        out[i] = float32(q) * d
+
+
+@device
 def dequant_q2_k(w, row, chunk, out):
     base = (chunk // 8) * 84
     sub = chunk % 8
@@ -166,6 +179,39 @@ DEQUANT = {
     GGMLType.F16: dequant_f16,
     GGMLType.F32: dequant_f32,
 }
+
+if SIM:
+    def load_words4(a, row, i):
+        """a[row, i .. i + 3] of a uint32 array, i a multiple of 4 (one 16-byte load on a GPU)."""
+        return a[row, i], a[row, i + 1], a[row, i + 2], a[row, i + 3]
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils  # type: ignore[attr-defined]
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def load_words4(typingctx, a, row, i):
+        """a[row, i .. i + 3] of a uint32 array as one 16-byte load through the read-only data
+        path (`ld.global.nc.v4.u32`; the address must be 16-byte aligned). Numba has no vector
+        loads, and four scalar loads cost four load instructions for the same bytes."""
+        sig = types.UniTuple(types.uint32, 4)(a, row, i)
+
+        def codegen(context, builder, signature, args):
+            array_type, row_type, i_type = signature.args
+            array = context.make_array(array_type)(context, builder, args[0])
+            index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], (row_type, i_type), strict=True)]
+            pointer = cgutils.get_item_pointer(context, builder, array_type, array, index)
+            address = builder.ptrtoint(pointer, ir.IntType(64))
+            word = ir.IntType(32)
+            load = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([word] * 4), [ir.IntType(64)]),
+                                "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+            words = builder.call(load, [address])
+            return context.make_tuple(builder, signature.return_type,
+                                      [builder.extract_value(words, j) for j in range(4)])
+
+        return sig, codegen
+
 
 if SIM:
     @cuda.jit(device=True)

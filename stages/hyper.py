@@ -23,8 +23,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from flashv41.errors import UnsupportedError
-from host.quants import GGMLType
-from stages.device import CHUNK, DEQUANT, SIM, bf16_round, bf16_to_f32, f32_to_bf16
+from stages.device import CHUNK, SIM, bf16_round, bf16_to_f32, f32_to_bf16
 from stages.linear import DeviceWeight, linear
 
 MAX_HC = 4
@@ -146,9 +145,8 @@ def _post_kernel(h, a, post, comb, hc, dim, has_output):
 
 
 @cache
-def embed_kernel(gtype: GGMLType):
+def embed_kernel(dequant):
     """h[t, c, :] = bf16(dequant(table[ids[t]])) for every copy; one thread per 32-value chunk."""
-    dequant = DEQUANT[gtype]
 
     @cuda.jit
     def embed(ids, table, h, n_tokens, hc, chunks):
@@ -202,7 +200,7 @@ class HyperStage:
         chunks = self.cfg.dim // CHUNK
         threads = min(64, chunks)
         grid = ((chunks + threads - 1) // threads, n_tokens)
-        embed_kernel(self.embedding.gtype)[grid, threads, self.stream](
+        embed_kernel(self.embedding.dequant)[grid, threads, self.stream](
             self.ids, self.embedding.data, h, n_tokens, self.cfg.hc, chunks)
 
     def mixes(self, layer: int, kind: str, h, pre, n_tokens: int) -> None:

@@ -109,7 +109,7 @@ def test_wkv_at_flash_dimensions(wtype: str) -> None:
     n, k = 5120 * 5, 24 * 256
     gtype = GGMLType[wtype]
     stored = random_stored(n, k, gtype, np.random.default_rng(0))
-    w = DeviceWeight("engram_wkv", gtype, n, k, cuda.to_device(stored))
+    w = DeviceWeight.from_stored("engram_wkv", gtype, stored, k)
     wq = dequantize(stored, gtype, k)
     rng = np.random.default_rng(1)
     for t in (1, 4, 64):

@@ -1,0 +1,436 @@
+"""Tensor-core linear layers for prefill: y[t, n] = sum_k x[t, k] * dequant(w)[n, k] on bf16
+`mma.sync.m16n8k16` with fp32 accumulation.
+
+Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16; fp32 inputs are
+refused), w a stages.linear.DeviceWeight of BF16, Q8_0 (row-split layout: a row's K int8 levels,
+then its K/32 fp16 scales) or Q2_K (the GGUF blocks), y [T, N] bf16 bits (rounded to nearest even)
+or float32. Grouped product (group_rows > 0): output row n reads x[:, (n // group_rows) * K :][:K].
+
+The tensor cores only ever multiply exact values: the inputs are bf16 already, and a quantised
+weight enters as the integer part of its value, which bf16 holds exactly (a Q8_0 level, |q| <= 127;
+a Q2_K sub-scale times level, sc * q <= 45). The fp32 scales are applied to fp32 partial sums:
+- BF16: the weights themselves; the mma accumulates straight into the result.
+- Q8_0: per 32-value block b, acc += d_b * (sum of x * q over the block).
+- Q2_K: value = d * sc_j * q - dmin * m_j in 16-value group j of a 256-value block, so
+  acc += d * (sum of x * (sc * q) over each 32 values), and at a block's end
+  acc -= dmin * sum_j m_j * S_j, S_j the sum of group j's 16 inputs (fp32): one more mma a block,
+  S_j split exactly into three bf16 pieces (8 + 8 + 8 significant bits) against the integer m_j.
+
+Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with the bound of
+tests/bounds.py. The result is an fp32 sum of the exact products x * w in another order: each
+passes through about K/16 + 16 (BF16) or K/32 + 34 (Q8_0) roundings, far inside the tests'
+K * 2^-24 * sum_k |x_k w_k|, plus one bf16 rounding step. Q2_K sums a weight's two parts apart, so
+its bound is about (64 + K/28) * 2^-24 * sum_k |x_k| (d sc q + dmin m): inside the tests' while
+those parts outweigh the weights less than 6x (K = 512; 12x at K = 1280). Gaussian weights give
+about 4x, and the errors seen are far below these worst cases.
+
+Kernel: a block computes BM tokens x BN outputs in K steps of BK = 32 values; each warp a WM x WN
+tile of 16 x 8 mma fragments held in registers. A step's inputs and weights are staged in shared
+memory as bf16 pairs (the weights converted on the way in); the next step's global loads are
+issued before the current step's mma, into registers. One launch covers every group (grid z).
+Launch bounds hold a thread to 128 registers (two blocks of 256 threads an SM; ptxas sm_90: BF16
+and Q8_0 fit, Q2_K spills 24 to 92 bytes).
+
+On the simulator the mma is emulated (the lanes of a warp pool their fragments in shared memory,
+then each computes its outputs), so the kernel's indexing is tested there, slowly: `supports` says
+no on the simulator, for callers that want the fast path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from host.quants import FORMATS, GGMLType
+from stages.device import SIM, WARP, bf16_to_f32, device, f32_bits, f32_to_bf16, fp16_to_f32
+
+BK = 32  # values of k per step: one Q8_0 block, an eighth of a Q2_K block
+KW = BK // 2  # 32-bit words (bf16 pairs) per tile row per step
+PAD = 4  # shared rows of KW + 4 words: a fragment read (8 rows x 4 words) hits 32 distinct banks
+if SIM:  # 4 warps: two along each axis, each 2 x 2 fragments (a Python thread per CUDA thread there)
+    WARPS_M, WARPS_N, FM, FN = 2, 2, 2, 2
+else:
+    WARPS_M, WARPS_N, FM, FN = 2, 4, 2, 4
+WM, WN = 16 * FM, 8 * FN  # a warp's tile: FM x FN fragments of 16 tokens x 8 outputs
+BM, BN = WARPS_M * WM, WARPS_N * WN  # a block's tile: tokens x outputs
+THREADS = WARP * WARPS_M * WARPS_N
+A_LOADS = BM * KW // THREADS  # input words each thread loads per step
+Q2_GROUPS = 16  # 16-value groups in a Q2_K block
+assert A_LOADS * THREADS == BM * KW and THREADS >= BN and THREADS >= 2 * BM
+
+TILE_A = (BM, KW + PAD)  # [token, word]
+TILE_B = (BN, KW + PAD)  # [output, word]
+FRAGS = (FM, FN, 4)  # a warp's accumulators: [fragment m, fragment n, register]
+
+if SIM:
+    from stages.device import _BF16_VALUES
+
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """The warp's 16x8 tile D = A @ B + C, from the lanes' fragments (PTX m16n8k16 layout)."""
+        regs = cuda.shared.array((THREADS // WARP, WARP, 6), np.uint32)
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP, tid % WARP
+        regs[warp, lane] = (a0, a1, a2, a3, b0, b1)
+        cuda.syncthreads()
+        # [g, t, reg, half]: lane 4g + t's registers, each two bf16 (the lower column in the low half)
+        vals = _BF16_VALUES[np.stack([regs[warp] & 0xFFFF, regs[warp] >> 16], axis=-1).reshape(8, 4, 6, 2)]
+        a = np.empty((16, 16), np.float64)
+        a[:8, :8], a[8:, :8] = vals[:, :, 0].reshape(8, 8), vals[:, :, 1].reshape(8, 8)
+        a[:8, 8:], a[8:, 8:] = vals[:, :, 2].reshape(8, 8), vals[:, :, 3].reshape(8, 8)
+        bt = np.concatenate([vals[:, :, 4].reshape(8, 8), vals[:, :, 5].reshape(8, 8)], axis=1)  # B^T [n, k]
+        d = a @ bt.T
+        cuda.syncthreads()
+        g, t = lane >> 2, lane & 3
+        return (np.float32(d[g, 2 * t] + c0), np.float32(d[g, 2 * t + 1] + c1),
+                np.float32(d[g + 8, 2 * t] + c2), np.float32(d[g + 8, 2 * t + 1] + c3))
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A @ B + C on one 16x8x16 tile: `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`.
+        Lane (g, t) = (lane >> 2, lane & 3) holds A (row-major, bf16 pairs) at rows g, g+8 and
+        columns 2t, 2t+8 (a0 (g, 2t), a1 (g+8, 2t), a2 (g, 2t+8), a3 (g+8, 2t+8)); B^T (output-major)
+        at row g, columns 2t (b0), 2t+8 (b1); C and D at rows g, g+8, columns 2t, 2t+1."""
+        sig = types.UniTuple(types.float32, 4)(*([types.uint32] * 6), *([types.float32] * 4))
+
+        def codegen(context, builder, sig, args):
+            f32 = ir.FloatType()
+            fn = ir.FunctionType(ir.LiteralStructType([f32] * 4), [ir.IntType(32)] * 6 + [f32] * 4)
+            asm = ir.InlineAsm(fn, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                               "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            d = builder.call(asm, args)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, i) for i in range(4)])
+
+        return sig, codegen
+
+
+@device
+def bf16_int(v):
+    """The bf16 bits of a small integer (exact: |v| < 256)."""
+    return f32_bits(float32(v)) >> 16
+
+
+@device
+def pack(lo, hi):
+    """Two bf16 bit patterns in one word, the lower k in the low half (as mma reads them)."""
+    return uint32(lo) | (uint32(hi) << 16)
+
+
+@device
+def split3(s):
+    """s = hi + mid + lo exactly, each a bf16 (fp32 has 24 significant bits, bf16 8): the bits."""
+    hi = f32_to_bf16(s)
+    r = s - bf16_to_f32(hi)
+    mid = f32_to_bf16(r)
+    return hi, mid, f32_to_bf16(r - bf16_to_f32(mid))
+
+
+# Per weight type, two pairs of helpers with one signature each; `ks` is the K step, w32 / w16 the
+# weight bytes viewed as 32- / 16-bit words [N, row words]:
+# - fetch(w32, w16, n, ks, c, k) -> (word, aux): word c of row n's stored bytes for the step;
+#   put(b_s, r, c, word, aux, ks) writes them to b_s row r as bf16 pairs.
+# - fetch_scales(w32, w16, n, ks, k) -> (u, v): row n's scales for the step;
+#   put_scales(d_s, m_s, mins_s, r, ks, u, v) writes them to the block's scale arrays.
+
+@device
+def fetch_bf16(w32, w16, n, ks, c, k):
+    return w32[n, ks * KW + c], uint32(0)
+
+
+@device
+def put_bf16(b_s, r, c, word, aux, ks):
+    b_s[r, c] = word
+
+
+@device
+def fetch_scales_none(w32, w16, n, ks, k):
+    return uint32(0), uint32(0)
+
+
+@device
+def put_scales_none(d_s, m_s, mins_s, r, ks, u, v):
+    return
+
+
+@device
+def fetch_q8_0(w32, w16, n, ks, c, k):
+    return w32[n, ks * 8 + c], uint32(0)  # levels: 32 bytes a step
+
+
+@device
+def i8_bf16(word, byte):
+    """The bf16 bits of signed byte `byte` of word."""
+    return bf16_int(int32(word << (24 - 8 * byte)) >> 24)
+
+
+@device
+def put_q8_0(b_s, r, c, word, aux, ks):
+    b_s[r, 2 * c] = pack(i8_bf16(word, 0), i8_bf16(word, 1))
+    b_s[r, 2 * c + 1] = pack(i8_bf16(word, 2), i8_bf16(word, 3))
+
+
+@device
+def fetch_scales_q8_0(w32, w16, n, ks, k):
+    return uint32(w16[n, k // 2 + ks]), uint32(0)  # the scales follow the row's K levels
+
+
+@device
+def put_scales_q8_0(d_s, m_s, mins_s, r, ks, u, v):
+    d_s[r] = fp16_to_f32(u)
+
+
+# Q2_K block (84 bytes, 21 words): scales[16] at word 0, qs[64] at word 4, d | dmin << 16 at word 20.
+# Step ks is sub-block sub = ks % 8 of block ks // 8: levels (qs[32 * (sub // 4) + i] >> 2 * (sub % 4)) & 3
+# for i < 32, in groups 2 * sub (i < 16) and 2 * sub + 1, whose scale bytes are one 16-bit word.
+
+@device
+def fetch_q2_k(w32, w16, n, ks, c, k):
+    b, sub = ks // 8, ks % 8
+    return w32[n, 21 * b + 4 + 8 * (sub // 4) + c], uint32(w16[n, 42 * b + sub])
+
+
+@device
+def put_q2_k(b_s, r, c, word, aux, ks):
+    shift = 2 * (ks % 4)
+    sc = (aux >> (8 * (c // 4))) & 15  # levels 4c..4c+3 are in group c // 4 of the step
+    v0 = bf16_int(sc * ((word >> shift) & 3))
+    v1 = bf16_int(sc * ((word >> (8 + shift)) & 3))
+    v2 = bf16_int(sc * ((word >> (16 + shift)) & 3))
+    v3 = bf16_int(sc * ((word >> (24 + shift)) & 3))
+    b_s[r, 2 * c] = pack(v0, v1)
+    b_s[r, 2 * c + 1] = pack(v2, v3)
+
+
+@device
+def fetch_scales_q2_k(w32, w16, n, ks, k):
+    b, sub = ks // 8, ks % 8
+    return uint32(w16[n, 42 * b + sub]), w32[n, 21 * b + 20]
+
+
+@device
+def put_scales_q2_k(d_s, m_s, mins_s, r, ks, u, v):
+    d_s[r] = fp16_to_f32(v & 0xFFFF)
+    m_s[r] = fp16_to_f32(v >> 16)
+    mins_s[r, ks % 8] = pack(bf16_int((u >> 4) & 15), bf16_int(u >> 12))
+
+
+@dataclass(frozen=True)
+class TcType:
+    """How a weight type enters the kernel: its helpers, the stored words a row reads per step,
+    and whether the values are scaled (per step: a Q8_0 block, a Q2_K block's eighth)."""
+
+    fetch: object
+    put: object
+    fetch_scales: object
+    put_scales: object
+    words: int
+    scaled: bool
+
+
+TC_TYPES = {
+    GGMLType.BF16: TcType(fetch_bf16, put_bf16, fetch_scales_none, put_scales_none, KW, False),
+    GGMLType.Q8_0: TcType(fetch_q8_0, put_q8_0, fetch_scales_q8_0, put_scales_q8_0, 8, True),
+    GGMLType.Q2_K: TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, 8, True),
+}
+
+
+@cache
+def tc_kernel(gtype: GGMLType, out_bf16: bool):
+    """Tiles of BM tokens x BN outputs of one group; block = THREADS, grid = (output tiles per group,
+    token tiles, groups)."""
+    tc = TC_TYPES[gtype]
+    fetch, put, fetch_scales, put_scales = tc.fetch, tc.put, tc.fetch_scales, tc.put_scales
+    words, scaled = tc.words, tc.scaled
+    mins = gtype == GGMLType.Q2_K
+    # stored weight words each thread loads per step: consecutive ones of one row (a Q2_K thread's
+    # are in one group of 16 values, so it reads the group's scale once)
+    b_loads = BN * words // THREADS
+    assert b_loads * THREADS == BN * words
+    mins_shape = (BN, 8 + PAD) if mins else (1, 1)  # [output, group pair] min nibbles, bf16 pairs
+    sums_shape = (BM, Q2_GROUPS + 1) if mins else (1, 1)  # [token, group] the groups' input sums
+
+    @cuda.jit if SIM else cuda.jit(launch_bounds=(THREADS, 2))  # type: ignore[call-arg]
+    def gemm_tc(x, w, y, n_tokens, n_rows, width):
+        a_s = cuda.shared.array(TILE_A, uint32)  # [token, word] the step's inputs, bf16 pairs
+        b_s = cuda.shared.array(TILE_B, uint32)  # [output, word] the step's weights, bf16 pairs
+        d_s = cuda.shared.array(BN, float32)  # [output] the block's scale d
+        m_s = cuda.shared.array(BN, float32)  # [output] Q2_K: the block's dmin
+        mins_s = cuda.shared.array(mins_shape, uint32)
+        sums_s = cuda.shared.array(sums_shape, float32)
+        xw = x.view(np.uint32)  # [T, K_total / 2] bf16 pairs
+        w32 = w.view(np.uint32)
+        w16 = w.view(np.uint16)
+        # indices from unsigned 32-bit values: known non-negative, so Numba's index wraparound and
+        # floor-division fixups fold away (fewer instructions and registers)
+        tid = uint32(cuda.threadIdx.x)
+        group_rows = uint32(n_rows)  # outputs per group
+        k = uint32(width)  # inputs per group
+        warp, lane = tid // WARP, tid % WARP
+        g, t4 = lane >> 2, lane & 3
+        wm = (warp // WARPS_N) * WM
+        wn = (warp % WARPS_N) * WN
+        n0 = uint32(cuda.blockIdx.x) * BN  # within the group
+        t0 = uint32(cuda.blockIdx.y) * BM
+        row0 = uint32(cuda.blockIdx.z) * group_rows  # the group's first output row
+        x0 = uint32(cuda.blockIdx.z) * (k // 2)  # the group's first input word
+        acc = cuda.local.array(FRAGS, float32)
+        part = cuda.local.array(FRAGS, float32)  # the step's sums (quantised types)
+        af = cuda.local.array((FM, 4), uint32)
+        bf = cuda.local.array((FN, 2), uint32)
+        pa = cuda.local.array(A_LOADS, uint32)  # the next step's global words, in flight
+        pb = cuda.local.array(b_loads, uint32)
+        pbx = cuda.local.array(b_loads, uint32)
+        hi = cuda.local.array(4, uint32)  # Q2_K: an A fragment of group sums, as three bf16 pieces
+        mid = cuda.local.array(4, uint32)
+        lo = cuda.local.array(4, uint32)
+        for fm in range(FM):
+            for fn in range(FN):
+                for i in range(4):
+                    acc[fm, fn, i] = float32(0)
+                    part[fm, fn, i] = float32(0)
+        n_steps = k // BK
+        su = uint32(0)
+        sv = uint32(0)
+        # Iteration `it` stores step it - 1's words (fetched by the previous iteration) in shared
+        # memory, issues step it's global loads, and runs step it - 1's mma while those are in flight.
+        for it in range(n_steps + 1):
+            step = it - 1
+            if it > 0:
+                for i in range(A_LOADS):
+                    idx = tid + i * THREADS
+                    a_s[idx // KW, idx % KW] = pa[i]
+                for i in range(b_loads):
+                    idx = tid * b_loads + i
+                    put(b_s, idx // words, idx % words, pb[i], pbx[i], step)
+                if tid < BN:
+                    put_scales(d_s, m_s, mins_s, tid, step, su, sv)
+                cuda.syncthreads()
+            if it < n_steps:
+                for i in range(A_LOADS):
+                    idx = tid + i * THREADS
+                    t = t0 + idx // KW
+                    pa[i] = xw[t, x0 + it * KW + idx % KW] if t < n_tokens else uint32(0)
+                for i in range(b_loads):
+                    idx = tid * b_loads + i
+                    n = n0 + idx // words
+                    word, aux = uint32(0), uint32(0)
+                    if n < group_rows:
+                        word, aux = fetch(w32, w16, row0 + n, it, idx % words, k)
+                    pb[i] = word
+                    pbx[i] = aux
+                if tid < BN:
+                    su, sv = uint32(0), uint32(0)
+                    if n0 + tid < group_rows:
+                        su, sv = fetch_scales(w32, w16, row0 + n0 + tid, it, k)
+            if it == 0:
+                continue
+            if mins and tid < 2 * BM:  # the sums of the step's two groups of 16 inputs, every token
+                r, h = tid // 2, tid % 2
+                s = float32(0)
+                for j in range(8):
+                    word = a_s[r, 8 * h + j]
+                    s += bf16_to_f32(word & 0xFFFF)
+                    s += bf16_to_f32(word >> 16)
+                sums_s[r, 2 * (step % 8) + h] = s
+            for kk in range(2):  # two k16 mma steps
+                kw = kk * 8 + t4
+                for fm in range(FM):
+                    r = wm + fm * 16 + g
+                    af[fm, 0] = a_s[r, kw]
+                    af[fm, 1] = a_s[r + 8, kw]
+                    af[fm, 2] = a_s[r, kw + 4]
+                    af[fm, 3] = a_s[r + 8, kw + 4]
+                for fn in range(FN):
+                    c = wn + fn * 8 + g
+                    bf[fn, 0] = b_s[c, kw]
+                    bf[fn, 1] = b_s[c, kw + 4]
+                dst = part if scaled else acc
+                for fm in range(FM):
+                    for fn in range(FN):
+                        d0, d1, d2, d3 = mma(af[fm, 0], af[fm, 1], af[fm, 2], af[fm, 3], bf[fn, 0], bf[fn, 1],
+                                             dst[fm, fn, 0], dst[fm, fn, 1], dst[fm, fn, 2], dst[fm, fn, 3])
+                        dst[fm, fn, 0] = d0
+                        dst[fm, fn, 1] = d1
+                        dst[fm, fn, 2] = d2
+                        dst[fm, fn, 3] = d3
+            if scaled:  # the step's sums, times their block's scale d, into acc
+                for fm in range(FM):
+                    for fn in range(FN):
+                        for i in range(4):
+                            acc[fm, fn, i] += d_s[wn + fn * 8 + 2 * t4 + i % 2] * part[fm, fn, i]
+                            part[fm, fn, i] = float32(0)
+            if mins and step % 8 == 7:  # a Q2_K block's end: minus dmin * sum_j m_j S_j
+                cuda.syncthreads()  # every group's sums are in sums_s
+                for fm in range(FM):
+                    for i in range(4):  # the A fragment of the sums [token, group], in three bf16 pieces
+                        r = wm + fm * 16 + g + 8 * (i % 2)
+                        c = 2 * t4 + 8 * (i // 2)
+                        h0, m0, l0 = split3(sums_s[r, c])
+                        h1, m1, l1 = split3(sums_s[r, c + 1])
+                        hi[i], mid[i], lo[i] = pack(h0, h1), pack(m0, m1), pack(l0, l1)
+                    for fn in range(FN):
+                        nf = wn + fn * 8  # the fragment's first output
+                        b0, b1 = mins_s[nf + g, t4], mins_s[nf + g, t4 + 4]
+                        p0, p1, p2, p3 = mma(hi[0], hi[1], hi[2], hi[3], b0, b1,
+                                             float32(0), float32(0), float32(0), float32(0))
+                        p0, p1, p2, p3 = mma(mid[0], mid[1], mid[2], mid[3], b0, b1, p0, p1, p2, p3)
+                        p0, p1, p2, p3 = mma(lo[0], lo[1], lo[2], lo[3], b0, b1, p0, p1, p2, p3)
+                        c = nf + 2 * t4
+                        acc[fm, fn, 0] -= m_s[c] * p0
+                        acc[fm, fn, 1] -= m_s[c + 1] * p1
+                        acc[fm, fn, 2] -= m_s[c] * p2
+                        acc[fm, fn, 3] -= m_s[c + 1] * p3
+            cuda.syncthreads()
+        for fm in range(FM):
+            for fn in range(FN):
+                for i in range(4):
+                    t = t0 + wm + fm * 16 + g + 8 * (i // 2)
+                    n = n0 + wn + fn * 8 + 2 * t4 + i % 2
+                    if t < n_tokens and n < group_rows:
+                        if out_bf16:
+                            y[t, row0 + n] = f32_to_bf16(acc[fm, fn, i])
+                        else:
+                            y[t, row0 + n] = acc[fm, fn, i]
+
+    return gemm_tc
+
+
+def supports(w, x_dtype) -> bool:
+    """Whether linear_tc takes this weight and input dtype. Never on the simulator, where the
+    emulated mma is far slower than stages.linear's gemm (linear_tc itself still runs there)."""
+    return not SIM and _takes(w, x_dtype)
+
+
+def _takes(w, x_dtype) -> bool:
+    fmt = FORMATS[w.gtype]
+    return (np.dtype(x_dtype) == np.uint16 and w.gtype in TC_TYPES and w.k % max(BK, fmt.block_values) == 0
+            and fmt.row_bytes(w.k) % 4 == 0  # rows of whole 32-bit words (Q8_0: K % 64 == 0)
+            and (w.gtype != GGMLType.Q8_0 or getattr(w, "layout", "split") == "split"))
+
+
+def linear_tc(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
+    """y[:n_tokens] = x[:n_tokens] @ w^T on the tensor cores (y's dtype picks bf16 or fp32 out).
+
+    group_rows > 0: grouped product, output row n reads x[:, (n // group_rows) * K : ... + K].
+    Raises ValueError for what it does not take (see `supports`; on the simulator it runs anyway).
+    """
+    if not _takes(w, x.dtype):
+        raise ValueError(f"linear_tc {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs "
+                         f"is not supported (bf16 inputs; BF16, split Q8_0 or Q2_K rows of whole words)")
+    groups = w.n // group_rows if group_rows else 1
+    group_rows = group_rows or w.n
+    if (groups * group_rows != w.n or x.shape[1] < groups * w.k or y.shape[1] < w.n
+            or n_tokens > min(x.shape[0], y.shape[0]) or y.dtype not in (np.uint16, np.float32)):
+        raise ValueError(f"linear_tc {w.name}: x {x.shape}, y {y.shape}, weight [{w.n}, {w.k}], "
+                         f"{n_tokens} tokens, group rows {group_rows}")
+    if n_tokens == 0:
+        return
+    grid = ((group_rows + BN - 1) // BN, (n_tokens + BM - 1) // BM, groups)
+    tc_kernel(w.gtype, y.dtype == np.uint16)[grid, THREADS, stream](x, w.data, y, n_tokens, group_rows, w.k)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from flashv41.errors import CapacityError, InputError, SequenceStateError
+from flashv41.graphs import GraphRunner, graphs_available
 from flashv41.model import Model
 from flashv41.runtime import select_backend
 from host.tokens import check_tokens
@@ -45,12 +46,16 @@ class Engine:
     table_residency: "device" (engram tables uploaded once) or "host" (rows read from the
     memory-mapped file per call and uploaded).
     profile: synchronise around every stage and add its wall time to `stage_seconds` (slower;
-    for timing tables).
+    for timing tables; steps then run eagerly).
+    graphs: replay one-token steps as CUDA graphs (flashv41.graphs), per sequence and per step
+    kind (`graph_key`); ignored on the simulator and with host-resident tables, whose rows are
+    uploaded data rather than ids. Results are the same either way.
     progress: called with a line of text at each step of the (possibly long) set-up.
     """
 
     def __init__(self, model: Model, max_seq: int = 4096, max_tokens: int = 256,
-                 table_residency: str = "device", profile: bool = False, progress: ProgressFn | None = None):
+                 table_residency: str = "device", profile: bool = False, progress: ProgressFn | None = None,
+                 graphs: bool = True):
         cfg = model.config
         if max_tokens < 1 or max_seq < 1:
             raise InputError(f"max_tokens ({max_tokens}) and max_seq ({max_seq}) must be at least 1")
@@ -92,6 +97,10 @@ class Engine:
         self._one_hot[:, 0] = 1
         self.profile = profile
         self.stage_seconds: defaultdict[str, float] = defaultdict(float)
+        self._ratios = sorted({role.ratio for role in cfg.roles if role.ratio > 0})
+        self._hashes: np.ndarray | None = None  # this call's engram row ids, all layers
+        self.graphs = graphs and graphs_available() and table_residency == "device"
+        self._runner = GraphRunner() if self.graphs else None
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self.closed = False
         say("engine ready")
@@ -140,18 +149,45 @@ class Engine:
 
     def _forward(self, seq: Sequence, ids: np.ndarray, mask: np.ndarray | None, capture: bool) -> np.ndarray:
         """One chunk of T <= max_tokens tokens at the sequence's position; returns h [T, hc, C]."""
-        cfg = self.cfg
         t = ids.size
         start = seq.position
-        stage = self._stage
-        stage("embedding", self.hyper.embed, ids, self.h, t)
-        hashes = stage("engram hash (host)", seq.hasher.hash, ids, start, mask) if seq.hasher is not None else None
-        mask_dev = None
+        masked = mask is not None
+        self._upload(seq, ids, mask, start)
+        if t == 1 and self.graphs and not capture and not self.profile:
+            self._replay(seq, start, masked)
+        else:
+            captures = self._layers(seq, t, start, masked, capture)
+            if capture:
+                seq.captures = captures
+        seq.position += t
+        return self._stage("highway download", lambda: self.h.copy_to_host()[:t])
+
+    def _upload(self, seq: Sequence, ids: np.ndarray, mask: np.ndarray | None, start: int) -> None:
+        """The host's part of a call: hash, then everything the device work reads that changes
+        from call to call (token ids, engram row ids, mask, first mix, positions) onto the device."""
+        cfg, t, stage = self.cfg, ids.size, self._stage
+        stage("embedding", self.hyper.upload_ids, ids, t)
+        self._hashes = None
+        if seq.hasher is not None:
+            assert self.engram is not None and cfg.engram is not None
+            self._hashes = hashes = stage("engram hash (host)", seq.hasher.hash, ids, start, mask)
+            for role in cfg.roles:
+                if role.engram:
+                    i = role.layer
+                    stage("engram rows, projection, gate", self.engram.upload_rows, i,
+                          hashes[:, cfg.engram.hash_index(i)], t)
         if mask is not None:
             self.mask[:t].copy_to_device(mask.astype(np.uint8))
-            mask_dev = self.mask
+        self.pre[0][:t].copy_to_device(self._one_hot[:t])
+        self.attention.upload_positions(start, t)
+
+    def _layers(self, seq: Sequence, t: int, start: int, masked: bool, capture: bool = False) -> list[dict]:
+        """The device part of a call: every layer, from what `_upload` put on the device. Launches
+        only (no copy, no allocation) unless `capture` asks for every layer's intermediates."""
+        cfg, stage = self.cfg, self._stage
+        stage("embedding", self.hyper.embed_uploaded, self.h, t)
+        mask_dev = self.mask if masked else None
         pre_mix, pre_next, unused = self.pre
-        pre_mix[:t].copy_to_device(self._one_hot[:t])
         shared = self.attention.new_shared()
         captures: list[dict] = []
         for role in cfg.roles:
@@ -160,9 +196,11 @@ class Engine:
             if cap is not None:
                 cap.update(h_in=self.h.copy_to_host()[:t], pre_mix=pre_mix.copy_to_host()[:t])
             if role.engram:
-                assert self.engram is not None and hashes is not None and cfg.engram is not None
-                stage("engram rows, projection, gate", self.engram.apply, i, self.h,
-                      hashes[:, cfg.engram.hash_index(i)], t, mask_dev, cap)
+                assert self.engram is not None and seq.hasher is not None
+                stage("engram rows, projection, gate", self.engram.run, i, self.h, t, mask_dev, cap)
+                if cap is not None:
+                    assert self._hashes is not None and cfg.engram is not None
+                    cap["engram_ids"] = np.asarray(self._hashes[:, cfg.engram.hash_index(i)], np.int64).copy()
             stage("hc mixes", self.hyper.mixes, i, "attn", self.h, unused, t)
             stage("hc_pre + attn_norm", self.hyper.pre_norm, i, self.h, pre_mix, self.x, t)
             stage(f"attention ({role.block_type})", self.attention.forward, i, self.x, self.a, seq.state, shared,
@@ -176,10 +214,46 @@ class Engine:
             if cap is not None:
                 cap["h_out"] = self.h.copy_to_host()[:t]
                 captures.append(cap)
-        seq.position += t
-        if capture:
-            seq.captures = captures
-        return stage("highway download", lambda: self.h.copy_to_host()[:t])
+        return captures
+
+    def graph_key(self, start: int, masked: bool) -> tuple:
+        """What a one-token step at `start` decides on the host, for every compressor ratio r of
+        the model: whether the token completes a group, and whether any group is complete yet
+        (whether there is anything to score); and whether a mask is applied. Steps with one key
+        launch the same kernels with the same arguments, so they share a graph."""
+        return (masked, *((start % r == r - 1, start + 1 < r) for r in self._ratios))
+
+    def _replay(self, seq: Sequence, start: int, masked: bool) -> None:
+        """The device part of a one-token step as a CUDA graph: the sequence's graph for this
+        step's key, captured the second time the key comes up (the first runs eagerly, which
+        also compiles every kernel the capture will record)."""
+        key = self.graph_key(start, masked)
+        graph = seq.graphs.get(key)
+        if graph is None and key not in seq.graph_keys_seen:
+            seq.graph_keys_seen.add(key)
+            self._layers(seq, 1, start, masked)
+            return
+        if graph is None:
+            assert self._runner is not None
+            graph = self._runner.capture(lambda builder: self._record(seq, start, masked, builder))
+            seq.graphs[key] = graph
+        self._cuda.synchronize()  # eager work queued on other streams comes first
+        assert self._runner is not None
+        self._runner.launch(graph)
+
+    def _record(self, seq: Sequence, start: int, masked: bool, builder: Any) -> None:
+        """Launch a one-token step's device work into `builder` (stages switched to it meanwhile)."""
+        stages: list[Any] = [self.hyper, self.attention] + ([self.engram] if self.engram is not None else [])
+        streams = [s.stream for s in stages]
+        for s in stages:
+            s.stream = builder
+        self.attention.capturing = True
+        try:
+            self._layers(seq, 1, start, masked)
+        finally:
+            self.attention.capturing = False
+            for s, stream in zip(stages, streams, strict=True):
+                s.stream = stream
 
 
 class Sequence:
@@ -192,6 +266,8 @@ class Sequence:
         self.state = engine.attention.new_state()
         engram = engine.cfg.engram
         self.hasher = engine._hasher_cls(engram, engine.max_seq) if engram is not None else None
+        self.graphs: dict[tuple, Any] = {}  # decode graphs by Engine.graph_key
+        self.graph_keys_seen: set[tuple] = set()
         self.released = False
 
     @property
@@ -252,6 +328,9 @@ class Sequence:
         """Free this sequence's device state (idempotent); the engine stays usable."""
         if self.released:
             return
+        for graph in self.graphs.values():
+            graph.close()
+        self.graphs = {}
         self.state.free()
         self.hasher = None
         self.released = True

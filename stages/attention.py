@@ -32,8 +32,9 @@ call: the layers share them; skipped when they did not change). Every kernel rea
 the device (window slots, ring slot, group ids, visible counts, score width), entries and
 selections are built on the device, and nothing comes back to the host. Host decisions depend
 only on (start, T): how many groups a chunk completes, and whether a layer has any group to score.
-For a captured graph the index-score grid would be sized for the cache rather than the width
-(stages.indexer.index_scores takes any width >= the real one).
+While a graph is captured (`capturing`), the index-score grid is sized for the cache rather than
+the width (stages.indexer.index_scores takes any width >= the real one), so that a graph captured
+at one position serves every later one with the same host decisions (flashv41.engine).
 
 One forward call at a time per stage: the selection and candidate mask that a SharedRuntime
 points at are the stage's workspaces.
@@ -186,6 +187,7 @@ class AttentionStage:
         self.max_tokens = max_tokens
         self.max_seq = max_seq
         self.stream = stream  # every launch and copy goes here (a numba or cuda.core stream, a graph builder)
+        self.capturing = False  # set while a graph is captured: grids are then sized for the caches
         self.eps = np.float32(cfg.norm_eps)
         self.scale = np.float32(cfg.head_dim ** -0.5)
         self.index_scale = np.float32(cfg.index_head_dim ** -0.5 * cfg.index_heads ** -0.5)
@@ -334,7 +336,9 @@ class AttentionStage:
             raise InputError(f"{where} respects a candidate mask of {width} groups, but the candidate source "
                              f"published {found}")
 
-    def _upload_positions(self, start: int, n_tokens: int) -> None:
+    def upload_positions(self, start: int, n_tokens: int) -> None:
+        """The positions start .. start+T-1 onto the device (forward does it when they changed;
+        a captured forward needs them there before it runs)."""
         if self._positions_for != (start, n_tokens):
             self.host_positions[:n_tokens] = np.arange(start, start + n_tokens, dtype=np.int32)
             self.positions[:n_tokens].copy_to_device(self.host_positions[:n_tokens], stream=self.stream)
@@ -351,7 +355,7 @@ class AttentionStage:
         role = w.role
         self._check_shared(layer, role, shared, start, t)
         st = state.layers[layer]
-        self._upload_positions(start, t)
+        self.upload_positions(start, t)
         pos = self.positions
         cos, sin = self.tables[role.ratio > 0]
 
@@ -423,7 +427,8 @@ class AttentionStage:
             return
         assert shared.index_keys is not None
         indexer.index_queries(w.indexer, self.qr, x, self.iq, self.hw, pos, t, cos, sin, stream=s)
-        indexer.index_scores(self.iq, self.hw, shared.index_keys, self.score, pos, t, role.ratio, width,
+        grid_width = shared.index_keys.shape[0] if self.capturing else width  # the graph serves later widths
+        indexer.index_scores(self.iq, self.hw, shared.index_keys, self.score, pos, t, role.ratio, grid_width,
                              self.index_scale, stream=s)
         indexer.select(self.score, pos, self.candidates, self.selection, t, role.ratio, role.candidate_source,
                        role.uses_candidates, cfg.candidate_block_size, cfg.candidate_topk_blocks, stream=s)

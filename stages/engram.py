@@ -4,13 +4,16 @@ Shapes: T tokens, L = cols row ids per token, E = a table row's width (head_dim)
 - row ids int64 [T, L] of one layer, from the hash (stages.engram_hash, on the host);
 - rows bf16 bits uint16 [T, L * E] (stages.engram_rows: the table on the device or on the host);
 - kv = rows @ wkv^T bf16 bits uint16 [T, C * (hc + 1)]: hc keys then the value (stages.linear:
-  gemv for up to 8 tokens, reading the stored wkv blocks directly; gemm for more);
+  the stream GEMV for up to 8 tokens, reading the stored wkv blocks directly; gemm for more);
 - the gate (stages.engram_gate) adds g * value to h float32 [>= T, hc, C] in place and leaves
   g float32 [T, hc] in a workspace.
 
 `EngramStage` uploads every engram layer's weights once (wkv as stored, qk = q_weight * k_weight
 float32 [hc, C], the table or a reader of it) and allocates every workspace once, for up to
-`max_tokens` tokens; `apply` allocates nothing on the device.
+`max_tokens` tokens; `apply` allocates nothing on the device. A call is two parts: `upload_rows`
+(the host's part: row ids, or rows of a host table, into the layer's device buffers) and `run`
+(device work only, which a captured graph can replay); each layer has its own id buffer, so every
+layer's upload can precede all the device work.
 
 Oracle: host.oracle.engram.engram_layer (and engram_rows / engram_project / engram_gate per step).
 """
@@ -42,6 +45,7 @@ class EngramLayerWeights:
     wkv: DeviceWeight  # stored [C * (hc + 1), L * E]
     qk: DeviceArray  # float32 [hc, C]
     table: TableRows  # [rows, E], on the device or read from the host
+    ids: DeviceArray  # int64 [max_tokens, L]: this layer's row ids (device tables), uploaded before the work
 
 
 class EngramStage:
@@ -100,6 +104,7 @@ class EngramStage:
             wkv=DeviceWeight.from_ref(wkv, stream=self.stream),
             qk=cuda.to_device(qk, stream=self.stream),
             table=TableRows(table, self.table_residency, stream=self.stream),
+            ids=cuda.device_array((self.max_tokens, self.cols), np.int64),
         )
 
     @property
@@ -110,7 +115,7 @@ class EngramStage:
             arrays += [self.workspace.ids, self.workspace.raw]
         total = sum(int(a.nbytes) for a in arrays if a is not None)
         for w in self.layers.values():
-            total += w.wkv.nbytes + int(w.qk.nbytes) + w.table.device_bytes
+            total += w.wkv.nbytes + int(w.qk.nbytes) + w.table.device_bytes + int(w.ids.nbytes)
         return total
 
     def _weights(self, layer: int) -> EngramLayerWeights:
@@ -137,13 +142,13 @@ class EngramStage:
         """Validate row_ids int [T, L] and upload the ids (device tables) or the rows' bytes (host tables)."""
         w = self._weights(layer)
         assert self.workspace is not None
-        w.table.upload(row_ids, self._check_tokens(n_tokens), self.workspace, self.stream)
+        w.table.upload(row_ids, self._check_tokens(n_tokens), self.workspace, self.stream, w.ids)
 
     def dequantize_rows(self, layer: int, n_tokens: int) -> None:
         """rows[:T] from what upload_rows put on the device (the device part of step 2)."""
         w = self._weights(layer)
         assert self.workspace is not None
-        w.table.dequantize(self._check_tokens(n_tokens), self.workspace, self.rows, self.stream)
+        w.table.dequantize(self._check_tokens(n_tokens), self.workspace, self.rows, self.stream, w.ids)
 
     def project(self, layer: int, n_tokens: int) -> None:
         """kv[:T] = rows[:T] @ wkv^T, bf16 (step 3)."""
@@ -169,12 +174,20 @@ class EngramStage:
         self._weights(layer)
         t = self._check_tokens(n_tokens)
         self._checked_mask(h_dev, t, token_mask_dev)  # refuse a bad h or mask before any work
-        self.load_rows(layer, row_ids, t)
+        self.upload_rows(layer, row_ids, t)
+        self.run(layer, h_dev, t, token_mask_dev, capture)
+        if capture is not None:
+            capture["engram_ids"] = np.asarray(row_ids, np.int64).copy()
+
+    def run(self, layer: int, h_dev, n_tokens: int, token_mask_dev=None, capture: dict | None = None) -> None:
+        """The device part of `apply` (rows, projection, gate) from the layer's uploaded rows."""
+        t = self._check_tokens(n_tokens)
+        self._checked_mask(h_dev, t, token_mask_dev)
+        self.dequantize_rows(layer, t)
         self.project(layer, t)
         self.gate(layer, h_dev, t, token_mask_dev)
         if capture is not None:
-            capture.update(engram_ids=np.asarray(row_ids, np.int64).copy(),
-                           engram_rows=from_bits(self._to_host(self.rows, t)),
+            capture.update(engram_rows=from_bits(self._to_host(self.rows, t)),
                            engram_kv=from_bits(self._to_host(self.kv, t)),
                            engram_gate=self._to_host(self.gates, t))
 

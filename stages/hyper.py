@@ -196,7 +196,15 @@ class HyperStage:
 
     def embed(self, token_ids: np.ndarray, h, n_tokens: int) -> None:
         """Write the embedded tokens into every copy of h [>= T, hc, C]."""
+        self.upload_ids(token_ids, n_tokens)
+        self.embed_uploaded(h, n_tokens)
+
+    def upload_ids(self, token_ids: np.ndarray, n_tokens: int) -> None:
+        """The host's part of `embed`: the token ids into the stage's id buffer."""
         self.ids[:n_tokens].copy_to_device(np.ascontiguousarray(token_ids, np.int32), stream=self.stream)
+
+    def embed_uploaded(self, h, n_tokens: int) -> None:
+        """The device part of `embed`, from the uploaded ids."""
         chunks = self.cfg.dim // CHUNK
         threads = min(64, chunks)
         grid = ((chunks + threads - 1) // threads, n_tokens)

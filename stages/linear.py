@@ -21,8 +21,10 @@ Kernels, chosen by the token count and the weight type:
 - `gemv` (T <= GEMV_MAX_TOKENS, the other types or an fp32 x): one warp per output row; K in segments of SEG_CHUNKS
   32-value chunks staged in shared memory (the inputs once per block, each warp its row's stored
   bytes), then each lane dequantises one chunk from there.
-- `gemm` (more tokens): a shared-memory tile of tokens x outputs, K in steps of 32, the weight
-  chunk dequantised once per tile; a grouped product is one launch per group.
+- `tc` (more tokens, bf16 x; BF16, Q8_0, Q2_K weights; GPU only): stages.linear_tc, bf16 tensor
+  cores with exact integer weights and fp32 scales.
+- `gemm` (more tokens, the rest): a shared-memory tile of tokens x outputs, K in steps of 32, the
+  weight chunk dequantised once per tile; a grouped product is one launch per group.
 
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out). The GPU sums in fp32
 in its own order, so a result may differ from the oracle's (float64-accumulated) by the fp32
@@ -39,6 +41,7 @@ from numba import cuda, float32, uint64
 
 from host.gguf_model import TensorRef
 from host.quants import FORMATS, GGMLType, quantize
+from stages import linear_tc
 from stages.device import (
     CHUNK,
     DEQUANT,
@@ -505,10 +508,11 @@ def streamable(w: DeviceWeight) -> bool:
 
 
 def pick_kernel(w: DeviceWeight, x_bf16: bool, n_tokens: int) -> str:
-    """The default kernel for a product: stream where it applies (on the simulator only when asked
-    for: it walks words in Python there), gemv for the other few-token products, gemm otherwise."""
+    """The default kernel for a product: for up to GEMV_MAX_TOKENS tokens stream where it applies
+    (on the simulator only when asked for: it walks words in Python there), else gemv; for more,
+    the tensor cores (stages.linear_tc) where they apply (GPU, bf16 x), else gemm."""
     if n_tokens > GEMV_MAX_TOKENS:
-        return "gemm"
+        return "tc" if linear_tc.supports(w, np.uint16 if x_bf16 else np.float32) else "gemm"
     if x_bf16 and streamable(w) and not SIM:
         return "stream"
     return "gemm" if w.layout != "stored" else "gemv"
@@ -518,7 +522,7 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     """y[:n_tokens] = x[:n_tokens] @ w^T on the device (dtypes of x and y pick the variant).
 
     group_rows > 0: grouped product, output row n reads x[:, (n // group_rows) * K : ... + K].
-    kernel: "stream", "gemv" or "gemm" to force one (tests); by default `pick_kernel` decides.
+    kernel: "stream", "gemv", "gemm" or "tc" to force one (tests); by default `pick_kernel` decides.
     """
     x_bf16 = x.dtype == np.uint16
     out_bf16 = y.dtype == np.uint16
@@ -530,7 +534,9 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     kernel = kernel or pick_kernel(w, x_bf16, n_tokens)
     if kernel in ("stream", "gemv") and n_tokens > GEMV_MAX_TOKENS:
         raise ValueError(f"linear {w.name}: {kernel} takes at most {GEMV_MAX_TOKENS} tokens, got {n_tokens}")
-    if kernel == "stream":
+    if kernel == "tc":
+        linear_tc.linear_tc(x, w, y, n_tokens, group_rows if groups > 1 else 0, stream)
+    elif kernel == "stream":
         if not x_bf16 or not streamable(w):
             raise ValueError(f"linear {w.name}: the stream kernel takes bf16 x and Q8_0, Q2_K or BF16 rows of whole "
                              f"32-bit words, not {w.gtype.name} [{w.n}, {w.k}]")

@@ -1,0 +1,57 @@
+"""CUDA graphs: a decode step's launches captured once and replayed with one launch.
+
+numba-cuda launches kernels into a cuda.core GraphBuilder as into a stream (the builder's stream
+is in capture mode), so a stage records into a graph when its `stream` is the builder. Capture
+records launches without running them; what a launch reads from host memory (its scalar
+arguments, the device pointers) is frozen into the graph, and whatever changes from step to step
+must already be in device memory when the graph runs (flashv41.engine uploads it first).
+
+Not available on the CUDA simulator, which has no graphs: `graphs_available()` is False there and
+the engine launches eagerly, with the same results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flashv41.runtime import using_simulator
+
+
+def graphs_available() -> bool:
+    """A CUDA driver to capture with (not the simulator, not a GPU-less compile check)."""
+    if using_simulator():
+        return False
+    from numba import cuda
+
+    return bool(cuda.is_available())
+
+
+class GraphRunner:
+    """Captures graphs on the current device and launches them on a stream of its own."""
+
+    def __init__(self) -> None:
+        from cuda.core import Device
+
+        self.device = Device()
+        self.device.set_current()
+        self.stream = self.device.create_stream()
+
+    def capture(self, record: Callable[[Any], None]) -> Any:
+        """The graph of what `record(builder)` launches into `builder` (nothing runs)."""
+        builder = self.device.create_graph_builder()
+        builder.begin_building()
+        try:
+            record(builder)
+        except BaseException:
+            builder.end_building()
+            builder.close()
+            raise
+        graph = builder.end_building().complete()
+        builder.close()
+        return graph
+
+    def launch(self, graph: Any) -> None:
+        """Replay `graph` and wait for it (the caller reads its results next)."""
+        graph.launch(self.stream)
+        self.stream.sync()

@@ -35,7 +35,10 @@ from flashv41.errors import InputError, UnsupportedError
 from flashv41.runtime import backend_name, select_backend
 
 # the modules whose `cases(options)` make up the benchmark
-BENCH_MODULES: tuple[str, ...] = ("flashv41.bench_gemv", "flashv41.bench_engram", "flashv41.bench_attention")
+BENCH_MODULES: tuple[str, ...] = (
+    "flashv41.bench_gemv", "flashv41.bench_engram", "flashv41.bench_attention", "flashv41.bench_stack",
+    "flashv41.bench_prefill",
+)
 COPY_BYTES = 512 << 20  # device-to-device copy for the bandwidth: well past the 50 MB L2
 MIN_REPS = 20
 

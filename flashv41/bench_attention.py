@@ -5,6 +5,8 @@
   launch cost excluded: the step's launches are queued behind a sleeping kernel, as a replayed
   graph would run them. Bound = the bytes of the weight matrices the step reads (every projection
   of the layer, compressor and indexer included) / the copy bandwidth.
+- `attention.decode.<type>.<block type>.graph` (P2): the same step captured once as a CUDA graph
+  (flashv41.graphs) and replayed, as the engine's decode runs it.
 - `attention.decode.<type>.<block type>.python`: the same steps back to back as Python issues them
   (about 25 launches a layer), what the engine gets without a graph.
 
@@ -20,6 +22,7 @@ in the notes: weights, and the stage's workspaces and one sequence's state for t
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -27,6 +30,7 @@ import numpy as np
 from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, device_time, pipelined_time
 from flashv41.bench_engram import WEIGHT_TYPES, random_stored
 from flashv41.errors import InputError
+from flashv41.graphs import GraphRunner
 from host.quants import GGMLType, ggml_type
 
 DECODE_POSITION = 1023
@@ -101,6 +105,7 @@ def decode_case(wtype: str) -> BenchCase:
                       f"{state.nbytes() / 1e6:.1f} MB (stack)")
             o = ctx.options
             rows = []
+            runner = GraphRunner()
             for role in cfg.roles:
 
                 def step(layer: int = role.layer) -> None:
@@ -113,6 +118,12 @@ def decode_case(wtype: str) -> BenchCase:
                 rows.append(BenchRow(row, median, bound, bytes=nbytes,
                                      note=f"layer {role.layer}, position {DECODE_POSITION}, launch cost excluded; "
                                           f"weights {nbytes / 1e6:.1f} MB; {memory}"))
+                graph = runner.capture_stages([stage], step)
+                median = device_time(partial(runner.launch, graph, wait=False), o.reps, o.warmup,
+                                     runner.numba_stream, n=QUEUED)
+                graph.close()
+                rows.append(BenchRow(f"{row}.graph", median, bound, bytes=nbytes,
+                                     note="the step as one CUDA graph, replayed"))
                 median = pipelined_time(step, o.reps, o.warmup, stream)
                 rows.append(BenchRow(f"{row}.python", median, bound, bytes=nbytes,
                                      note="back to back from Python, launch cost included"))

@@ -233,27 +233,13 @@ class Engine:
             seq.graph_keys_seen.add(key)
             self._layers(seq, 1, start, masked)
             return
+        assert self._runner is not None
         if graph is None:
-            assert self._runner is not None
-            graph = self._runner.capture(lambda builder: self._record(seq, start, masked, builder))
+            stages: list[Any] = [self.hyper, self.attention] + ([self.engram] if self.engram is not None else [])
+            graph = self._runner.capture_stages(stages, lambda: self._layers(seq, 1, start, masked))
             seq.graphs[key] = graph
         self._cuda.synchronize()  # eager work queued on other streams comes first
-        assert self._runner is not None
         self._runner.launch(graph)
-
-    def _record(self, seq: Sequence, start: int, masked: bool, builder: Any) -> None:
-        """Launch a one-token step's device work into `builder` (stages switched to it meanwhile)."""
-        stages: list[Any] = [self.hyper, self.attention] + ([self.engram] if self.engram is not None else [])
-        streams = [s.stream for s in stages]
-        for s in stages:
-            s.stream = builder
-        self.attention.capturing = True
-        try:
-            self._layers(seq, 1, start, masked)
-        finally:
-            self.attention.capturing = False
-            for s, stream in zip(stages, streams, strict=True):
-                s.stream = stream
 
 
 class Sequence:

@@ -28,14 +28,17 @@ def graphs_available() -> bool:
 
 
 class GraphRunner:
-    """Captures graphs on the current device and launches them on a stream of its own."""
+    """Captures graphs on the current device and launches them on a stream of its own
+    (`numba_stream`, for numba's events and copies; `stream`, the same stream for cuda.core)."""
 
     def __init__(self) -> None:
-        from cuda.core import Device
+        from cuda.core import Device, Stream
+        from numba import cuda
 
         self.device = Device()
         self.device.set_current()
-        self.stream = self.device.create_stream()
+        self.numba_stream = cuda.stream()
+        self.stream = Stream.from_handle(self.numba_stream.handle)  # type: ignore[attr-defined]
 
     def capture(self, record: Callable[[Any], None]) -> Any:
         """The graph of what `record(builder)` launches into `builder` (nothing runs)."""
@@ -51,7 +54,28 @@ class GraphRunner:
         builder.close()
         return graph
 
-    def launch(self, graph: Any) -> None:
-        """Replay `graph` and wait for it (the caller reads its results next)."""
+    def capture_stages(self, stages: list[Any], record: Callable[[], object]) -> Any:
+        """The graph of what `record()` launches through `stages` (objects with a `stream`, and
+        optionally a `capturing` flag), each switched to the builder meanwhile."""
+
+        def switched(builder: Any) -> None:
+            saved = [s.stream for s in stages]
+            for s in stages:
+                s.stream = builder
+                if hasattr(s, "capturing"):
+                    s.capturing = True
+            try:
+                record()
+            finally:
+                for s, stream in zip(stages, saved, strict=True):
+                    s.stream = stream
+                    if hasattr(s, "capturing"):
+                        s.capturing = False
+
+        return self.capture(switched)
+
+    def launch(self, graph: Any, wait: bool = True) -> None:
+        """Replay `graph`; wait for it unless told not to (the caller reads its results next)."""
         graph.launch(self.stream)
-        self.stream.sync()
+        if wait:
+            self.stream.sync()

@@ -1,0 +1,83 @@
+"""Benchmark rows of the prefill GEMMs (PERF.md P5) at V4.1-Flash dimensions.
+
+`prefill.gemm.<matrix>.<type>`: PREFILL_TOKENS tokens through one weight matrix of a layer (every
+shape of stages/bench_gemv's SHAPES; the grouped wo_a in one call), our kernel (stages.linear's
+choice: the tensor cores where they apply) against cuBLAS on the same shape through CuPy, fp16
+in, fp32 accumulate (the rate of bf16: CuPy has no bf16 type), timed in the same run. Bound =
+cuBLAS's time, so ratio <= 2 meets P5 (>= 0.5x cuBLAS). Without CuPy the bound is the time at
+the tensor cores' bf16 peak (PEAK_TFLOPS) and the note says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, device_time
+from flashv41.bench_engram import random_stored
+from flashv41.bench_gemv import SHAPES
+from host.quants import GGMLType
+
+PREFILL_TOKENS = 4096
+PEAK_TFLOPS = 790.0  # H200 dense bf16, PERF.md
+
+
+def cublas_time(t: int, n: int, k: int, groups: int, reps: int) -> float | None:
+    """Median seconds of the same product on cuBLAS (CuPy fp16), or None without CuPy."""
+    try:
+        import cupy as cp
+    except ImportError:
+        return None
+    a = cp.asarray(np.random.default_rng(0).standard_normal((groups, t, k)), dtype=cp.float16)
+    b = cp.asarray(np.random.default_rng(1).standard_normal((groups, k, n // groups)), dtype=cp.float16)
+    for _ in range(3):
+        cp.matmul(a, b)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(4):
+            cp.matmul(a, b)
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3 / 4)
+    return statistics.median(times)
+
+
+def prefill_case(matrix: str, n: int, k: int, groups: int, wtype: str) -> BenchCase:
+    name = f"prefill.gemm.{matrix}.{wtype}"
+
+    def run(ctx: BenchContext) -> list[BenchRow]:
+        from numba import cuda
+
+        from stages.linear import DeviceWeight, linear, pick_kernel
+
+        t = PREFILL_TOKENS
+        gtype = GGMLType[wtype]
+        stream = cuda.stream()
+        w = DeviceWeight.from_stored(matrix, gtype, random_stored(n, k, gtype, np.random.default_rng(n + k)), k,
+                                     stream)
+        rng = np.random.default_rng(1)
+        x = cuda.to_device(rng.integers(0x3C00, 0x3F80, size=(t, groups * k), dtype=np.uint16), stream=stream)
+        y = cuda.device_array((t, n), np.uint16, stream=stream)
+        rows = n // groups if groups > 1 else 0
+        o = ctx.options
+        median = device_time(lambda: linear(x, w, y, t, group_rows=rows, stream=stream), o.reps, o.warmup, stream,
+                             n=4, hold_s=0.02)
+        flops = 2 * t * n * k
+        reference = cublas_time(t, n, k, groups, o.reps)
+        kernel = pick_kernel(w, True, t)
+        if reference is None:
+            bound, against = flops / (PEAK_TFLOPS * 1e12), f"no CuPy: bound = the {PEAK_TFLOPS:.0f} TFLOP/s peak"
+        else:
+            bound, against = reference, f"cuBLAS fp16 {flops / reference / 1e12:.0f} TFLOP/s"
+        return [BenchRow(name, median, bound, flops=flops,
+                         note=f"[{t} x {k}] @ [{n}, {k}]^T{f' in {groups} groups' if groups > 1 else ''}, "
+                              f"{kernel}: {flops / median / 1e12:.0f} TFLOP/s; {against}")]
+
+    return BenchCase(name, run)
+
+
+def cases(options: BenchOptions) -> list[BenchCase]:
+    return [prefill_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES]

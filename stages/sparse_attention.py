@@ -42,9 +42,10 @@ if SIM:
 SPARSE_BLOCK = 64
 START_MAX = float32(-1e30)
 NEG_INF = float32(-np.inf)
-# The simulator runs one thread per block (no barriers, lanes of one); the GPU 128 threads in warps
-# (132 registers a thread for sm_90).
-ATTN_THREADS = 1 if SIM else 128
+# The simulator runs one thread per block (no barriers, lanes of one); the GPU up to 512 threads in
+# warps: a decode step has only one block a head, so the block is made wide (16 warps share out
+# the 64 dot products of an entry block, and a thread owns D / 512 output dims).
+ATTN_THREADS = 1 if SIM else 512
 LANES = 1 if SIM else WARP
 ENTRY_THREADS = 64 if SIM else 256
 

@@ -14,6 +14,11 @@ Per layer, in order (SPEC.md 2): engram (hash once per call for all engram layer
 projection -> gate) -> attention mixes, hc_pre + attn_norm -> attention -> hc_post -> the FFN
 sublayer as a zero output with its own mixes, whose `pre` is the next layer's pre-mix.
 
+A call has a host part (`_upload`: the hash, then token ids, engram row ids, mask, first mix and
+positions onto the device) and a device part (`_layers`: launches only). A one-token step's device
+part is replayed from a CUDA graph of the sequence (flashv41.graphs), one graph per `graph_key`:
+what the step decides on the host. Prefill chunks, captures and profiling launch eagerly.
+
 The engine's workspaces are shared by its sequences, so calls on one engine must not run
 concurrently (one Python thread drives an engine). A prompt longer than `max_tokens` is prefilled
 in chunks of `max_tokens`.

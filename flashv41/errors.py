@@ -28,4 +28,5 @@ class CapacityError(FlashError):
 
 
 class SequenceStateError(FlashError):
-    """A call on a sequence that cannot take it, such as a sequence that was released."""
+    """A call on something that can no longer take it: a released sequence, a closed engine, a
+    closed model."""

@@ -8,6 +8,7 @@ expected and what was found.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from flashv41.config import EngramConfig, LayerRole, ModelConfig
-from flashv41.errors import FlashError, ModelFormatError, UnsupportedError
+from flashv41.errors import FlashError, ModelFormatError, SequenceStateError, UnsupportedError
 from host import gguf_layout as L
 from host.quants import FORMATS, GGMLType, dequantize
 
@@ -64,6 +65,8 @@ class WeightStore:
 
     def get(self, layer: int | None, role: str) -> TensorRef:
         name = L.tensor_name(layer, role)
+        if self._reader is None:
+            raise SequenceStateError(f"{self.path.name}: this model was closed (tensor {name} asked for)")
         try:
             return self._tensors[name]
         except KeyError:
@@ -84,24 +87,61 @@ class WeightStore:
 
 class _Reader(GGUFReader):
     """gguf-py's reader, naming the tensor whose data runs past the end of a truncated file (gguf-py
-    itself fails there with a bare reshape error)."""
+    itself fails there with a bare reshape error), and refusing a metadata array whose length runs
+    past the end of the file (gguf-py reads an array one element at a time, and a numeric element
+    read past the end is empty rather than an error, so a damaged length of 2^40 would loop that
+    many times, growing a list, instead of failing)."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type == GGUFValueType.ARRAY:
+            item_type, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            if item_type.size and length.size:
+                left = int(self.data.shape[0]) - (orig_offs + 12)
+                if int(length[0]) * _min_item_bytes(self, int(item_type[0])) > left:
+                    raise ModelFormatError(
+                        f"{Path(str(self.data.filename)).name}: metadata array at byte {orig_offs} has "
+                        f"{int(length[0])} entries, more than the {left} bytes left in the file can hold"
+                    )
+        return super()._get_field_parts(orig_offs, raw_type)
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         try:
             super()._build_tensors(start_offs, fields)
         except ValueError:
             size = int(self.data.shape[0])
+            fname = Path(str(self.data.filename)).name
             for field in fields:
                 # the tensor-info layout gguf-py's own _build_tensors unpacks
                 _, name, _, dims, raw_type, offset = field.parts
-                block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                tname = bytes(name).decode(errors="replace")
+                try:
+                    block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                except (ValueError, KeyError):
+                    raise UnsupportedError(
+                        f"{fname}: tensor {tname} has ggml type number {int(raw_type[0])}, which gguf-py does "
+                        f"not know (flashv41 reads {', '.join(t.name for t in GGMLType)})"
+                    ) from None
                 end = int(start_offs + offset[0]) + int(np.prod(dims)) * block_bytes // block_values
                 if end > size:
                     raise ModelFormatError(
-                        f"{Path(str(self.data.filename)).name}: tensor {bytes(name).decode()} is truncated: "
-                        f"its data ends at byte {end}, the file has {size}"
+                        f"{fname}: tensor {tname} is truncated: its data ends at byte {end}, the file has {size}"
                     ) from None
             raise
+
+
+def _min_item_bytes(reader: GGUFReader, raw_type: int) -> int:
+    """The fewest bytes one metadata array entry of this type takes (1 for a type gguf-py will
+    refuse on its own): a scalar's size, a string's 8-byte length, an array's 12-byte header."""
+    try:
+        vtype = GGUFValueType(raw_type)
+    except ValueError:
+        return 1
+    if vtype == GGUFValueType.STRING:
+        return 8
+    if vtype == GGUFValueType.ARRAY:
+        return 12
+    scalar = reader.gguf_scalar_to_np.get(vtype)
+    return int(np.dtype(scalar).itemsize) if scalar is not None else 1
 
 
 def open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFReader, Path]:
@@ -143,7 +183,10 @@ class _Fields:
             want = " or ".join(k.name for k in kinds)
             raise ModelFormatError(f"{self.fname}: metadata key {name} should be {want}, found {found}")
         if field.types[0] == GGUFValueType.STRING:
-            return str(bytes(field.parts[field.data[0]]), encoding="utf-8")
+            try:
+                return str(bytes(field.parts[field.data[0]]), encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise ModelFormatError(f"{self.fname}: metadata key {name} is not valid UTF-8 ({exc})") from None
         return field.parts[field.data[0]][0].item()
 
     def u32(self, name: str) -> int:
@@ -386,6 +429,13 @@ def read_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, WeightStore]:
         values[name] = fields.u32(L.key(k)) if fields.has(L.key(k)) else default
     embd = store.get(None, L.TOKEN_EMBD)
     values["vocab_size"] = fields.u32(L.key(L.KEY_VOCAB)) if fields.has(L.key(L.KEY_VOCAB)) else embd.shape[0]
+    # before the engram tables, whose token map is padded out to the vocabulary: a damaged
+    # vocab_size must not turn into a huge allocation
+    if embd.shape[:1] != (values["vocab_size"],):
+        raise ModelFormatError(
+            f"{p.name}: tensor {embd.name} has shape {list(embd.shape)} (NumPy order), but "
+            f"{L.key(L.KEY_VOCAB)} is {values['vocab_size']}"
+        )
     n = values["n_layers"]
     ratios = fields.array(L.key(L.KEY_COMPRESS_RATIOS))
     if ratios.size < n:
@@ -415,15 +465,25 @@ def _check_geometry(v: dict, fname: str) -> None:
         (v["rope_dim"] <= v["index_head_dim"], "rope.dimension_count must be <= attention.indexer.key_length"),
         (v["head_dim"] % 32 == 0, "attention.key_length must be a multiple of 32 (fp8 and fp4 quantiser blocks)"),
         (v["index_head_dim"] % 32 == 0, "attention.indexer.key_length must be a multiple of 32 (fp4 blocks)"),
-        ((v["n_heads"] * v["head_dim"]) % v["o_groups"] == 0, "heads * key_length must split into output groups"),
+        (v["o_groups"] >= 1 and (v["n_heads"] * v["head_dim"]) % v["o_groups"] == 0,
+         "heads * key_length must split into output groups"),
         (v["window"] >= 1 and v["hc"] >= 1 and v["sinkhorn_iters"] >= 1,
          "window, hc and sinkhorn iterations must be >= 1"),
         (v["index_topk"] >= 1 and v["candidate_block_size"] >= 1,
          "indexer top_k and candidate block size must be >= 1"),
+        # the window ring and the top-k lists are allocated at these sizes; past the context they
+        # could only be a damaged value
+        (v["window"] <= v["context_length"] and v["index_topk"] <= v["context_length"],
+         "attention.sliding_window and attention.indexer.top_k must not exceed context_length"),
     ]
     for ok, message in rules:
         if not ok:
             raise ModelFormatError(f"{fname}: {message}")
+    for name, k in L.F32_KEYS.items():
+        # every one is a positive scale (epsilons, RoPE bases, YaRN factor and betas); a NaN, an
+        # infinity or a sign flip would only surface later as NaN highways
+        if not (math.isfinite(v[name]) and v[name] > 0):
+            raise ModelFormatError(f"{fname}: metadata key {L.key(k)} = {v[name]!r}, expected a finite value > 0")
 
 
 def dims_of(cfg: ModelConfig) -> L.Dims:

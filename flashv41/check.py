@@ -75,3 +75,15 @@ def compare_call(seq, ref, token_ids, token_mask=None) -> tuple[np.ndarray, list
         cos, rel, err = agreement(cap["h_out"], ocap["h_out"])
         out.append(LayerAgreement(i, cos, rel, err, flip, ids_match))
     return got, out
+
+
+def synced_oracle(seq, oracle):
+    """An oracle sequence standing where the engine sequence `seq` stands: the same position and
+    engram hash history (integer state, so copying it loses nothing); `compare_call` then loads the
+    attention state before the call. So one call can be checked at any point of a long run without
+    the oracle having decoded the whole way in step with the engine."""
+    ref = oracle.new_sequence(seq.max_seq)
+    ref.position = seq.position
+    if ref.hasher is not None:
+        ref.hasher.history[:] = seq.hasher.history
+    return ref

@@ -1,0 +1,132 @@
+"""No device memory leaks: sequences created and released (or dropped), failing calls, a failure
+inside a call, engines created and closed, an engine that fails to build.
+
+On the simulator the driver has no free-memory figure (numba reports infinity), so what is
+measured is what live Python objects hold: the bytes of every simulated device array still
+reachable (tests/reliability.py live_device_bytes). That is what the GPU frees too: numba returns
+an allocation to the driver once nothing references it. The `gpu` test repeats the cycle at the
+small preset with the driver's figure, with decode steps (CUDA-graph replay) in every sequence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashv41
+from flashv41.errors import CapacityError, FlashError, InputError, SequenceStateError
+from flashv41.memory import estimate_memory
+from tests.reliability import TWO_LAYER_TINY, free_device_bytes, live_device_bytes
+
+MAX_SEQ, MAX_TOKENS = 16, 3
+
+
+def failing_forward(engine, after: int):
+    """engine.attention.forward raising on its `after`-th call, as a device error inside a call would."""
+    forward = engine.attention.forward
+    count = [0]
+
+    def failing(*args, **kwargs):
+        count[0] += 1
+        if count[0] == after:
+            raise RuntimeError("injected device failure")
+        return forward(*args, **kwargs)
+
+    return failing
+
+
+def test_sequences_and_engines_give_their_memory_back(synth_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = flashv41.load_model(synth_model("tiny", **TWO_LAYER_TINY))
+    estimate = estimate_memory(model.config, model.weights, MAX_SEQ, MAX_TOKENS)
+    start = live_device_bytes()
+    engine = flashv41.Engine(model, max_seq=MAX_SEQ, max_tokens=MAX_TOKENS)
+    with_engine = live_device_bytes()
+    assert with_engine - start >= estimate.weight_bytes + estimate.workspace_bytes
+
+    # one sequence holds what the estimate says (less the hash history, which lives on the host)
+    seq = engine.new_sequence()
+    assert live_device_bytes() - with_engine == estimate.state_bytes_per_sequence - MAX_SEQ * 8
+    seq.prefill(np.array([3, 126, 7]))
+    seq.decode(9)
+    for bad in (lambda: seq.prefill(np.array([1, 128])), lambda: seq.prefill(np.zeros(MAX_SEQ, np.int64)),
+                lambda: seq.decode(2.0)):  # type: ignore[arg-type]
+        with pytest.raises(FlashError):
+            bad()
+    monkeypatch.setattr(engine.attention, "forward", failing_forward(engine, after=2))
+    with pytest.raises(RuntimeError, match="injected"):
+        seq.decode(4)
+    monkeypatch.undo()
+    seq.release()
+    assert live_device_bytes() == with_engine, "a released sequence kept device memory"
+
+    # many sequences: released, dropped without release, or left for close()
+    kept = []
+    for i in range(40):
+        s = engine.new_sequence()
+        if i % 3 == 0:
+            s.release()
+        elif i % 3 == 1:
+            kept.append(s)
+        del s  # dropped: its state goes with the last reference
+    assert live_device_bytes() - with_engine == len(kept) * (estimate.state_bytes_per_sequence - MAX_SEQ * 8)
+    engine.close()
+    assert all(s.released for s in kept)
+    assert live_device_bytes() == start, "a closed engine kept device memory"
+    del kept, engine
+
+    # engines built and closed, one with host-resident tables, and engines that fail to build: past
+    # the context length (refused up front), and a float max_tokens, which today fails part-way,
+    # after the first uploads, with a TypeError (see test_reliability_engine.test_not_yet_an_input_error)
+    for kwargs in ({}, {"table_residency": "host"}, {"max_seq": 10**6}, {"max_tokens": 2.5}):
+        try:
+            with flashv41.Engine(model, **{"max_seq": MAX_SEQ, "max_tokens": MAX_TOKENS, **kwargs}) as other:
+                other.new_sequence()
+        except (CapacityError, InputError, TypeError):
+            pass
+    closed = flashv41.load_model(synth_model("tiny", **TWO_LAYER_TINY))
+    closed.close()
+    with pytest.raises(SequenceStateError):
+        flashv41.Engine(closed, max_seq=MAX_SEQ, max_tokens=MAX_TOKENS)
+    with pytest.raises(InputError):
+        flashv41.Engine(model, max_seq=MAX_SEQ, max_tokens=MAX_TOKENS, table_residency="disk")
+    assert live_device_bytes() == start, "engines built and closed kept device memory"
+    model.close()
+
+
+@pytest.mark.gpu
+def test_gpu_memory_comes_back(synth_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The small preset: 100 sequences that prefill, decode (CUDA graphs captured per sequence) and
+    see bad calls and an injected failure, released or dropped; then engines built and closed."""
+    import gc
+
+    model = flashv41.load_model(synth_model("small"))
+    start = free_device_bytes()
+    engine = flashv41.Engine(model, max_seq=128, max_tokens=16)
+    with_engine = free_device_bytes()
+    rng = np.random.default_rng(3)
+    for round_ in range(20):
+        seqs = [engine.new_sequence() for _ in range(5)]
+        for s in seqs:
+            s.prefill(rng.integers(0, 510, 20))
+            for _ in range(4):
+                s.decode(int(rng.integers(0, 512)))
+            with pytest.raises(FlashError):
+                s.prefill(np.array([1, 512]))
+        if round_ % 5 == 0:
+            monkeypatch.setattr(engine.attention, "forward", failing_forward(engine, after=3))
+            with pytest.raises(RuntimeError, match="injected"):
+                seqs[0].prefill(np.arange(4))
+            monkeypatch.undo()
+        for i, s in enumerate(seqs):
+            if i % 2 == 0:
+                s.release()
+        del seqs, s
+        gc.collect()
+        assert free_device_bytes() == with_engine, f"round {round_}: sequences kept device memory"
+    engine.close()
+    del engine
+    for kwargs in ({}, {"table_residency": "host"}):
+        with flashv41.Engine(model, max_seq=128, max_tokens=16, **kwargs) as other:
+            other.new_sequence().prefill(np.arange(8))
+    assert free_device_bytes() >= start - (2 << 20), f"engines kept {start - free_device_bytes()} bytes"
+    model.close()

@@ -62,6 +62,9 @@ class Engine:
                  table_residency: str = "device", profile: bool = False, progress: ProgressFn | None = None,
                  graphs: bool = True):
         cfg = model.config
+        for name, value in (("max_seq", max_seq), ("max_tokens", max_tokens)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+                raise InputError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
         if max_tokens < 1 or max_seq < 1:
             raise InputError(f"max_tokens ({max_tokens}) and max_seq ({max_seq}) must be at least 1")
         if max_seq > cfg.context_length:
@@ -259,6 +262,7 @@ class Sequence:
         self.hasher = engine._hasher_cls(engram, engine.max_seq) if engram is not None else None
         self.graphs: dict[tuple, Any] = {}  # decode graphs by Engine.graph_key
         self.graph_keys_seen: set[tuple] = set()
+        self.failed = False  # a call failed after its input was accepted (see prefill)
         self.released = False
 
     @property
@@ -268,6 +272,9 @@ class Sequence:
     def _validate(self, token_ids: Any, token_mask: Any) -> tuple[np.ndarray, np.ndarray | None]:
         if self.released:
             raise SequenceStateError("this sequence was released")
+        if self.failed:
+            raise SequenceStateError("this sequence failed in the middle of a call, so its state may be partly "
+                                     "written: release it and start a new one")
         self.engine._check_open()
         ids, mask = check_tokens(token_ids, token_mask, self.engine.cfg.vocab_size)
         if self.position + ids.size > self.max_seq:
@@ -284,15 +291,21 @@ class Sequence:
         ids, mask = self._validate(token_ids, token_mask)
         step = self.engine.max_tokens
         out = []
-        for s in range(0, ids.size, step):
-            part_mask = None if mask is None else mask[s:s + step]
-            out.append(self.engine._forward(self, ids[s:s + step], part_mask, capture))
+        try:
+            for s in range(0, ids.size, step):
+                part_mask = None if mask is None else mask[s:s + step]
+                out.append(self.engine._forward(self, ids[s:s + step], part_mask, capture))
+        except BaseException:
+            self.failed = True  # validated input failed on the way: the state may be partly written
+            raise
         return np.concatenate(out) if len(out) > 1 else out[0]
 
     def decode(self, token_id: int, token_mask: bool | None = None, capture: bool = False) -> np.ndarray:
         """One token at the current position; returns h [1, hc, dim]."""
         if not isinstance(token_id, (int, np.integer)) or isinstance(token_id, bool):
             raise InputError(f"decode takes one integer token id, got {type(token_id).__name__}")
+        if token_mask is not None and not isinstance(token_mask, (bool, np.bool_)):
+            raise InputError(f"decode's token_mask is one bool or None, got {type(token_mask).__name__}")
         mask = None if token_mask is None else np.array([bool(token_mask)])
         return self.prefill(np.array([token_id], np.int64), mask, capture)
 

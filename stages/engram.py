@@ -12,8 +12,8 @@ Shapes: T tokens, L = cols row ids per token, E = a table row's width (head_dim)
 float32 [hc, C], the table or a reader of it) and allocates every workspace once, for up to
 `max_tokens` tokens; `apply` allocates nothing on the device. A call is two parts: `upload_rows`
 (the host's part: row ids, or rows of a host table, into the layer's device buffers) and `run`
-(device work only, which a captured graph can replay); each layer has its own id buffer, so every
-layer's upload can precede all the device work.
+(device work only, which a captured graph can replay); each layer has its own row workspace, so
+every layer's upload can precede all the device work.
 
 Oracle: host.oracle.engram.engram_layer (and engram_rows / engram_project / engram_gate per step).
 """
@@ -45,7 +45,7 @@ class EngramLayerWeights:
     wkv: DeviceWeight  # stored [C * (hc + 1), L * E]
     qk: DeviceArray  # float32 [hc, C]
     table: TableRows  # [rows, E], on the device or read from the host
-    ids: DeviceArray  # int64 [max_tokens, L]: this layer's row ids (device tables), uploaded before the work
+    workspace: RowWorkspace  # this layer's uploaded row ids (device tables) or rows (host tables)
 
 
 class EngramStage:
@@ -73,9 +73,7 @@ class EngramStage:
         self.layers: dict[int, EngramLayerWeights] = {}
         for layer in e.layer_ids:
             self.layers[layer] = self._upload_layer(model, layer)
-        row_bytes = max(w.table.row_bytes for w in self.layers.values())
         t, width = self.max_tokens, self.cols * self.head_dim
-        self.workspace: RowWorkspace | None = RowWorkspace(t, self.cols, row_bytes, table_residency)
         self.rows = cuda.device_array((t, width), np.uint16)  # bf16 bits [T, L * E]
         self.kv = cuda.device_array((t, self.dim * (self.hc + 1)), np.uint16)  # bf16 bits [T, C * (hc + 1)]
         self.gates = cuda.device_array((t, self.hc), np.float32)  # [T, hc]
@@ -99,27 +97,28 @@ class EngramStage:
         if wkv.ggml_type not in DEQUANT:
             raise UnsupportedError(f"{wkv.name}: type {wkv.ggml_type.name} is not supported")
         qk = (q.dequantize() * k.dequantize()).astype(F32)
+        rows = TableRows(table, self.table_residency, stream=self.stream)
         return EngramLayerWeights(
             layer=layer,
             wkv=DeviceWeight.from_ref(wkv, stream=self.stream),
             qk=cuda.to_device(qk, stream=self.stream),
-            table=TableRows(table, self.table_residency, stream=self.stream),
-            ids=cuda.device_array((self.max_tokens, self.cols), np.int64),
+            table=rows,
+            workspace=RowWorkspace(self.max_tokens, self.cols, rows.row_bytes, self.table_residency),
         )
 
     @property
     def device_bytes(self) -> int:
         """Device memory held: weights, tables on the device, and workspaces."""
         arrays = [self.rows, self.kv, self.gates, self.all_tokens]
-        if self.workspace is not None:
-            arrays += [self.workspace.ids, self.workspace.raw]
+        for w in self.layers.values():
+            arrays += [w.workspace.ids, w.workspace.raw]
         total = sum(int(a.nbytes) for a in arrays if a is not None)
         for w in self.layers.values():
-            total += w.wkv.nbytes + int(w.qk.nbytes) + w.table.device_bytes + int(w.ids.nbytes)
+            total += w.wkv.nbytes + int(w.qk.nbytes) + w.table.device_bytes
         return total
 
     def _weights(self, layer: int) -> EngramLayerWeights:
-        if self.workspace is None:
+        if self.rows is None:
             raise InputError("engram stage: used after free()")
         if layer not in self.layers:
             known = ", ".join(str(i) for i in self.layers)
@@ -141,14 +140,12 @@ class EngramStage:
     def upload_rows(self, layer: int, row_ids: np.ndarray, n_tokens: int) -> None:
         """Validate row_ids int [T, L] and upload the ids (device tables) or the rows' bytes (host tables)."""
         w = self._weights(layer)
-        assert self.workspace is not None
-        w.table.upload(row_ids, self._check_tokens(n_tokens), self.workspace, self.stream, w.ids)
+        w.table.upload(row_ids, self._check_tokens(n_tokens), w.workspace, self.stream)
 
     def dequantize_rows(self, layer: int, n_tokens: int) -> None:
         """rows[:T] from what upload_rows put on the device (the device part of step 2)."""
         w = self._weights(layer)
-        assert self.workspace is not None
-        w.table.dequantize(self._check_tokens(n_tokens), self.workspace, self.rows, self.stream, w.ids)
+        w.table.dequantize(self._check_tokens(n_tokens), w.workspace, self.rows, self.stream)
 
     def project(self, layer: int, n_tokens: int) -> None:
         """kv[:T] = rows[:T] @ wkv^T, bf16 (step 3)."""
@@ -216,7 +213,6 @@ class EngramStage:
         for w in self.layers.values():
             w.table.free()
         self.layers = {}
-        self.workspace = None
         self.rows = self.kv = self.gates = self.all_tokens = None
 
 

@@ -143,10 +143,9 @@ class TableRows:
         self.upload(row_ids, n_tokens, ws, stream)
         self.dequantize(n_tokens, ws, out, stream)
 
-    def upload(self, row_ids: np.ndarray, n_tokens: int, ws: RowWorkspace, stream=0, id_buffer=None) -> None:
+    def upload(self, row_ids: np.ndarray, n_tokens: int, ws: RowWorkspace, stream=0) -> None:
         """Validate row_ids int [n_tokens, L] and put what the kernel reads on the device: the ids
-        (device residency; into `id_buffer`, int64 [>= T, L], where given, else the workspace's) or the
-        rows' stored bytes (host residency)."""
+        (device residency) or the rows' stored bytes (host residency)."""
         if n_tokens > ws.max_tokens:
             raise InputError(f"{self.name}: {n_tokens} tokens exceed the workspace's {ws.max_tokens}")
         ids = check_row_ids(row_ids, n_tokens, ws.cols, self.rows, self.name)
@@ -154,8 +153,7 @@ class TableRows:
         ws.uploaded.synchronize()
         if self.residency == "device":
             ws.ids_host[:n_tokens] = ids
-            target = ws.ids if id_buffer is None else id_buffer
-            target[:n_tokens].copy_to_device(ws.ids_host[:n_tokens], stream=stream)
+            ws.ids[:n_tokens].copy_to_device(ws.ids_host[:n_tokens], stream=stream)
         else:
             if ws.raw is None or ws.row_bytes < self.row_bytes:
                 raise InputError(f"{self.name}: the workspace has no host-residency buffer of "
@@ -165,9 +163,8 @@ class TableRows:
             ws.raw[:n].copy_to_device(ws.raw_host[:n], stream=stream)
         ws.uploaded.record(stream)
 
-    def dequantize(self, n_tokens: int, ws: RowWorkspace, out, stream=0, id_buffer=None) -> None:
-        """out[:n_tokens] = the rows `upload` put on the device (id_buffer: as given to upload), dequantised
-        to bf16 bits."""
+    def dequantize(self, n_tokens: int, ws: RowWorkspace, out, stream=0) -> None:
+        """out[:n_tokens] = the rows `upload` put on the device, dequantised to bf16 bits."""
         cols = ws.cols
         if out.dtype != np.uint16 or out.shape[0] < n_tokens or out.shape[1] != cols * self.head_dim:
             raise InputError(f"{self.name}: rows output must be uint16 [>= {n_tokens}, {cols * self.head_dim}], "
@@ -176,8 +173,7 @@ class TableRows:
         source = self.data if gathered else ws.raw
         chunks = self.head_dim // CHUNK
         grid = grid_1d(n_tokens * cols * chunks, ROWS_THREADS)
-        ids = ws.ids if id_buffer is None else id_buffer
-        rows_kernel(self.gtype, gathered)[grid, ROWS_THREADS, stream](source, ids, out, n_tokens, cols, chunks)
+        rows_kernel(self.gtype, gathered)[grid, ROWS_THREADS, stream](source, ws.ids, out, n_tokens, cols, chunks)
 
     def free(self) -> None:
         self.data = None

@@ -394,7 +394,7 @@ def test_free_is_idempotent(tiny) -> None:
     assert st.device_bytes > 0
     st.free()
     st.free()
-    assert st.layers == {} and st.rows is None and st.kv is None and st.workspace is None
+    assert st.layers == {} and st.rows is None and st.kv is None
     with pytest.raises(InputError, match="after free"):
         st.apply(tiny.config.engram.layer_ids[0], cuda.device_array((1, 4, 32), np.float32),
                  np.zeros((1, 2), np.int64), 1)

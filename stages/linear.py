@@ -8,19 +8,21 @@ slice of x) is the same kernel with the input offset `(n // group_rows) * K`.
 Weights keep their GGUF bytes, with one rearrangement inside each row for Q8_0 (the "split"
 layout, DeviceWeight.layout): the row's K int8 quants first, then its K/32 fp16 scales. Same bytes,
 same values; the quants of consecutive blocks become contiguous, so a warp reads them with
-aligned, coalesced 32-bit loads (34-byte blocks start on 2-byte boundaries).
+aligned, coalesced 16-byte loads (34-byte blocks start on 2-byte boundaries).
 
-Kernels, chosen by the token count and the weight type:
-- `stream` (T <= GEMV_MAX_TOKENS, bf16 x; Q8_0, Q2_K, BF16 weights): one warp per output row, the
-  lanes reading consecutive 32-bit words of the row (a warp load is 128 contiguous bytes), UNROLL
-  words in flight per lane, each weight word used for every token of the step; x (a few KiB) is
-  read through L1 as bf16 pairs. No shared memory and no barrier: the time is the weight stream.
-  The type decides how a word decodes (`stream_dot_<type>`): Q8_0 four int8 quants and the
-  block's scale; Q2_K sixteen 2-bit quants, four (scale, min) pairs, and the block's d and dmin,
-  with the min folded in as dmin * m * sum(x) per 4 values; BF16 two weights.
-- `gemv` (T <= GEMV_MAX_TOKENS, the other types or an fp32 x): one warp per output row; K in segments of SEG_CHUNKS
-  32-value chunks staged in shared memory (the inputs once per block, each warp its row's stored
-  bytes), then each lane dequantises one chunk from there.
+Kernels, chosen by the token count and the weight type (`pick_kernel`):
+- `stream` (T <= GEMV_MAX_TOKENS, bf16 x; Q8_0, BF16 rows on 16-byte boundaries, Q2_K; GPU by
+  default): warps over output rows, and for short matrices several warps a row, each a slice of K
+  (`stream_split`: enough warps in all to keep the memory busy; slices summed in shared memory).
+  The lanes of a warp read consecutive 16-byte pieces of the row (Q2_K: 32-bit quant words, its
+  84-byte blocks are not 16-byte aligned), two or four in flight, each used for every token of the
+  step; x (a few KiB) is read through L1. How a piece decodes is the type's (`stream_dots`): Q8_0
+  sixteen int8 quants and their block's scale; Q2_K sixteen 2-bit quants, four (scale, min) pairs
+  and the block's d and dmin, the min folded in as dmin * m * sum(x) per 4 values; BF16 eight
+  weights. Integers become floats by an exponent trick (`small_int`), not by conversions.
+- `gemv` (T <= GEMV_MAX_TOKENS, the other types or an fp32 x): one warp per output row; K in
+  segments of SEG_CHUNKS 32-value chunks staged in shared memory (the inputs once per block, each
+  warp its row's stored bytes), then each lane dequantises one chunk from there.
 - `tc` (more tokens, bf16 x; BF16, Q8_0, Q2_K weights; GPU only): stages.linear_tc, bf16 tensor
   cores with exact integer weights and fp32 scales.
 - `gemm` (more tokens, the rest): a shared-memory tile of tokens x outputs, K in steps of 32, the
@@ -196,7 +198,7 @@ def bf16_pair(word):
 @device
 def small_int(bits):
     """An integer 0 <= bits < 2^23 as float32, exactly: placed in the mantissa of 2^23 and the 2^23
-    taken away (two full-rate instructions, where an integer-to-float conversion is quarter rate)."""
+    taken away: two full-rate instructions, where integer-to-float conversion has a lower rate."""
     return f32_from_bits(0x4B000000 | bits) - float32(8388608.0)
 
 

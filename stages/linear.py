@@ -5,8 +5,8 @@ stages.device.DEQUANT), y [T, N] (bf16 bits, rounded to nearest even, or float32
 product (the attention's `wo_a`: G groups of `group_rows` outputs, each reading its own K-wide
 slice of x) is the same kernel with the input offset `(n // group_rows) * K`.
 
-Weights keep their GGUF bytes, with one rearrangement inside each row for Q8_0 (the "split"
-layout, DeviceWeight.layout): the row's K int8 quants first, then its K/32 fp16 scales. Same bytes,
+Weights keep their GGUF bytes, with one rearrangement inside each row for Q8_0 on a GPU (the
+"split" layout, DeviceWeight.layout): the row's K int8 quants first, then its K/32 fp16 scales. Same bytes,
 same values; the quants of consecutive blocks become contiguous, so a warp reads them with
 aligned, coalesced 16-byte loads (34-byte blocks start on 2-byte boundaries).
 
@@ -106,12 +106,18 @@ class DeviceWeight:
     layout: str = "stored"
 
     @classmethod
-    def from_stored(cls, name: str, gtype: GGMLType, stored: np.ndarray, k: int, stream=0) -> DeviceWeight:
-        """Upload stored rows (uint8 [N, row_bytes] as the GGUF has them), Q8_0 split on the way."""
+    def from_stored(cls, name: str, gtype: GGMLType, stored: np.ndarray, k: int, stream=0,
+                    layout: str | None = None) -> DeviceWeight:
+        """Upload stored rows (uint8 [N, row_bytes] as the GGUF has them) in `layout`: by default
+        Q8_0 split on a GPU (for the stream and tensor-core kernels) and kept as stored on the
+        simulator, which runs neither by default and whose gemv reads stored rows fastest."""
         rows = stored.reshape(stored.shape[0], -1)
-        layout = "stored"
-        if gtype == GGMLType.Q8_0:
-            rows, layout = split_q8_0(rows, k), "split"
+        if layout is None:
+            layout = "split" if gtype == GGMLType.Q8_0 and not SIM else "stored"
+        if layout == "split":
+            if gtype != GGMLType.Q8_0:
+                raise ValueError(f"{name}: only Q8_0 has a split layout, not {gtype.name}")
+            rows = split_q8_0(rows, k)
         return cls(name, gtype, rows.shape[0], k, cuda.to_device(np.ascontiguousarray(rows), stream=stream), layout)
 
     @classmethod
@@ -120,11 +126,12 @@ class DeviceWeight:
         return cls.from_stored(ref.name, ref.ggml_type, ref.raw().reshape(n, -1), ref.shape[-1], stream)
 
     @classmethod
-    def from_values(cls, name: str, values: np.ndarray, gtype: GGMLType | str) -> DeviceWeight:
+    def from_values(cls, name: str, values: np.ndarray, gtype: GGMLType | str,
+                    layout: str | None = None) -> DeviceWeight:
         """Quantise float32 [N, K] values to `gtype` and upload (tests and synthetic weights)."""
         t = GGMLType[gtype] if isinstance(gtype, str) else gtype
         stored = np.ascontiguousarray(quantize(values, t)).view(np.uint8).reshape(values.shape[0], -1)
-        return cls.from_stored(name, t, stored, values.shape[1])
+        return cls.from_stored(name, t, stored, values.shape[1], layout=layout)
 
     @property
     def nbytes(self) -> int:
@@ -138,8 +145,8 @@ class DeviceWeight:
 
 if SIM:
     # The simulator executes kernels as Python: the inner loops, the bulk of every product, and the
-    # gemv's staging copies run as NumPy operations there (same values, another fp32 summation
-    # order; the copies by the block's first thread, the one lane of its warp).
+    # gemv's and gemm's input staging copies run as NumPy operations there (same values, another
+    # fp32 summation order; the copies by the block's first thread, the one lane of its warp).
     def _chunk_dot(buf, xs, t, c):
         return np.float32(np.dot(buf, xs[t, c, :CHUNK]))
 
@@ -154,6 +161,12 @@ if SIM:
 
     def _tile_fma(acc, xs, ws, ty, tx):
         acc += xs[ty * WM:(ty + 1) * WM, :CHUNK] @ ws[tx * WN:(tx + 1) * WN, :CHUNK].T
+
+    def _stage_x_tile(xs, x, t0, n_tokens, x0, tid, x_bf16):
+        if tid == 0:
+            vals = np.asarray(x[t0:min(n_tokens, t0 + TM), x0:x0 + CHUNK])
+            xs[:, :CHUNK] = 0
+            xs[:vals.shape[0], :CHUNK] = _BF16_VALUES[vals] if x_bf16 else vals
 else:
     @cuda.jit(device=True)
     def _chunk_dot(buf, xs, t, c):
@@ -174,6 +187,15 @@ else:
     def _stage_w(ws, ww, slot, row, w0, n_words, lane):
         for i in range(lane, n_words, LANES):
             ws[slot, i] = ww[row, w0 + i]
+
+    @cuda.jit(device=True)
+    def _stage_x_tile(xs, x, t0, n_tokens, x0, tid, x_bf16):
+        """xs[r, kk] = x[t0 + r, x0 + kk] for the tile's TM tokens (0 past n_tokens)."""
+        for idx in range(tid, TM * CHUNK, THREADS_X * THREADS_Y):
+            r = idx // CHUNK
+            kk = idx % CHUNK
+            t = t0 + r
+            xs[r, kk] = load_f32(x, t, x0 + kk, x_bf16) if t < n_tokens else float32(0)
 
     @cuda.jit(device=True)
     def _tile_fma(acc, xs, ws, ty, tx):
@@ -472,11 +494,7 @@ def gemm_kernel(gtype: GGMLType, layout: str, x_bf16: bool, out_bf16: bool):
             for j in range(WN):
                 acc[i, j] = float32(0)
         for c in range(k // CHUNK):
-            for idx in range(tid, TM * CHUNK, THREADS_X * THREADS_Y):
-                r = idx // CHUNK
-                kk = idx % CHUNK
-                t = t0 + r
-                xs[r, kk] = load_f32(x, t, x_off + c * CHUNK + kk, x_bf16) if t < n_tokens else float32(0)
+            _stage_x_tile(xs, x, t0, n_tokens, x_off + c * CHUNK, tid, x_bf16)
             for r in range(tid, TN, THREADS_X * THREADS_Y):
                 n = n0 + r
                 if n < n_rows:

@@ -16,10 +16,15 @@ from tests.bounds import assert_bf16_product, assert_within, f32_sum_error
 TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16, GGMLType.F16, GGMLType.F32]
 
 
-def weight(rng, n, k, gtype):
+def weight(rng, n, k, gtype, layout=None):
     values = (rng.standard_normal((n, k)) * k**-0.5).astype(np.float32)
     stored = np.ascontiguousarray(quantize(values, gtype)).view(np.uint8).reshape(n, -1)
-    return DeviceWeight.from_values("w", values, gtype), dequantize(stored, gtype, k)
+    return DeviceWeight.from_values("w", values, gtype, layout), dequantize(stored, gtype, k)
+
+
+def stream_layout(gtype):
+    """What the stream kernel reads: Q8_0 split (the GPU's default, not the simulator's)."""
+    return "split" if gtype == GGMLType.Q8_0 else None
 
 
 @pytest.mark.parametrize("gtype", TYPES, ids=lambda t: t.name)
@@ -45,7 +50,7 @@ def test_stream(gtype, tokens, out):
     under a cap, fp32 and bf16 out."""
     rng = np.random.default_rng(int(gtype) * 10 + tokens)
     n, k = 6, 320 if gtype == GGMLType.BF16 else 512
-    w, wq = weight(rng, n, k, gtype)
+    w, wq = weight(rng, n, k, gtype, stream_layout(gtype))
     x = bf16(rng.standard_normal((tokens, k)).astype(np.float32))
     y = cuda.device_array((tokens, n), np.uint16 if out == "bf16" else np.float32)
     linear(cuda.to_device(to_bits(x)), w, y, tokens, kernel="stream")
@@ -57,6 +62,18 @@ def test_stream(gtype, tokens, out):
         abs_sum = np.abs(x.astype(np.float64)) @ np.abs(wq.astype(np.float64)).T
         bound = f32_sum_error(abs_sum, k) + np.abs(ref) * 2.0**-24
         assert_within(got, ref, bound, f"stream {gtype.name} T={tokens} f32")
+
+
+@pytest.mark.parametrize("kernel,tokens", [("gemm", 1), ("gemm", 11)])
+def test_gemm_reads_split_q8_0(kernel, tokens):
+    """The GPU's Q8_0 layout through the fp32 tiles (what an fp32 input or a kernel without tensor
+    cores reads), on the simulator too, where weights default to the stored layout."""
+    rng = np.random.default_rng(17)
+    w, wq = weight(rng, 12, 128, GGMLType.Q8_0, "split")
+    x = bf16(rng.standard_normal((tokens, 128)).astype(np.float32))
+    y = cuda.device_array((tokens, 12), np.uint16)
+    linear(cuda.to_device(to_bits(x)), w, y, tokens, kernel=kernel)
+    assert_bf16_product(from_bits(y.copy_to_host()), oracle_linear(x, wq), x, wq, f"split Q8_0 T={tokens}")
 
 
 def test_q8_0_split_layout():
@@ -90,7 +107,7 @@ def test_grouped(kernel, tokens):
     """The attention's wo_a: G groups of R outputs, group g reading its own slice of the input."""
     rng = np.random.default_rng(11)
     groups, rows, width = 3, 8, 256
-    w, wq = weight(rng, groups * rows, width, GGMLType.Q8_0)
+    w, wq = weight(rng, groups * rows, width, GGMLType.Q8_0, stream_layout(GGMLType.Q8_0))
     x = bf16(rng.standard_normal((tokens, groups * width)).astype(np.float32))
     y = cuda.device_array((tokens, groups * rows), np.uint16)
     linear(cuda.to_device(to_bits(x)), w, y, tokens, group_rows=rows, kernel=kernel)

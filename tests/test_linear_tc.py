@@ -22,15 +22,6 @@ from tests.bounds import assert_bf16_product, assert_within, f32_sum_error
 TYPES = [GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q2_K]
 
 
-def split_q8_0(raw: np.ndarray) -> np.ndarray:
-    """GGUF Q8_0 rows (uint8 [N, K/32 * 34]: blocks of fp16 d, 32 int8 levels) -> the row-split
-    layout: the row's K levels, then its K/32 fp16 scales (little-endian)."""
-    blocks = np.ascontiguousarray(raw).view(Q8_0_BLOCK).reshape(raw.shape[0], -1)
-    levels = np.ascontiguousarray(blocks["qs"]).view(np.uint8).reshape(raw.shape[0], -1)
-    scales = np.ascontiguousarray(blocks["d"]).view(np.uint8).reshape(raw.shape[0], -1)
-    return np.concatenate([levels, scales], axis=1)
-
-
 def stored_rows(rng, n, k, gtype) -> np.ndarray:
     """Random stored rows (uint8 [n, row_bytes]) of weights of RMS about k**-0.5. The quantised
     types' levels, sub-scales and mins are drawn over their whole range (sc * q up to 45, the
@@ -54,9 +45,7 @@ def stored_rows(rng, n, k, gtype) -> np.ndarray:
 def weight(n, k, gtype):
     """A random weight [n, k] as linear_tc takes it, and its dequantised values (the oracle's)."""
     stored = stored_rows(np.random.default_rng(int(gtype) + n + k), n, k, gtype)
-    w = DeviceWeight("w", gtype, n, k, cuda.to_device(split_q8_0(stored) if gtype == GGMLType.Q8_0 else stored))
-    if gtype == GGMLType.Q8_0:
-        w.layout = "split"  # type: ignore[attr-defined]  (as stages.linear's Q8_0 weights say)
+    w = DeviceWeight.from_stored("w", gtype, stored, k, layout="split" if gtype == GGMLType.Q8_0 else "stored")
     return w, dequantize(stored, gtype, k)
 
 

@@ -456,6 +456,9 @@ def read_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, WeightStore]:
     return cfg, store
 
 
+MAX_SINKHORN_ITERS = 1000
+
+
 def _check_geometry(v: dict, fname: str) -> None:
     """Size relations the math relies on (RoPE pairs, quantiser blocks, output groups)."""
     rules = [
@@ -469,6 +472,10 @@ def _check_geometry(v: dict, fname: str) -> None:
          "heads * key_length must split into output groups"),
         (v["window"] >= 1 and v["hc"] >= 1 and v["sinkhorn_iters"] >= 1,
          "window, hc and sinkhorn iterations must be >= 1"),
+        # every mix of every step runs this many iterations (published files: 20); far more could
+        # only be a damaged value, and would stall each step
+        (v["sinkhorn_iters"] <= MAX_SINKHORN_ITERS,
+         f"hyper_connection.sinkhorn_iterations must be at most {MAX_SINKHORN_ITERS}"),
         (v["index_topk"] >= 1 and v["candidate_block_size"] >= 1,
          "indexer top_k and candidate block size must be >= 1"),
         # the window ring and the top-k lists are allocated at these sizes; past the context they

@@ -230,6 +230,7 @@ VALUE_EDITS = [  # (key, new value, error class, words)
     ("attention.output_group_count", 0, ModelFormatError, ["output groups"]),
     ("attention.sliding_window", 5000, ModelFormatError, ["sliding_window", "context_length"]),
     ("attention.indexer.top_k", 0, ModelFormatError, ["top_k"]),
+    ("hyper_connection.sinkhorn_iterations", 1 << 30, ModelFormatError, ["sinkhorn_iterations", "at most 1000"]),
     ("attention.indexer.key_length", 48, ModelFormatError, ["indexer.key_length", "multiple of 32"]),
     ("attention.layer_norm_rms_epsilon", float("nan"), ModelFormatError, ["layer_norm_rms_epsilon", "nan"]),
     ("rope.freq_base", -1e4, ModelFormatError, ["rope.freq_base", "-10000.0"]),

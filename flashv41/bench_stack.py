@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, device_time
+from flashv41.memory import device_free_bytes
 
 PROMPT = 512
 DECODE_STEPS = 32
@@ -35,15 +36,6 @@ def stack_model(options: BenchOptions):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_synthetic(path, "flash", weight_type="Q8_0", engram_rows=TABLE_ROWS)
     return flashv41.load_model(path)
-
-
-def free_bytes() -> int:
-    from numba import cuda
-
-    cuda.synchronize()
-    context = cuda.current_context()
-    context.deallocations.clear()
-    return int(context.get_memory_info()[0])
 
 
 def step_bytes(engine) -> int:
@@ -71,12 +63,12 @@ def stack_case() -> BenchCase:
             seq.prefill(ids[:PROMPT])
             for i in range(8):  # every key seen twice: its graph is captured
                 seq.decode(int(ids[PROMPT + i]))
-            before = free_bytes()
+            before = device_free_bytes()
             start = time.perf_counter()
             for i in range(DECODE_STEPS):
                 seq.decode(int(ids[PROMPT + 8 + i]))
             per_token = (time.perf_counter() - start) / DECODE_STEPS
-            allocated = before - free_bytes()
+            allocated = before - device_free_bytes()
             graph = seq.graphs[engine.graph_key(seq.position, False)]
             runner = engine._runner
             assert runner is not None

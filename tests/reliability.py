@@ -16,6 +16,8 @@ import gc
 
 import numpy as np
 
+from flashv41.memory import device_free_bytes
+
 TWO_LAYER_TINY = dict(compress_ratios=(2, 1), kv_sources=(0, 1), index_sources=(0, 1), candidate_source=1,
                       engram_layers=(0, 1), engram_head_dim=32, table_type="Q8_0", window=4, context_length=4096)
 UNMAPPED = (126, 127)  # the tiny stub token map leaves its last two raw ids unmapped (-1)
@@ -40,10 +42,5 @@ def live_device_bytes() -> int:
 
 def free_device_bytes() -> int:
     """The driver's free device memory on a real GPU, after numba's deferred frees are flushed."""
-    from numba import cuda
-
     gc.collect()
-    cuda.synchronize()
-    context = cuda.current_context()
-    context.deallocations.clear()
-    return int(context.get_memory_info()[0])
+    return device_free_bytes()

@@ -9,19 +9,11 @@ import pytest
 
 import flashv41
 from flashv41.check import agreement
+from flashv41.memory import device_free_bytes
 from host.oracle import Oracle
 from tests.test_engine import compare_call
 
 pytestmark = pytest.mark.gpu
-
-
-def free_bytes() -> int:
-    from numba import cuda
-
-    cuda.synchronize()
-    context = cuda.current_context()
-    context.deallocations.clear()  # numba defers frees: flush them before reading the figure
-    return int(context.get_memory_info()[0])
 
 
 def run_and_check(engine, oracle, ids, prompt, chunked):
@@ -57,23 +49,24 @@ def test_flash_dimension_layers(synth_model):
 
 def test_release_and_close_return_device_memory(synth_model):
     model = flashv41.load_model(synth_model("small"))
-    before = free_bytes()
+    before = device_free_bytes()
     engine = flashv41.Engine(model, max_seq=128, max_tokens=16)
-    with_engine = free_bytes()
+    with_engine = device_free_bytes()
     for _ in range(20):
         seqs = [engine.new_sequence() for _ in range(3)]
         for seq in seqs:
             seq.prefill(np.arange(5))
         for seq in seqs:
             seq.release()
-    assert free_bytes() >= with_engine, f"sequences leaked {with_engine - free_bytes()} bytes of device memory"
+    after = device_free_bytes()
+    assert after >= with_engine, f"sequences leaked {with_engine - after} bytes of device memory"
     engine.close()
     for _ in range(3):
         flashv41.Engine(model, max_seq=128, max_tokens=16).close()
     import gc
 
     gc.collect()
-    assert free_bytes() >= before - (2 << 20), f"engines leaked: {before - free_bytes()} bytes"
+    assert device_free_bytes() >= before - (2 << 20), f"engines leaked: {before - device_free_bytes()} bytes"
 
 
 def test_bitwise_deterministic(synth_model):
@@ -111,10 +104,10 @@ def test_graph_decode_is_eager_decode(synth_model, preset):
             got = []
             for i in range(steps):
                 if i == steps // 2:
-                    settled = free_bytes()
+                    settled = device_free_bytes()
                 got.append(seq.decode(int(ids[i]), masks[i]))
             if graphs:
-                assert free_bytes() == settled, "graph decode steps allocated device memory"
+                assert device_free_bytes() == settled, "graph decode steps allocated device memory"
                 assert len(seq.graphs) >= 4, f"only {len(seq.graphs)} graphs were captured"
             outs[graphs] = np.concatenate(got)
     assert np.array_equal(outs[False].view(np.uint32), outs[True].view(np.uint32)), \

@@ -106,7 +106,6 @@ class Engine:
         self.profile = profile
         self.stage_seconds: defaultdict[str, float] = defaultdict(float)
         self._ratios = sorted({role.ratio for role in cfg.roles if role.ratio > 0})
-        self._hashes: np.ndarray | None = None  # this call's engram row ids, all layers
         self.graphs = graphs and graphs_available() and table_residency == "device"
         self._runner = GraphRunner() if self.graphs else None
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()
@@ -160,25 +159,26 @@ class Engine:
         t = ids.size
         start = seq.position
         masked = mask is not None
-        self._upload(seq, ids, mask, start)
+        hashes = self._upload(seq, ids, mask, start)
         if t == 1 and self.graphs and not capture and not self.profile:
             self._replay(seq, start, masked)
         else:
-            captures = self._layers(seq, t, start, masked, capture)
+            captures = self._layers(seq, t, start, masked, capture, hashes)
             if capture:
                 seq.captures = captures
         seq.position += t
         return self._stage("highway download", lambda: self.h.copy_to_host()[:t])
 
-    def _upload(self, seq: Sequence, ids: np.ndarray, mask: np.ndarray | None, start: int) -> None:
+    def _upload(self, seq: Sequence, ids: np.ndarray, mask: np.ndarray | None, start: int) -> np.ndarray | None:
         """The host's part of a call: hash, then everything the device work reads that changes
-        from call to call (token ids, engram row ids, mask, first mix, positions) onto the device."""
+        from call to call (token ids, engram row ids, mask, first mix, positions) onto the device.
+        Returns the engram row ids of every engram layer (None without engram)."""
         cfg, t, stage = self.cfg, ids.size, self._stage
         stage("embedding", self.hyper.upload_ids, ids, t)
-        self._hashes = None
+        hashes = None
         if seq.hasher is not None:
             assert self.engram is not None and cfg.engram is not None
-            self._hashes = hashes = stage("engram hash (host)", seq.hasher.hash, ids, start, mask)
+            hashes = stage("engram hash (host)", seq.hasher.hash, ids, start, mask)
             for role in cfg.roles:
                 if role.engram:
                     i = role.layer
@@ -188,10 +188,13 @@ class Engine:
             self.mask[:t].copy_to_device(mask.astype(np.uint8))
         self.pre[0][:t].copy_to_device(self._one_hot[:t])
         self.attention.upload_positions(start, t)
+        return hashes
 
-    def _layers(self, seq: Sequence, t: int, start: int, masked: bool, capture: bool = False) -> list[dict]:
+    def _layers(self, seq: Sequence, t: int, start: int, masked: bool, capture: bool = False,
+                hashes: np.ndarray | None = None) -> list[dict]:
         """The device part of a call: every layer, from what `_upload` put on the device. Launches
-        only (no copy, no allocation) unless `capture` asks for every layer's intermediates."""
+        only (no copy, no allocation) unless `capture` asks for every layer's intermediates (then
+        `hashes`, `_upload`'s row ids, go into them too)."""
         cfg, stage = self.cfg, self._stage
         stage("embedding", self.hyper.embed_uploaded, self.h, t)
         mask_dev = self.mask if masked else None
@@ -207,8 +210,8 @@ class Engine:
                 assert self.engram is not None and seq.hasher is not None
                 stage("engram rows, projection, gate", self.engram.run, i, self.h, t, mask_dev, cap)
                 if cap is not None:
-                    assert self._hashes is not None and cfg.engram is not None
-                    cap["engram_ids"] = np.asarray(self._hashes[:, cfg.engram.hash_index(i)], np.int64).copy()
+                    assert hashes is not None and cfg.engram is not None
+                    cap["engram_ids"] = np.asarray(hashes[:, cfg.engram.hash_index(i)], np.int64).copy()
             stage("hc mixes", self.hyper.mixes, i, "attn", self.h, unused, t)
             stage("hc_pre + attn_norm", self.hyper.pre_norm, i, self.h, pre_mix, self.x, t)
             stage(f"attention ({role.block_type})", self.attention.forward, i, self.x, self.a, seq.state, shared,

@@ -189,20 +189,32 @@ def test_decode_only(preset_engram: EngramConfig) -> None:
 
 
 @st.composite
-def engram_configs(draw: st.DrawFn) -> EngramConfig:
+def engram_configs(draw: st.DrawFn, wide: bool = False) -> EngramConfig:
+    """Random engram tables: the stub token map of published files and small tables; or, `wide`,
+    any token map (unmapped ids anywhere, any pad id) and tables up to 2^46 rows a head, where the
+    hash's int64 multiply-add is closest to overflowing."""
     n_layers = draw(st.integers(1, 3))
-    layer_ids = tuple(sorted(draw(st.sets(st.integers(0, 40), min_size=n_layers, max_size=n_layers))))
+    layer_ids = tuple(sorted(draw(st.sets(st.integers(0, 60), min_size=n_layers, max_size=n_layers))))
     max_ngram = draw(st.integers(2, 5))
     heads = draw(st.integers(1, 4))
-    vocab = draw(st.integers(4, 300))
-    tail = draw(st.integers(0, 3))
-    token_map, compressed = stub_token_map(vocab, tail)
-    pad_raw = draw(st.integers(0, vocab - tail - 1))
-    primes = engram_primes(n_layers, max_ngram, heads, draw(st.integers(2, 500)))
+    if wide:
+        vocab = draw(st.integers(2, 200))
+        compressed = draw(st.integers(1, 150))
+        token_map = np.array(draw(st.lists(st.integers(-1, compressed - 1), min_size=vocab, max_size=vocab)),
+                             np.int64)
+        pad_id = draw(st.integers(0, compressed - 1))
+        bucket = draw(st.one_of(st.integers(2, 1000), st.integers(1 << 30, 1 << 46)))
+    else:
+        vocab = draw(st.integers(4, 300))
+        tail = draw(st.integers(0, 3))
+        token_map, compressed = stub_token_map(vocab, tail)
+        pad_id = int(token_map[draw(st.integers(0, vocab - tail - 1))])
+        bucket = draw(st.integers(2, 500))
+    primes = engram_primes(n_layers, max_ngram, heads, bucket)
     return EngramConfig(
         layer_ids=layer_ids, n_heads=heads, head_dim=8, max_ngram=max_ngram,
         multipliers=engram_multipliers(layer_ids, max_ngram, compressed), primes=primes,
-        offsets=engram_offsets(primes), token_map=token_map, pad_id=int(token_map[pad_raw]),
+        offsets=engram_offsets(primes), token_map=token_map, pad_id=pad_id,
         table_rows=tuple(int(primes[i].sum()) for i in range(n_layers)),
     )
 

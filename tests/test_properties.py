@@ -26,14 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
-from flashv41.config import EngramConfig
-from host.engram_tables import engram_multipliers, engram_offsets, engram_primes
 from host.numerics import act_quant, bf16, from_bits, to_bits
 from host.quants import GGMLType, dequantize, quantize
 from stages import indexer  # noqa: E402
 from stages import norm_rope_quant as nrq  # noqa: E402
 from stages.engram_hash import FastEngramHasher
-from tests.test_engram_hash import ScalarHasher, assert_ids_equal
+from tests.test_engram_hash import ScalarHasher, assert_ids_equal, engram_configs, streams
 from tests.test_numerics import E4M3_VALUES, e2m1_by_grid, e4m3_by_table
 from tests.test_oracle_attention import brute_select, patterns
 from tests.test_quants import _q2_k_excess
@@ -49,39 +47,13 @@ def property_settings(n: int) -> settings:
 # --- the compiled hasher -------------------------------------------------------------------------------
 
 
-@st.composite
-def engram_configs(draw: st.DrawFn) -> EngramConfig:
-    n_layers = draw(st.integers(1, 3))
-    layer_ids = tuple(sorted(draw(st.sets(st.integers(0, 60), min_size=n_layers, max_size=n_layers))))
-    max_ngram = draw(st.integers(2, 5))
-    heads = draw(st.integers(1, 4))
-    vocab = draw(st.integers(2, 200))
-    compressed = draw(st.integers(1, 150))
-    # any map onto [0, compressed) with unmapped (-1) raw ids anywhere
-    token_map = np.array(draw(st.lists(st.integers(-1, compressed - 1), min_size=vocab, max_size=vocab)), np.int64)
-    bucket = draw(st.one_of(st.integers(2, 1000), st.integers(1 << 30, 1 << 46)))
-    primes = engram_primes(n_layers, max_ngram, heads, bucket)
-    return EngramConfig(
-        layer_ids=layer_ids, n_heads=heads, head_dim=8, max_ngram=max_ngram,
-        multipliers=engram_multipliers(layer_ids, max_ngram, compressed), primes=primes,
-        offsets=engram_offsets(primes), token_map=token_map, pad_id=draw(st.integers(0, compressed - 1)),
-        table_rows=tuple(int(primes[i].sum()) for i in range(n_layers)),
-    )
-
-
 @property_settings(40)
 @given(data=st.data())
 def test_compiled_hasher_against_the_scalar_one(data: st.DataObject) -> None:
-    e = data.draw(engram_configs())
-    vocab = e.token_map.size
-    n = data.draw(st.integers(1, 30))
-    ids = np.array(data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)), np.int64)
-    mask = None
-    if data.draw(st.booleans()):
-        mask = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), bool)
-    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, n - 1)), max_size=6)))
-    bounds = [0, *[c for c in cuts if c < n], n]
-    fast, scalar = FastEngramHasher(e, 32), ScalarHasher(e)
+    e = data.draw(engram_configs(wide=True))
+    ids, mask, cuts = data.draw(streams(e))
+    bounds = [0, *cuts, ids.size]
+    fast, scalar = FastEngramHasher(e, ids.size), ScalarHasher(e)
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         got = fast.hash(ids[a:b], a, None if mask is None else mask[a:b])
         for p in range(a, b):

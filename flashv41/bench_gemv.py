@@ -14,7 +14,7 @@ import numpy as np
 
 from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, device_time
 from flashv41.bench_engram import random_stored
-from host.quants import GGMLType
+from host.quants import FORMATS, GGMLType
 
 # (name, outputs N, inputs K, groups): the flash preset's decode products
 SHAPES = (("attn.wq_a", 1280, 5120, 1), ("attn.wq_b", 64 * 512, 1280, 1), ("attn.wkv", 512, 5120, 1),
@@ -22,28 +22,38 @@ SHAPES = (("attn.wq_a", 1280, 5120, 1), ("attn.wq_b", 64 * 512, 1280, 1), ("attn
           ("index.wq_b", 32 * 128, 1280, 1), ("engram.wkv", 5120 * 5, 24 * 256, 1))
 
 
+def time_product(ctx: BenchContext, matrix: str, n: int, k: int, groups: int, wtype: str, tokens: int,
+                 hold_s: float = 0.005) -> tuple[float, str]:
+    """Median device seconds of `tokens` bf16 tokens through a random [n, k] weight of `wtype`
+    (`groups` groups reading their own input slices), with the kernel stages.linear picks; and
+    the kernel's name."""
+    from numba import cuda
+
+    from stages.linear import DeviceWeight, linear, pick_kernel
+
+    gtype = GGMLType[wtype]
+    stream = cuda.stream()
+    w = DeviceWeight.from_stored(matrix, gtype, random_stored(n, k, gtype, np.random.default_rng(n + k)), k, stream)
+    rng = np.random.default_rng(1)
+    x = cuda.to_device(rng.integers(0x3C00, 0x3F80, size=(tokens, groups * k), dtype=np.uint16), stream=stream)
+    y = cuda.device_array((tokens, n), np.uint16, stream=stream)
+    rows = n // groups if groups > 1 else 0
+    o = ctx.options
+    median = device_time(lambda: linear(x, w, y, tokens, group_rows=rows, stream=stream), o.reps, o.warmup, stream,
+                         n=4 if tokens > 1 else 8, hold_s=hold_s)
+    return median, pick_kernel(w, True, tokens)
+
+
 def gemv_case(matrix: str, n: int, k: int, groups: int, wtype: str) -> BenchCase:
     name = f"gemv.{matrix}.{wtype}"
 
     def run(ctx: BenchContext) -> list[BenchRow]:
-        from numba import cuda
-
-        from stages.linear import DeviceWeight, linear, pick_kernel
-
-        gtype = GGMLType[wtype]
-        stream = cuda.stream()
-        stored = random_stored(n, k, gtype, np.random.default_rng(n + k))
-        w = DeviceWeight.from_stored(matrix, gtype, stored, k, stream)
-        rng = np.random.default_rng(1)
-        x = cuda.to_device(rng.integers(0x3C00, 0x3F80, size=(1, groups * k), dtype=np.uint16), stream=stream)
-        y = cuda.device_array((1, n), np.uint16, stream=stream)
-        rows = n // groups if groups > 1 else 0
-        o = ctx.options
-        median = device_time(lambda: linear(x, w, y, 1, group_rows=rows, stream=stream), o.reps, o.warmup, stream)
-        share = w.nbytes / median / ctx.copy_bandwidth
-        return [BenchRow(name, median, ctx.memory_bound(w.nbytes), bytes=w.nbytes,
-                         note=f"[{n}, {k}]{f' in {groups} groups' if groups > 1 else ''}, "
-                              f"{pick_kernel(w, True, 1)} kernel: {share:.0%} of copy bandwidth")]
+        median, kernel = time_product(ctx, matrix, n, k, groups, wtype, 1)
+        nbytes = FORMATS[GGMLType[wtype]].row_bytes(k) * n
+        share = nbytes / median / ctx.copy_bandwidth
+        return [BenchRow(name, median, ctx.memory_bound(nbytes), bytes=nbytes,
+                         note=f"[{n}, {k}]{f' in {groups} groups' if groups > 1 else ''}, {kernel} kernel: "
+                              f"{share:.0%} of copy bandwidth")]
 
     return BenchCase(name, run)
 

@@ -1,7 +1,7 @@
 """Benchmark rows of the prefill GEMMs (PERF.md P5) at V4.1-Flash dimensions.
 
 `prefill.gemm.<matrix>.<type>`: PREFILL_TOKENS tokens through one weight matrix of a layer (every
-shape of stages/bench_gemv's SHAPES; the grouped wo_a in one call), our kernel (stages.linear's
+shape of flashv41.bench_gemv's SHAPES; the grouped wo_a in one call), our kernel (stages.linear's
 choice: the tensor cores where they apply) against cuBLAS on the same shape through CuPy, fp16
 in, fp32 accumulate (the rate of bf16: CuPy has no bf16 type), timed in the same run. Bound =
 cuBLAS's time, so ratio <= 2 meets P5 (>= 0.5x cuBLAS). Without CuPy the bound is the time at
@@ -14,10 +14,8 @@ import statistics
 
 import numpy as np
 
-from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, device_time
-from flashv41.bench_engram import random_stored
-from flashv41.bench_gemv import SHAPES
-from host.quants import GGMLType
+from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow
+from flashv41.bench_gemv import SHAPES, time_product
 
 PREFILL_TOKENS = 4096
 PEAK_TFLOPS = 790.0  # H200 dense bf16, PERF.md
@@ -55,25 +53,10 @@ def prefill_case(matrix: str, n: int, k: int, groups: int, wtype: str) -> BenchC
     name = f"prefill.gemm.{matrix}.{wtype}"
 
     def run(ctx: BenchContext) -> list[BenchRow]:
-        from numba import cuda
-
-        from stages.linear import DeviceWeight, linear, pick_kernel
-
         t = PREFILL_TOKENS
-        gtype = GGMLType[wtype]
-        stream = cuda.stream()
-        w = DeviceWeight.from_stored(matrix, gtype, random_stored(n, k, gtype, np.random.default_rng(n + k)), k,
-                                     stream)
-        rng = np.random.default_rng(1)
-        x = cuda.to_device(rng.integers(0x3C00, 0x3F80, size=(t, groups * k), dtype=np.uint16), stream=stream)
-        y = cuda.device_array((t, n), np.uint16, stream=stream)
-        rows = n // groups if groups > 1 else 0
-        o = ctx.options
-        median = device_time(lambda: linear(x, w, y, t, group_rows=rows, stream=stream), o.reps, o.warmup, stream,
-                             n=4, hold_s=0.02)
+        median, kernel = time_product(ctx, matrix, n, k, groups, wtype, t, hold_s=0.02)
         flops = 2 * t * n * k
-        reference = cublas_time(t, n, k, groups, o.reps)
-        kernel = pick_kernel(w, True, t)
+        reference = cublas_time(t, n, k, groups, ctx.options.reps)
         if reference is None:
             bound, against = flops / (PEAK_TFLOPS * 1e12), f"no CuPy: bound = the {PEAK_TFLOPS:.0f} TFLOP/s peak"
         else:

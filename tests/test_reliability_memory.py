@@ -96,7 +96,12 @@ def test_sequences_and_engines_give_their_memory_back(synth_model, monkeypatch: 
 @pytest.mark.gpu
 def test_gpu_memory_comes_back(synth_model, monkeypatch: pytest.MonkeyPatch) -> None:
     """The small preset: 100 sequences that prefill, decode (CUDA graphs captured per sequence) and
-    see bad calls and an injected failure, released or dropped; then engines built and closed."""
+    see bad calls and an injected failure, released or dropped; then engines built and closed.
+
+    The first round of calls loads every kernel's module, and the driver keeps that code (a few MiB)
+    for the life of the process: it is not held by a sequence. So the baseline is read after a first
+    round, and every later round must come back to it exactly. Closed engines must give back all but that
+    first-use code, to within one 2 MiB page of the driver's small-allocation pool."""
     import gc
 
     model = flashv41.load_model(synth_model("small"))
@@ -104,7 +109,8 @@ def test_gpu_memory_comes_back(synth_model, monkeypatch: pytest.MonkeyPatch) -> 
     engine = flashv41.Engine(model, max_seq=128, max_tokens=16)
     with_engine = free_device_bytes()
     rng = np.random.default_rng(3)
-    for round_ in range(20):
+
+    def run_round(engine: flashv41.Engine, round_: int) -> None:
         seqs = [engine.new_sequence() for _ in range(5)]
         for s in seqs:
             s.prefill(rng.integers(0, 510, 20))
@@ -122,11 +128,28 @@ def test_gpu_memory_comes_back(synth_model, monkeypatch: pytest.MonkeyPatch) -> 
                 s.release()
         del seqs, s
         gc.collect()
-        assert free_device_bytes() == with_engine, f"round {round_}: sequences kept device memory"
+
+    run_round(engine, 0)
+    after_first = free_device_bytes()
+    first_use_code = with_engine - after_first
+    print(f"\nfirst round of calls: {first_use_code} bytes of driver memory")
+    assert first_use_code <= 64 << 20, f"the first round kept {first_use_code} bytes"
+    for round_ in range(1, 20):
+        run_round(engine, round_)
+        assert free_device_bytes() == after_first, f"round {round_}: sequences kept device memory"
     engine.close()
     del engine
+    gc.collect()
+    page = 2 << 20  # the driver hands small allocations out of 2 MiB pages
+    closed = free_device_bytes()
+    assert closed >= start - first_use_code - page, f"a closed engine kept {start - first_use_code - closed} bytes"
     for kwargs in ({}, {"table_residency": "host"}):
-        with flashv41.Engine(model, max_seq=128, max_tokens=16, **kwargs) as other:
-            other.new_sequence().prefill(np.arange(8))
-    assert free_device_bytes() >= start - (2 << 20), f"engines kept {start - free_device_bytes()} bytes"
+        for repeat in range(4):
+            with flashv41.Engine(model, max_seq=128, max_tokens=16, **kwargs) as other:
+                other.new_sequence().prefill(np.arange(8))
+            gc.collect()
+            if repeat == 0:
+                before = free_device_bytes()
+        kept = before - free_device_bytes()
+        assert kept <= page, f"three more engines {kwargs or ''} kept {kept} bytes"
     model.close()

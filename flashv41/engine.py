@@ -167,7 +167,7 @@ class Engine:
             if capture:
                 seq.captures = captures
         seq.position += t
-        return self._stage("highway download", lambda: self.h.copy_to_host()[:t])
+        return self._stage("highway download", lambda: self.h[:t].copy_to_host())
 
     def _upload(self, seq: Sequence, ids: np.ndarray, mask: np.ndarray | None, start: int) -> np.ndarray | None:
         """The host's part of a call: hash, then everything the device work reads that changes
@@ -205,7 +205,7 @@ class Engine:
             i = role.layer
             cap: dict | None = {} if capture else None
             if cap is not None:
-                cap.update(h_in=self.h.copy_to_host()[:t], pre_mix=pre_mix.copy_to_host()[:t])
+                cap.update(h_in=self.h[:t].copy_to_host(), pre_mix=pre_mix[:t].copy_to_host())
             if role.engram:
                 assert self.engram is not None and seq.hasher is not None
                 stage("engram rows, projection, gate", self.engram.run, i, self.h, t, mask_dev, cap)
@@ -218,12 +218,12 @@ class Engine:
                   start, t, cap)
             stage("hc_post", self.hyper.post_mix, self.h, self.a, t)
             if cap is not None:
-                cap["h_attn"] = self.h.copy_to_host()[:t]
+                cap["h_attn"] = self.h[:t].copy_to_host()
             stage("hc mixes", self.hyper.mixes, i, "ffn", self.h, pre_next, t)
             stage("hc_post", self.hyper.post_mix, self.h, None, t)
             pre_mix, pre_next = pre_next, pre_mix
             if cap is not None:
-                cap["h_out"] = self.h.copy_to_host()[:t]
+                cap["h_out"] = self.h[:t].copy_to_host()
                 captures.append(cap)
         return captures
 

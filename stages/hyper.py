@@ -5,7 +5,8 @@ Shapes: T tokens, hc copies, C dim, M = (2 + hc) * hc mixes. The highway h is fl
 [T, hc, C] (SPEC.md 2: kept in fp32 on the device); sublayer inputs and outputs are bf16 bits.
 
 - `embed`: h[t, c] = bf16(dequant(token_embd[id_t])) for every copy c.
-- `mixes`: raw = h_flat @ fn^T (stages.linear, fp32), then per token r = rsqrt(mean(h^2) + eps),
+- `mixes`: raw = h_flat @ fn^T and the square sum of h_flat, in fp32 partial sums over slices of
+  the flattened highway [T, M + 1, S], then per token r = rsqrt(mean(h^2) + eps),
   pre = sigmoid(raw * r * s0 + b) + hc_eps, post = 2 sigmoid(raw * r * s1 + b), comb = Sinkhorn.
 - `pre_norm`: x = attn_norm(bf16(sum_c pre[c] h[c])) in bf16.
 - `post`: h[c] = post[c] * a + sum_k comb[k, c] h[k], in place; a = None is a zero sublayer.
@@ -23,12 +24,17 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from flashv41.errors import UnsupportedError
-from stages.device import CHUNK, SIM, bf16_round, bf16_to_f32, f32_to_bf16
-from stages.linear import DeviceWeight, linear
+from stages.device import CHUNK, SIM, WARP, bf16_round, bf16_to_f32, f32_to_bf16, warp_sum
+from stages.linear import GEMV_MAX_TOKENS, DeviceWeight, chunk_dot, gemv_token_cap
 
 MAX_HC = 4
+MAX_MIX = (2 + MAX_HC) * MAX_HC
+MIX_ROWS = MAX_MIX + 1  # the mixes and the highway's square sum
 BLOCK = 4 if SIM else 256  # threads per token block (a power of two: the reduction halves it)
+LANES = 1 if SIM else WARP
 COMB_CELLS = MAX_HC * MAX_HC
+MIX_SLICE_CHUNKS = 8  # chunks of the flattened highway per partial-product block
+MIX_THREADS = 4 if SIM else 256
 
 
 @cuda.jit(device=True)
@@ -53,30 +59,94 @@ def _sigmoid(x):
     return float32(1) / (float32(1) + math.exp(-x))
 
 
+@cache
+def mix_partials_kernel(dequant, tokens: int):
+    """Block (slice s, token group g) of MIX_SLICE_CHUNKS chunks and `tokens` tokens: for every
+    token t of the group, partial[t, m, s] = sum over the slice of h[t, k] * fn[m, k] (m < M) and
+    partial[t, M, s] = sum over the slice of h[t, k]^2. One thread per (row, chunk) item; the
+    chunk dots are added in chunk order, so the result does not depend on the launch."""
+    xs_shape = (tokens, MIX_SLICE_CHUNKS, CHUNK + 1)  # padded: lanes read different chunks
+    dots_shape = (tokens, MIX_ROWS, MIX_SLICE_CHUNKS)
+
+    @cuda.jit
+    def mix_partials(h, fn, partial, n_tokens, width, n_mix):
+        xs = cuda.shared.array(xs_shape, float32)  # [token, chunk, value] the slice of the highway
+        dots = cuda.shared.array(dots_shape, float32)  # [token, row, chunk] one dot per item
+        buf = cuda.local.array(CHUNK, float32)
+        tid = cuda.threadIdx.x
+        s = cuda.blockIdx.x
+        t0 = cuda.blockIdx.y * tokens
+        here = min(MIX_SLICE_CHUNKS, width // CHUNK - s * MIX_SLICE_CHUNKS)
+        in_group = min(tokens, n_tokens - t0)
+        k0 = s * MIX_SLICE_CHUNKS * CHUNK
+        for i in range(tid, tokens * MIX_SLICE_CHUNKS * CHUNK, cuda.blockDim.x):
+            t = i // (MIX_SLICE_CHUNKS * CHUNK)
+            k = i - t * (MIX_SLICE_CHUNKS * CHUNK)
+            live = t < in_group and k < here * CHUNK
+            xs[t, k // CHUNK, k % CHUNK] = h[t0 + t, k0 + k] if live else float32(0)
+        cuda.syncthreads()
+        for item in range(tid, (n_mix + 1) * here, cuda.blockDim.x):
+            m = item // here
+            c = item - m * here
+            if m < n_mix:
+                dequant(fn, m, s * MIX_SLICE_CHUNKS + c, buf)
+                for t in range(tokens):
+                    dots[t, m, c] = chunk_dot(buf, xs, t, c)
+            else:
+                for t in range(tokens):
+                    acc = float32(0)
+                    for i in range(CHUNK):
+                        v = xs[t, c, i]
+                        acc += v * v
+                    dots[t, m, c] = acc
+        cuda.syncthreads()
+        for i in range(tid, in_group * (n_mix + 1), cuda.blockDim.x):
+            t = i // (n_mix + 1)
+            m = i - t * (n_mix + 1)
+            total = float32(0)
+            for c in range(here):
+                total += dots[t, m, c]
+            partial[t0 + t, m, s] = total
+
+    return mix_partials
+
+
 @cuda.jit
-def _mixes_kernel(h, raw, scale, base, pre, post, comb, width, hc, iters, norm_eps, hc_eps):
-    """One block per token: the rsqrt of the highway's mean square, then split and Sinkhorn."""
+def _mixes_kernel(partial, scale, base, pre, post, comb, n_slices, width, hc, iters, norm_eps, hc_eps):
+    """One block per token: the slices' partial products summed (one warp per row), then the split
+    and Sinkhorn, its row and column sums shared by the block's threads."""
+    raw = cuda.shared.array(MIX_ROWS, float32)
+    m = cuda.shared.array(COMB_CELLS, float32)
+    sums = cuda.shared.array(MAX_HC, float32)
     scratch = cuda.shared.array(BLOCK, float32)
     t = cuda.blockIdx.x
     tid = cuda.threadIdx.x
-    ss = float32(0)
-    for i in range(tid, width, cuda.blockDim.x):
-        v = h[t, i]
-        ss += v * v
-    total = _block_sum(ss, scratch)
-    if tid != 0:
-        return
-    r = float32(1) / math.sqrt(total / float32(width) + norm_eps)
-    for c in range(hc):
-        pre[t, c] = _sigmoid(raw[t, c] * r * scale[0] + base[c]) + hc_eps
-        post[t, c] = float32(2) * _sigmoid(raw[t, hc + c] * r * scale[1] + base[hc + c])
-    m = cuda.local.array(COMB_CELLS, float32)
-    for k in range(hc):
+    lane = tid % LANES
+    warp = tid // LANES
+    warps = cuda.blockDim.x // LANES
+    n_mix = (2 + hc) * hc
+    for first in range(0, n_mix + 1, warps):  # a uniform walk: every thread meets warp_sum's barriers
+        row = first + warp
+        v = float32(0)
+        if row <= n_mix:
+            for s in range(lane, n_slices, LANES):
+                v += partial[t, row, s]
+        total = warp_sum(v, scratch) if LANES > 1 else v
+        if row <= n_mix and lane == 0:
+            raw[row] = total
+    cuda.syncthreads()
+    r = float32(1) / math.sqrt(raw[n_mix] / float32(width) + norm_eps)
+    cells = hc * hc
+    for c in range(tid, hc, cuda.blockDim.x):
+        pre[t, c] = _sigmoid(raw[c] * r * scale[0] + base[c]) + hc_eps
+        post[t, c] = float32(2) * _sigmoid(raw[hc + c] * r * scale[1] + base[hc + c])
+    for cell in range(tid, cells, cuda.blockDim.x):
+        m[cell] = raw[2 * hc + cell] * r * scale[2] + base[2 * hc + cell]
+    cuda.syncthreads()
+    for k in range(tid, hc, cuda.blockDim.x):  # row softmax
         row_max = float32(-math.inf)
         for c in range(hc):
-            v = raw[t, 2 * hc + k * hc + c] * r * scale[2] + base[2 * hc + k * hc + c]
-            m[k * hc + c] = v
-            row_max = max(row_max, v)
+            row_max = max(row_max, m[k * hc + c])
         row_sum = float32(0)
         for c in range(hc):
             e = math.exp(m[k * hc + c] - row_max)
@@ -84,23 +154,30 @@ def _mixes_kernel(h, raw, scale, base, pre, post, comb, width, hc, iters, norm_e
             row_sum += e
         for c in range(hc):
             m[k * hc + c] = m[k * hc + c] / row_sum + hc_eps
+    cuda.syncthreads()
     for it in range(iters):
         if it > 0:
-            for k in range(hc):
-                s = float32(0)
-                for c in range(hc):
-                    s += m[k * hc + c]
-                for c in range(hc):
-                    m[k * hc + c] = m[k * hc + c] / (s + hc_eps)
-        for c in range(hc):
-            s = float32(0)
-            for k in range(hc):
-                s += m[k * hc + c]
-            for k in range(hc):
-                m[k * hc + c] = m[k * hc + c] / (s + hc_eps)
-    for k in range(hc):
-        for c in range(hc):
-            comb[t, k, c] = m[k * hc + c]
+            _normalise(m, sums, hc, hc, 1, hc_eps)  # rows
+        _normalise(m, sums, hc, 1, hc, hc_eps)  # columns
+    for cell in range(tid, cells, cuda.blockDim.x):
+        comb[t, cell // hc, cell % hc] = m[cell]
+
+
+@cuda.jit(device=True)
+def _normalise(m, sums, hc, line_stride, step, eps):
+    """m[line, j] /= (sum_j m[line, j] + eps) for each of hc lines, cell = line * line_stride + j *
+    step: rows with (hc, 1), columns with (1, hc). Sums run in j order, one thread per line."""
+    tid = cuda.threadIdx.x
+    for line in range(tid, hc, cuda.blockDim.x):
+        s = float32(0)
+        for j in range(hc):
+            s += m[line * line_stride + j * step]
+        sums[line] = s + eps
+    cuda.syncthreads()
+    for cell in range(tid, hc * hc, cuda.blockDim.x):
+        line = cell // hc if line_stride == hc else cell % hc
+        m[cell] = m[cell] / sums[line]
+    cuda.syncthreads()
 
 
 @cuda.jit
@@ -188,7 +265,8 @@ class HyperStage:
             per["attn_norm"] = cuda.to_device(model.tensor(i, "attn_norm").dequantize(), stream=stream)
             self.layers.append(per)
         hc = cfg.hc
-        self.raw = cuda.device_array((max_tokens, cfg.mix_hc), np.float32)  # [T, M]
+        self.n_slices = -(-cfg.hc * cfg.dim // (MIX_SLICE_CHUNKS * CHUNK))
+        self.partial = cuda.device_array((max_tokens, cfg.mix_hc + 1, self.n_slices), np.float32)  # [T, M+1, S]
         self.post = cuda.device_array((max_tokens, hc), np.float32)  # [T, hc]
         self.comb = cuda.device_array((max_tokens, hc, hc), np.float32)  # [T, hc(k), hc(c)]
         self.ids = cuda.device_array(max_tokens, np.int32)  # [T]
@@ -212,13 +290,18 @@ class HyperStage:
             self.ids, self.embedding.data, h, n_tokens, self.cfg.hc, chunks)
 
     def mixes(self, layer: int, kind: str, h, pre, n_tokens: int) -> None:
-        """pre [T, hc] (caller's buffer), self.post and self.comb from h for sublayer `kind`."""
+        """pre [T, hc] (caller's buffer), self.post and self.comb from h for sublayer `kind`: the
+        product and the highway's square sum by slices of MIX_SLICE_CHUNKS chunks (many blocks for
+        one token), then one block per token adds the slices up and runs the split and Sinkhorn."""
         fn, scale, base = self.layers[layer][kind]
         cfg = self.cfg
-        flat = h.reshape(h.shape[0], -1)
-        linear(flat, fn, self.raw, n_tokens, stream=self.stream)
+        width = cfg.hc * cfg.dim
+        tokens = gemv_token_cap(min(n_tokens, GEMV_MAX_TOKENS))
+        grid = (self.n_slices, -(-n_tokens // tokens))
+        mix_partials_kernel(fn.dequant, tokens)[grid, MIX_THREADS, self.stream](
+            h.reshape(h.shape[0], width), fn.data, self.partial, n_tokens, width, cfg.mix_hc)
         _mixes_kernel[n_tokens, BLOCK, self.stream](
-            flat, self.raw, scale, base, pre, self.post, self.comb, cfg.hc * cfg.dim, cfg.hc,
+            self.partial, scale, base, pre, self.post, self.comb, self.n_slices, width, cfg.hc,
             cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))
 
     def pre_norm(self, layer: int, h, pre, x, n_tokens: int) -> None:
@@ -238,4 +321,4 @@ class HyperStage:
     def free(self) -> None:
         self.layers = []
         self.embedding = None  # type: ignore[assignment]
-        self.raw = self.post = self.comb = self.ids = self.no_output = None
+        self.partial = self.post = self.comb = self.ids = self.no_output = None

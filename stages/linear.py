@@ -147,7 +147,7 @@ if SIM:
     # The simulator executes kernels as Python: the inner loops, the bulk of every product, and the
     # gemv's and gemm's input staging copies run as NumPy operations there (same values, another
     # fp32 summation order; the copies by the block's first thread, the one lane of its warp).
-    def _chunk_dot(buf, xs, t, c):
+    def chunk_dot(buf, xs, t, c):
         return np.float32(np.dot(buf, xs[t, c, :CHUNK]))
 
     def _stage_x(xs, x, n_tokens, x0, n_chunks, tid, x_bf16):
@@ -169,7 +169,7 @@ if SIM:
             xs[:vals.shape[0], :CHUNK] = _BF16_VALUES[vals] if x_bf16 else vals
 else:
     @cuda.jit(device=True)
-    def _chunk_dot(buf, xs, t, c):
+    def chunk_dot(buf, xs, t, c):
         s = float32(0)
         for i in range(CHUNK):
             s += buf[i] * xs[t, c, i]
@@ -459,7 +459,7 @@ def gemv_kernel(gtype: GGMLType, x_bf16: bool, out_bf16: bool, tokens: int = GEM
                         dequant(wb, slot, c, buf)
                         for t in range(tokens):
                             if t < n_tokens:
-                                acc[t] += _chunk_dot(buf, xs, t, c)
+                                acc[t] += chunk_dot(buf, xs, t, c)
                 if block_threads > 1:
                     cuda.syncthreads()
             for t in range(tokens):

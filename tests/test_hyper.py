@@ -24,9 +24,9 @@ def setup(synth_model):
     stage.free()
 
 
-def highway(cfg, seed):
+def highway(cfg, seed, n_tokens=T):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((T, cfg.hc, cfg.dim)) * 0.3).astype(np.float32)
+    return (rng.standard_normal((n_tokens, cfg.hc, cfg.dim)) * 0.3).astype(np.float32)
 
 
 def test_embed_is_exact(setup):
@@ -39,13 +39,24 @@ def test_embed_is_exact(setup):
     assert np.array_equal(h.copy_to_host()[:T].view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("layer,kind", [(0, "attn"), (3, "ffn")])
-def test_mixes(setup, layer, kind):
-    model, oracle, stage = setup
+@pytest.fixture(scope="module")
+def small_setup(synth_model):
+    model = flashv41.load_model(synth_model("small"))
+    stage = HyperStage(model, max_tokens=16)
+    yield model, Oracle(model, max_seq=64), stage
+    stage.free()
+
+
+@pytest.mark.parametrize("preset,layer,kind,n_tokens", [("tiny", 0, "attn", T), ("tiny", 3, "ffn", T),
+                                                        ("small", 1, "attn", 1), ("small", 2, "ffn", 11)])
+def test_mixes(setup, small_setup, preset, layer, kind, n_tokens):
+    """The tiny highway is one partial slice (4 of 8 chunks); small's is four, and 11 tokens are two
+    token groups, the second one partly empty."""
+    model, oracle, stage = setup if preset == "tiny" else small_setup
     cfg = model.config
-    h = highway(cfg, layer)
-    pre = cuda.device_array((8, cfg.hc), np.float32)
-    stage.mixes(layer, kind, cuda.to_device(h), pre, T)
+    h = highway(cfg, layer, n_tokens)
+    pre = cuda.device_array((16, cfg.hc), np.float32)
+    stage.mixes(layer, kind, cuda.to_device(h), pre, n_tokens)
     want_pre, want_post, want_comb = hc_mixes(h, oracle.weight(layer, f"hc_{kind}_fn"),
                                               oracle.weight(layer, f"hc_{kind}_scale"),
                                               oracle.weight(layer, f"hc_{kind}_base"), cfg.hc, cfg.sinkhorn_iters,
@@ -53,9 +64,9 @@ def test_mixes(setup, layer, kind):
     # fp32 sums and CUDA's exp vs float64 sums and correctly rounded exp: a few ulp on pre / post;
     # 20 Sinkhorn rounds amplify last-ulp differences (two correct fp32 implementations were seen
     # 7e-6 apart on comb entries, which lie in [0, 1])
-    assert_within(pre.copy_to_host()[:T], want_pre, 1e-6, "pre")
-    assert_within(stage.post.copy_to_host()[:T], want_post, 2e-6, "post")
-    assert_within(stage.comb.copy_to_host()[:T], want_comb, 2e-5, "comb")
+    assert_within(pre.copy_to_host()[:n_tokens], want_pre, 1e-6, "pre")
+    assert_within(stage.post.copy_to_host()[:n_tokens], want_post, 2e-6, "post")
+    assert_within(stage.comb.copy_to_host()[:n_tokens], want_comb, 2e-5, "comb")
 
 
 def test_pre_norm(setup):

@@ -17,11 +17,24 @@ T = 5
 
 
 @pytest.fixture(scope="module")
-def setup(synth_model):
-    model = flashv41.load_model(synth_model("tiny"))
-    stage = HyperStage(model, max_tokens=8)
-    yield model, Oracle(model, max_seq=64), stage
-    stage.free()
+def stages(synth_model):
+    """(model, oracle, HyperStage for 16 tokens) of a preset, built on first use."""
+    built: dict[str, tuple] = {}
+
+    def get(preset: str):
+        if preset not in built:
+            model = flashv41.load_model(synth_model(preset))
+            built[preset] = (model, Oracle(model, max_seq=64), HyperStage(model, max_tokens=16))
+        return built[preset]
+
+    yield get
+    for _, _, stage in built.values():
+        stage.free()
+
+
+@pytest.fixture(scope="module")
+def setup(stages):
+    return stages("tiny")
 
 
 def highway(cfg, seed, n_tokens=T):
@@ -39,20 +52,12 @@ def test_embed_is_exact(setup):
     assert np.array_equal(h.copy_to_host()[:T].view(np.uint32), want.view(np.uint32))
 
 
-@pytest.fixture(scope="module")
-def small_setup(synth_model):
-    model = flashv41.load_model(synth_model("small"))
-    stage = HyperStage(model, max_tokens=16)
-    yield model, Oracle(model, max_seq=64), stage
-    stage.free()
-
-
 @pytest.mark.parametrize("preset,layer,kind,n_tokens", [("tiny", 0, "attn", T), ("tiny", 3, "ffn", T),
                                                         ("small", 1, "attn", 1), ("small", 2, "ffn", 11)])
-def test_mixes(setup, small_setup, preset, layer, kind, n_tokens):
+def test_mixes(stages, preset, layer, kind, n_tokens):
     """The tiny highway is one partial slice (4 of 8 chunks); small's is four, and 11 tokens are two
     token groups, the second one partly empty."""
-    model, oracle, stage = setup if preset == "tiny" else small_setup
+    model, oracle, stage = stages(preset)
     cfg = model.config
     h = highway(cfg, layer, n_tokens)
     pre = cuda.device_array((16, cfg.hc), np.float32)

@@ -34,7 +34,8 @@ BLOCK = 4 if SIM else 256  # threads per token block (a power of two: the reduct
 LANES = 1 if SIM else WARP
 COMB_CELLS = MAX_HC * MAX_HC
 MIX_SLICE_CHUNKS = 8  # chunks of the flattened highway per partial-product block
-MIX_THREADS = 4 if SIM else 256
+MIX_THREADS = 4 if SIM else 256  # threads of a partial-product block
+SINKHORN_THREADS = 1 if SIM else 256  # the simulator pays dearly for the Sinkhorn loop's barriers
 
 
 @cuda.jit(device=True)
@@ -52,6 +53,19 @@ def _block_sum(v, scratch):
     total = scratch[0]
     cuda.syncthreads()
     return total
+
+
+if SIM:
+    @cuda.jit(device=True)
+    def _sync():
+        """The Sinkhorn kernel's barrier: the simulator runs it in one-thread blocks, where a
+        barrier is a no-op that still costs, so it is skipped there."""
+        if cuda.blockDim.x > 1:
+            cuda.syncthreads()
+else:
+    @cuda.jit(device=True)
+    def _sync():
+        cuda.syncthreads()
 
 
 @cuda.jit(device=True)
@@ -118,7 +132,7 @@ def _mixes_kernel(partial, scale, base, pre, post, comb, n_slices, width, hc, it
     raw = cuda.shared.array(MIX_ROWS, float32)
     m = cuda.shared.array(COMB_CELLS, float32)
     sums = cuda.shared.array(MAX_HC, float32)
-    scratch = cuda.shared.array(BLOCK, float32)
+    scratch = cuda.shared.array(SINKHORN_THREADS, float32)
     t = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     lane = tid % LANES
@@ -134,7 +148,7 @@ def _mixes_kernel(partial, scale, base, pre, post, comb, n_slices, width, hc, it
         total = warp_sum(v, scratch) if LANES > 1 else v
         if row <= n_mix and lane == 0:
             raw[row] = total
-    cuda.syncthreads()
+    _sync()
     r = float32(1) / math.sqrt(raw[n_mix] / float32(width) + norm_eps)
     cells = hc * hc
     for c in range(tid, hc, cuda.blockDim.x):
@@ -142,7 +156,7 @@ def _mixes_kernel(partial, scale, base, pre, post, comb, n_slices, width, hc, it
         post[t, c] = float32(2) * _sigmoid(raw[hc + c] * r * scale[1] + base[hc + c])
     for cell in range(tid, cells, cuda.blockDim.x):
         m[cell] = raw[2 * hc + cell] * r * scale[2] + base[2 * hc + cell]
-    cuda.syncthreads()
+    _sync()
     for k in range(tid, hc, cuda.blockDim.x):  # row softmax
         row_max = float32(-math.inf)
         for c in range(hc):
@@ -154,7 +168,7 @@ def _mixes_kernel(partial, scale, base, pre, post, comb, n_slices, width, hc, it
             row_sum += e
         for c in range(hc):
             m[k * hc + c] = m[k * hc + c] / row_sum + hc_eps
-    cuda.syncthreads()
+    _sync()
     for it in range(iters):
         if it > 0:
             _normalise(m, sums, hc, hc, 1, hc_eps)  # rows
@@ -173,11 +187,11 @@ def _normalise(m, sums, hc, line_stride, step, eps):
         for j in range(hc):
             s += m[line * line_stride + j * step]
         sums[line] = s + eps
-    cuda.syncthreads()
+    _sync()
     for cell in range(tid, hc * hc, cuda.blockDim.x):
         line = cell // hc if line_stride == hc else cell % hc
         m[cell] = m[cell] / sums[line]
-    cuda.syncthreads()
+    _sync()
 
 
 @cuda.jit
@@ -300,7 +314,7 @@ class HyperStage:
         grid = (self.n_slices, -(-n_tokens // tokens))
         mix_partials_kernel(fn.dequant, tokens)[grid, MIX_THREADS, self.stream](
             h.reshape(h.shape[0], width), fn.data, self.partial, n_tokens, width, cfg.mix_hc)
-        _mixes_kernel[n_tokens, BLOCK, self.stream](
+        _mixes_kernel[n_tokens, SINKHORN_THREADS, self.stream](
             self.partial, scale, base, pre, self.post, self.comb, self.n_slices, width, cfg.hc,
             cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))
 

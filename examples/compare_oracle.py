@@ -26,7 +26,7 @@ import numpy as np
 
 import flashv41
 from flashv41.check import COSINE, FLIP_COSINE, REL_RMS, LayerAgreement, compare_call
-from flashv41.runner import builtin_model, random_tokens
+from flashv41.runner import open_model, random_tokens
 from flashv41.runtime import backend_name
 from host.oracle import Oracle
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # a small model launches small grids, and on a GPU Numba warns about each one's occupancy
     warnings.filterwarnings("ignore", message=".*GPU under-utilization")
-    model = flashv41.load_model(args.model if args.model is not None else builtin_model())
+    model = open_model(args.model)
     try:
         cfg = model.config
         prompt = random_tokens(cfg.vocab_size, args.prompt_len, args.seed, 0)

@@ -146,6 +146,11 @@ def parse_tokens(text: str) -> np.ndarray:
     return np.array(ids, np.int64)
 
 
+def open_model(path: Path | None) -> Model:
+    """The model at `path`, or the built-in tiny model (written first if need be) when it is None."""
+    return load_model(path if path is not None else builtin_model())
+
+
 def random_tokens(vocab: int, count: int, seed: int, stream: int) -> np.ndarray:
     """`count` ids in [0, vocab), from the seed; stream 0 = the prompt, 1 = the decode steps."""
     return np.random.default_rng([seed, stream]).integers(0, vocab, size=count, dtype=np.int64)
@@ -223,8 +228,7 @@ def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, 
     """The whole `flashv41 run`; returns the exit status."""
     if prompt_len < 1 or n_decode < 0:
         raise InputError(f"--prompt-len must be >= 1 and --decode >= 0, got {prompt_len} and {n_decode}")
-    path = model_path if model_path is not None else builtin_model()
-    model = load_model(path)
+    model = open_model(model_path)
     try:
         cfg = model.config
         prompt = tokens if tokens is not None else random_tokens(cfg.vocab_size, prompt_len, seed, 0)

@@ -104,33 +104,43 @@ def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded:
     """Every layer of every call against the oracle from identical starting points
     (flashv41.check): the prompt (its last max_tokens tokens in one call), then each decode step.
     Returns the report lines and whether every layer agreed."""
-    from flashv41.check import COSINE, FLIP_COSINE, compare_call
+    from flashv41.check import COSINE, MAX_FLIP_SHARE, REL_RMS, Flips, compare_call
     from host.oracle import Oracle
 
     oracle = Oracle(model, max_seq=engine.max_seq)
     seq, ref = engine.new_sequence(), oracle.new_sequence()
     n = model.config.n_layers
     worst_cos, worst_err, flips, ok = [1.0] * n, [0.0] * n, [0] * n, True
+    failures: list[str] = []
+    run = Flips()
     try:
         start = max(0, prompt.size - engine.max_tokens)
         if start:
             seq.prefill(prompt[:start])
             ref.prefill(prompt[:start])
         calls = [prompt[start:]] + [np.array([t]) for t in decoded]
-        for ids in calls:
-            _, layers = compare_call(seq, ref, ids)
-            for a in layers:
+        for k, ids in enumerate(calls):
+            _, call = compare_call(seq, ref, ids)
+            for a in call.layers:
                 worst_cos[a.layer] = min(worst_cos[a.layer], a.cosine)
                 worst_err[a.layer] = max(worst_err[a.layer], a.max_error)
-                flips[a.layer] += a.flip
-                ok &= a.ok
+                flips[a.layer] += a.flips.total
+            run.add(call.flips)
+            if not call.ok:
+                ok = False
+                failures.append(f"  call {k} ({'prefill' if k == 0 else 'decode'}): {call.describe()}")
     finally:
         seq.release()
-    lines = [f"check against the oracle ({len(calls)} calls, each from the engine's state and per-layer inputs; "
-             f"cosine >= {COSINE}, or >= {FLIP_COSINE} after a quantisation flip):"]
+    if not run.rare:
+        ok = False
+        failures.append(f"  flips over the run are not rare: {run.describe()}")
+    lines = [f"check against the oracle ({len(calls)} calls, each from the engine's state, per-layer inputs and "
+             f"choices; cosine >= {COSINE} and rel rms <= {REL_RMS}, flips <= {MAX_FLIP_SHARE:.0%} a kind):"]
     for role, cos, err, flip in zip(model.config.roles, worst_cos, worst_err, flips, strict=True):
         lines.append(f"  layer {role.layer:>3} {role.block_type:<28} max |err| {err:.3e}  cosine {cos:.8f}"
-                     + (f"  ({flip} calls after a flip)" if flip else ""))
+                     + (f"  ({flip} flipped values adopted from the engine)" if flip else ""))
+    lines.append(f"  flips (the engine's choices the oracle went on with): {run.describe()}")
+    lines += failures
     lines.append("check: " + ("every layer agrees" if ok else "DISAGREEMENT beyond the bounds"))
     return lines, ok
 

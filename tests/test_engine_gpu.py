@@ -8,23 +8,25 @@ import numpy as np
 import pytest
 
 import flashv41
-from flashv41.check import agreement
+from flashv41.check import Flips, agreement
 from flashv41.memory import device_free_bytes
 from host.oracle import Oracle
-from tests.test_engine import compare_call
+from tests.test_engine import assert_flips_rare, compare_call
 
 pytestmark = pytest.mark.gpu
 
 
-def run_and_check(engine, oracle, ids, prompt, chunked):
+def run_and_check(engine, oracle, ids, prompt, chunked, what):
     """Prefill `prompt` tokens in calls of `chunked`, then decode the rest one by one, comparing
-    every call layer by layer (tests/test_engine.py's compare_call)."""
+    every call layer by layer (tests/test_engine.py's compare_call); the run's flips must be rare."""
     seq, ref = engine.new_sequence(), oracle.new_sequence()
+    run = Flips()
     for s in range(0, prompt, chunked):
-        compare_call(seq, ref, ids[s:min(prompt, s + chunked)], f"prefill at {s}")
+        compare_call(seq, ref, ids[s:min(prompt, s + chunked)], f"prefill at {s}", run=run)
     for i, tok in enumerate(ids[prompt:]):
-        compare_call(seq, ref, np.array([tok]), f"decode at {prompt + i}")
+        compare_call(seq, ref, np.array([tok]), f"decode at {prompt + i}", run=run)
     seq.release()
+    assert_flips_rare(run, what)
 
 
 def test_small_prefill_chunks_and_decode(synth_model):
@@ -32,7 +34,7 @@ def test_small_prefill_chunks_and_decode(synth_model):
     with flashv41.Engine(model, max_seq=128, max_tokens=32) as engine:
         oracle = Oracle(model, max_seq=128)
         ids = np.random.default_rng(0).integers(0, model.config.vocab_size, 40 + 3 * model.config.window)
-        run_and_check(engine, oracle, ids, 40, chunked=16)
+        run_and_check(engine, oracle, ids, 40, chunked=16, what="small")
 
 
 def test_flash_dimension_layers(synth_model):
@@ -44,7 +46,7 @@ def test_flash_dimension_layers(synth_model):
     with flashv41.Engine(model, max_seq=512, max_tokens=64) as engine:
         oracle = Oracle(model, max_seq=512)
         ids = np.random.default_rng(1).integers(0, 2048, 204)
-        run_and_check(engine, oracle, ids, 200, chunked=64)
+        run_and_check(engine, oracle, ids, 200, chunked=64, what="flash layers")
 
 
 def test_release_and_close_return_device_memory(synth_model):

@@ -68,7 +68,7 @@ def test_compare_oracle(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_compare_oracle_exits_1_on_disagreement(tiny: str, capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(check, "COSINE", 2.0)  # no cosine reaches it: every unflipped layer fails
+    monkeypatch.setattr(check, "COSINE", 2.0)  # no cosine reaches it: every layer fails
     assert load_example("compare_oracle").main(["--model", tiny, "--prompt-len", "2", "--steps", "0"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and out.splitlines()[-1].startswith("DISAGREEMENT: ")

@@ -83,9 +83,8 @@ def long_run(model, steps: int, prompt: int, sync_every: int, max_tokens: int, s
             p = prompt + i
             tok, keep = int(ids[p]), bool(mask[p])
             if (i + 1) % sync_every == 0:
-                got, layers = compare_call(seq, synced_oracle(seq, oracle), np.array([tok]), np.array([keep]))
-                bad = [a for a in layers if not a.ok]
-                assert not bad, f"synced checkpoint at position {p}: {bad}"
+                got, call = compare_call(seq, synced_oracle(seq, oracle), np.array([tok]), np.array([keep]))
+                assert call.ok, f"synced checkpoint at position {p}: {call.describe()}"
             else:
                 got = seq.decode(tok, token_mask=keep)
             want = free.decode(tok, token_mask=keep)

@@ -102,9 +102,8 @@ def run(seq: flashv41.Sequence, k: int) -> np.ndarray:
 
 def assert_agrees(seq, ref, k: int, what: str) -> np.ndarray:
     a, b = CALLS[k]
-    got, layers = compare_call(seq, ref, STREAM[a:b], MASK[a:b])
-    for layer in layers:
-        assert layer.ok, f"{what}: {layer}"
+    got, call = compare_call(seq, ref, STREAM[a:b], MASK[a:b])
+    assert call.ok, f"{what}: {call.describe()}"
     return got
 
 
@@ -256,8 +255,8 @@ def test_gpu_bitwise_across_engines_interleaving_and_errors(synth_model) -> None
             if between is not None:
                 between(p)
             if check and p % 16 == 0:
-                got, layers = compare_call(seq, synced_oracle(seq, oracle), ids[p:p + 1], mask[p:p + 1])
-                assert all(a.ok for a in layers), (p, layers)
+                got, call = compare_call(seq, synced_oracle(seq, oracle), ids[p:p + 1], mask[p:p + 1])
+                assert call.ok, (p, call.describe())
                 outs.append(got)
             else:
                 outs.append(seq.decode(int(ids[p]), token_mask=bool(mask[p])))

@@ -25,7 +25,15 @@ from flashv41.model import Model
 from host import gguf_layout as L
 from host.engram_hash import EngramHasher
 from host.numerics import F32, bf16, rms_norm, rope_table
-from host.oracle.attention import AttentionWeights, LayerState, RopeTables, SharedRuntime, attention_layer
+from host.oracle.attention import (
+    Adopt,
+    AttentionWeights,
+    LayerState,
+    RopeTables,
+    SharedRuntime,
+    attention_layer,
+    own_choice,
+)
 from host.oracle.engram import engram_layer
 from host.oracle.hc import hc_mixes, hc_post, hc_pre
 from host.quants import dequantize
@@ -110,12 +118,15 @@ class OracleSequence:
         return ids, mask
 
     def prefill(self, token_ids, token_mask=None, capture: bool = False,
-                layer_inputs: list[tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
+                layer_inputs: list[tuple[np.ndarray, np.ndarray]] | None = None,
+                choices: list[Adopt] | None = None) -> np.ndarray:
         """Run a chunk of tokens from the current position; returns the final highway [T, hc, C] fp32.
 
         layer_inputs: per layer, (h [T, hc, C], pre_mix [T, hc]) to start that layer from instead
         of the previous layer's result (e.g. another implementation's `h_in` / `pre_mix` captures),
         so each layer is compared from identical inputs rather than through the whole chain.
+        choices: per layer, the hook its attention's discrete choices go through
+        (host.oracle.attention.Adopt; by default the oracle keeps its own).
         """
         ids, mask = self._check(token_ids, token_mask)
         cfg, o = self.cfg, self.oracle
@@ -143,7 +154,9 @@ class OracleSequence:
             _, post, comb = hc_mixes(h, o.weight(i, "hc_attn_fn"), o.weight(i, "hc_attn_scale"),
                                      o.weight(i, "hc_attn_base"), *mix_args)
             x = rms_norm(hc_pre(h, pre_mix), o.weight(i, "attn_norm"), cfg.norm_eps)
-            a = attention_layer(cfg, role, o.attention_weights(i), o.tables, self.states[i], shared, x, start, cap)
+            adopt = choices[i] if choices is not None else own_choice
+            a = attention_layer(cfg, role, o.attention_weights(i), o.tables, self.states[i], shared, x, start, cap,
+                                adopt)
             h = hc_post(a, h, post, comb)
             if cap is not None:
                 cap["h_attn"] = h

@@ -13,6 +13,7 @@ running maximum) is the same for a position however the sequence was split into 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,20 @@ from host.numerics import (
 
 SPARSE_BLOCK = 64
 NEG_INF = F32(-np.inf)
+
+# The layer's discrete choices, where a last-bit difference between two correct implementations can
+# land on a rounding boundary and flip the outcome (SPEC.md 4): the quantised window rows
+# ("window_rows" [T, D]), the new index-key and compressed rows ("index_keys" [n, ID], "compressed"
+# [n, D]), the candidate mask ("candidates" [T, G]) and the selection ("selection" [T, K]). The
+# oracle hands each value it computed to an `Adopt` hook, which returns the value the layer goes on
+# with: by default its own; flashv41.check returns the engine's, counting where the two differ.
+Adopt = Callable[[str, np.ndarray], np.ndarray]
+CHOICES = ("window_rows", "index_keys", "compressed", "candidates", "selection")
+
+
+def own_choice(kind: str, value: np.ndarray) -> np.ndarray:
+    """The default Adopt hook: the oracle keeps what it computed."""
+    return value
 
 
 @dataclass
@@ -214,14 +229,16 @@ def indexer_scores(cfg: ModelConfig, w: AttentionWeights, x: np.ndarray, qr: np.
 
 
 def select(cfg: ModelConfig, role: LayerRole, score: np.ndarray, positions: np.ndarray,
-           shared: SharedRuntime) -> np.ndarray:
-    """Mask, candidate blocks and top-k: scores [T, G] -> selection [T, K] (ascending, -1 padded)."""
+           shared: SharedRuntime, adopt: Adopt = own_choice) -> np.ndarray:
+    """Mask, candidate blocks and top-k: scores [T, G] -> selection [T, K] (ascending, -1 padded).
+    The candidate source's mask goes through `adopt` before later index sources read it."""
     ratio = role.ratio
     visible = (positions + 1) // ratio
     cols = np.arange(score.shape[1])
     score = np.where(cols[None, :] >= visible[:, None], NEG_INF, score).astype(F32)
     if role.candidate_source:
-        shared.candidates = candidate_blocks(score, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+        shared.candidates = adopt("candidates", candidate_blocks(score, visible, cfg.candidate_topk_blocks,
+                                                                 cfg.candidate_block_size))
     elif role.uses_candidates:
         assert shared.candidates is not None and shared.candidates.shape == score.shape
         score = np.where(shared.candidates, score, NEG_INF).astype(F32)
@@ -276,11 +293,11 @@ def output_projection(cfg: ModelConfig, w: AttentionWeights, o: np.ndarray) -> n
 
 def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tables: RopeTables,
                     state: LayerState, shared: SharedRuntime, x: np.ndarray, start: int,
-                    capture: dict | None = None) -> np.ndarray:
+                    capture: dict | None = None, adopt: Adopt = own_choice) -> np.ndarray:
     """One layer's attention over a chunk of T tokens at positions start..start+T-1.
 
     x [T, C] bf16 (the normed sublayer input) -> [T, C] bf16. Updates `state` (ring, compressor,
-    caches) and, for source layers, `shared`.
+    caches) and, for source layers, `shared`. Each discrete choice (CHOICES) goes through `adopt`.
     """
     t = x.shape[0]
     rd, win = cfg.rope_dim, cfg.window
@@ -292,7 +309,7 @@ def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tabl
     q = linear(qr, w.wq_b).reshape(t, cfg.n_heads, cfg.head_dim)
     q = rope_tail(q, cos_t[:, None], sin_t[:, None], rd)
     kv = rms_norm(linear(x, w.wkv), w.kv_norm, cfg.norm_eps)
-    kv = act_quant(rope_tail(kv, cos_t, sin_t, rd), 32)
+    kv = adopt("window_rows", act_quant(rope_tail(kv, cos_t, sin_t, rd), 32))
 
     # window rows: the W - 1 positions before the chunk come from the ring, then the chunk itself
     first = max(0, start - win + 1)
@@ -313,7 +330,7 @@ def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tabl
             latents, groups = compress(cfg, role, w, state, x, start)
             group_pos = groups * role.ratio
             if groups.size:
-                state.index_keys[groups] = index_keys(cfg, w, latents, group_pos, cos, sin)
+                state.index_keys[groups] = adopt("index_keys", index_keys(cfg, w, latents, group_pos, cos, sin))
             shared.compressed, shared.index_keys = state.compressed, state.index_keys
         width = (start + t) // role.ratio
         if role.index_source and width == 0:
@@ -322,13 +339,13 @@ def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tabl
         elif role.index_source:
             assert shared.index_keys is not None
             score = indexer_scores(cfg, w, x, qr, shared.index_keys[:width], cos_t, sin_t)
-            shared.selection = select(cfg, role, score, positions, shared)
+            shared.selection = adopt("selection", select(cfg, role, score, positions, shared, adopt))
             if capture is not None:
                 capture["index_score"] = score
         if role.kv_source and groups.size:
             rotated = rope_tail(latents, cos[group_pos], sin[group_pos], rd)
             assert state.compressed is not None
-            state.compressed[groups] = fp4_act_quant(rotated, 16, e4m3_scale=True)
+            state.compressed[groups] = adopt("compressed", fp4_act_quant(rotated, 16, e4m3_scale=True))
         assert shared.compressed is not None and shared.selection is not None
         selection = shared.selection
         comp_entries = np.where(selection >= 0, selection + win_rows.shape[0], -1)

@@ -1,0 +1,127 @@
+"""The engine-vs-oracle check (flashv41.check.compare_call) against broken engines.
+
+Each mutant (tests/mutants.py) is a wiring bug that the check's adoption of the engine's choices
+could hide if the check were lax: a window row written to the wrong ring slot, a query attending
+the previous token's selection, a compressed / index-key row published to the wrong group, a
+window-row quantiser that truncates (every row then "flips"). Each runs a prefill and two decode
+steps of the two-layer tiny model (tests/reliability.py) through compare_call, which must reject
+one of the calls; the same calls pass without the mutant. Which part of the check catches each is
+asserted too, so a mutant cannot pass for the wrong reason: the state after the call (ring slot,
+cache group), the layer output at the strict bound (the attended selection), the flip count (the
+quantiser).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda, uint32  # noqa: E402  (after conftest chose the backend)
+
+import flashv41
+import stages.attention
+import stages.kv_sources
+import stages.norm_rope_quant
+from flashv41.check import CallAgreement, compare_call
+from host.oracle import Oracle
+from stages.device import device, f32_bits, f32_from_bits
+from stages.sparse_attention import build_entries
+from tests.mutants import mutant
+from tests.reliability import TWO_LAYER_TINY
+
+PROMPT = 8
+
+
+@pytest.fixture(scope="module")
+def two_layer(synth_model):
+    model = flashv41.load_model(synth_model("tiny", **TWO_LAYER_TINY))
+    yield model, Oracle(model, max_seq=32)
+    model.close()
+
+
+def first_disagreement(model, oracle) -> CallAgreement | None:
+    """A prefill of PROMPT tokens, then two decode steps, each through compare_call on a fresh
+    engine (so kernels built under a mutant are the ones it runs); the first call that disagrees."""
+    ids = np.random.default_rng(3).integers(0, 126, PROMPT + 2)
+    with flashv41.Engine(model, max_seq=32, max_tokens=PROMPT) as engine:
+        seq, ref = engine.new_sequence(), oracle.new_sequence()
+        for call_ids in (ids[:PROMPT], ids[PROMPT:PROMPT + 1], ids[PROMPT + 1:]):
+            _, call = compare_call(seq, ref, call_ids)
+            if not call.ok:
+                return call
+    return None
+
+
+@cuda.jit
+def ring_write_one_slot_late(kv, ring, positions, n_tokens, width):
+    """stages.attention's ring write with the slot of position p + 1."""
+    i = cuda.grid(1)
+    window = ring.shape[0]
+    first = max(0, n_tokens - window)
+    if i >= (n_tokens - first) * width:
+        return
+    r = first + i // width
+    ring[(positions[r] + 1) % window, i % width] = kv[r, i % width]
+
+
+@cuda.jit
+def scatter_rows_one_group_late(src, dst, positions, n_rows, ratio, width):
+    """stages.kv_sources' cache write into group g + 1 (dropped past the cache's end)."""
+    i = cuda.grid(1)
+    if i >= n_rows * width:
+        return
+    start = positions[0]
+    g0 = (start + (ratio - 1 - start % ratio) % ratio) // ratio
+    g = g0 + i // width + 1
+    if g < dst.shape[0]:
+        dst[g, i % width] = src[i // width, i % width]
+
+
+@cuda.jit
+def _take_previous_rows(entries, n_tokens, window):
+    """entries[t, window:] = entries[t - 1, window:] for t = T-1 .. 1 (a thread per column)."""
+    j = window + cuda.grid(1)
+    if j < entries.shape[1]:
+        for t in range(n_tokens - 1, 0, -1):
+            entries[t, j] = entries[t - 1, j]
+
+
+def entries_of_the_previous_token(positions, selection, entries, n_tokens, window, chunk_capacity, stream=0):
+    """build_entries, then each query but the first attends the previous token's selection."""
+    build_entries(positions, selection, entries, n_tokens, window, chunk_capacity, stream)
+    if selection is not None:
+        _take_previous_rows[1, 64, stream](entries, n_tokens, window)
+
+
+@device
+def e4m3_truncating(x):
+    """e4m3 rounding that drops the 20 low mantissa bits instead of rounding them (no saturation
+    needed for these inputs: the scale keeps |x| <= 448)."""
+    return f32_from_bits(f32_bits(x) & uint32(0xFFF00000))
+
+
+def test_unmutated_engine_agrees(two_layer):
+    assert first_disagreement(*two_layer) is None
+
+
+def test_ring_slot_off_by_one(two_layer):
+    with mutant(stages.attention, _ring_write_kernel=ring_write_one_slot_late):
+        call = first_disagreement(*two_layer)
+    assert call is not None and any("window_ring" in a.state_mismatch for a in call.layers), call
+
+
+def test_cache_row_in_the_wrong_group(two_layer):
+    with mutant(stages.kv_sources, _scatter_rows_kernel=scatter_rows_one_group_late):
+        call = first_disagreement(*two_layer)
+    assert call is not None and any({"compressed", "index_keys"} & set(a.state_mismatch) for a in call.layers), call
+
+
+def test_attending_another_tokens_selection(two_layer):
+    with mutant(stages.attention, build_entries=entries_of_the_previous_token):
+        call = first_disagreement(*two_layer)
+    assert call is not None and any(not a.close and not a.state_mismatch for a in call.layers), call
+
+
+def test_truncating_window_quantiser(two_layer):
+    with mutant(stages.norm_rope_quant, e4m3_round=e4m3_truncating):
+        call = first_disagreement(*two_layer)
+    assert call is not None and not call.flips.rare, call

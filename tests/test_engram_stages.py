@@ -5,10 +5,11 @@ and flash sizes are in tests/test_engram_gpu.py).
   prefill, decode, masks and unmapped ids, with the same errors;
 - rows (stages.engram_rows): bit-identical to host.oracle.engram.engram_rows, Q2_K / Q8_0 / BF16
   tables, both residencies;
-- projection (stages.linear through the stage): within tests/bounds.py's fp32-summation bound;
+- projection (stages.linear through the stage): tests/bounds.py's product rules (at least 99% of
+  outputs bit-equal to the oracle, the rest within the sqrt(K) bound);
 - gate (stages.engram_gate): within `gate_bounds` below;
 - EngramStage.apply: the four chained, against host.oracle.engram.engram_layer's capture (rows
-  equal, kv within the product bound) and the oracle's gate applied to the stage's kv.
+  equal, kv under the product rules) and the oracle's gate applied to the stage's kv.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ from host.numerics import linear as oracle_linear
 from host.oracle import Oracle
 from host.oracle.engram import engram_gate as oracle_gate
 from host.oracle.engram import engram_layer, engram_rows
+from host.quants import GGMLType
 from stages.engram import EngramStage
 from stages.engram_gate import engram_gate
 from stages.engram_hash import FastEngramHasher, floor_mod, hash_positions
 from stages.engram_rows import RowWorkspace, TableRows
-from tests.bounds import assert_bf16_product, assert_within
+from stages.linear import pick_kernel
+from tests.bounds import assert_bf16_product, assert_within, split_terms
 
 U = 2.0**-24  # float32 unit roundoff
 
@@ -217,8 +220,18 @@ def oracle(tiny):
     return Oracle(tiny)
 
 
+def wkv_terms(st: EngramStage, layer: int, n_tokens: int) -> dict:
+    """split_terms for the projection of n_tokens tokens: a Q2_K wkv's two parts per value when the
+    kernel that stages.linear picks adds them apart (stream, tc: on a GPU), else nothing."""
+    w = st.layers[layer].wkv
+    if w.gtype != GGMLType.Q2_K or pick_kernel(w, True, n_tokens) not in ("stream", "tc"):
+        return {}
+    return split_terms(w.gtype, w.data.copy_to_host(), w.k)
+
+
 @pytest.mark.parametrize("tokens", [2, 9], ids=["gemv", "gemm"])
 def test_projection_within_bound(tiny, stage, oracle, tokens: int) -> None:
+    """Simulator: 100% of the kv outputs bit-equal to the oracle."""
     engram = tiny.config.engram
     layer = engram.layer_ids[0]
     ids = _ids(np.random.default_rng(tokens), engram.table_rows[0], tokens, engram.cols)
@@ -228,7 +241,8 @@ def test_projection_within_bound(tiny, stage, oracle, tokens: int) -> None:
     kv = from_bits(stage.kv.copy_to_host()[:tokens])
     wkv = oracle.weight(layer, "engram_wkv")
     assert np.array_equal(to_bits(rows), to_bits(engram_rows(tiny.tensor(layer, "engram_embd"), ids)))
-    assert_bf16_product(kv, oracle_linear(rows, wkv), rows, wkv, f"engram kv T={tokens}")
+    assert_bf16_product(kv, oracle_linear(rows, wkv), rows, wkv, f"engram kv T={tokens}",
+                        **wkv_terms(stage, layer, tokens))
 
 
 def _gate_inputs(rng: np.random.Generator, t: int, hc: int, c: int):
@@ -265,8 +279,10 @@ def test_gate_within_bound(t: int, hc: int, c: int, threads: int) -> None:
 
 def check_apply(model, oracle_, st, layer: int, h: np.ndarray, row_ids: np.ndarray, mask=None,
                 mask_dtype=np.uint8) -> dict[str, float]:
-    """st.apply against engram_layer's capture: rows equal, kv within the product bound, g and h
-    within gate_bounds of the oracle's gate run on the stage's kv. Returns the largest errors."""
+    """st.apply against engram_layer's capture: rows equal, kv under the product rules (bit-equal
+    fraction printed; simulator, tiny preset: 100%; the small and flash presets on the H200: see
+    the GPU run), g and h within gate_bounds of the oracle's gate run on the stage's kv. Returns the
+    largest errors."""
     t = h.shape[0]
     cfg = model.config
     h_dev = cuda.to_device(np.concatenate([h, np.full((2, *h.shape[1:]), 7, F32)]))  # rows past T untouched
@@ -279,7 +295,8 @@ def check_apply(model, oracle_, st, layer: int, h: np.ndarray, row_ids: np.ndarr
     engram_layer(h, row_ids, table, wkv, qk, cfg.norm_eps, mask, want)
     assert np.array_equal(cap["engram_ids"], want["engram_ids"])
     assert np.array_equal(to_bits(cap["engram_rows"]), to_bits(want["engram_rows"])), "rows differ"
-    assert_bf16_product(cap["engram_kv"], want["engram_kv"], want["engram_rows"], wkv, f"kv layer {layer} T={t}")
+    assert_bf16_product(cap["engram_kv"], want["engram_kv"], want["engram_rows"], wkv, f"kv layer {layer} T={t}",
+                        **wkv_terms(st, layer, t))
     h_ref, g_ref = oracle_gate(h, cap["engram_kv"], qk, cfg.norm_eps, mask)
     dg, dh = gate_bounds(h, cap["engram_kv"], qk, cfg.norm_eps, g_ref)
     out = h_dev.copy_to_host()

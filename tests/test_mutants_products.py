@@ -1,0 +1,252 @@
+"""Broken product kernels that the product tests must reject (SPEC.md 4): the decode GEMV (the
+`stream` kernel and `gemv`), the prefill GEMM (`gemm`, and on a GPU the tensor-core `tc`), each
+with three mutants built by tests/mutants.py:
+
+- truncate: the bf16 output rounding truncates (f32_to_bf16 drops the low half of the bits);
+- drop: one term of each output's dot product is lost (gemv, gemm: the first value of every row,
+  as a dequantiser that zeroes it; stream: the first 16-byte unit of every row, 16 Q8_0 / Q2_K
+  values or 8 BF16 ones, taken back out of the sum; tc: the first weight of every row in the staged
+  tile, for Q2_K its d sc q part, the dmin m part staying);
+- scale: a 1% scale error (gemv, gemm: every block's values 1.01x, as a wrong block scale; stream:
+  every row's walked sums 1.01x; tc: every tensor-core step's contribution 1.01x).
+
+Each test runs its mutant through the very check the product tests use (test_linear.check_linear,
+test_linear_tc.check_tc) and requires it to fail on one of tests/bounds.py's rules (the message
+says which: the 99% rule, the sqrt(K) bound or both; -s prints it), then runs the unmutated kernel
+through the same check, which must pass, so that a broken setup cannot pass for a caught mutant.
+Simulator sizes in CI; flash sizes on the GPU (`-m gpu`), where each mutant recompiles its kernel.
+
+Caught on the simulator (K = 256, 128-288 outputs a check), every bf16 mutant by both rules:
+truncate 42-59% bit-equal and 27-51% of the outputs out of the sqrt(K) bound; drop 0-8% bit-equal,
+92-100% out; scale 0% bit-equal, 95-100% out. The fp32-out drop and scale: by the sqrt(K) bound
+(the only rule there). At flash sizes on the H200: see the GPU run (-s prints each figure); a NumPy
+model of the mutants on Gaussian products expects truncate about 50% bit-equal with 6-33% out of
+the bound (K = 8192-1280), one term dropped about 29% bit-equal and 48% out at K = 8192, one unit
+dropped 3-5% and 90% out, scale 0% and 70-95% out: every mutant caught by both rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from numba import float32, uint16, uint32
+
+import stages.linear
+import stages.linear_tc
+from host.quants import GGMLType, dequantize
+from stages.device import CHUNK, DEQUANT, dequant_q8_0_split, device, f32_bits
+from stages.linear import DeviceWeight
+from tests.bounds import BIT_EQUAL_RULE, BOUND_RULE
+from tests.mutants import mutant
+from tests.test_linear import check_linear, stream_layout, weight
+from tests.test_linear_tc import FLASH, check_tc, stored_rows
+
+MUTANTS = ["truncate", "drop", "scale"]
+SCALE = float32(1.01)
+# stream_dots' units per row: K >> shift (16-byte pieces of Q8_0 and BF16, 32-bit Q2_K quant words)
+UNIT_SHIFT = {GGMLType.Q8_0: 4, GGMLType.BF16: 3, GGMLType.Q2_K: 4}
+
+
+@device
+def truncating_bf16(x):
+    """f32_to_bf16 that truncates: the high half of the bits, rounding toward zero."""
+    return uint16(f32_bits(x) >> 16)
+
+
+def dropping_first_value(dequant):
+    """A dequantiser that loses value 0 of every row: each output's dot product misses one term."""
+    @device
+    def dequant_dropping(w, row, chunk, out):
+        dequant(w, row, chunk, out)
+        if chunk == 0:
+            out[0] = float32(0)
+
+    return dequant_dropping
+
+
+def scaled_values(dequant):
+    """A dequantiser whose values are all 1% large: every block's scale off by 1%."""
+    @device
+    def dequant_scaled(w, row, chunk, out):
+        dequant(w, row, chunk, out)
+        for i in range(CHUNK):
+            out[i] *= SCALE
+
+    return dequant_scaled
+
+
+def stream_dots_mutant(kind: str):
+    """A stages.linear.stream_dots whose walkers drop their row's unit 0 ("drop") or scale their
+    sums by 1.01 ("scale"), around the real walkers."""
+    real = stages.linear.stream_dots
+
+    def dropping(walk, shift, tokens):
+        @device
+        def walk_dropping(ww, wf, row, x32, xo, k, n_tokens, acc, part, parts, lane, lanes):
+            walk(ww, wf, row, x32, xo, k, n_tokens, acc, part, parts, lane, lanes)
+            if part == 0 and lane == 0:  # unit 0 is this lane's: walk it alone into -acc, then negate back
+                for t in range(tokens):
+                    acc[t] = -acc[t]
+                walk(ww, wf, row, x32, xo, k, n_tokens, acc, 0, k >> shift, 0, 1)
+                for t in range(tokens):
+                    acc[t] = -acc[t]
+
+        return walk_dropping
+
+    def scaling(walk, shift, tokens):
+        @device
+        def walk_scaled(ww, wf, row, x32, xo, k, n_tokens, acc, part, parts, lane, lanes):
+            walk(ww, wf, row, x32, xo, k, n_tokens, acc, part, parts, lane, lanes)  # acc was zeroed for the row
+            for t in range(tokens):
+                acc[t] *= SCALE
+
+        return walk_scaled
+
+    wrap = dropping if kind == "drop" else scaling
+
+    def dots(tokens: int):
+        return {t: wrap(walk, UNIT_SHIFT[t], tokens) for t, walk in real(tokens).items()}
+
+    return dots
+
+
+def tc_dropping_types():
+    """linear_tc's TC_TYPES with a `put` that zeroes the first staged weight of every row (the low
+    half of its first word at step 0)."""
+    def dropping(put):
+        @device
+        def put_dropping(b_s, r, c, word, aux, ks):
+            put(b_s, r, c, word, aux, ks)
+            if ks == 0 and c == 0:
+                b_s[r, 0] = b_s[r, 0] & uint32(0xFFFF0000)
+
+        return put_dropping
+
+    return {t: dataclasses.replace(tc, put=dropping(tc.put)) for t, tc in stages.linear_tc.TC_TYPES.items()}
+
+
+def tc_scaled_mma():
+    """linear_tc's mma with every step's contribution (D - C) 1% large."""
+    real = stages.linear_tc.mma
+
+    @device
+    def mma_scaled(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        d0, d1, d2, d3 = real(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        return (c0 + (d0 - c0) * SCALE, c1 + (d1 - c1) * SCALE, c2 + (d2 - c2) * SCALE,
+                c3 + (d3 - c3) * SCALE)
+
+    return mma_scaled
+
+
+def replacements(kernel: str, kind: str) -> dict:
+    """The globals a mutant of `kernel` ("stream", "gemv", "gemm", "tc") swaps (tests/mutants.py)."""
+    if kind == "truncate":
+        return {"f32_to_bf16": truncating_bf16}
+    if kernel == "stream":
+        return {"stream_dots": stream_dots_mutant(kind)}
+    if kernel == "tc":
+        return {"TC_TYPES": tc_dropping_types()} if kind == "drop" else {"mma": tc_scaled_mma()}
+    wrap = dropping_first_value if kind == "drop" else scaled_values
+    return {"DEQUANT": {t: wrap(f) for t, f in DEQUANT.items()}, "dequant_q8_0_split": wrap(dequant_q8_0_split)}
+
+
+def rejected(check, *args, **kwargs) -> str:
+    """Runs a product check that must fail on a product rule; returns the rules its message names."""
+    with pytest.raises(AssertionError) as caught:
+        check(*args, **kwargs)
+    rules = [rule for rule in (BIT_EQUAL_RULE, BOUND_RULE) if rule in str(caught.value)]
+    assert rules, f"the check failed, but on no product rule: {caught.value}"
+    return " and ".join(rules)
+
+
+def run_mutant(kernel: str, kind: str, check, *args, **kwargs) -> None:
+    """The mutant through `check` (rejected), then the real kernel through it (passes)."""
+    module = stages.linear_tc if kernel == "tc" else stages.linear
+    with mutant(module, **replacements(kernel, kind)):
+        rules = rejected(check, *args, **kwargs)
+    print(f"mutant {kernel} {kind}: rejected by the {rules}")
+    check(*args, **kwargs)
+
+
+# ------------------------------------------------------------------- simulator sizes (CI)
+
+T, N, K = 4, 32, 256  # 128 outputs a check: enough for the 99% rule to mean something
+
+
+@lru_cache(maxsize=4)
+def small_weight(gtype: GGMLType, layout: str | None):
+    return weight(np.random.default_rng(int(gtype)), N, K, gtype, layout)
+
+
+@pytest.mark.parametrize("kind", MUTANTS)
+@pytest.mark.parametrize("gtype", list(UNIT_SHIFT), ids=lambda t: t.name)
+def test_stream_mutants(gtype, kind):
+    w, wq = small_weight(gtype, stream_layout(gtype))
+    run_mutant("stream", kind, check_linear, w, wq, T, "stream", seed=1)
+
+
+@pytest.mark.parametrize("kind", MUTANTS)
+@pytest.mark.parametrize("kernel,tokens", [("gemv", T), ("gemm", 9)])
+def test_gemv_gemm_mutants(kernel, tokens, kind):
+    w, wq = small_weight(GGMLType.Q8_0, "stored")  # gemv reads stored rows (a GPU defaults to split)
+    run_mutant(kernel, kind, check_linear, w, wq, tokens, kernel, seed=2)
+
+
+@pytest.mark.parametrize("kind", ["drop", "scale"])
+@pytest.mark.parametrize("kernel,gtype", [("stream", GGMLType.Q2_K), ("gemm", GGMLType.Q2_K)],
+                         ids=["stream-Q2_K", "gemm-Q2_K"])
+def test_f32_out_mutants(kernel, gtype, kind):
+    """fp32 out: no bit-equality to check, so the sqrt(K) bound alone must catch these."""
+    w, wq = small_weight(gtype, stream_layout(gtype))
+    run_mutant(kernel, kind, check_linear, w, wq, T, kernel, out_bf16=False, seed=3)
+
+
+# ------------------------------------------------------------------------ flash sizes (GPU)
+
+
+@lru_cache(maxsize=1)
+def flash_weight(n: int, k: int, gtype: GGMLType, layout: str):
+    """Random stored rows [n, k] (test_linear_tc.stored_rows) as a DeviceWeight, and their values."""
+    stored = stored_rows(np.random.default_rng(int(gtype) + n + k), n, k, gtype)
+    return DeviceWeight.from_stored("w", gtype, stored, k, layout=layout), dequantize(stored, gtype, k)
+
+
+STREAM_SHAPES = [(GGMLType.Q8_0, "wo_b"), (GGMLType.BF16, "wq_b"), (GGMLType.Q2_K, "engram_wkv")]
+
+
+# the mutants vary fastest (the outermost parametrize), so each weight is made once for them
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", MUTANTS)
+@pytest.mark.parametrize("gtype,name", STREAM_SHAPES, ids=lambda v: getattr(v, "name", v))
+def test_flash_stream_mutants(gtype, name, kind):
+    """The decode kernel at T = 1 on a flash shape per type."""
+    n, k = FLASH[name]
+    w, wq = flash_weight(n, k, gtype, stream_layout(gtype) or "stored")
+    run_mutant("stream", kind, check_linear, w, wq, 1, "stream", seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", MUTANTS)
+@pytest.mark.parametrize("kernel,tokens,name,layout", [("gemv", 1, "wo_b", "stored"), ("gemm", 64, "wq_a", "split")],
+                         ids=["gemv-wo_b", "gemm-wq_a"])
+def test_flash_gemv_gemm_mutants(kernel, tokens, name, layout, kind):
+    """gemv (the decode product of the types stream does not take) and gemm (prefill with an fp32
+    input or a weight the tensor cores do not take) on Q8_0 flash shapes."""
+    n, k = FLASH[name]
+    w, wq = flash_weight(n, k, GGMLType.Q8_0, layout)
+    run_mutant(kernel, kind, check_linear, w, wq, tokens, kernel, seed=2)
+
+
+TC_SHAPES = [(GGMLType.BF16, "wo_b"), (GGMLType.Q8_0, "wq_b"), (GGMLType.Q2_K, "engram_wkv")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", MUTANTS)
+@pytest.mark.parametrize("gtype,name", TC_SHAPES, ids=lambda v: getattr(v, "name", v))
+def test_flash_tc_mutants(gtype, name, kind):
+    """The tensor-core GEMM at T = 64 on a flash shape per type."""
+    n, k = FLASH[name]
+    run_mutant("tc", kind, check_tc, gtype, 64, 1, n, k, True, 4)

@@ -18,6 +18,15 @@ work: pooling, index keys, compressed row), with 640 attention entries (window 1
 wo_a, wo_b, the indexer's wq_b) are swapped for random stored blocks of that type before the
 prefill; the compressor, wk and proj keep the types published files use. Memory (M1) per layer is
 in the notes: weights, and the stage's workspaces and one sequence's state for the whole stack.
+
+L2: a layer's weights are 134.5 MB and up in Q8_0 and 41.5-55 MB in Q2_K (under 4x the
+H200's 50 MB L2; a Q2_K layer about fits in it), 253 MB and up in BF16 (past 4x L2). A step
+cannot swap in a copy of its weights per call, so every row whose weight bytes are under 4x L2
+evicts the L2 before each repetition (the read-only kernel of stages.bandwidth reading 3x L2,
+which leaves only clean lines) and times each repetition alone, with its own pair of events:
+behind the sleeping kernel, evict, event, step, event, evict, ...; the same for the graph
+replays (on the runner's stream) and for the `.python` rows (no sleeping kernel there). The
+BF16 rows are timed back to back as before. Each row's JSON `l2` says which.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, device_time, pipelined_time
+from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow
 from flashv41.bench_engram import WEIGHT_TYPES, random_stored
 from flashv41.errors import InputError
 from flashv41.graphs import GraphRunner
@@ -103,7 +112,6 @@ def decode_case(wtype: str) -> BenchCase:
             stream.synchronize()
             memory = (f"workspaces {stage.workspace_bytes() / 1e6:.1f} MB, sequence state "
                       f"{state.nbytes() / 1e6:.1f} MB (stack)")
-            o = ctx.options
             rows = []
             runner = GraphRunner()
             for role in cfg.roles:
@@ -114,19 +122,21 @@ def decode_case(wtype: str) -> BenchCase:
                 nbytes = stage.weight_bytes(role.layer)
                 bound = ctx.memory_bound(nbytes)
                 row = f"{name}.{role.block_type}"
-                median = device_time(step, o.reps, o.warmup, stream, n=QUEUED, hold_s=HOLD_S)
+                median, plan = ctx.stage_time(step, nbytes, stream, n=QUEUED, hold_s=HOLD_S)
                 rows.append(BenchRow(row, median, bound, bytes=nbytes,
                                      note=f"layer {role.layer}, position {DECODE_POSITION}, launch cost excluded; "
-                                          f"weights {nbytes / 1e6:.1f} MB; {memory}"))
+                                          f"weights {nbytes / 1e6:.1f} MB; {memory}", l2=plan))
                 graph = runner.capture_stages([stage], step)
-                median = device_time(partial(runner.launch, graph, wait=False), o.reps, o.warmup,
-                                     runner.numba_stream, n=QUEUED)
-                graph.close()
+                try:
+                    median, plan = ctx.stage_time(partial(runner.launch, graph, wait=False), nbytes,
+                                                  runner.numba_stream, n=QUEUED)
+                finally:
+                    graph.close()
                 rows.append(BenchRow(f"{row}.graph", median, bound, bytes=nbytes,
-                                     note="the step as one CUDA graph, replayed"))
-                median = pipelined_time(step, o.reps, o.warmup, stream)
+                                     note="the step as one CUDA graph, replayed", l2=plan))
+                median, plan = ctx.python_time(step, nbytes, stream)
                 rows.append(BenchRow(f"{row}.python", median, bound, bytes=nbytes,
-                                     note="back to back from Python, launch cost included"))
+                                     note="from Python, launch cost included", l2=plan))
             return rows
         finally:
             if state is not None:

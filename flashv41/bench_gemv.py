@@ -6,14 +6,24 @@ wq_b, and the engram's wkv. Device time (launch cost excluded, as in a replayed 
 bound = stored bytes / copy bandwidth; the note gives the effective bandwidth as a share of the
 copy bandwidth (the P1 target: >= 75%, a ratio <= 1.33). Weights are random stored blocks of the
 type: a GEMV's time does not depend on the values.
+
+L2: most of these weights fit in the 50 MB L2 and all but the BF16 engram wkv are under 4x L2,
+so a product timed back to back on one weight would be served partly or wholly from the L2. A
+row whose weight is under 4x L2 therefore makes device copies of it until they total 4x L2
+(about 30 copies of the 7 MB Q8_0 wq_a, 240 of the 0.9 MB Q2_K wkv, 2 of the 167 MB Q8_0 engram
+wkv) and each call reads the next copy, so a copy comes back only after three L2s' worth of
+other copies went through. The input and output vectors stay the same (a few KB, in the L2 as
+in a real step). The copies are freed when the row ends. The JSON's `l2` says "rotated over N
+copies", or for a weight >= 4x L2 "read from HBM" (timed back to back on the one weight).
+`time_product` also serves the prefill rows (flashv41.bench_prefill), which evict instead.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, device_time
-from flashv41.bench_engram import random_stored
+from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, L2Plan
+from flashv41.bench_engram import copy_weight, random_stored
 from host.quants import FORMATS, GGMLType
 
 # (name, outputs N, inputs K, groups): the flash preset's decode products
@@ -23,10 +33,12 @@ SHAPES = (("attn.wq_a", 1280, 5120, 1), ("attn.wq_b", 64 * 512, 1280, 1), ("attn
 
 
 def time_product(ctx: BenchContext, matrix: str, n: int, k: int, groups: int, wtype: str, tokens: int,
-                 hold_s: float = 0.005) -> tuple[float, str]:
+                 hold_s: float = 0.005) -> tuple[float, str, L2Plan]:
     """Median device seconds of `tokens` bf16 tokens through a random [n, k] weight of `wtype`
-    (`groups` groups reading their own input slices), with the kernel stages.linear picks; and
-    the kernel's name."""
+    (`groups` groups reading their own input slices), with the kernel stages.linear picks; the
+    kernel's name; and what was done about the L2. One token (a decode GEMV reads its weight
+    once): copies of the weight rotated. More (a prefill GEMM, which reuses its tiles from the L2
+    by design): the L2 evicted between repetitions if weight, input and output fit."""
     from numba import cuda
 
     from stages.linear import DeviceWeight, linear, pick_kernel
@@ -38,22 +50,30 @@ def time_product(ctx: BenchContext, matrix: str, n: int, k: int, groups: int, wt
     x = cuda.to_device(rng.integers(0x3C00, 0x3F80, size=(tokens, groups * k), dtype=np.uint16), stream=stream)
     y = cuda.device_array((tokens, n), np.uint16, stream=stream)
     rows = n // groups if groups > 1 else 0
-    o = ctx.options
-    median = device_time(lambda: linear(x, w, y, tokens, group_rows=rows, stream=stream), o.reps, o.warmup, stream,
-                         n=4 if tokens > 1 else 8, hold_s=hold_s)
-    return median, pick_kernel(w, True, tokens)
+
+    def product(weight: DeviceWeight) -> None:
+        linear(x, weight, y, tokens, group_rows=rows, stream=stream)
+
+    queued = 4 if tokens > 1 else 8
+    if tokens == 1:
+        median, plan = ctx.rotated_time(w, lambda v: copy_weight(v, stream), product, w.nbytes, stream, n=queued,
+                                        hold_s=hold_s)
+    else:
+        median, plan = ctx.stage_time(lambda: product(w), w.nbytes + x.nbytes + y.nbytes, stream, n=queued,
+                                      hold_s=hold_s)
+    return median, pick_kernel(w, True, tokens), plan
 
 
 def gemv_case(matrix: str, n: int, k: int, groups: int, wtype: str) -> BenchCase:
     name = f"gemv.{matrix}.{wtype}"
 
     def run(ctx: BenchContext) -> list[BenchRow]:
-        median, kernel = time_product(ctx, matrix, n, k, groups, wtype, 1)
+        median, kernel, plan = time_product(ctx, matrix, n, k, groups, wtype, 1)
         nbytes = FORMATS[GGMLType[wtype]].row_bytes(k) * n
         share = nbytes / median / ctx.copy_bandwidth
         return [BenchRow(name, median, ctx.memory_bound(nbytes), bytes=nbytes,
                          note=f"[{n}, {k}]{f' in {groups} groups' if groups > 1 else ''}, {kernel} kernel: "
-                              f"{share:.0%} of copy bandwidth")]
+                              f"{share:.0%} of copy bandwidth", l2=plan)]
 
     return BenchCase(name, run)
 

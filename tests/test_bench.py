@@ -1,0 +1,242 @@
+"""flashv41.bench without a GPU: the L2 policy (copies, plans, what the JSON says), the order in
+which the L2-honest timings queue their work, and the probe kernels of stages.bandwidth against
+NumPy on the simulator (in compile-check mode: compiled for sm_90). No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import numpy as np
+import pytest
+from numba import cuda  # noqa: E402  (after conftest chose the backend)
+
+from flashv41 import bench
+from flashv41.bench import (
+    HBM_FACTOR,
+    L2_FALLBACK,
+    BenchContext,
+    BenchOptions,
+    BenchRow,
+    L2Plan,
+    copies_needed,
+    format_table,
+    plan_l2,
+    report,
+)
+from flashv41.errors import UnsupportedError
+from flashv41.runtime import using_simulator
+from stages.bandwidth import NEVER, L2Evictor, copy_words, fill_words, read_words, words_buffer
+
+L2 = 50 << 20
+MB = 10**6
+
+# ------------------------------------------------------------------------------------ the L2 policy
+
+
+@pytest.mark.parametrize("nbytes", [1, 860_000, 7 * MB, 44_600_000, L2, 167 * MB, 4 * L2 - 1])
+def test_copies_reach_four_l2_and_no_more_than_needed(nbytes: int) -> None:
+    copies = copies_needed(nbytes, L2)
+    assert copies >= 2, "consecutive calls must read different copies"
+    assert copies * nbytes >= HBM_FACTOR * L2
+    assert copies == 2 or (copies - 1) * nbytes < HBM_FACTOR * L2, "one copy fewer would do"
+
+
+def test_copies_of_the_flash_weights() -> None:
+    """What the module docstrings promise for the H200's 50 MiB L2."""
+    assert copies_needed(6_963_200, L2) == 31  # Q8_0 attn.wq_a [1280, 5120]
+    assert copies_needed(860_160, L2) == 244  # Q2_K attn.wkv [512, 5120]
+    assert copies_needed(167_116_800, L2) == 2  # Q8_0 engram wkv [25600, 6144]
+
+
+@pytest.mark.parametrize("nbytes,rotate,mode", [
+    (4 * L2, True, "hbm"), (4 * L2, False, "hbm"), (253 * MB, False, "hbm"),
+    (4 * L2 - 1, True, "rotate"), (41 * MB, True, "rotate"),
+    (4 * L2 - 1, False, "evict"), (134 * MB, False, "evict"), (0, False, "evict"),
+])
+def test_plan_by_size(nbytes: int, rotate: bool, mode: str) -> None:
+    plan = plan_l2(nbytes, L2, rotate)
+    assert plan.mode == mode
+    assert plan.copies == (copies_needed(nbytes, L2) if mode == "rotate" else 1)
+
+
+def test_plan_words() -> None:
+    rotated = plan_l2(7 * MB, L2, True)  # 30 copies: 210 MB
+    assert rotated.describe() == "rotated over 30 copies (210 MB, 4.0x L2)"
+    assert rotated.short() == "L2: 30 copies"
+    assert plan_l2(134 * MB, L2, False).describe().startswith("L2 evicted between repetitions")
+    assert plan_l2(5 * L2, L2, False).describe() == "data 5.0x L2: read from HBM"
+    assert bench.HOST.describe() == "host clock: no device data"
+
+
+def test_row_json_says_what_was_done() -> None:
+    row = BenchRow("gemv.attn.wq_a.Q8_0", 2e-6, 1.8e-6, bytes=7 * MB, l2=plan_l2(7 * MB, L2, True))
+    got = row.to_json()
+    assert got["l2"].startswith("rotated over 30 copies") and got["l2_mode"] == "rotate"
+    assert got["ratio"] == pytest.approx(2 / 1.8)
+    untimed = BenchRow("stack.memory", 0.0, 0.0).to_json()
+    assert untimed["l2"] is None and untimed["l2_mode"] is None
+    json.dumps([got, untimed])
+
+
+def test_report_and_table() -> None:
+    bandwidths = {"memcpy": 3.95e12, "copy_kernel": 4.02e12, "read_kernel": 4.21e12}
+    rows = [BenchRow("copy.read_kernel", 0.1275e-3, 0.1275e-3, bytes=512 << 20, l2=plan_l2(512 << 20, L2, False)),
+            BenchRow("attention.decode.Q2_K.swa.graph", 30e-6, 10e-6, bytes=41 * MB, l2=plan_l2(41 * MB, L2, False))]
+    ctx = BenchContext(BenchOptions(), "H200", max(bandwidths.values()), rows, bandwidths, L2, "driver")
+    got = json.loads(json.dumps(report(ctx)))
+    assert got["copy_bandwidths"] == bandwidths and got["copy_bandwidth_bytes_per_s"] == 4.21e12
+    assert got["l2_bytes"] == L2 and got["l2_source"] == "driver" and "evicted" in got["l2_policy"]
+    assert [r["l2_mode"] for r in got["rows"]] == ["hbm", "evict"]
+    table = format_table(ctx.gpu, ctx.copy_bandwidth, ctx.rows, ctx.copy_bandwidths, ctx.l2_bytes)
+    assert "4.210 TB/s" in table and "memcpy 3.950" in table and "read_kernel 4.210" in table
+    assert "L2 50 MiB" in table and "[L2: evicted]" in table and "[L2: data 10.2x]" in table
+
+
+def test_l2_size_falls_back_without_a_driver_figure() -> None:
+    if not using_simulator():
+        pytest.skip("on a GPU the driver reports the L2")
+    size, source = bench.device_l2_bytes()
+    assert size == L2_FALLBACK and "assumed" in source
+
+
+@pytest.mark.skipif(not using_simulator(), reason="on a GPU the benchmark would run")
+def test_run_refuses_the_simulator() -> None:
+    with pytest.raises(UnsupportedError, match="needs a CUDA GPU"):
+        bench.run(BenchOptions(rows=("engram.hash*",)), print_fn=lambda _: None)
+
+
+def test_every_case_still_listed() -> None:
+    names = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q8_0",)))]
+    assert "gemv.attn.wq_a.Q8_0" in names and "attention.decode.Q8_0" in names and "stack.decode" in names
+    assert "prefill.gemm.engram.wkv.Q8_0" in names and "engram.hash.64k" in names
+
+
+# ------------------------------------------------------------------- the queue of the timed calls
+
+
+class Recorder:
+    """Stands in for the sleeping kernel, the evictor and the measured call: records the order."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def hold(self, stream, seconds: float) -> None:
+        self.log.append("hold" if seconds > 0 else "no hold")
+
+    def evict(self, stream) -> None:
+        self.log.append("evict")
+
+    def call(self) -> None:
+        self.log.append("call")
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    rec = Recorder()
+    monkeypatch.setattr(bench, "_hold", rec.hold)
+    return rec
+
+
+def test_evicted_time_evicts_before_every_timed_call(recorder: Recorder) -> None:
+    bench.evicted_time(recorder.call, reps=3, warmup=2, stream=0, evict=recorder.evict, n=4, hold_s=0.01)
+    log = recorder.log
+    # warm-up: 2 calls, then two groups issued to time Python's issue cost
+    assert log[:2] == ["call", "call"] and log[2:18] == ["evict", "call"] * 8
+    timed = log[18:]
+    assert timed == (["hold"] + ["evict", "call"] * 4) * 3
+
+
+def test_pipelined_eviction_has_no_hold(recorder: Recorder) -> None:
+    bench.evicted_time(recorder.call, reps=2, warmup=0, stream=0, evict=recorder.evict, n=2, hold_s=0.0)
+    assert "hold" not in recorder.log and recorder.log[-4:] == ["evict", "call"] * 2
+
+
+def test_stage_time_evicts_only_data_under_four_l2(recorder: Recorder) -> None:
+    ctx = BenchContext(BenchOptions(reps=20, warmup=1), "test", 4e12, l2_bytes=L2, evictor=recorder)
+    _, plan = ctx.stage_time(recorder.call, 5 * L2, stream=0, n=2)
+    assert plan.mode == "hbm" and "evict" not in recorder.log
+    _, plan = ctx.stage_time(recorder.call, L2, stream=0, n=2)
+    assert plan.mode == "evict" and recorder.log.count("evict") == 2 * 2 + 20 * 2
+    _, plan = ctx.python_time(recorder.call, L2, stream=0, n=2)
+    assert plan.mode == "evict" and recorder.log[-1] == "call" and recorder.log[-2] == "evict"
+
+
+class Weight:
+    """A stand-in for a DeviceWeight (the rotation only copies and passes it on)."""
+
+    def __init__(self, tag: int) -> None:
+        self.tag = tag
+
+
+def test_rotated_time_reads_the_copies_in_turn_and_frees_them(recorder: Recorder) -> None:
+    ctx = BenchContext(BenchOptions(reps=20, warmup=0), "test", 4e12, l2_bytes=L2)
+    made: list[weakref.ref] = []
+
+    def copy(w: Weight) -> Weight:
+        c = Weight(len(made) + 1)
+        made.append(weakref.ref(c))
+        return c
+
+    seen: list[int] = []
+    nbytes = 60 * MB  # 4 copies make 4x L2
+    _, plan = ctx.rotated_time(Weight(0), copy, lambda w: seen.append(w.tag), nbytes, stream=0, n=3)
+    assert plan.mode == "rotate" and plan.copies == 4 and len(made) == 3
+    assert seen == [i % 4 for i in range(len(seen))] and len(seen) == 2 * 3 + 20 * 3
+    assert all(ref() is None for ref in made), "the rotation copies outlived the row"
+
+
+# ------------------------------------------------------------------------- the probe kernels
+
+
+def buffer(values: np.ndarray):
+    return cuda.to_device(np.ascontiguousarray(values, dtype=np.uint32).reshape(1, -1))
+
+
+@pytest.mark.parametrize("vectors,blocks", [(1, 1), (37, 2), (64, 2), (300, 3)])
+def test_copy_kernel_copies_every_word(vectors: int, blocks: int) -> None:
+    """Counts that are and are not whole unrolled rounds of the grid (32 threads a block here)."""
+    src = np.random.default_rng(vectors).integers(0, 2**32, 4 * vectors, dtype=np.uint32)
+    dst = buffer(np.zeros_like(src))
+    copy_words(buffer(src), dst, blocks=blocks)
+    got = dst.copy_to_host()[0]
+    bad = np.flatnonzero(got != src)
+    assert bad.size == 0, f"{bad.size} words differ, first at {bad[:5]}"
+
+
+@pytest.mark.parametrize("where", [0, 5, 4 * 300 - 1])
+def test_read_kernel_reads_every_word(where: int) -> None:
+    """Zeros but one word NEVER: the thread that loads it (and only it) sees xor NEVER and writes
+    the sink; all zeros: the sink is never written."""
+    words = np.zeros(4 * 300, np.uint32)
+    sink = cuda.to_device(np.array([7], np.uint32))
+    read_words(buffer(words), sink, blocks=3)
+    assert sink.copy_to_host()[0] == 7
+    words[where] = NEVER
+    read_words(buffer(words), sink, blocks=3)
+    assert sink.copy_to_host()[0] == NEVER
+
+
+def test_fill_and_evictor() -> None:
+    dst = buffer(np.ones(4 * 45, np.uint32))
+    fill_words(dst, 0xABCD, blocks=2)
+    assert (dst.copy_to_host() == 0xABCD).all()
+    assert (words_buffer(100).copy_to_host() == 0).all() and words_buffer(100).shape == (1, 28)
+    evictor = L2Evictor(4096)
+    evictor.evict()
+    assert evictor.nbytes == 4096 and evictor.sink.copy_to_host().shape == (1,)
+    evictor.free()
+    assert evictor.buffer is None
+
+
+def test_probe_shapes_are_checked() -> None:
+    with pytest.raises(ValueError, match="uint32"):
+        copy_words(cuda.to_device(np.zeros((1, 6), np.uint32)), cuda.to_device(np.zeros((1, 6), np.uint32)))
+    with pytest.raises(ValueError, match="copy"):
+        copy_words(buffer(np.zeros(8)), buffer(np.zeros(12)))
+
+
+def test_plan_type_is_frozen() -> None:
+    plan = L2Plan("evict", 1, L2)
+    with pytest.raises(AttributeError):
+        plan.mode = "hbm"  # type: ignore[misc]

@@ -280,8 +280,8 @@ def test_gate_within_bound(t: int, hc: int, c: int, threads: int) -> None:
 def check_apply(model, oracle_, st, layer: int, h: np.ndarray, row_ids: np.ndarray, mask=None,
                 mask_dtype=np.uint8) -> dict[str, float]:
     """st.apply against engram_layer's capture: rows equal, kv under the product rules (bit-equal
-    fraction printed; simulator, tiny preset: 100%; the small and flash presets on the H200: see
-    the GPU run), g and h within gate_bounds of the oracle's gate run on the stage's kv. Returns the
+    fraction printed; simulator, tiny preset: 100%; the small and flash presets on the H200
+    (2026-12-01): 99.95-100%), g and h within gate_bounds of the oracle's gate run on the stage's kv. Returns the
     largest errors."""
     t = h.shape[0]
     cfg = model.config

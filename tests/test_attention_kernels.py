@@ -2,8 +2,10 @@
 
 Exact (bit for bit, given the same inputs): RMSNorm, RoPE, act_quant, fp4_quant (stages.norm_rope_quant
 says why), the compressor pooling and the kv-source caches, index scores, selections and candidate
-blocks, the entry lists. Within a derived bound: sparse attention (test_sparse_attention says which).
-Simulator shapes here; `gpu` tests repeat the heavy kernels at V4.1-Flash sizes.
+blocks, the entry lists. Within a derived bound and nearly all bit-equal: sparse attention
+(sparse_bound and SPARSE_EQUAL_MIN say why). Simulator shapes here; `gpu` tests repeat the heavy
+kernels at V4.1-Flash sizes. The `check_...` functions are what tests/test_mutants_attention.py holds
+broken kernels to: each must reject every mutant of its kernel there.
 """
 
 from __future__ import annotations
@@ -17,7 +19,18 @@ from numba import cuda  # noqa: E402  (after conftest chose the backend)
 from flashv41.config import LayerRole
 from flashv41.errors import InputError
 from flashv41.model import load_model
-from host.numerics import act_quant, bf16, e4m3, fp4_act_quant, from_bits, rms_norm, to_bits
+from host.numerics import (
+    FP4_MAX_INV,
+    FP8_MAX_INV,
+    act_quant,
+    bf16,
+    e4m3,
+    fp4_act_quant,
+    from_bits,
+    pow2_ceil_scale,
+    rms_norm,
+    to_bits,
+)
 from host.oracle import attention as oracle
 from host.oracle import rope_tables
 from stages import indexer, kv_sources  # noqa: E402
@@ -64,9 +77,9 @@ def random_rows(rng, rows: int, width: int) -> np.ndarray:
 
 # ---- RMSNorm, RoPE ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("threads", [0, 2, 4])
-@pytest.mark.parametrize("dtype", [np.uint16, np.float32])
-def test_rms_norm_exact(dtype, threads):
+def check_rms_norm(dtype, threads: int = 0) -> None:
+    """rms_norm of random rows (bf16, or fp32 values that are not bf16) against host.numerics.rms_norm,
+    bit-exact."""
     rng = np.random.default_rng(1)
     rows, width = 6, 96
     x = random_rows(rng, rows, width)
@@ -79,6 +92,12 @@ def test_rms_norm_exact(dtype, threads):
     assert_bits_equal(out.copy_to_host()[:rows], rms_norm(x, weight, 1e-6), f"rms_norm {np.dtype(dtype).name}")
 
 
+@pytest.mark.parametrize("threads", [0, 2, 4])
+@pytest.mark.parametrize("dtype", [np.uint16, np.float32])
+def test_rms_norm_exact(dtype, threads):
+    check_rms_norm(dtype, threads)
+
+
 def test_rms_norm_in_place():
     rng = np.random.default_rng(2)
     x = random_rows(rng, 3, 64)
@@ -88,17 +107,19 @@ def test_rms_norm_in_place():
     assert_bits_equal(xd.copy_to_host(), rms_norm(x, weight, 1e-20), "rms_norm in place")
 
 
-@pytest.mark.parametrize("compressed", [False, True])
-@pytest.mark.parametrize("heads", [1, 3])
-def test_rope_exact(tiny_cfg, heads, compressed):
-    """Forward and inverse rotation of each head's tail, positions anywhere in the table."""
+ROPE_POSITIONS = np.array([0, 1, 2, 77, 150, 198, 199], np.int32)
+
+
+def check_rope(cfg, heads: int, compressed: bool, max_seq: int = 200) -> None:
+    """Forward and inverse rotation of each head's tail at ROPE_POSITIONS (the first and the last
+    rows of the default table among them) against oracle.rope_tail, bit-exact."""
     rng = np.random.default_rng(3 + heads)
-    max_seq, head_dim = 200, 32
-    tables = rope_tables(tiny_cfg, max_seq)
+    head_dim = 32
+    tables = rope_tables(cfg, max_seq)
     cos, sin = tables.compressed if compressed else tables.plain
-    rd = tiny_cfg.rope_dim
-    rows = 7
-    positions = np.array([0, 1, 2, 77, 150, 198, 199], np.int32)
+    rd = cfg.rope_dim
+    positions = ROPE_POSITIONS
+    rows = positions.size
     x = bf16(rng.standard_normal((rows, heads, head_dim)).astype(np.float32))
     for inverse in (False, True):
         xd = dev_bf16(x.reshape(rows, -1))
@@ -107,22 +128,44 @@ def test_rope_exact(tiny_cfg, heads, compressed):
         assert_bits_equal(xd.copy_to_host().reshape(rows, heads, head_dim), ref, f"rope inverse={inverse}")
 
 
+@pytest.mark.parametrize("compressed", [False, True])
+@pytest.mark.parametrize("heads", [1, 3])
+def test_rope_exact(tiny_cfg, heads, compressed):
+    check_rope(tiny_cfg, heads, compressed)
+
+
 # ---- quantisers --------------------------------------------------------------------------------------
+
+def scale_boundary_blocks(limit: float, block: int, fine: list[float], powers: tuple[int, ...]) -> list[np.ndarray]:
+    """Blocks at the edge of a power-of-two scale (scale = 2^ceil(log2(amax / limit))): amax is
+    `limit` times a power of two (amax / limit exactly that power: where a ceil and a floor + 1
+    differ) or one bf16 step either side of it (0.45-0.52% off, so a limit 1% off lands on the other
+    side), and the rest of the block the `fine` values, the format's finest steps, which quantise
+    differently at twice the scale. Random rows hardly show a scale one step off (the formats are
+    scale-free but for their subnormal and saturating ends); these show it, and a 1% one."""
+    step = 2.0 ** (np.floor(np.log2(limit)) - 7)
+    rest = [fine[i % len(fine)] * (-1) ** i for i in range(block - 1)]
+    return [np.array([amax] + rest, np.float32) * np.float32(2.0**p)
+            for p in powers for amax in (limit, limit - step, limit + step)]
+
 
 def fp8_crafted_blocks() -> np.ndarray:
     """Blocks of 32 that hit every corner of act_quant: ties between e4m3 neighbours (normal and
-    subnormal), the amax floor, exact power-of-two scales, signed zeros, huge and tiny magnitudes."""
+    subnormal), the amax floor, exact power-of-two scales, signed zeros, huge and tiny magnitudes,
+    and scale_boundary_blocks (subnormal multiples of 2^-9 under an amax at 448 x 2^k)."""
     ties = [1.0625, 1.1875, -1.3125, 1.9375, 3.0 + 1 / 8, 448.0, 416.0 + 16, 2.0**-7 + 2.0**-10,
             3 * 2.0**-10, 5 * 2.0**-10, -7 * 2.0**-10, 2.0**-12, -0.0, 0.0, 240.0, 232.0]
     base = np.array(ties + [0.5 * (i + 1) for i in range(16)], np.float32)
     blocks = [base, base * 2.0**-20, base * 2.0**30, -base, np.zeros(32, np.float32),
               np.full(32, 1e-6, np.float32), np.full(32, -3e-38, np.float32)]
+    blocks += scale_boundary_blocks(448.0, 32, [k * 2.0**-9 for k in range(1, 32)], (0, -20, 30))
     return bf16(np.stack(blocks).reshape(1, -1))
 
 
 def fp4_crafted_blocks(block: int) -> np.ndarray:
     """E2M1 midpoints and neighbours times an exact scale, saturation after an e4m3 scale rounds
-    down (amax / 6 = 1.0625 -> 1.0, so |x / s| reaches 6.375 and clips), signed zeros, tiny blocks."""
+    down (amax / 6 = 1.0625 -> 1.0, so |x / s| reaches 6.375 and clips), signed zeros, tiny blocks,
+    and scale_boundary_blocks (multiples of 0.25, ties among them, under an amax at 6 x 2^k)."""
     mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -2.5, 0.5, 3.0, -0.0, 0.0, 5.5, 0.125, 6.0]
     rows = []
     for scale in (1.0, 1.25, 2.0**-5, 2.0**12):
@@ -131,10 +174,12 @@ def fp4_crafted_blocks(block: int) -> np.ndarray:
     sat = np.linspace(-6.375, 6.375, block).astype(np.float32)
     sat[0] = 6.375
     rows += [sat, np.zeros(block, np.float32), np.full(block, 1e-30, np.float32)]
+    rows += scale_boundary_blocks(6.0, block, [0.25 * k for k in range(1, 24)], (0, -5, 12))
     return bf16(np.concatenate(rows)[None, :])
 
 
-def test_act_quant_exact():
+def check_act_quant() -> None:
+    """act_quant of random rows and of the crafted blocks against host.numerics.act_quant, bit-exact."""
     rng = np.random.default_rng(4)
     for x in (random_rows(rng, 9, 128), fp8_crafted_blocks()):
         xd = dev_bf16(x)
@@ -142,8 +187,8 @@ def test_act_quant_exact():
         assert_bits_equal(xd.copy_to_host(), act_quant(x), "act_quant")
 
 
-@pytest.mark.parametrize("block,e4m3_scale", [(16, True), (32, False)])
-def test_fp4_quant_exact(block, e4m3_scale):
+def check_fp4_quant(block: int, e4m3_scale: bool) -> None:
+    """fp4_quant of random rows and of the crafted blocks against host.numerics.fp4_act_quant, bit-exact."""
     rng = np.random.default_rng(5 + block)
     for x in (random_rows(rng, 9, 128), fp4_crafted_blocks(block)):
         xd = dev_bf16(x)
@@ -151,13 +196,29 @@ def test_fp4_quant_exact(block, e4m3_scale):
         assert_bits_equal(xd.copy_to_host(), fp4_act_quant(x, block, e4m3_scale), f"fp4 {block}")
 
 
+def test_act_quant_exact():
+    check_act_quant()
+
+
+@pytest.mark.parametrize("block,e4m3_scale", [(16, True), (32, False)])
+def test_fp4_quant_exact(block, e4m3_scale):
+    check_fp4_quant(block, e4m3_scale)
+
+
 def test_crafted_inputs_hit_the_corners():
-    """The crafted blocks above really contain ties and saturation (else they test nothing)."""
+    """The crafted blocks above really contain ties, saturation and scale edges (else they test nothing)."""
     x = fp8_crafted_blocks()[0, :32]
     q = e4m3(x)
     assert np.any(q != x) and np.any(np.abs(x) == 448)
     v = fp4_crafted_blocks(16)[0, 64:80]  # the saturating block
     assert np.abs(v).max() / e4m3(np.abs(v).max() / 6) > 6
+    for row, inv in ((fp8_crafted_blocks(), FP8_MAX_INV), (fp4_crafted_blocks(32), FP4_MAX_INV)):
+        # the 9 scale_boundary_blocks, last: per power (at the edge, a step below, a step above)
+        amax = np.abs(row[0, -9 * 32:].reshape(3, 3, 32)).max(axis=-1)
+        scale = pow2_ceil_scale(amax, inv)
+        assert np.all(pow2_ceil_scale(amax[:, 0], inv) == amax[:, 0] * inv)  # exactly a power of two
+        assert np.all(pow2_ceil_scale(amax[:, 1], np.float32(inv * 1.01)) != scale[:, 1])
+        assert np.all(pow2_ceil_scale(amax[:, 2], np.float32(inv * 0.99)) != scale[:, 2])
 
 
 def test_quantiser_shape_errors():
@@ -297,13 +358,16 @@ def test_index_scores_exact(tiny_cfg, tile):
 
 def score_patterns(rng, t: int, width: int) -> dict[str, np.ndarray]:
     """Random scores and tie-heavy ones: a handful of values (signed zeros among them), one value
-    everywhere, and negative-only rows."""
+    everywhere, negative-only rows, and scores rising with the position (the newest visible
+    positions rank first, so the selection's edge is the visible width itself)."""
     few = np.array([-2.0, -0.5, -0.0, 0.0, 0.5, 1.0, 3.0], np.float32)
+    rising = bf16((np.arange(width, dtype=np.float32) + 1) * np.float32(4 / max(width, 1)))
     return {
         "random": bf16(rng.standard_normal((t, width)).astype(np.float32)),
         "ties": few[rng.integers(0, few.size, (t, width))],
         "constant": np.full((t, width), 0.25, np.float32),
         "negative": -bf16(rng.random((t, width)).astype(np.float32) * 0.01 + 1),
+        "rising": np.broadcast_to(rising, (t, width)).copy(),
     }
 
 
@@ -313,16 +377,18 @@ SELECT_CASES = [  # (ratio, start, T, topk, block, topk_blocks)
     (2, 30, 5, 8, 4, 2),  # top-k cut inside many ties; few candidate blocks
     (1, 3, 4, 16, 3, 8),  # k above the visible count; ragged last block
 ]
+FLASH_SELECT_CASE = (1, 32768 - 4, 4, 512, 8, 2048)  # top-512 of 32768, 8-position blocks (top 2048)
+SPARE_SCORE = 100.0  # beyond the width: above every pattern's score, so a kernel that reads there picks it
 
 
-@pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: f"r{c[0]}s{c[1]}T{c[2]}k{c[3]}b{c[4]}x{c[5]}")
-def test_select_exact(tiny_cfg, case):
+def check_select(cfg, case, seed: int | None = None) -> None:
     """Candidate source, a later index source respecting its mask, and a plain index source, each
-    against oracle.select on the same scores: selections and masks exactly equal."""
+    against oracle.select on the same scores: selections and masks exactly equal. The kernel's score
+    rows run 3 columns past the width, at SPARE_SCORE (the oracle sees only the width): it must not
+    read them."""
     ratio, start, t, topk, block, topk_blocks = case
-    cfg = dataclasses.replace(tiny_cfg, index_topk=topk, candidate_block_size=block,
-                              candidate_topk_blocks=topk_blocks)
-    rng = np.random.default_rng(10 + start)
+    cfg = dataclasses.replace(cfg, index_topk=topk, candidate_block_size=block, candidate_topk_blocks=topk_blocks)
+    rng = np.random.default_rng(10 + start if seed is None else seed)
     positions = np.arange(start, start + t)
     width = (start + t) // ratio
     pos = cuda.to_device(positions.astype(np.int32))
@@ -334,12 +400,18 @@ def test_select_exact(tiny_cfg, case):
             role = LayerRole(3, ratio, False, True, source, uses, False)
             other = score_patterns(rng, t, width)["ties"] if uses else scores
             ref = oracle.select(cfg, role, other, positions, shared)
+            padded = np.concatenate([other, np.full((t, 3), SPARE_SCORE, np.float32)], axis=1)
             sel = cuda.to_device(np.full((t, topk), 99, np.int32))
-            indexer.select(dev_bf16(other), pos, cand, sel, t, ratio, source, uses, block, topk_blocks)
+            indexer.select(dev_bf16(padded), pos, cand, sel, t, ratio, source, uses, block, topk_blocks)
             assert np.array_equal(sel.copy_to_host(), ref), f"{name} source={source} uses={uses}"
             if source:
                 mask = np.repeat(cand.copy_to_host()[:, :nb].astype(bool), block, axis=1)[:, :width]
                 assert np.array_equal(mask, shared.candidates), f"{name}: candidate blocks"
+
+
+@pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: f"r{c[0]}s{c[1]}T{c[2]}k{c[3]}b{c[4]}x{c[5]}")
+def test_select_exact(tiny_cfg, case):
+    check_select(tiny_cfg, case)
 
 
 @pytest.mark.parametrize("threads,radix_bits", [(2, 8), (4, 4)])
@@ -365,8 +437,7 @@ def test_select_other_shapes(tiny_cfg, threads, radix_bits):
 
 # ---- entries and sparse attention ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("start,t", [(0, 5), (6, 4), (13, 1), (20, 12)])
-def test_entries_name_the_window_positions(start, t):
+def check_entries(start: int, t: int) -> None:
     """Each window entry resolves to the row of the position oracle.window_positions names (ring rows
     label their slot's position, chunk rows their own), then the selection shifted past both."""
     window, cap, k = 8, 12, 3
@@ -382,21 +453,53 @@ def test_entries_name_the_window_positions(start, t):
     got = entries.copy_to_host()
     win = got[:, :window]
     named = np.where(win >= 0, labels[np.clip(win, 0, None)], -1)
-    assert np.array_equal(named, oracle.window_positions(positions, window))
-    assert np.array_equal(got[:, window:], np.where(selection >= 0, selection + window + cap, -1))
+    assert np.array_equal(named, oracle.window_positions(positions, window)), "window entries"
+    assert np.array_equal(got[:, window:], np.where(selection >= 0, selection + window + cap, -1)), "selected entries"
 
 
-def attention_inputs(rng, t: int, heads: int, dim: int, window: int, chunk: int, groups: int, n_entries: int):
-    """q (bf16), rows as the layer makes them (fp8 window rows, fp4 compressed rows), entries with
-    skips and an all-empty row, sinks large enough to matter."""
+ENTRY_CASES = [(0, 5), (6, 4), (13, 1), (20, 12)]  # (start, T)
+
+
+@pytest.mark.parametrize("start,t", ENTRY_CASES)
+def test_entries_name_the_window_positions(start, t):
+    check_entries(start, t)
+
+
+def attention_inputs(rng, t: int, heads: int, dim: int, window: int, chunk: int, groups: int, selected: int):
+    """q (bf16), rows as the layer makes them (fp8 window rows, fp4 compressed rows), entries
+    [T, window + selected] and sinks.
+
+    Entries, by query: 0, 2 (and every 4 from there): the layer's own list (build_entries' layout)
+    for the query at that offset of a chunk that starts 3 windows in: every ring slot but the
+    chunk's newer positions', the chunk rows up to its own, then `selected` - 1 .. - 3 distinct
+    compressed rows ascending, -1 padded; so every window row weighs in and a dropped one shows.
+    1: none (the output must be zeros). 3: arbitrary entries (any source in any column, repeats,
+    skips). Sinks: each head's at its queries' mean log-sum-exp of the scores plus U(-3, 2), so the
+    sink takes 5-88% of the denominator, and leaving it out moves every output.
+    """
     q = bf16((rng.standard_normal((t, heads, dim)) * 2).astype(np.float32))
     ring = act_quant(bf16(rng.standard_normal((window, dim)).astype(np.float32)))
     chunk_rows = act_quant(bf16(rng.standard_normal((chunk, dim)).astype(np.float32)))
     comp = fp4_act_quant(bf16(rng.standard_normal((groups, dim)).astype(np.float32)), 16, True)
     n_rows = window + chunk + groups
-    entries = rng.integers(-1, n_rows, (t, n_entries)).astype(np.int32)
-    entries[1] = -1
-    sinks = (rng.standard_normal(heads) * 2).astype(np.float32)
+    entries = np.full((t, window + selected), -1, np.int32)
+    first = 3 * window + 5  # the chunk's first position
+    for i in range(t):
+        if i % 4 == 3:
+            entries[i] = rng.integers(-1, n_rows, window + selected)
+        elif i % 4 != 1:
+            wp = first + i % chunk - window + 1 + np.arange(window)
+            entries[i, :window] = np.where(wp >= first, window + wp - first, wp % window)
+            k = selected - 1 - i % 3
+            entries[i, window:window + k] = window + chunk + np.sort(rng.choice(groups, k, replace=False))
+    valid = entries >= 0
+    rows = np.concatenate([ring, chunk_rows, comp])
+    k_rows = rows[np.where(valid, entries, 0)].astype(np.float64)
+    s = np.einsum("thd,ted->the", q.astype(np.float64), k_rows) * dim ** -0.5
+    s = np.where(valid[:, None, :], s, -np.inf)[valid.any(axis=1)]
+    m = s.max(axis=-1)
+    lse = (m + np.log(np.exp(s - m[..., None]).sum(axis=-1))).mean(axis=0)
+    sinks = (lse + rng.uniform(-3, 2, heads)).astype(np.float32)
     return q, ring, chunk_rows, comp, entries, sinks
 
 
@@ -426,11 +529,25 @@ def sparse_bound(q, rows, entries, sinks, scale, ref) -> np.ndarray:
     return (2.0**-7 + eps + 2.0**-16) * weighted + (eps + 2.0**-16) * np.abs(ref) + bf16_ulp(ref)
 
 
-def check_sparse_attention(seed, t, heads, dim, window, chunk, groups, width, what, threads=0):
-    """Random inputs (row 1 without entries) through the kernel and the oracle: within
-    sparse_bound, zeros for the empty row, and (flips being rare) nearly every value equal."""
+# Sparse attention: at least this share of the outputs of the rows with entries equals the oracle's
+# bits. An fp32 kernel differs from the float64 oracle only where its error carries a value (or one
+# p_j) across a bf16 rounding boundary. Measured: the simulator 100% at the CI shape and 99.97% at
+# the flash shape (64 heads x 512, 640 entries); a NumPy emulation of the GPU kernel's order (32
+# lanes over D with FMAs, the butterfly, sequential FMA value sums per block) 100% at the CI shape
+# on 60 seeds and 99.977% at the flash shape (23 of 98304 values). The mutants that the bound lets
+# through (tests/test_mutants_attention.py) keep at most 62%: p or the output truncated (50-60%),
+# the output 1% off (0%).
+SPARSE_EQUAL_MIN = 0.99
+SPARSE_CASE = (12, 4, 2, 64, 8, 6, 160, 132)  # seed, T, H, D, W, chunk rows, groups, selected (E = 140)
+FLASH_SPARSE_CASE = (14, 4, 64, 512, 128, 64, 1024, 512)  # 64 heads x 512, window 128 + top-512
+
+
+def check_sparse_attention(seed, t, heads, dim, window, chunk, groups, selected, what, threads=0):
+    """attention_inputs through the kernel and the oracle: zeros for the row without entries, every
+    value within sparse_bound, and at least SPARSE_EQUAL_MIN of the others bit-equal. Returns
+    (got, ref)."""
     rng = np.random.default_rng(seed)
-    q, ring, chunk_rows, comp, entries, sinks = attention_inputs(rng, t, heads, dim, window, chunk, groups, width)
+    q, ring, chunk_rows, comp, entries, sinks = attention_inputs(rng, t, heads, dim, window, chunk, groups, selected)
     rows = np.concatenate([ring, chunk_rows, comp])
     scale = dim ** -0.5
     ref = oracle.sparse_attention(q, rows, entries.astype(np.int64), sinks, scale)
@@ -440,13 +557,15 @@ def check_sparse_attention(seed, t, heads, dim, window, chunk, groups, width, wh
     got = host_bf16(out)
     assert np.all(got[1] == 0) and np.all(ref[1] == 0), "a row without entries gives zeros"
     assert_within(got, ref, sparse_bound(q, rows, entries, sinks, scale, ref), what)
-    assert np.mean(got == ref) > 0.95
+    filled = (entries >= 0).any(axis=1)
+    equal = float(np.mean(got[filled] == ref[filled]))
+    assert equal >= SPARSE_EQUAL_MIN, f"{what}: {equal:.2%} of values bit-equal < {SPARSE_EQUAL_MIN:.0%}"
     return got, ref
 
 
 @pytest.mark.parametrize("threads", [0, 2])
 def test_sparse_attention_within_bound(threads):
-    check_sparse_attention(12, 4, 2, 64, 8, 6, 40, 140, "sparse attention", threads)
+    check_sparse_attention(*SPARSE_CASE, "sparse attention", threads)
 
 
 def test_sparse_attention_shape_errors():
@@ -461,28 +580,14 @@ def test_sparse_attention_shape_errors():
 
 @pytest.mark.gpu
 def test_flash_select_exact(tiny_cfg):
-    """Top-512 of 32768 scores with 8-position candidate blocks (top 2048), random and tie-heavy."""
-    cfg = dataclasses.replace(tiny_cfg, index_topk=512, candidate_block_size=8, candidate_topk_blocks=2048)
-    rng = np.random.default_rng(13)
-    t, start = 4, 32768 - 4
-    positions = np.arange(start, start + t)
-    width = start + t
-    pos = cuda.to_device(positions.astype(np.int32))
-    for name, scores in score_patterns(rng, t, width).items():
-        shared = oracle.SharedRuntime()
-        cand = cuda.device_array((t, width // 8 + 1), np.uint8)
-        for source, uses in ((True, False), (False, True), (False, False)):
-            role = LayerRole(3, 1, False, True, source, uses, False)
-            ref = oracle.select(cfg, role, scores, positions, shared)
-            sel = cuda.device_array((t, 512), np.int32)
-            indexer.select(dev_bf16(scores), pos, cand, sel, t, 1, source, uses, 8, 2048)
-            assert np.array_equal(sel.copy_to_host(), ref), f"{name} source={source} uses={uses}"
+    """Top-512 of 32768 scores with 8-position candidate blocks (top 2048), every score pattern."""
+    check_select(tiny_cfg, FLASH_SELECT_CASE, seed=13)
 
 
 @pytest.mark.gpu
 def test_flash_sparse_attention_within_bound():
     """64 heads x 512, a 128-slot window plus top-512 entries (ten blocks of 64)."""
-    got, ref = check_sparse_attention(14, 3, 64, 512, 128, 64, 1024, 640, "sparse attention (flash)")
+    got, ref = check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash)")
     print(f"\nflash sparse attention: {np.mean(got == ref):.4f} of values equal, max error "
           f"{np.abs(got - ref).max():.3e}")
 

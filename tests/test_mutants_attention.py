@@ -1,0 +1,350 @@
+"""Broken variants of the attention stages' kernels, each rejected by the check its real test uses.
+
+Every mutant is the smallest realistic bug of its kind in one kernel: a helper swapped through
+tests.mutants.mutant (a rounding that truncates, an entry skipped), or one line of the kernel's own
+source edited (`edited`: a position off by one, a term left out, a constant 1% off). Each runs
+through the same `check_...` function of tests/test_attention_kernels.py, on the same inputs, as the
+kernel's real test, and the check must raise AssertionError; `test_unmutated_passes` runs every
+check on those inputs with the real kernels, so no mutant "fails" because the setup is broken. The
+simulator runs the CI shapes; `gpu` tests repeat the sparse attention, index score and selection
+mutants at V4.1-Flash sizes (64 heads x 512 over a 128 window + top-512; 32 index heads x 128
+against 4096 keys; top-512 of 32768).
+
+What rejects each (measured on the simulator, at the CI shape and, for the `gpu` ones, the flash shape):
+- sparse attention: p or the output truncated to bf16, the output 1% large: only the bit-equal share
+  (SPARSE_EQUAL_MIN = 99%: the mutants keep 60% / 51% / 0% at the CI shape, 52% / 50% / 0% at the
+  flash shape; the kernel 100% / 99.97%); the softmax scale 1% large, a dropped chunk row or ring
+  slot, the sink left out: sparse_bound (95-327 of 512 values out of it; 1657-87662 of 131072).
+  The sink counts because attention_inputs puts each head's sink near its log-sum-exp, and a
+  window row because its queries' entries are the layer's own lists (each names every window row).
+- entries: the window entries' positions (exact).
+- index scores: exact scores (14-52 of 65 differ; 5919-11752 of 12288 at flash).
+- selection: exact selections and masks. The short visible width shows in the candidate blocks
+  (CI) and, at flash, only in the "rising" score pattern (newest positions ranked first: without it
+  the check let this mutant through); the long one reads the score row's spare columns, which sit
+  above every score (SPARE_SCORE).
+- RoPE, RMSNorm: exact (130-534 values differ).
+- act_quant, fp4_quant: exact. Most mutants show on the random rows or the crafted ties (the E2M1
+  tie rule only there); act_quant's scale one step high at exact powers of two, and the limits
+  1 / 448 and 1 / 6 taken 1% small, show only on scale_boundary_blocks (12-24 values), which were
+  added for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import linecache
+import textwrap
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from numba import cuda, float32, int32, uint16  # noqa: E402  (after conftest chose the backend)
+
+from flashv41.model import load_model
+from stages import indexer  # noqa: E402
+from stages import norm_rope_quant as nrq  # noqa: E402
+from stages import sparse_attention as sa  # noqa: E402
+from stages.device import SIM, bf16_to_f32, device, f32_bits, f32_to_bf16
+from tests.mutants import mutant
+from tests.test_attention_kernels import (
+    ENTRY_CASES,
+    FLASH_SELECT_CASE,
+    FLASH_SPARSE_CASE,
+    SELECT_CASES,
+    SPARSE_CASE,
+    check_act_quant,
+    check_entries,
+    check_fp4_quant,
+    check_index_scores,
+    check_rms_norm,
+    check_rope,
+    check_select,
+    check_sparse_attention,
+)
+
+
+class MutationError(LookupError):
+    """The text a mutant edits is not (or more than once) in the kernel's source: the kernel changed,
+    and the mutant must be rewritten for it. Not an AssertionError, so it can never pass as a rejection."""
+
+
+def _python_function(obj: Any) -> types.FunctionType:
+    """The Python function behind a kernel, a device function or a kernel factory."""
+    for attr in ("py_func", "fn", "__wrapped__"):
+        fn = getattr(obj, attr, None)
+        if isinstance(fn, types.FunctionType):
+            return fn
+    if not isinstance(obj, types.FunctionType):
+        raise MutationError(f"{obj!r} is not a Python function, kernel or kernel factory")
+    return obj
+
+
+def edited(module: types.ModuleType, name: str, old: str, new: str) -> Any:
+    """`module.<name>` rebuilt from its own source with the one occurrence of `old` replaced by `new`,
+    decorated as the original is (a functools.cache kernel factory, a CUDA kernel or device
+    function, a plain helper) and reading the module's globals, so that it sees the other swaps of
+    a `mutant(module, ...)` block. Pass it there as the replacement of `name`."""
+    original = getattr(module, name)
+    fn = _python_function(original)
+    source = textwrap.dedent(inspect.getsource(fn))
+    if source.count(old) != 1:
+        raise MutationError(f"{module.__name__}.{name}: {old!r} occurs {source.count(old)} times in its source")
+    lines = source.replace(old, new).splitlines(keepends=True)
+    while lines[0].lstrip().startswith("@"):  # the decorators are applied below, as the original's
+        lines.pop(0)
+    text = "".join(lines)
+    filename = f"<mutant of {module.__name__}.{name}: {old!r} -> {new!r}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    scratch: dict[str, Any] = {}
+    exec(compile(text, filename, "exec"), dict(vars(module)), scratch)
+    built = scratch[name]
+    fresh = types.FunctionType(built.__code__, vars(module), name, built.__defaults__, built.__closure__)
+    fresh.__kwdefaults__ = built.__kwdefaults__
+    if hasattr(original, "cache_clear"):
+        return functools.cache(fresh)
+    if SIM:
+        from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+        if isinstance(original, FakeCUDAKernel):
+            return cuda.jit(device=original._device)(fresh)
+        return fresh
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    if isinstance(original, CUDADispatcher):
+        return CUDADispatcher(fresh, targetoptions=dict(original.targetoptions))
+    return fresh
+
+
+# ---- replacement helpers (device functions on a GPU, plain Python on the simulator) --------------------
+
+@device
+def f32_to_bf16_truncating(x):
+    """bf16 bits of x, rounded toward zero (the low 16 bits dropped)."""
+    return uint16(f32_bits(x) >> 16)
+
+
+@device
+def bf16_round_truncating(x):
+    return bf16_to_f32(f32_to_bf16_truncating(x))
+
+
+@device
+def f32_to_bf16_one_percent_large(x):
+    return f32_to_bf16(x * float32(1.01))
+
+
+_resolve = sa._resolve  # the real one, which the replacements below fall back on
+FP4_BLOCK = indexer.FP4_BLOCK
+
+
+@device
+def resolve_skipping_first_chunk_row(e, window, chunk_rows):
+    if e == window:
+        return int32(-1), int32(0)
+    return _resolve(e, window, chunk_rows)
+
+
+@device
+def resolve_skipping_ring_slot_0(e, window, chunk_rows):
+    if e == 0:
+        return int32(-1), int32(0)
+    return _resolve(e, window, chunk_rows)
+
+
+@device
+def block_dot_without_last_term(qs, h, ks, g, d0):
+    """indexer._block_dot, but the very last product of each head's dot left out (the shared key
+    rows are padded by one column, so the row's last block ends at ks.shape[1] - 1)."""
+    end = d0 + FP4_BLOCK
+    if end == ks.shape[1] - 1:
+        end -= 1
+    s = float32(0)
+    for d in range(d0, end):
+        s += qs[h, d] * ks[g, d]
+    return s
+
+
+@device
+def e2m1_round_truncating(v):
+    """E2M1 rounding toward zero: the largest grid value at or below |v|."""
+    m = abs(float32(v))
+    if m < 0.5:
+        r = float32(0.0)
+    elif m < 1.0:
+        r = float32(0.5)
+    elif m < 1.5:
+        r = float32(1.0)
+    elif m < 2.0:
+        r = float32(1.5)
+    elif m < 3.0:
+        r = float32(2.0)
+    elif m < 4.0:
+        r = float32(3.0)
+    elif m < 6.0:
+        r = float32(4.0)
+    else:
+        r = float32(6.0)
+    return -r if (f32_bits(v) >> 31) != 0 else r
+
+
+# ---- the mutants ----------------------------------------------------------------------------------------
+
+E4M3_RNE = "u = (u + uint32(0x7FFFF) + ((u >> 20) & 1)) & uint32(0xFFF00000)"  # e4m3_round's rounding
+POW2_CEIL = "(1 if (bits & 0x7FFFFF) != 0 else 0)"  # pow2_ceil's "round the log2 up"
+
+
+def e4m3_truncating() -> dict[str, Any]:
+    return {"e4m3_round": edited(nrq, "e4m3_round", E4M3_RNE, "u = u & uint32(0xFFF00000)")}
+
+
+def e4m3_ties_away() -> dict[str, Any]:
+    return {"e4m3_round": edited(nrq, "e4m3_round", E4M3_RNE, "u = (u + uint32(0x80000)) & uint32(0xFFF00000)")}
+
+
+def pow2_floor_plus_1() -> dict[str, Any]:
+    return {"pow2_ceil": edited(nrq, "pow2_ceil", POW2_CEIL, "1")}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    check: str  # the key of CHECKS (and FLASH_CHECKS) that must reject it
+    key: str  # the test id
+    bug: str
+    module: types.ModuleType
+    replacements: Callable[[], dict[str, Any]]  # built inside the test, before the check runs
+
+
+MUTANTS = [
+    Mutant("sparse_attention", "p_truncated", "p rounded toward zero to bf16 before the value product", sa,
+           lambda: {"bf16_round": bf16_round_truncating}),
+    Mutant("sparse_attention", "out_truncated", "the output rounded toward zero to bf16", sa,
+           lambda: {"f32_to_bf16": f32_to_bf16_truncating}),
+    Mutant("sparse_attention", "out_1pct", "the output 1% large", sa,
+           lambda: {"f32_to_bf16": f32_to_bf16_one_percent_large}),
+    Mutant("sparse_attention", "scale_1pct", "the softmax scale 1% large", sa,
+           lambda: {"sparse_kernel": edited(sa, "sparse_kernel", "mul_rn(part, scale)",
+                                            "mul_rn(part, scale * float32(1.01))")}),
+    Mutant("sparse_attention", "first_chunk_row_dropped", "entries naming the chunk's first row skipped", sa,
+           lambda: {"_resolve": resolve_skipping_first_chunk_row}),
+    Mutant("sparse_attention", "ring_slot_dropped", "entries naming ring slot 0 skipped", sa,
+           lambda: {"_resolve": resolve_skipping_ring_slot_0}),
+    # a kernel that forgot the sink and then guarded the row without entries (0 / 0) on its own
+    Mutant("sparse_attention", "sink_ignored", "the sink's term left out of the denominator", sa,
+           lambda: {"sparse_kernel": edited(sa, "sparse_kernel", "sum_exp = sum_exp + exp_f32(sinks[h] - run_max)",
+                                            "sum_exp = sum_exp if sum_exp > 0 else float32(np.inf)")}),
+    Mutant("entries", "window_one_early", "window positions p - W .. p - 1 instead of p - W + 1 .. p", sa,
+           lambda: {"_entries_kernel": edited(sa, "_entries_kernel", "wp = positions[t] - window + 1 + j",
+                                              "wp = positions[t] - window + j")}),
+    Mutant("entries", "chunk_start_from_ring", "the chunk's first position read from the ring", sa,
+           lambda: {"_entries_kernel": edited(sa, "_entries_kernel", "elif wp >= start:", "elif wp > start:")}),
+    Mutant("index_scores", "dot_term_dropped", "the last product of each head's q . k left out", indexer,
+           lambda: {"_block_dot": block_dot_without_last_term}),
+    Mutant("index_scores", "weight_1pct", "the head weights 1% large", indexer,
+           lambda: {"score_kernel": edited(indexer, "score_kernel", "mul_rn(bf16_to_f32(hw[t, h]), w_scale)",
+                                           "mul_rn(bf16_to_f32(hw[t, h]), w_scale * float32(1.01))")}),
+    Mutant("index_scores", "bf16_truncated", "the dot, weight and weighted-term roundings toward zero", indexer,
+           lambda: {"bf16_round": bf16_round_truncating}),
+    Mutant("index_scores", "score_truncated", "the score rounded toward zero to bf16", indexer,
+           lambda: {"f32_to_bf16": f32_to_bf16_truncating}),
+    Mutant("select", "visible_one_short", "the query's newest position masked out", indexer,
+           lambda: {"select_kernel": edited(indexer, "select_kernel", "visible = (positions[t] + 1) // ratio",
+                                            "visible = positions[t] // ratio")}),
+    Mutant("select", "visible_one_long", "the position after the query's visible", indexer,
+           lambda: {"select_kernel": edited(indexer, "select_kernel", "visible = (positions[t] + 1) // ratio",
+                                            "visible = (positions[t] + 2) // ratio")}),
+    Mutant("rope", "position_plus_1", "rotated by the angle of position p + 1", nrq,
+           lambda: {"_rope_kernel": edited(nrq, "_rope_kernel", "pos = positions[r]", "pos = positions[r] + 1")}),
+    Mutant("rope", "product_dropped", "b sin left out of the first output of each pair", nrq,
+           lambda: {"_rope_kernel": edited(nrq, "_rope_kernel", "f32_to_bf16(mul_rn(a, c) - mul_rn(b, s))",
+                                           "f32_to_bf16(mul_rn(a, c))")}),
+    Mutant("act_quant", "e4m3_truncated", "e4m3 rounding toward zero", nrq, e4m3_truncating),
+    Mutant("act_quant", "e4m3_ties_away", "e4m3 ties rounded away from zero, not to even", nrq, e4m3_ties_away),
+    Mutant("act_quant", "scale_floor_plus_1", "the power-of-two scale as floor + 1: one step high at exact powers",
+           nrq, pow2_floor_plus_1),
+    Mutant("act_quant", "scale_floor", "the power-of-two scale rounded down: one step low", nrq,
+           lambda: {"pow2_ceil": edited(nrq, "pow2_ceil", POW2_CEIL, "0")}),
+    Mutant("act_quant", "scale_1pct", "1 / 448 taken 1% small", nrq,
+           lambda: {"FP8_MAX_INV": float32(0.99 / 448.0)}),
+    Mutant("fp4_e4m3", "e2m1_truncated", "E2M1 rounding toward zero", nrq,
+           lambda: {"e2m1_round": e2m1_round_truncating}),
+    Mutant("fp4_e8m0", "e2m1_tie_up", "E2M1: 0.25 rounds up to 0.5, not to the even code 0", nrq,
+           lambda: {"e2m1_round": edited(nrq, "e2m1_round", "if m <= 0.25:", "if m < 0.25:")}),
+    Mutant("fp4_e4m3", "scale_e4m3_truncated", "the e4m3 block scale rounded toward zero", nrq, e4m3_truncating),
+    Mutant("fp4_e4m3", "scale_e4m3_1pct", "the e4m3 block scale's amax / 6 taken 1% small", nrq,
+           lambda: {"_fp4_quant_kernel": edited(nrq, "_fp4_quant_kernel", "max(amax, FP4_E4M3_FLOOR) / FP4_MAX",
+                                                "max(amax, FP4_E4M3_FLOOR) / (FP4_MAX * float32(1.01))")}),
+    Mutant("fp4_e8m0", "scale_floor_plus_1", "the power-of-two block scale as floor + 1", nrq, pow2_floor_plus_1),
+    Mutant("fp4_e8m0", "scale_1pct", "1 / 6 taken 1% small", nrq,
+           lambda: {"FP4_MAX_INV": float32(0.99 / 6.0)}),
+    Mutant("rms_norm", "scale_1pct", "rsqrt 1% large", nrq,
+           lambda: {"rms_norm_kernel": edited(nrq, "rms_norm_kernel", "float32(1.0 / math.sqrt(",
+                                              "float32(1.01 / math.sqrt(")}),
+    Mutant("rms_norm", "out_truncated", "the output rounded toward zero to bf16", nrq,
+           lambda: {"f32_to_bf16": f32_to_bf16_truncating}),
+]
+
+
+# ---- the checks, on the real tests' inputs -----------------------------------------------------------
+
+def _every(check: Callable[..., Any], cases) -> None:
+    for case in cases:
+        check(*case)
+
+
+CHECKS: dict[str, Callable[[Any], Any]] = {
+    "sparse_attention": lambda cfg: check_sparse_attention(*SPARSE_CASE, "sparse attention"),
+    "entries": lambda cfg: _every(check_entries, ENTRY_CASES),
+    "index_scores": lambda cfg: check_index_scores(cfg, 9, heads=3, dim=64, t=5, width=13, spare=3, c=32),
+    "select": lambda cfg: _every(lambda case: check_select(cfg, case), [(c,) for c in SELECT_CASES]),
+    # one spare table row past the last position, so that a kernel reading position p + 1 stays inside
+    "rope": lambda cfg: _every(lambda compressed: check_rope(cfg, 3, compressed, max_seq=201), [(False,), (True,)]),
+    "act_quant": lambda cfg: check_act_quant(),
+    "fp4_e4m3": lambda cfg: check_fp4_quant(16, True),
+    "fp4_e8m0": lambda cfg: check_fp4_quant(32, False),
+    "rms_norm": lambda cfg: _every(check_rms_norm, [(np.uint16,), (np.float32,)]),
+}
+FLASH_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "sparse_attention": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash)"),
+    "index_scores": lambda cfg: check_index_scores(cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64),
+    "select": lambda cfg: check_select(cfg, FLASH_SELECT_CASE, seed=13),
+}
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_path):
+    model = load_model(tiny_path)
+    yield model.config
+    model.close()
+
+
+def assert_rejected(m: Mutant, check: Callable[[], Any]) -> None:
+    replacements = m.replacements()  # a MutationError here is a failure, never a rejection
+    with mutant(m.module, **replacements), pytest.raises(AssertionError):
+        check()
+
+
+@pytest.mark.parametrize("kernel", list(CHECKS))
+def test_unmutated_passes(cfg, kernel):
+    CHECKS[kernel](cfg)
+
+
+@pytest.mark.parametrize("m", MUTANTS, ids=lambda m: f"{m.check}-{m.key}")
+def test_mutant_rejected(cfg, m):
+    assert_rejected(m, lambda: CHECKS[m.check](cfg))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", list(FLASH_CHECKS))
+def test_flash_unmutated_passes(cfg, kernel):
+    FLASH_CHECKS[kernel](cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [m for m in MUTANTS if m.check in FLASH_CHECKS], ids=lambda m: f"{m.check}-{m.key}")
+def test_flash_mutant_rejected(cfg, m):
+    assert_rejected(m, lambda: FLASH_CHECKS[m.check](cfg))

@@ -3,8 +3,12 @@
 A mutant is a stage module with a few of its globals swapped for deliberately wrong ones (a
 device helper that truncates instead of rounding, a dot product that drops a term, a scale off by
 1%): `with mutant(stages.linear, f32_to_bf16=truncating): ...` runs the block with every kernel of
-`stages.linear` compiled afresh against the swapped names. The project's own checks must then
-reject what the kernels compute; if one lets a mutant through, the check is what gets fixed.
+`stages.linear` compiled afresh against the swapped names. A replacement is either written by hand
+with `stages.device.device` (a device function on a GPU, plain Python on the simulator), like the
+helper it stands in for, or is the module's own function with one piece of its source edited
+(`edited(module, name, old, new)`: a position off by one, a term left out). The project's own
+checks must then reject what the kernels compute; if one lets a mutant through, the check is what
+gets fixed.
 
 How the kernels come to see the swap:
 - on the CUDA simulator a kernel is Python that looks its globals up as it runs, so swapping
@@ -15,36 +19,95 @@ How the kernels come to see the swap:
   factory (`functools.cache`) by a fresh cache of the same function. Kernels built inside the
   block compile with the mutant; on leaving it the original dispatchers and factory caches come
   back untouched, so the correct kernels compiled before (and after) are never the mutant's.
-
-Replacements are written with `stages.device.device` (a device function on a GPU, plain Python
-on the simulator), like the helpers they stand in for.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import linecache
+import textwrap
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import ModuleType
 from typing import Any
 
 from stages.device import SIM
 
 
+class MutationError(LookupError):
+    """The text a mutant edits is not (or more than once) in the kernel's source: the kernel changed,
+    and the mutant must be rewritten for it. Not an AssertionError, so it can never pass as a rejection."""
+
+
+def _python_function(obj: Any) -> types.FunctionType:
+    """The Python function behind a kernel, a device function or a kernel factory."""
+    for attr in ("py_func", "fn", "__wrapped__"):
+        fn = getattr(obj, attr, None)
+        if isinstance(fn, types.FunctionType):
+            return fn
+    if not isinstance(obj, types.FunctionType):
+        raise MutationError(f"{obj!r} is not a Python function, kernel or kernel factory")
+    return obj
+
+
+def _decorated_as(original: Any, fn: types.FunctionType) -> Any:
+    """`fn` made what `original` is: a fresh functools.cache kernel factory, a fresh CUDA kernel or
+    device function with the original's options, or `fn` itself (a plain helper)."""
+    if hasattr(original, "cache_clear"):
+        return functools.cache(fn)
+    if SIM:
+        from numba import cuda
+        from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+        if isinstance(original, FakeCUDAKernel):
+            return cuda.jit(device=original._device)(fn)
+        return fn
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    if isinstance(original, CUDADispatcher):
+        return CUDADispatcher(fn, targetoptions=dict(original.targetoptions))
+    return fn
+
+
 def _fresh(value: Any) -> Any | None:
-    """A new, empty copy of a kernel factory's cache or of a CUDA dispatcher; None for anything else."""
+    """A new, empty copy of a kernel factory's cache or (on a GPU) of a CUDA dispatcher; None for
+    anything else, which needs no copy."""
     if callable(value) and hasattr(value, "cache_clear") and hasattr(value, "__wrapped__"):
         return functools.cache(value.__wrapped__)
     if not SIM:
         from numba.cuda.dispatcher import CUDADispatcher
 
         if isinstance(value, CUDADispatcher):
-            return CUDADispatcher(value.py_func, targetoptions=dict(value.targetoptions))
+            return _decorated_as(value, value.py_func)
     return None
 
 
+def edited(module: types.ModuleType, name: str, old: str, new: str) -> Any:
+    """`module.<name>` rebuilt from its own source with the one occurrence of `old` replaced by `new`,
+    decorated as the original is and reading the module's globals, so that it sees the other swaps of
+    a `mutant(module, ...)` block. Pass it there as the replacement of `name`."""
+    original = getattr(module, name)
+    fn = _python_function(original)
+    source = textwrap.dedent(inspect.getsource(fn))
+    if source.count(old) != 1:
+        raise MutationError(f"{module.__name__}.{name}: {old!r} occurs {source.count(old)} times in its source")
+    lines = source.replace(old, new).splitlines(keepends=True)
+    while lines[0].lstrip().startswith("@"):  # the decorators are applied below, as the original's
+        lines.pop(0)
+    text = "".join(lines)
+    filename = f"<mutant of {module.__name__}.{name}: {old!r} -> {new!r}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    scratch: dict[str, Any] = {}
+    exec(compile(text, filename, "exec"), dict(vars(module)), scratch)
+    built = scratch[name]
+    fresh = types.FunctionType(built.__code__, vars(module), name, built.__defaults__, built.__closure__)
+    fresh.__kwdefaults__ = built.__kwdefaults__
+    return _decorated_as(original, fresh)
+
+
 @contextmanager
-def mutant(module: ModuleType, **replacements: Any) -> Iterator[None]:
+def mutant(module: types.ModuleType, **replacements: Any) -> Iterator[None]:
     """Within the block, `module`'s globals named in `replacements` are swapped for the given values
     and every kernel the module builds is compiled against them (see the module docstring)."""
     missing = [name for name in replacements if not hasattr(module, name)]

@@ -32,10 +32,6 @@ What rejects each (measured on the simulator, at the CI shape and, for the `gpu`
 
 from __future__ import annotations
 
-import functools
-import inspect
-import linecache
-import textwrap
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,14 +39,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from numba import cuda, float32, int32, uint16  # noqa: E402  (after conftest chose the backend)
+from numba import float32, int32, uint16  # noqa: E402  (after conftest chose the backend)
 
 from flashv41.model import load_model
 from stages import indexer  # noqa: E402
 from stages import norm_rope_quant as nrq  # noqa: E402
 from stages import sparse_attention as sa  # noqa: E402
-from stages.device import SIM, bf16_to_f32, device, f32_bits, f32_to_bf16
-from tests.mutants import mutant
+from stages.device import bf16_to_f32, device, f32_bits, f32_to_bf16
+from tests.mutants import edited, mutant
 from tests.test_attention_kernels import (
     ENTRY_CASES,
     FLASH_SELECT_CASE,
@@ -66,59 +62,6 @@ from tests.test_attention_kernels import (
     check_select,
     check_sparse_attention,
 )
-
-
-class MutationError(LookupError):
-    """The text a mutant edits is not (or more than once) in the kernel's source: the kernel changed,
-    and the mutant must be rewritten for it. Not an AssertionError, so it can never pass as a rejection."""
-
-
-def _python_function(obj: Any) -> types.FunctionType:
-    """The Python function behind a kernel, a device function or a kernel factory."""
-    for attr in ("py_func", "fn", "__wrapped__"):
-        fn = getattr(obj, attr, None)
-        if isinstance(fn, types.FunctionType):
-            return fn
-    if not isinstance(obj, types.FunctionType):
-        raise MutationError(f"{obj!r} is not a Python function, kernel or kernel factory")
-    return obj
-
-
-def edited(module: types.ModuleType, name: str, old: str, new: str) -> Any:
-    """`module.<name>` rebuilt from its own source with the one occurrence of `old` replaced by `new`,
-    decorated as the original is (a functools.cache kernel factory, a CUDA kernel or device
-    function, a plain helper) and reading the module's globals, so that it sees the other swaps of
-    a `mutant(module, ...)` block. Pass it there as the replacement of `name`."""
-    original = getattr(module, name)
-    fn = _python_function(original)
-    source = textwrap.dedent(inspect.getsource(fn))
-    if source.count(old) != 1:
-        raise MutationError(f"{module.__name__}.{name}: {old!r} occurs {source.count(old)} times in its source")
-    lines = source.replace(old, new).splitlines(keepends=True)
-    while lines[0].lstrip().startswith("@"):  # the decorators are applied below, as the original's
-        lines.pop(0)
-    text = "".join(lines)
-    filename = f"<mutant of {module.__name__}.{name}: {old!r} -> {new!r}>"
-    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
-    scratch: dict[str, Any] = {}
-    exec(compile(text, filename, "exec"), dict(vars(module)), scratch)
-    built = scratch[name]
-    fresh = types.FunctionType(built.__code__, vars(module), name, built.__defaults__, built.__closure__)
-    fresh.__kwdefaults__ = built.__kwdefaults__
-    if hasattr(original, "cache_clear"):
-        return functools.cache(fresh)
-    if SIM:
-        from numba.cuda.simulator.kernel import FakeCUDAKernel
-
-        if isinstance(original, FakeCUDAKernel):
-            return cuda.jit(device=original._device)(fresh)
-        return fresh
-    from numba.cuda.dispatcher import CUDADispatcher
-
-    if isinstance(original, CUDADispatcher):
-        return CUDADispatcher(fresh, targetoptions=dict(original.targetoptions))
-    return fresh
-
 
 # ---- replacement helpers (device functions on a GPU, plain Python on the simulator) --------------------
 

@@ -1,14 +1,14 @@
 """The engine-vs-oracle check (flashv41.check.compare_call) against broken engines.
 
-Each mutant (tests/mutants.py) is a wiring bug that the check's adoption of the engine's choices
-could hide if the check were lax: a window row written to the wrong ring slot, a query attending
-the previous token's selection, a compressed / index-key row published to the wrong group, a
-window-row quantiser that truncates (every row then "flips"). Each runs a prefill and two decode
-steps of the two-layer tiny model (tests/reliability.py) through compare_call, which must reject
-one of the calls; the same calls pass without the mutant. Which part of the check catches each is
-asserted too, so a mutant cannot pass for the wrong reason: the state after the call (ring slot,
-cache group), the layer output at the strict bound (the attended selection), the flip count (the
-quantiser).
+Each mutant (tests/mutants.py: a line of a kernel edited, or a helper swapped) is a wiring bug that
+the check's adoption of the engine's choices could hide if the check were lax: a window row written
+to the wrong ring slot, a query attending the previous token's selection, a compressed / index-key
+row published to the wrong group, a window-row quantiser that truncates (every row then "flips").
+Each runs a prefill and two decode steps of the two-layer tiny model (tests/reliability.py) through
+compare_call, which must reject one of the calls; the same calls pass without the mutant. Which
+part of the check catches each is asserted too, so a mutant cannot pass for the wrong reason: the
+state after the call (ring slot, cache group), the layer output at the strict bound (the attended
+selection), the flip count (the quantiser).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from flashv41.check import CallAgreement, compare_call
 from host.oracle import Oracle
 from stages.device import device, f32_bits, f32_from_bits
 from stages.sparse_attention import build_entries
-from tests.mutants import mutant
+from tests.mutants import edited, mutant
 from tests.reliability import TWO_LAYER_TINY
 
 PROMPT = 8
@@ -49,31 +49,6 @@ def first_disagreement(model, oracle) -> CallAgreement | None:
             if not call.ok:
                 return call
     return None
-
-
-@cuda.jit
-def ring_write_one_slot_late(kv, ring, positions, n_tokens, width):
-    """stages.attention's ring write with the slot of position p + 1."""
-    i = cuda.grid(1)
-    window = ring.shape[0]
-    first = max(0, n_tokens - window)
-    if i >= (n_tokens - first) * width:
-        return
-    r = first + i // width
-    ring[(positions[r] + 1) % window, i % width] = kv[r, i % width]
-
-
-@cuda.jit
-def scatter_rows_one_group_late(src, dst, positions, n_rows, ratio, width):
-    """stages.kv_sources' cache write into group g + 1 (dropped past the cache's end)."""
-    i = cuda.grid(1)
-    if i >= n_rows * width:
-        return
-    start = positions[0]
-    g0 = (start + (ratio - 1 - start % ratio) % ratio) // ratio
-    g = g0 + i // width + 1
-    if g < dst.shape[0]:
-        dst[g, i % width] = src[i // width, i % width]
 
 
 @cuda.jit
@@ -104,13 +79,17 @@ def test_unmutated_engine_agrees(two_layer):
 
 
 def test_ring_slot_off_by_one(two_layer):
-    with mutant(stages.attention, _ring_write_kernel=ring_write_one_slot_late):
+    late = edited(stages.attention, "_ring_write_kernel", "ring[positions[r] % window",
+                  "ring[(positions[r] + 1) % window")
+    with mutant(stages.attention, _ring_write_kernel=late):
         call = first_disagreement(*two_layer)
     assert call is not None and any("window_ring" in a.state_mismatch for a in call.layers), call
 
 
 def test_cache_row_in_the_wrong_group(two_layer):
-    with mutant(stages.kv_sources, _scatter_rows_kernel=scatter_rows_one_group_late):
+    late = edited(stages.kv_sources, "_scatter_rows_kernel", "dst[g0 + r, c]",
+                  "dst[min(g0 + r + 1, dst.shape[0] - 1), c]")
+    with mutant(stages.kv_sources, _scatter_rows_kernel=late):
         call = first_disagreement(*two_layer)
     assert call is not None and any({"compressed", "index_keys"} & set(a.state_mismatch) for a in call.layers), call
 

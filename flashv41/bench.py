@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from flashv41.errors import InputError, UnsupportedError
+from flashv41.memory import flush_device_frees
 from flashv41.runtime import backend_name, select_backend
 
 # the modules whose `cases(options)` make up the benchmark
@@ -263,13 +264,8 @@ def require_gpu() -> None:
 
 def release_device_memory() -> None:
     """Free what the finished row dropped now (numba defers frees): no growth across rows."""
-    from numba import cuda
-
     gc.collect()
-    cuda.synchronize()
-    pending = getattr(cuda.current_context(), "deallocations", None)  # the simulator has none
-    if pending is not None:
-        pending.clear()
+    flush_device_frees()
 
 
 def _sleep_kernel():

@@ -29,9 +29,9 @@ import numpy as np
 
 import flashv41
 from flashv41.check import COSINE, MAX_FLIP_SHARE, REL_RMS, Flips, LayerAgreement, compare_call
+from flashv41.host.oracle import Oracle
 from flashv41.runner import open_model, random_tokens
-from flashv41.runtime import backend_name
-from host.oracle import Oracle
+from flashv41.stages.backend import backend_name
 
 HEADER = (f"{'call':<20} {'layer':>5}  {'role':<26} {'cosine':>12} {'rel rms':>9} {'max |err|':>9}  "
           f"{'flips':>11}  ok")

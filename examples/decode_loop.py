@@ -28,7 +28,7 @@ from pathlib import Path
 
 import flashv41
 from flashv41.runner import open_model, random_tokens, stage_table
-from flashv41.runtime import backend_name
+from flashv41.stages.backend import backend_name
 
 
 def report(step_s: list[float], position: int, stage_seconds: dict[str, float] | None) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 
 import flashv41
 from flashv41.runner import open_model, random_tokens
-from flashv41.runtime import backend_name
+from flashv41.stages.backend import backend_name
 
 
 def rms(a: np.ndarray) -> float:

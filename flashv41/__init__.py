@@ -4,9 +4,9 @@ Public API: `load_model`, `Model`, `Engine` / `Sequence`, `ModelConfig`, `LayerR
 `EngramConfig` and the errors.
 """
 
-from flashv41.config import EngramConfig, LayerRole, ModelConfig
 from flashv41.engine import Engine, Sequence
-from flashv41.errors import (
+from flashv41.host.config import EngramConfig, LayerRole, ModelConfig
+from flashv41.host.errors import (
     CapacityError,
     FlashError,
     InputError,
@@ -14,7 +14,8 @@ from flashv41.errors import (
     SequenceStateError,
     UnsupportedError,
 )
-from flashv41.model import Model, load_model
+from flashv41.host.model import Model
+from flashv41.model import load_model
 
 __all__ = [
     "CapacityError",

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from host.oracle.attention import CHOICES
+from flashv41.host.oracle.attention import CHOICES
 
 COSINE = 0.99999
 REL_RMS = 5e-3

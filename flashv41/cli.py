@@ -18,10 +18,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from flashv41 import __version__
-from flashv41.config import ModelConfig
-from flashv41.errors import FlashError
+from flashv41.host.config import ModelConfig
+from flashv41.host.errors import FlashError
+from flashv41.host.model import Model
 from flashv41.memory import TABLE_RESIDENCIES, estimate_memory, format_bytes
-from flashv41.model import Model, load_model
+from flashv41.model import load_model
 
 WRITABLE_WEIGHT_TYPES = ("BF16", "Q8_0", "Q2_K")
 WRITABLE_TABLE_TYPES = ("Q2_K", "Q8_0", "BF16")
@@ -30,7 +31,7 @@ PROGRESS_AFTER_S = 2.0
 
 
 def add_synth_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from host.synth import PRESETS
+    from flashv41.host.synth import PRESETS
 
     p = subparsers.add_parser(
         "synth", help="write a synthetic V4.1 model (random weights, real layout) to a GGUF file",
@@ -52,7 +53,7 @@ def add_synth_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def synth_command(args: argparse.Namespace) -> int:
-    from host.synth import PRESETS, print_progress, write_synthetic
+    from flashv41.host.synth import PRESETS, print_progress, write_synthetic
 
     overrides = {} if args.engram_rows is None else {"engram_rows": args.engram_rows}
     table_type = args.table_type or PRESETS[args.preset].default_table_type
@@ -196,7 +197,7 @@ def _split_name(name: str) -> tuple[int | None, str]:
 
 def describe_tensors(model: Model) -> str:
     """Every tensor in the file by layer: type, NumPy shape and stored bytes; unused ones marked."""
-    from host import gguf_layout as L
+    from flashv41.host import gguf_layout as L
 
     cfg = model.config
     used = {L.tensor_name(None, L.TOKEN_EMBD)}

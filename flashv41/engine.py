@@ -34,11 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from flashv41.errors import CapacityError, InputError, SequenceStateError
 from flashv41.graphs import GraphRunner, graphs_available
-from flashv41.model import Model
-from flashv41.runtime import select_backend
-from host.tokens import check_tokens
+from flashv41.host.errors import CapacityError, InputError, SequenceStateError
+from flashv41.host.model import Model
+from flashv41.host.tokens import check_tokens
 
 ProgressFn = Callable[[str], None]
 
@@ -71,13 +70,16 @@ class Engine:
             raise CapacityError(f"max_seq {max_seq} exceeds the model's context length {cfg.context_length}")
         if table_residency not in ("device", "host"):
             raise InputError(f"table_residency must be 'device' or 'host', got {table_residency!r}")
+        # importing flashv41.stages chooses the backend, before numba.cuda is first imported
+        from flashv41.stages.backend import select_backend
+
         select_backend()
         from numba import cuda
 
-        from stages.attention import AttentionStage
-        from stages.engram import EngramStage
-        from stages.engram_hash import FastEngramHasher
-        from stages.hyper import HyperStage
+        from flashv41.stages.attention import AttentionStage
+        from flashv41.stages.engram import EngramStage
+        from flashv41.stages.engram_hash import FastEngramHasher
+        from flashv41.stages.hyper import HyperStage
 
         self._cuda = cuda
         self._hasher_cls = FastEngramHasher
@@ -318,7 +320,7 @@ class Sequence:
         `host.oracle.OracleSequence.load_attention_state` takes it (for layer-by-layer checks)."""
         if self.released:
             raise SequenceStateError("this sequence was released")
-        from host.numerics import from_bits
+        from flashv41.host.numerics import from_bits
 
         out = []
         for layer in self.state.layers:

@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flashv41.runtime import using_simulator
-
 
 def graphs_available() -> bool:
     """A CUDA driver to capture with (not the simulator, not a GPU-less compile check)."""
+    from flashv41.stages.backend import using_simulator
+
     if using_simulator():
         return False
     from numba import cuda

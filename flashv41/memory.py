@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashv41.config import LayerRole, ModelConfig
-from flashv41.errors import InputError
-from host import gguf_layout as L
-from host.gguf_model import WeightStore
+from flashv41.host import gguf_layout as L
+from flashv41.host.config import LayerRole, ModelConfig
+from flashv41.host.errors import InputError
+from flashv41.host.gguf_model import WeightStore
 
 TABLE_RESIDENCIES = ("device", "host")
 BF16_BYTES = 2

@@ -21,8 +21,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flashv41.errors import CapacityError, FlashError, InputError
-from flashv41.model import Model, load_model
+from flashv41.host.errors import CapacityError, FlashError, InputError
+from flashv41.host.model import Model
+from flashv41.model import load_model
 
 CACHE_ENV = "FLASHV41_CACHE"
 BUILTIN_NAME = "tiny.gguf"
@@ -56,7 +57,7 @@ def _stderr(line: str) -> None:
 
 def builtin_model(cache: Path | None = None, log: Callable[[str], None] = _stderr) -> Path:
     """The built-in tiny model's path, writing it first (atomically) if it is missing or unreadable."""
-    from host.synth import write_synthetic
+    from flashv41.host.synth import write_synthetic
 
     folder = cache if cache is not None else cache_dir()
     path = folder / BUILTIN_NAME
@@ -81,7 +82,7 @@ def make_runner(model: Model, oracle: bool, max_seq: int, max_tokens: int = 256)
     """The NumPy oracle, or the engine (on the GPU, or on the CUDA simulator without one) with
     per-stage timing on."""
     if oracle:
-        from host.oracle import Oracle
+        from flashv41.host.oracle import Oracle
 
         return Oracle(model, max_seq=max_seq)
     from flashv41.engine import Engine
@@ -105,7 +106,7 @@ def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded:
     (flashv41.check): the prompt (its last max_tokens tokens in one call), then each decode step.
     Returns the report lines and whether every layer agreed."""
     from flashv41.check import COSINE, MAX_FLIP_SHARE, REL_RMS, Flips, compare_call
-    from host.oracle import Oracle
+    from flashv41.host.oracle import Oracle
 
     oracle = Oracle(model, max_seq=engine.max_seq)
     seq, ref = engine.new_sequence(), oracle.new_sequence()
@@ -255,7 +256,7 @@ def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, 
             result = run_sequence(runner, prompt, decoded)
             name = "NumPy oracle"
             if not oracle:
-                from flashv41.runtime import backend_name, using_simulator
+                from flashv41.stages.backend import backend_name, using_simulator
 
                 name = f"engine on {backend_name()}" + (" (no GPU found)" if using_simulator() else "")
             for line in report(model, name, result, seed):

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashv41.config import EngramConfig
-from flashv41.errors import CapacityError
-from host.tokens import check_tokens
+from flashv41.host.config import EngramConfig
+from flashv41.host.errors import CapacityError
+from flashv41.host.tokens import check_tokens
 
 DEAD = -1
 

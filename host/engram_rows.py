@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashv41.errors import InputError
-from host.gguf_model import TensorRef
-from host.quants import dequantize
+from flashv41.host.errors import InputError
+from flashv41.host.gguf_model import TensorRef
+from flashv41.host.quants import dequantize
 
 
 class EngramRowReader:

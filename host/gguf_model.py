@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from flashv41.config import EngramConfig, LayerRole, ModelConfig
-from flashv41.errors import FlashError, ModelFormatError, SequenceStateError, UnsupportedError
-from host import gguf_layout as L
-from host.quants import FORMATS, GGMLType, dequantize
+from flashv41.host import gguf_layout as L
+from flashv41.host.config import EngramConfig, LayerRole, ModelConfig
+from flashv41.host.errors import FlashError, ModelFormatError, SequenceStateError, UnsupportedError
+from flashv41.host.quants import FORMATS, GGMLType, dequantize
 
 
 @dataclass(frozen=True)

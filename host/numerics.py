@@ -19,10 +19,12 @@ Conventions (they define what "exact" means everywhere in flashv41):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
-from host.quants import bf16_bits_to_f32, f32_to_bf16_bits
+from flashv41.host.config import ModelConfig
+from flashv41.host.quants import bf16_bits_to_f32, f32_to_bf16_bits
 
 F32 = np.float32
 FP8_MAX = 448.0
@@ -193,6 +195,26 @@ def rope_table(rope_dim: int, n_pos: int, base: float, yarn: tuple[float, int, f
     angles = np.arange(n_pos, dtype=F32)[:, None] * freqs[None, :]
     a64 = angles.astype(np.float64)
     return f32(np.cos(a64)), f32(np.sin(a64))
+
+
+@dataclass
+class RopeTables:
+    """cos / sin float32 [max_seq, R/2] of the two rotations: plain (ratio 0) and compressed (YaRN)."""
+
+    plain: tuple[np.ndarray, np.ndarray]
+    compressed: tuple[np.ndarray, np.ndarray]
+
+    def for_ratio(self, ratio: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.compressed if ratio > 0 else self.plain
+
+
+def rope_tables(cfg: ModelConfig, max_seq: int) -> RopeTables:
+    """The two rotation tables of a model, for positions 0..max_seq-1."""
+    yarn = (cfg.rope_factor, cfg.rope_original_ctx, cfg.beta_fast, cfg.beta_slow)
+    return RopeTables(
+        plain=rope_table(cfg.rope_dim, max_seq, cfg.rope_theta, None),
+        compressed=rope_table(cfg.rope_dim, max_seq, cfg.compress_rope_theta, yarn),
+    )
 
 
 def rotate(x, cos, sin, inverse: bool = False) -> np.ndarray:

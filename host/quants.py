@@ -19,7 +19,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from flashv41.errors import UnsupportedError
+from flashv41.host.errors import UnsupportedError
 
 
 class GGMLType(IntEnum):

@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from flashv41.errors import InputError, UnsupportedError
-from host import gguf_layout as L
-from host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
-from host.numerics import bf16
-from host.quants import FORMATS, Q2_K_BLOCK, GGMLType, ggml_type, quantize
+from flashv41.host import gguf_layout as L
+from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
+from flashv41.host.errors import InputError, UnsupportedError
+from flashv41.host.numerics import bf16
+from flashv41.host.quants import FORMATS, Q2_K_BLOCK, GGMLType, ggml_type, quantize
 
 # Per-norm mean of the weights, and per-projection gain over fan_in^-0.5 (the reference's testing.py).
 NORM_MEAN = {

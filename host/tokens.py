@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashv41.errors import InputError
+from flashv41.host.errors import InputError
 
 
 def check_tokens(token_ids, token_mask, vocab: int, allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray | None]:

@@ -47,19 +47,18 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from flashv41.config import LayerRole, ModelConfig
-from flashv41.errors import CapacityError, InputError, ModelFormatError, SequenceStateError
-from flashv41.model import Model
-from host import gguf_layout as L
-from host.numerics import from_bits
-from host.oracle import rope_tables
-from stages import indexer, kv_sources
-from stages.device import SIM, DeviceArray, grid_1d
-from stages.indexer import IndexerWeights
-from stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
-from stages.linear import DeviceWeight, linear
-from stages.norm_rope_quant import act_quant, check_array, rms_norm, rope
-from stages.sparse_attention import build_entries, sparse_attention
+from flashv41.host import gguf_layout as L
+from flashv41.host.config import LayerRole, ModelConfig
+from flashv41.host.errors import CapacityError, InputError, ModelFormatError, SequenceStateError
+from flashv41.host.model import Model
+from flashv41.host.numerics import from_bits, rope_tables
+from flashv41.stages import indexer, kv_sources
+from flashv41.stages.device import SIM, DeviceArray, check_array, grid_1d
+from flashv41.stages.indexer import IndexerWeights
+from flashv41.stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
+from flashv41.stages.linear import DeviceWeight, linear
+from flashv41.stages.norm_rope_quant import act_quant, rms_norm, rope
+from flashv41.stages.sparse_attention import build_entries, sparse_attention
 
 COPY_THREADS = 64 if SIM else 256
 ROLES = {**L.ATTENTION_ROLES, **L.OPTIONAL_ATTENTION_ROLES}  # blk.{i}.{role}.weight by weight name

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int64, uint32
 
-from stages.device import SIM, DeviceArray, load_words4
+from flashv41.stages.device import SIM, DeviceArray, load_words4
 
 THREADS = 256
 BLOCKS_PER_SM = 8  # 2048 resident threads an SM: the most a Hopper SM holds

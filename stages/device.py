@@ -18,10 +18,11 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int32, uint16, uint32
+from numba import cuda, float32, float64, int32, uint16, uint32
 
-from flashv41.runtime import using_simulator
-from host.quants import GGMLType
+from flashv41.host.errors import InputError
+from flashv41.host.quants import GGMLType
+from flashv41.stages.backend import using_simulator
 
 DeviceArray = Any  # a numba device array (DeviceNDArray; the simulator's FakeCUDAArray)
 
@@ -236,5 +237,63 @@ else:
         return v
 
 
+if SIM:
+    _F32_OVERFLOW = 2.0**128 - 2.0**103  # the smallest float64 that rounds to +inf in fp32
+
+    def mul_rn(a, b):
+        """a * b rounded once to fp32 (never fused into an FMA)."""
+        return np.float32(np.float32(a) * np.float32(b))
+
+    def exp_f32(x):
+        """exp(x) in float64, rounded once to fp32 (the oracle's host.numerics.exp)."""
+        v = math.exp(min(float(x), 709.0))
+        return np.float32(np.inf) if v >= _F32_OVERFLOW else np.float32(v)
+
+    def rint_f32(x):
+        """Round to the nearest integer, ties to even."""
+        return np.float32(np.rint(np.float32(x)))
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def mul_rn(a, b):
+        """a * b rounded once to fp32 (never fused into an FMA)."""
+        return libdevice.fmul_rn(float32(a), float32(b))
+
+    @cuda.jit(device=True)
+    def exp_f32(x):
+        """exp(x) in float64, rounded once to fp32 (the oracle's host.numerics.exp)."""
+        return float32(math.exp(float64(x)))
+
+    @cuda.jit(device=True)
+    def rint_f32(x):
+        """Round to the nearest integer, ties to even."""
+        return libdevice.rintf(float32(x))
+
+
+def jit_for(threads: int):
+    """cuda.jit for a kernel launched with `threads` threads a block: on the GPU the compiler keeps
+    registers x threads inside the register file (launch bounds), so any block size launches."""
+    # mypy types numba.cuda as the simulator's API (its star import comes first), whose jit takes
+    # no launch_bounds; the GPU's does
+    return cuda.jit if SIM else cuda.jit(launch_bounds=threads)  # type: ignore[call-arg]
+
+
+
 def grid_1d(n: int, block: int) -> int:
     return max(1, math.ceil(n / block))
+
+
+def check_array(a: DeviceArray, dtypes: tuple, ndim: int, what: str) -> None:
+    """InputError unless `a` is an array of one of `dtypes` with `ndim` dimensions."""
+    dtype = getattr(a, "dtype", None)
+    shape = getattr(a, "shape", None)
+    if dtype is None or shape is None or len(shape) != ndim or np.dtype(dtype) not in [np.dtype(d) for d in dtypes]:
+        names = " or ".join(np.dtype(d).name for d in dtypes)
+        raise InputError(f"{what}: expected a {ndim}-D {names} device array, got "
+                         f"{getattr(dtype, 'name', dtype)} {shape}")
+
+
+def check_rows(a: DeviceArray, n_rows: int, what: str) -> None:
+    if not 0 <= n_rows <= a.shape[0]:
+        raise InputError(f"{what}: {n_rows} rows requested, the array holds {a.shape[0]}")

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from flashv41.errors import CapacityError, InputError, ModelFormatError, UnsupportedError
-from flashv41.model import Model
-from host import gguf_layout as L
-from host.numerics import F32, from_bits
-from stages.device import DEQUANT, DeviceArray
-from stages.engram_gate import check_hc, engram_gate
-from stages.engram_rows import RESIDENCIES, RowWorkspace, TableRows, is_device_array
-from stages.linear import DeviceWeight, linear
+from flashv41.host import gguf_layout as L
+from flashv41.host.errors import CapacityError, InputError, ModelFormatError, UnsupportedError
+from flashv41.host.model import Model
+from flashv41.host.numerics import F32, from_bits
+from flashv41.stages.device import DEQUANT, DeviceArray
+from flashv41.stages.engram_gate import check_hc, engram_gate
+from flashv41.stages.engram_rows import RESIDENCIES, RowWorkspace, TableRows, is_device_array
+from flashv41.stages.linear import DeviceWeight, linear
 
 WKV, Q_WEIGHT, K_WEIGHT = "engram_wkv", "engram_q", "engram_k"
 

@@ -26,8 +26,8 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, float64
 
-from flashv41.errors import InputError, UnsupportedError
-from stages.device import SIM, WARP, bf16_to_f32, warp_sum
+from flashv41.host.errors import InputError, UnsupportedError
+from flashv41.stages.device import SIM, WARP, bf16_to_f32, warp_sum
 
 MAX_HC = 4
 SQRT_FLOOR = 1e-6  # |dot| is floored here before the square root (the reference's clamp)

@@ -26,9 +26,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from flashv41.config import EngramConfig
-from flashv41.errors import CapacityError, UnsupportedError
-from host.engram_hash import DEAD, compress_tokens
+from flashv41.host.config import EngramConfig
+from flashv41.host.engram_hash import DEAD, compress_tokens
+from flashv41.host.errors import CapacityError, UnsupportedError
 
 # floor_mod is exact for divisors below this (see its docstring); real tables have primes < 2^32.
 MAX_PRIME = 1 << 51

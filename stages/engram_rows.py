@@ -27,11 +27,11 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32
 
-from flashv41.errors import InputError, UnsupportedError
-from host.engram_rows import EngramRowReader
-from host.gguf_model import TensorRef
-from host.quants import FORMATS, GGMLType
-from stages.device import CHUNK, DEQUANT, SIM, f32_to_bf16, grid_1d
+from flashv41.host.engram_rows import EngramRowReader
+from flashv41.host.errors import InputError, UnsupportedError
+from flashv41.host.gguf_model import TensorRef
+from flashv41.host.quants import FORMATS, GGMLType
+from flashv41.stages.device import CHUNK, DEQUANT, SIM, f32_to_bf16, grid_1d
 
 RESIDENCIES = ("device", "host")
 # threads per block: one thread per 32-value chunk; the simulator runs each thread as a Python thread

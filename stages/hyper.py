@@ -23,9 +23,9 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, int32
 
-from flashv41.errors import UnsupportedError
-from stages.device import CHUNK, SIM, WARP, bf16_round, bf16_to_f32, f32_to_bf16, warp_sum
-from stages.linear import GEMV_MAX_TOKENS, DeviceWeight, chunk_dot, gemv_token_cap
+from flashv41.host.errors import UnsupportedError
+from flashv41.stages.device import CHUNK, SIM, WARP, bf16_round, bf16_to_f32, f32_to_bf16, warp_sum
+from flashv41.stages.linear import GEMV_MAX_TOKENS, DeviceWeight, chunk_dot, gemv_token_cap
 
 MAX_HC = 4
 MAX_MIX = (2 + MAX_HC) * MAX_HC

@@ -34,10 +34,21 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, float64, int32, int64, uint32
 
-from flashv41.errors import InputError
-from stages.device import SIM, DeviceArray, bf16_round, bf16_to_f32, device, f32_to_bf16
-from stages.linear import DeviceWeight, linear
-from stages.norm_rope_quant import check_array, check_rows, fp4_quant, jit_for, mul_rn, rope
+from flashv41.host.errors import InputError
+from flashv41.stages.device import (
+    SIM,
+    DeviceArray,
+    bf16_round,
+    bf16_to_f32,
+    check_array,
+    check_rows,
+    device,
+    f32_to_bf16,
+    jit_for,
+    mul_rn,
+)
+from flashv41.stages.linear import DeviceWeight, linear
+from flashv41.stages.norm_rope_quant import fp4_quant, rope
 
 FP4_BLOCK = 32  # the fp4 (E8M0) block of the index queries and keys
 # Score tiles: SCORE_GROUPS groups per block, SCORE_HEAD_THREADS threads over the heads; a block

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, float64
 
-from stages.device import SIM, DeviceArray, f32_to_bf16, grid_1d
-from stages.linear import DeviceWeight, linear
-from stages.norm_rope_quant import exp_f32, fp4_quant, mul_rn, rms_norm, rope
+from flashv41.stages.device import SIM, DeviceArray, exp_f32, f32_to_bf16, grid_1d, mul_rn
+from flashv41.stages.linear import DeviceWeight, linear
+from flashv41.stages.norm_rope_quant import fp4_quant, rms_norm, rope
 
 POOL_THREADS = 64 if SIM else 128
 COPY_THREADS = 64 if SIM else 256

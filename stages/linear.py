@@ -42,10 +42,10 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, uint64
 
-from host.gguf_model import TensorRef
-from host.quants import FORMATS, GGMLType, quantize
-from stages import linear_tc
-from stages.device import (
+from flashv41.host.gguf_model import TensorRef
+from flashv41.host.quants import FORMATS, GGMLType, quantize
+from flashv41.stages import linear_tc
+from flashv41.stages.device import (
     CHUNK,
     DEQUANT,
     SIM,
@@ -60,7 +60,7 @@ from stages.device import (
 )
 
 if SIM:
-    from stages.device import _BF16_VALUES
+    from flashv41.stages.device import _BF16_VALUES
 
 GEMV_MAX_TOKENS = 8
 GEMV_TOKEN_CAPS = (1, 2, 4, 8)  # gemv is compiled per cap: its shared inputs and accumulators fit T

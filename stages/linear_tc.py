@@ -45,8 +45,8 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from host.quants import FORMATS, GGMLType
-from stages.device import SIM, WARP, bf16_to_f32, device, f32_bits, f32_to_bf16, fp16_to_f32
+from flashv41.host.quants import FORMATS, GGMLType
+from flashv41.stages.device import SIM, WARP, bf16_to_f32, device, f32_bits, f32_to_bf16, fp16_to_f32
 
 BK = 32  # values of k per step: one Q8_0 block, an eighth of a Q2_K block
 KW = BK // 2  # 32-bit words (bf16 pairs) per tile row per step
@@ -67,7 +67,7 @@ TILE_B = (BN, KW + PAD)  # [output, word]
 FRAGS = (FM, FN, 4)  # a warp's accumulators: [fragment m, fragment n, register]
 
 if SIM:
-    from stages.device import _BF16_VALUES
+    from flashv41.stages.device import _BF16_VALUES
 
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """The warp's 16x8 tile D = A @ B + C, from the lanes' fragments (PTX m16n8k16 layout)."""

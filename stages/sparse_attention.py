@@ -32,12 +32,26 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, float64, int32
 
-from flashv41.errors import InputError
-from stages.device import SIM, WARP, DeviceArray, bf16_round, bf16_to_f32, device, f32_to_bf16, grid_1d, warp_sum
-from stages.norm_rope_quant import check_array, check_rows, exp_f32, jit_for, mul_rn
+from flashv41.host.errors import InputError
+from flashv41.stages.device import (
+    SIM,
+    WARP,
+    DeviceArray,
+    bf16_round,
+    bf16_to_f32,
+    check_array,
+    check_rows,
+    device,
+    exp_f32,
+    f32_to_bf16,
+    grid_1d,
+    jit_for,
+    mul_rn,
+    warp_sum,
+)
 
 if SIM:
-    from stages.device import _BF16_VALUES
+    from flashv41.stages.device import _BF16_VALUES
 
 SPARSE_BLOCK = 64
 START_MAX = float32(-1e30)

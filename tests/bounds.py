@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.quants import Q2_K_BLOCK, GGMLType
+from flashv41.host.quants import Q2_K_BLOCK, GGMLType
 
 U = 2.0**-24  # float32 unit roundoff
 LAMBDA = 8.0  # the high-probability factor of the sqrt(K) product bound (see the module docstring)

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from flashv41.runtime import select_backend, using_simulator
-from host.synth import write_synthetic
+from flashv41.host.synth import write_synthetic
+from flashv41.stages.backend import select_backend, using_simulator
 from tests import compile_check
 
 if compile_check.enabled():

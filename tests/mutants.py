@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from stages.device import SIM
+from flashv41.stages.device import SIM
 
 
 class MutationError(LookupError):

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
-from flashv41.config import LayerRole
-from flashv41.errors import InputError
-from flashv41.model import load_model
-from host.numerics import (
+from flashv41.host.config import LayerRole
+from flashv41.host.errors import InputError
+from flashv41.host.numerics import (
     FP4_MAX_INV,
     FP8_MAX_INV,
     act_quant,
@@ -29,14 +28,15 @@ from host.numerics import (
     from_bits,
     pow2_ceil_scale,
     rms_norm,
+    rope_tables,
     to_bits,
 )
-from host.oracle import attention as oracle
-from host.oracle import rope_tables
-from stages import indexer, kv_sources  # noqa: E402
-from stages import norm_rope_quant as nrq  # noqa: E402
-from stages.linear import DeviceWeight  # noqa: E402
-from stages.sparse_attention import build_entries, sparse_attention  # noqa: E402
+from flashv41.host.oracle import attention as oracle
+from flashv41.model import load_model
+from flashv41.stages import indexer, kv_sources  # noqa: E402
+from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
+from flashv41.stages.linear import DeviceWeight  # noqa: E402
+from flashv41.stages.sparse_attention import build_entries, sparse_attention  # noqa: E402
 from tests.bounds import assert_within, bf16_ulp
 
 

@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
-from flashv41.errors import CapacityError, InputError, SequenceStateError
+from flashv41.host.errors import CapacityError, InputError, SequenceStateError
+from flashv41.host.numerics import bf16, from_bits, to_bits
+from flashv41.host.oracle import Oracle
+from flashv41.host.oracle import attention as oracle
 from flashv41.model import load_model
-from host.numerics import bf16, from_bits, to_bits
-from host.oracle import Oracle
-from host.oracle import attention as oracle
-from stages.attention import AttentionStage  # noqa: E402
+from flashv41.stages.attention import AttentionStage  # noqa: E402
 
 COSINE = 0.99999
 STATE_SAME = 0.999
@@ -284,8 +284,8 @@ def test_model_without_engram_layers(synth_model):
 def test_bench_cases():
     """The attention bench rows (flashv41 bench, GPU only): one case per weight type; clear refusal
     of a type without random stored blocks."""
-    from flashv41.bench import BenchOptions
-    from flashv41.bench_attention import cases
+    from flashv41.bench.attention import cases
+    from flashv41.bench.core import BenchOptions
 
     assert [c.name for c in cases(BenchOptions(weight_types=("Q8_0", "BF16")))] == [
         "attention.decode.Q8_0", "attention.decode.BF16"]

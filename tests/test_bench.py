@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
-from flashv41 import bench
-from flashv41.bench import (
+from flashv41.bench import core as bench
+from flashv41.bench.core import (
     HBM_FACTOR,
     L2_FALLBACK,
     BenchContext,
@@ -24,9 +24,9 @@ from flashv41.bench import (
     plan_l2,
     report,
 )
-from flashv41.errors import UnsupportedError
-from flashv41.runtime import using_simulator
-from stages.bandwidth import NEVER, L2Evictor, copy_words, fill_words, read_words, words_buffer
+from flashv41.host.errors import UnsupportedError
+from flashv41.stages.backend import using_simulator
+from flashv41.stages.bandwidth import NEVER, L2Evictor, copy_words, fill_words, read_words, words_buffer
 
 L2 = 50 << 20
 MB = 10**6

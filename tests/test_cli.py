@@ -11,7 +11,7 @@ import pytest
 
 import flashv41
 from flashv41.cli import main
-from host.synth import preset
+from flashv41.host.synth import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,9 +12,9 @@ import pytest
 
 from flashv41 import load_model
 from flashv41.cli import main
+from flashv41.host.oracle import Oracle
 from flashv41.runner import BUILTIN_NAME, CACHE_ENV, cache_dir, random_tokens
-from flashv41.runtime import using_simulator
-from host.oracle import Oracle
+from flashv41.stages.backend import using_simulator
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import pytest
 import flashv41
 from flashv41.check import Flips
 from flashv41.check import compare_call as compare
-from flashv41.errors import CapacityError, InputError, SequenceStateError
-from host.oracle import Oracle
+from flashv41.host.errors import CapacityError, InputError, SequenceStateError
+from flashv41.host.oracle import Oracle
 
 
 def compare_call(seq, ref, ids, what, mask=None, run: Flips | None = None):

@@ -9,8 +9,8 @@ import pytest
 
 import flashv41
 from flashv41.check import Flips, agreement
+from flashv41.host.oracle import Oracle
 from flashv41.memory import device_free_bytes
-from host.oracle import Oracle
 from tests.test_engine import assert_flips_rare, compare_call
 
 pytestmark = pytest.mark.gpu

@@ -15,15 +15,15 @@ import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
 import flashv41
-from flashv41.bench_engram import random_stored
-from host.numerics import F32, to_bits
-from host.oracle import Oracle
-from host.oracle.engram import engram_gate as oracle_gate
-from host.quants import GGMLType, dequantize
-from stages.engram import EngramStage
-from stages.engram_gate import engram_gate
-from stages.engram_hash import FastEngramHasher
-from stages.linear import DeviceWeight
+from flashv41.bench.engram import random_stored
+from flashv41.host.numerics import F32, to_bits
+from flashv41.host.oracle import Oracle
+from flashv41.host.oracle.engram import engram_gate as oracle_gate
+from flashv41.host.quants import GGMLType, dequantize
+from flashv41.stages.engram import EngramStage
+from flashv41.stages.engram_gate import engram_gate
+from flashv41.stages.engram_hash import FastEngramHasher
+from flashv41.stages.linear import DeviceWeight
 from tests.bounds import assert_within
 from tests.test_engram_stages import _gate_inputs, check_apply, gate_bounds
 from tests.test_linear import check_linear

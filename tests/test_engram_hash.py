@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashv41 import load_model
-from flashv41.config import EngramConfig
-from flashv41.errors import CapacityError, InputError
-from host.engram_hash import EngramHasher
-from host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
+from flashv41.host.config import EngramConfig
+from flashv41.host.engram_hash import EngramHasher
+from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
+from flashv41.host.errors import CapacityError, InputError
 
 PROPERTY = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])

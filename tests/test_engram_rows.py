@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import flashv41
-from flashv41.errors import InputError
-from host.engram_rows import EngramRowReader
-from host.quants import GGMLType
+from flashv41.host.engram_rows import EngramRowReader
+from flashv41.host.errors import InputError
+from flashv41.host.quants import GGMLType
 
 TABLE_TYPES = ("Q2_K", "Q8_0", "BF16", "F16", "F32")
 

@@ -21,25 +21,25 @@ import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
 import flashv41
-from flashv41.bench import BenchOptions, BenchRow, format_table, select_cases
-from flashv41.bench_engram import cases as bench_cases
-from flashv41.bench_engram import engram_config
+from flashv41.bench.core import BenchOptions, BenchRow, format_table, select_cases
+from flashv41.bench.engram import cases as bench_cases
+from flashv41.bench.engram import engram_config
 from flashv41.cli import main
-from flashv41.errors import CapacityError, InputError, UnsupportedError
-from flashv41.runtime import using_simulator
-from host.engram_hash import EngramHasher
-from host.engram_hash import hash_positions as oracle_hash_positions
-from host.numerics import F32, bf16, from_bits, to_bits
-from host.numerics import linear as oracle_linear
-from host.oracle import Oracle
-from host.oracle.engram import engram_gate as oracle_gate
-from host.oracle.engram import engram_layer, engram_rows
-from host.quants import GGMLType
-from stages.engram import EngramStage
-from stages.engram_gate import engram_gate
-from stages.engram_hash import FastEngramHasher, floor_mod, hash_positions
-from stages.engram_rows import RowWorkspace, TableRows
-from stages.linear import pick_kernel
+from flashv41.host.engram_hash import EngramHasher
+from flashv41.host.engram_hash import hash_positions as oracle_hash_positions
+from flashv41.host.errors import CapacityError, InputError, UnsupportedError
+from flashv41.host.numerics import F32, bf16, from_bits, to_bits
+from flashv41.host.numerics import linear as oracle_linear
+from flashv41.host.oracle import Oracle
+from flashv41.host.oracle.engram import engram_gate as oracle_gate
+from flashv41.host.oracle.engram import engram_layer, engram_rows
+from flashv41.host.quants import GGMLType
+from flashv41.stages.backend import using_simulator
+from flashv41.stages.engram import EngramStage
+from flashv41.stages.engram_gate import engram_gate
+from flashv41.stages.engram_hash import FastEngramHasher, floor_mod, hash_positions
+from flashv41.stages.engram_rows import RowWorkspace, TableRows
+from flashv41.stages.linear import pick_kernel
 from tests.bounds import assert_bf16_product, assert_within, split_terms
 
 U = 2.0**-24  # float32 unit roundoff

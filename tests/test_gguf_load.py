@@ -13,12 +13,12 @@ from gguf import GGMLQuantizationType as GQ
 from gguf import GGUFReader, GGUFValueType
 
 import flashv41
-from flashv41.errors import ModelFormatError, UnsupportedError
-from host import gguf_layout as L
-from host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
-from host.gguf_model import TensorRef
-from host.quants import FORMATS, GGMLType, dequantize, ggml_type
-from host.synth import BF16_TYPED, EMBED_STD, GAIN, NORM_MEAN, WEIGHT_TYPED, Preset, preset
+from flashv41.host import gguf_layout as L
+from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
+from flashv41.host.errors import ModelFormatError, UnsupportedError
+from flashv41.host.gguf_model import TensorRef
+from flashv41.host.quants import FORMATS, GGMLType, dequantize, ggml_type
+from flashv41.host.synth import BF16_TYPED, EMBED_STD, GAIN, NORM_MEAN, WEIGHT_TYPED, Preset, preset
 from tests.gguf_edit import rewrite_gguf
 
 WEIGHT_TYPES = ("BF16", "Q8_0", "Q2_K")
@@ -160,7 +160,7 @@ def test_engram_rows_override(synth_model) -> None:
 
 
 def test_q2_k_table_needs_256_wide_rows(tmp_path: Path) -> None:
-    from host.synth import write_synthetic
+    from flashv41.host.synth import write_synthetic
 
     with pytest.raises(UnsupportedError, match="Q2_K"):
         write_synthetic(tmp_path / "x.gguf", "small", table_type="Q2_K")
@@ -170,7 +170,7 @@ def test_q2_k_table_needs_256_wide_rows(tmp_path: Path) -> None:
 @pytest.mark.skipif(os.environ.get("FLASHV41_FLASH") != "1",
                     reason="writes the ~2.5 GB flash preset; set FLASHV41_FLASH=1 to run")
 def test_load_flash_preset(tmp_path: Path) -> None:
-    from host.synth import write_synthetic
+    from flashv41.host.synth import write_synthetic
 
     path = write_synthetic(tmp_path / "flash.gguf", "flash")
     check_model(path, preset("flash"), "Q8_0", "Q2_K")

@@ -7,10 +7,10 @@ import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
 import flashv41
-from host.numerics import bf16, from_bits, rms_norm, to_bits
-from host.oracle import Oracle
-from host.oracle.hc import hc_mixes, hc_post, hc_pre
-from stages.hyper import HyperStage  # noqa: E402
+from flashv41.host.numerics import bf16, from_bits, rms_norm, to_bits
+from flashv41.host.oracle import Oracle
+from flashv41.host.oracle.hc import hc_mixes, hc_post, hc_pre
+from flashv41.stages.hyper import HyperStage  # noqa: E402
 from tests.bounds import assert_within, bf16_ulp, f32_sum_error
 
 T = 5

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
-from host.numerics import bf16, from_bits, to_bits
-from host.numerics import linear as oracle_linear
-from host.quants import GGMLType, dequantize, quantize
-from stages.linear import (  # noqa: E402
+from flashv41.host.numerics import bf16, from_bits, to_bits
+from flashv41.host.numerics import linear as oracle_linear
+from flashv41.host.quants import GGMLType, dequantize, quantize
+from flashv41.stages.linear import (  # noqa: E402
     GEMV_MAX_TOKENS,
     SEG_VALUES,
     DeviceWeight,

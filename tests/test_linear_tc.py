@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
-from host.numerics import bf16, from_bits, to_bits
-from host.quants import Q2_K_BLOCK, Q8_0_BLOCK, GGMLType, dequantize
-from stages.device import SIM
-from stages.linear import DeviceWeight
-from stages.linear_tc import BM, BN, linear_tc, supports
+from flashv41.host.numerics import bf16, from_bits, to_bits
+from flashv41.host.quants import Q2_K_BLOCK, Q8_0_BLOCK, GGMLType, dequantize
+from flashv41.stages.device import SIM
+from flashv41.stages.linear import DeviceWeight
+from flashv41.stages.linear_tc import BM, BN, linear_tc, supports
 from tests.bounds import split_terms
 from tests.test_linear import check_groups
 

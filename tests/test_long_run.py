@@ -43,7 +43,7 @@ import pytest
 
 import flashv41
 from flashv41.check import agreement, compare_call, synced_oracle
-from host.oracle import Oracle
+from flashv41.host.oracle import Oracle
 from tests.reliability import TWO_LAYER_TINY
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 import flashv41
-from flashv41.errors import InputError
+from flashv41.host import gguf_layout as L
+from flashv41.host.errors import InputError
 from flashv41.memory import estimate_memory, format_bytes
-from host import gguf_layout as L
 
 
 def test_estimate_for_tiny(tiny_path: Path) -> None:

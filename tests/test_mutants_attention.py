@@ -42,10 +42,10 @@ import pytest
 from numba import float32, int32, uint16  # noqa: E402  (after conftest chose the backend)
 
 from flashv41.model import load_model
-from stages import indexer  # noqa: E402
-from stages import norm_rope_quant as nrq  # noqa: E402
-from stages import sparse_attention as sa  # noqa: E402
-from stages.device import bf16_to_f32, device, f32_bits, f32_to_bf16
+from flashv41.stages import indexer  # noqa: E402
+from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
+from flashv41.stages import sparse_attention as sa  # noqa: E402
+from flashv41.stages.device import bf16_to_f32, device, f32_bits, f32_to_bf16
 from tests.mutants import edited, mutant
 from tests.test_attention_kernels import (
     ENTRY_CASES,

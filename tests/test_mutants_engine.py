@@ -18,13 +18,14 @@ import pytest
 from numba import cuda, uint32  # noqa: E402  (after conftest chose the backend)
 
 import flashv41
-import stages.attention
-import stages.kv_sources
-import stages.norm_rope_quant
+import flashv41.stages.attention
+import flashv41.stages.kv_sources
+import flashv41.stages.norm_rope_quant
+from flashv41 import stages
 from flashv41.check import CallAgreement, compare_call
-from host.oracle import Oracle
-from stages.device import device, f32_bits, f32_from_bits
-from stages.sparse_attention import build_entries
+from flashv41.host.oracle import Oracle
+from flashv41.stages.device import device, f32_bits, f32_from_bits
+from flashv41.stages.sparse_attention import build_entries
 from tests.mutants import edited, mutant
 from tests.reliability import TWO_LAYER_TINY
 

@@ -35,11 +35,10 @@ import numpy as np
 import pytest
 from numba import float32, uint16, uint32
 
-import stages.linear
-import stages.linear_tc
-from host.quants import GGMLType, dequantize
-from stages.device import CHUNK, DEQUANT, dequant_q8_0_split, device, f32_bits
-from stages.linear import DeviceWeight
+from flashv41 import stages
+from flashv41.host.quants import GGMLType, dequantize
+from flashv41.stages.device import CHUNK, DEQUANT, dequant_q8_0_split, device, f32_bits
+from flashv41.stages.linear import DeviceWeight
 from tests.bounds import BIT_EQUAL_RULE, BOUND_RULE
 from tests.mutants import mutant
 from tests.test_linear import check_linear, stream_layout, weight

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from host.numerics import (
+from flashv41.host.numerics import (
     act_quant,
     bf16,
     e2m1,

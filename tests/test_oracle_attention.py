@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashv41.config import LayerRole
-from host.numerics import bf16
-from host.oracle.attention import (
+from flashv41.host.config import LayerRole
+from flashv41.host.numerics import bf16
+from flashv41.host.oracle.attention import (
     SPARSE_BLOCK,
     SharedRuntime,
     candidate_blocks,

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from flashv41 import load_model
-from flashv41.errors import CapacityError, InputError, SequenceStateError
-from flashv41.model import Model
-from host.oracle import Oracle, OracleSequence
-from host.oracle.attention import SPARSE_BLOCK
+from flashv41.host.errors import CapacityError, InputError, SequenceStateError
+from flashv41.host.model import Model
+from flashv41.host.oracle import Oracle, OracleSequence
+from flashv41.host.oracle.attention import SPARSE_BLOCK
 
 BLOCK_TYPES = ["swa", "kv_index_source_r2", "consumer_r2", "candidate_source_r1", "consumer_r1",
                "candidate_index_source_r1"]

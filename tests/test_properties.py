@@ -26,11 +26,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
-from host.numerics import act_quant, bf16, from_bits, to_bits
-from host.quants import GGMLType, dequantize, quantize
-from stages import indexer  # noqa: E402
-from stages import norm_rope_quant as nrq  # noqa: E402
-from stages.engram_hash import FastEngramHasher
+from flashv41.host.numerics import act_quant, bf16, from_bits, to_bits
+from flashv41.host.quants import GGMLType, dequantize, quantize
+from flashv41.stages import indexer  # noqa: E402
+from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
+from flashv41.stages.engram_hash import FastEngramHasher
 from tests.test_engram_hash import ScalarHasher, assert_ids_equal, engram_configs, streams
 from tests.test_numerics import E4M3_VALUES, e2m1_by_grid, e4m3_by_table
 from tests.test_oracle_attention import brute_select, patterns

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GQ
 
-from flashv41.errors import UnsupportedError
-from host.quants import Q2_K_BLOCK, Q8_0_BLOCK, GGMLType, dequantize, quantize
+from flashv41.host.errors import UnsupportedError
+from flashv41.host.quants import Q2_K_BLOCK, Q8_0_BLOCK, GGMLType, dequantize, quantize
 
 ROWS, K = 64, 512
 

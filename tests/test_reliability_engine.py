@@ -22,8 +22,8 @@ import pytest
 
 import flashv41
 from flashv41.check import compare_call, synced_oracle
-from flashv41.errors import CapacityError, FlashError, InputError, SequenceStateError
-from host.oracle import Oracle
+from flashv41.host.errors import CapacityError, FlashError, InputError, SequenceStateError
+from flashv41.host.oracle import Oracle
 from tests.reliability import TWO_LAYER_TINY, UNMAPPED
 
 MAX_SEQ, MAX_TOKENS, VOCAB = 8, 3, 128

@@ -20,9 +20,9 @@ from gguf import GGUFReader
 
 import flashv41
 from flashv41.check import compare_call
-from flashv41.errors import FlashError, ModelFormatError, SequenceStateError, UnsupportedError
-from host import gguf_layout as L
-from host.oracle import Oracle
+from flashv41.host import gguf_layout as L
+from flashv41.host.errors import FlashError, ModelFormatError, SequenceStateError, UnsupportedError
+from flashv41.host.oracle import Oracle
 from tests.gguf_edit import field_value, rewrite_gguf
 from tests.reliability import TWO_LAYER_TINY
 

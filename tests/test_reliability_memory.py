@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import flashv41
-from flashv41.errors import CapacityError, FlashError, InputError, SequenceStateError
+from flashv41.host.errors import CapacityError, FlashError, InputError, SequenceStateError
 from flashv41.memory import estimate_memory
-from flashv41.runtime import using_simulator
+from flashv41.stages.backend import using_simulator
 from tests.reliability import TWO_LAYER_TINY, free_device_bytes, live_device_bytes
 
 MAX_SEQ, MAX_TOKENS = 16, 3

@@ -19,36 +19,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashv41.config import ModelConfig
-from flashv41.errors import CapacityError, InputError, SequenceStateError
-from flashv41.model import Model
-from host import gguf_layout as L
-from host.engram_hash import EngramHasher
-from host.numerics import F32, bf16, rms_norm, rope_table
-from host.oracle.attention import (
+from flashv41.host import gguf_layout as L
+from flashv41.host.engram_hash import EngramHasher
+from flashv41.host.errors import CapacityError, InputError, SequenceStateError
+from flashv41.host.model import Model
+from flashv41.host.numerics import F32, bf16, rms_norm, rope_tables
+from flashv41.host.oracle.attention import (
     Adopt,
     AttentionWeights,
     LayerState,
-    RopeTables,
     SharedRuntime,
     attention_layer,
     own_choice,
 )
-from host.oracle.engram import engram_layer
-from host.oracle.hc import hc_mixes, hc_post, hc_pre
-from host.quants import dequantize
-from host.tokens import check_tokens
+from flashv41.host.oracle.engram import engram_layer
+from flashv41.host.oracle.hc import hc_mixes, hc_post, hc_pre
+from flashv41.host.quants import dequantize
+from flashv41.host.tokens import check_tokens
 
-__all__ = ["Oracle", "OracleSequence", "rope_tables"]
-
-
-def rope_tables(cfg: ModelConfig, max_seq: int) -> RopeTables:
-    """The two rotation tables of a model, for positions 0..max_seq-1."""
-    yarn = (cfg.rope_factor, cfg.rope_original_ctx, cfg.beta_fast, cfg.beta_slow)
-    return RopeTables(
-        plain=rope_table(cfg.rope_dim, max_seq, cfg.rope_theta, None),
-        compressed=rope_table(cfg.rope_dim, max_seq, cfg.compress_rope_theta, yarn),
-    )
+__all__ = ["Oracle", "OracleSequence"]
 
 
 class Oracle:

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashv41.config import LayerRole, ModelConfig
-from host.numerics import (
+from flashv41.host.config import LayerRole, ModelConfig
+from flashv41.host.numerics import (
     F32,
+    RopeTables,
     act_quant,
     bf16,
     exp,
@@ -71,17 +72,6 @@ class AttentionWeights:
     k_norm: np.ndarray | None = None  # [ID]
     idx_wq_b: np.ndarray | None = None  # [IH*ID, Q] (index sources)
     idx_proj: np.ndarray | None = None  # [IH, C]
-
-
-@dataclass
-class RopeTables:
-    """cos / sin float32 [max_seq, R/2] of the two rotations: plain (ratio 0) and compressed (YaRN)."""
-
-    plain: tuple[np.ndarray, np.ndarray]
-    compressed: tuple[np.ndarray, np.ndarray]
-
-    def for_ratio(self, ratio: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.compressed if ratio > 0 else self.plain
 
 
 @dataclass

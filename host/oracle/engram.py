@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.gguf_model import TensorRef
-from host.numerics import F32, bf16, linear, mean_square, rsqrt, sigmoid, sqrt, sum_last
-from host.quants import dequantize
+from flashv41.host.gguf_model import TensorRef
+from flashv41.host.numerics import F32, bf16, linear, mean_square, rsqrt, sigmoid, sqrt, sum_last
+from flashv41.host.quants import dequantize
 
 
 def engram_rows(table: TensorRef, row_ids: np.ndarray) -> np.ndarray:

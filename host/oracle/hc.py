@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.numerics import F32, bf16, exp, matmul_t, mean_square, rsqrt, sigmoid, sum_last
+from flashv41.host.numerics import F32, bf16, exp, matmul_t, mean_square, rsqrt, sigmoid, sum_last
 
 
 def sinkhorn_split(mixes: np.ndarray, scale: np.ndarray, base: np.ndarray, hc: int, iters: int, eps: float):

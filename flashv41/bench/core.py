@@ -60,14 +60,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from flashv41.errors import InputError, UnsupportedError
+from flashv41.host.errors import InputError, UnsupportedError
 from flashv41.memory import flush_device_frees
-from flashv41.runtime import backend_name, select_backend
+from flashv41.stages.backend import backend_name, select_backend
 
 # the modules whose `cases(options)` make up the benchmark
 BENCH_MODULES: tuple[str, ...] = (
-    "flashv41.bench_gemv", "flashv41.bench_engram", "flashv41.bench_attention", "flashv41.bench_stack",
-    "flashv41.bench_prefill",
+    "flashv41.bench.gemv", "flashv41.bench.engram", "flashv41.bench.attention", "flashv41.bench.stack",
+    "flashv41.bench.prefill",
 )
 COPY_BYTES = 512 << 20  # each buffer of the copy probes: ten times the H200's 50 MiB L2
 COPY_ROUNDS = 2  # the three probes run this many times interleaved; each reports its best round
@@ -421,7 +421,7 @@ def measure_copy_bandwidths(reps: int, warmup: int, l2_bytes: int, nbytes: int =
 def _copy_probes(reps: int, warmup: int, l2_bytes: int, nbytes: int) -> list[BenchRow]:
     from numba import cuda
 
-    from stages.bandwidth import copy_words, read_words, words_buffer
+    from flashv41.stages.bandwidth import copy_words, read_words, words_buffer
 
     stream = cuda.stream()
     src = words_buffer(nbytes, stream)
@@ -508,7 +508,7 @@ def run(options: BenchOptions, json_path: Path | None = None, print_fn: Callable
     if options.reps < MIN_REPS:
         raise InputError(f"bench: --reps must be at least {MIN_REPS}, got {options.reps}")
     cases = select_cases(all_cases(options), options.rows)
-    from stages.bandwidth import L2Evictor
+    from flashv41.stages.bandwidth import L2Evictor
 
     l2_bytes, l2_source = device_l2_bytes()
     copies = measure_copy_bandwidths(options.reps, options.warmup, l2_bytes)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow
+from flashv41.bench.core import BenchCase, BenchContext, BenchOptions, BenchRow
 from flashv41.memory import device_free_bytes
 
 PROMPT = 512
@@ -34,7 +34,7 @@ TABLE_ROWS = 3_000_000
 
 def stack_model(options: BenchOptions):
     import flashv41
-    from host.synth import write_synthetic
+    from flashv41.host.synth import write_synthetic
 
     path = options.workdir / "flash-stack-Q8_0.gguf"
     if not path.exists():

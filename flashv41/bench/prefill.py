@@ -1,7 +1,7 @@
 """Benchmark rows of the prefill GEMMs (PERF.md P5) at V4.1-Flash dimensions.
 
 `prefill.gemm.<matrix>.<type>`: PREFILL_TOKENS tokens through one weight matrix of a layer (every
-shape of flashv41.bench_gemv's SHAPES; the grouped wo_a in one call), our kernel (stages.linear's
+shape of flashv41.bench.gemv's SHAPES; the grouped wo_a in one call), our kernel (stages.linear's
 choice: the tensor cores where they apply) against cuBLAS on the same shape through CuPy, fp16
 in, fp32 accumulate (the rate of bf16: CuPy has no bf16 type), timed in the same run. Bound =
 cuBLAS's time, so ratio <= 2 meets P5 (>= 0.5x cuBLAS). Without CuPy the bound is the time at
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, L2Plan
-from flashv41.bench_gemv import SHAPES, time_product
+from flashv41.bench.core import BenchCase, BenchContext, BenchOptions, BenchRow, L2Plan
+from flashv41.bench.gemv import SHAPES, time_product
 
 PREFILL_TOKENS = 4096
 PEAK_TFLOPS = 790.0  # H200 dense bf16, PERF.md

@@ -15,16 +15,16 @@ wkv) and each call reads the next copy, so a copy comes back only after three L2
 other copies went through. The input and output vectors stay the same (a few KB, in the L2 as
 in a real step). The copies are freed when the row ends. The JSON's `l2` says "rotated over N
 copies", or for a weight >= 4x L2 "read from HBM" (timed back to back on the one weight).
-`time_product` also serves the prefill rows (flashv41.bench_prefill), which evict instead.
+`time_product` also serves the prefill rows (flashv41.bench.prefill), which evict instead.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow, L2Plan
-from flashv41.bench_engram import copy_weight, random_stored
-from host.quants import FORMATS, GGMLType
+from flashv41.bench.core import BenchCase, BenchContext, BenchOptions, BenchRow, L2Plan
+from flashv41.bench.engram import copy_weight, random_stored
+from flashv41.host.quants import FORMATS, GGMLType
 
 # (name, outputs N, inputs K, groups): the flash preset's decode products
 SHAPES = (("attn.wq_a", 1280, 5120, 1), ("attn.wq_b", 64 * 512, 1280, 1), ("attn.wkv", 512, 5120, 1),
@@ -41,7 +41,7 @@ def time_product(ctx: BenchContext, matrix: str, n: int, k: int, groups: int, wt
     by design): the L2 evicted between repetitions if weight, input and output fit."""
     from numba import cuda
 
-    from stages.linear import DeviceWeight, linear, pick_kernel
+    from flashv41.stages.linear import DeviceWeight, linear, pick_kernel
 
     gtype = GGMLType[wtype]
     stream = cuda.stream()

@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from flashv41.bench import BenchCase, BenchContext, BenchOptions, BenchRow
-from flashv41.bench_engram import WEIGHT_TYPES, random_stored
-from flashv41.errors import InputError
+from flashv41.bench.core import BenchCase, BenchContext, BenchOptions, BenchRow
+from flashv41.bench.engram import WEIGHT_TYPES, random_stored
 from flashv41.graphs import GraphRunner
-from host.quants import GGMLType, ggml_type
+from flashv41.host.errors import InputError
+from flashv41.host.quants import GGMLType, ggml_type
 
 DECODE_POSITION = 1023
 PREFILL_CHUNK = 256
@@ -53,7 +53,7 @@ QUEUED = 4
 def attention_model(options: BenchOptions):
     """The six-layer flash-dimension model without engram, written once per work directory."""
     import flashv41
-    from host.synth import write_synthetic
+    from flashv41.host.synth import write_synthetic
 
     path = options.workdir / "flash-attention-Q8_0.gguf"
     if not path.exists():
@@ -64,7 +64,7 @@ def attention_model(options: BenchOptions):
 def swap_dense(stage, gtype: GGMLType, stream) -> None:
     """Replace every layer's dense projections by random stored blocks of `gtype`, same shapes."""
 
-    from stages.linear import DeviceWeight
+    from flashv41.stages.linear import DeviceWeight
 
     rng = np.random.default_rng(int(gtype))
 
@@ -85,8 +85,8 @@ def decode_case(wtype: str) -> BenchCase:
     def run(ctx: BenchContext) -> list[BenchRow]:
         from numba import cuda
 
-        from host.numerics import bf16, to_bits
-        from stages.attention import AttentionStage
+        from flashv41.host.numerics import bf16, to_bits
+        from flashv41.stages.attention import AttentionStage
 
         model = attention_model(ctx.options)
         cfg = model.config

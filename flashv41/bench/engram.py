@@ -38,12 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from flashv41.bench import HOST, BenchCase, BenchContext, BenchOptions, BenchRow, device_copy, host_time
-from flashv41.config import EngramConfig
-from flashv41.errors import InputError
-from host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
-from host.quants import Q2_K_BLOCK, Q8_0_BLOCK, GGMLType, ggml_type
-from host.synth import preset
+from flashv41.bench.core import HOST, BenchCase, BenchContext, BenchOptions, BenchRow, device_copy, host_time
+from flashv41.host.config import EngramConfig
+from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
+from flashv41.host.errors import InputError
+from flashv41.host.quants import Q2_K_BLOCK, Q8_0_BLOCK, GGMLType, ggml_type
+from flashv41.host.synth import preset
 
 WEIGHT_TYPES = (GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16)  # random wkv blocks can be made for these
 HASH_TOKENS = 65536
@@ -95,7 +95,7 @@ def copy_weight(w, stream):
 
 
 def _random_weight(name: str, n: int, k: int, gtype: GGMLType, stream):
-    from stages.linear import DeviceWeight
+    from flashv41.stages.linear import DeviceWeight
 
     stored = random_stored(n, k, gtype, np.random.default_rng(int(gtype)))
     return DeviceWeight.from_stored(name, gtype, stored, k, stream)
@@ -113,7 +113,7 @@ def gemv_case(wtype: str) -> BenchCase:
     def run(ctx: BenchContext) -> list[BenchRow]:
         from numba import cuda
 
-        from stages.linear import linear
+        from flashv41.stages.linear import linear
 
         dim, hc, k = _flash_shapes()
         n = dim * (hc + 1)
@@ -137,7 +137,7 @@ _MODELS: dict[str, object] = {}
 def step_model(options: BenchOptions):
     """The one-layer flash-dimension model of the step rows, written once per work directory."""
     import flashv41
-    from host.synth import write_synthetic
+    from flashv41.host.synth import write_synthetic
 
     path = options.workdir / f"flash-engram-{STEP_TABLE_ROWS}.gguf"
     key = str(path)
@@ -155,8 +155,8 @@ def step_case(wtype: str, residency: str) -> BenchCase:
     def run(ctx: BenchContext) -> list[BenchRow]:
         from numba import cuda
 
-        from stages.engram import EngramStage
-        from stages.engram_hash import FastEngramHasher
+        from flashv41.stages.engram import EngramStage
+        from flashv41.stages.engram_hash import FastEngramHasher
 
         model = step_model(ctx.options)
         cfg = model.config
@@ -217,7 +217,7 @@ def step_case(wtype: str, residency: str) -> BenchCase:
 
 def hash_case() -> BenchCase:
     def run(ctx: BenchContext) -> list[BenchRow]:
-        from stages.engram_hash import FastEngramHasher
+        from flashv41.stages.engram_hash import FastEngramHasher
 
         cfg = engram_config("flash")
         ids = np.random.default_rng(3).integers(0, cfg.token_map.shape[0], HASH_TOKENS)

@@ -70,7 +70,8 @@ WORKSPACES = ("positions", "qa", "qr", "q", "kv_raw", "kv", "o", "oa", "entries_
 
 @cuda.jit
 def _ring_write_kernel(kv, ring, positions, n_tokens, width):
-    """ring[positions[r] % W] = kv[r] for the chunk's last min(T, W) rows."""
+    """ring[positions[r] % W] = kv[r] for the chunk's last min(T, W) rows. kv bf16 [>= T, D], ring
+    bf16 [W, D], positions int32 [T]."""
     i = cuda.grid(1)
     window = ring.shape[0]
     first = max(0, n_tokens - window)
@@ -83,6 +84,7 @@ def _ring_write_kernel(kv, ring, positions, n_tokens, width):
 
 @cuda.jit
 def _fill_kernel(a, n_rows, value):
+    """a[:n_rows] = value, one thread per element (a [>= n_rows, N])."""
     i = cuda.grid(1)
     if i < n_rows * a.shape[1]:
         a[i // a.shape[1], i % a.shape[1]] = value
@@ -218,7 +220,7 @@ class AttentionStage:
                          matrix("wo_a", cfg.o_groups * cfg.o_lora_rank, cfg.group_width),
                          matrix("wo_b", c, cfg.o_groups * cfg.o_lora_rank))
         if role.kv_source:
-            w.source = KvSourceWeights(role.ratio, matrix("comp_kv", d, c),
+            w.source = KvSourceWeights(matrix("comp_kv", d, c),
                                        matrix("comp_gate", d, c) if role.ratio > 1 else None,
                                        vector("comp_norm", d), matrix("wk", cfg.index_head_dim, d),
                                        vector("k_norm", cfg.index_head_dim))
@@ -359,23 +361,24 @@ class AttentionStage:
         cos, sin = self.tables[role.ratio > 0]
 
         linear(x, w.wq_a, self.qa, t, stream=s)
-        rms_norm(self.qa, w.q_norm, self.qr, t, self.eps, stream=s)
+        rms_norm(self.qa, w.q_norm, self.eps, self.qr, t, stream=s)
         linear(self.qr, w.wq_b, self.q_rows, t, stream=s)
-        rope(self.q_rows, cos, sin, pos, t, cfg.n_heads, stream=s)
+        rope(self.q_rows, cos, sin, pos, False, t, cfg.n_heads, stream=s)
         linear(x, w.wkv, self.kv_raw, t, stream=s)
-        rms_norm(self.kv_raw, w.kv_norm, self.kv, t, self.eps, stream=s)
-        rope(self.kv, cos, sin, pos, t, 1, stream=s)
+        rms_norm(self.kv_raw, w.kv_norm, self.eps, self.kv, t, stream=s)
+        rope(self.kv, cos, sin, pos, False, t, stream=s)
         act_quant(self.kv, t, stream=s)
 
+        # a ratio-0 layer has no compressed rows: any bf16 [*, D] array stands in (no entry names it)
         entries, comp_rows, selection = self.entries_window, self.kv, None
         if role.ratio > 0:
             selection = self._sources(layer, w, st, shared, x, start, t, cos, sin, capture)
             entries, comp_rows = self.entries_all, shared.compressed
-        build_entries(pos, selection, entries, t, cfg.window, self.kv.shape[0], stream=s)
-        sparse_attention(self.q, st.ring, self.kv, comp_rows, entries, w.sinks, self.o, t, self.scale, stream=s)
+        build_entries(pos, selection, cfg.window, self.kv.shape[0], entries, t, stream=s)
+        sparse_attention(self.q, st.ring, self.kv, comp_rows, entries, w.sinks, self.scale, self.o, t, stream=s)
         if capture is not None:
             capture["attn_o"] = self._host(self.o, t)
-        rope(self.o_rows, cos, sin, pos, t, cfg.n_heads, inverse=True, stream=s)
+        rope(self.o_rows, cos, sin, pos, True, t, cfg.n_heads, stream=s)
         linear(self.o_rows, w.wo_a, self.oa, t, group_rows=cfg.o_lora_rank, stream=s)
         linear(self.oa, w.wo_b, out, t, stream=s)
         n_ring = min(t, cfg.window) * cfg.head_dim
@@ -388,24 +391,23 @@ class AttentionStage:
                  start: int, t: int, cos: DeviceArray, sin: DeviceArray, capture: dict | None) -> DeviceArray:
         """A ratio > 0 layer's kv-source and index-source work; returns the selection to attend."""
         cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
-        n_groups = 0
-        g0 = 0
         if w.source is not None:
             assert st.source is not None and self.source_ws is not None
             ws = self.source_ws
-            g0, n_groups, group_pos = kv_sources.compress(w.source, st.source, ws, x, pos, start, t, self.eps, s)
-            if capture is not None:
-                capture["latents"] = self._host(ws.latent, n_groups)
-            kv_sources.publish(w.source, st.source, ws, pos, group_pos, n_groups, cos, sin, self.eps, s)
+            latents, groups = kv_sources.compress(cfg, role, w.source, st.source, x, start, ws, pos, t, s)
+            if capture is not None:  # before publish turns the latents into cache rows
+                capture["latents"] = self._host(latents, groups.count)
+                capture["groups"] = np.arange(groups.first, groups.first + groups.count, dtype=np.int64)
+            kv_sources.publish(cfg, role, w.source, st.source, latents, groups, cos, sin, ws, pos, s)
             shared.compressed, shared.index_keys = st.source.compressed, st.source.index_keys
+        elif capture is not None:
+            capture["latents"] = np.zeros((0, cfg.head_dim), np.float32)
+            capture["groups"] = np.zeros(0, np.int64)
         width = (start + t) // role.ratio
         if w.indexer is not None:
             self._index(w, shared, x, t, width, cos, sin, capture)
         assert shared.selection is not None
         if capture is not None:
-            if w.source is None:
-                capture["latents"] = np.zeros((0, cfg.head_dim), np.float32)
-            capture["groups"] = np.arange(g0, g0 + n_groups, dtype=np.int64)
             capture["selection"] = self._download(shared.selection, t).astype(np.int64)
             if shared.candidates is not None:
                 blocks = self._download(shared.candidates, t).astype(bool)
@@ -425,12 +427,11 @@ class AttentionStage:
             _fill_kernel[grid_1d(n, COPY_THREADS), COPY_THREADS, s](self.selection, t, -1)
             return
         assert shared.index_keys is not None
-        indexer.index_queries(w.indexer, self.qr, x, self.iq, self.hw, pos, t, cos, sin, stream=s)
+        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
         grid_width = shared.index_keys.shape[0] if self.capturing else width  # the graph serves later widths
-        indexer.index_scores(self.iq, self.hw, shared.index_keys, self.score, pos, t, role.ratio, grid_width,
-                             self.index_scale, stream=s)
-        indexer.select(self.score, pos, self.candidates, self.selection, t, role.ratio, role.candidate_source,
-                       role.uses_candidates, cfg.candidate_block_size, cfg.candidate_topk_blocks, stream=s)
+        indexer.index_scores(self.iq, self.hw, shared.index_keys, self.index_scale, self.score, t, pos, role.ratio,
+                             grid_width, stream=s)
+        indexer.select(cfg, role, self.score, pos, self.candidates, self.selection, t, stream=s)
         if role.candidate_source:
             shared.candidates, shared.candidate_width = self.candidates, width
         if capture is not None:

@@ -35,14 +35,10 @@ SQRT_FLOOR = 1e-6  # |dot| is floored here before the square root (the reference
 GATE_THREADS = 1 if SIM else 256
 
 
-def check_hc(hc: int) -> None:
-    if not 1 <= hc <= MAX_HC:
-        raise UnsupportedError(f"the engram gate supports hc (hyper-connection copies) 1..{MAX_HC}, got {hc}")
-
-
 @cache
 def gate_kernel(threads: int):
-    """The gate for blocks of `threads` threads: 1, or a multiple of the warp size."""
+    """The gate for blocks of `threads` threads: 1, or a multiple of the warp size. h fp32 [T, hc, C]
+    in place; kv bf16 [T, C * (hc + 1)]; qk fp32 [hc, C]; mask uint8 or bool [T]; g_out fp32 [T, hc]."""
     if threads != 1 and threads % WARP:
         raise ValueError(f"gate blocks take 1 thread or a multiple of {WARP}, got {threads}")
     warps = max(1, threads // WARP)
@@ -51,8 +47,8 @@ def gate_kernel(threads: int):
     @cuda.jit
     def gate(h, kv, qk, mask, g_out, hc, dim, eps, scale):
         scratch = cuda.shared.array(slots, float32)  # warp_sum's (simulator) scratch
-        partial = cuda.shared.array((3, warps), float32)
-        shared_g = cuda.shared.array(1, float32)
+        partial = cuda.shared.array((3, warps), float32)  # [3, warps]: each warp's three sums
+        shared_g = cuda.shared.array(1, float32)  # [1]: the gate, from thread 0 to the block
         t = cuda.blockIdx.x
         c = cuda.blockIdx.y
         tid = cuda.threadIdx.x
@@ -98,6 +94,12 @@ def gate_kernel(threads: int):
             h[t, c, i] = h[t, c, i] + g * bf16_to_f32(kv[t, value + i])
 
     return gate
+
+
+def check_hc(hc: int) -> None:
+    """UnsupportedError unless 1 <= hc <= MAX_HC (called where a stage is built, and per launch)."""
+    if not 1 <= hc <= MAX_HC:
+        raise UnsupportedError(f"the engram gate supports hc (hyper-connection copies) 1..{MAX_HC}, got {hc}")
 
 
 def engram_gate(h, kv, qk, mask, g_out, n_tokens: int, eps: float, stream=0, threads: int = GATE_THREADS) -> None:

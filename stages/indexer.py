@@ -1,15 +1,21 @@
 """The indexer on the device: index queries, index scores, candidate blocks and the top-k selection.
 
 Shapes (T tokens, IH x ID index heads, G = width groups, K = index_topk, B = candidate block size,
-NB = ceil(G / B) blocks; bf16 = uint16 bit patterns):
-- `index_queries`: qr bf16 [T, Q], x bf16 [T, C] -> iq = fp4_32(RoPE(qr @ wq_b^T)) bf16 [T, IH*ID] and
-  hw = x @ proj^T bf16 [T, IH].
-- `index_scores`: iq, hw, keys bf16 [>=G, ID] -> score bf16 [T, >=G]:
-  score[t, g] = bf16(sum_h bf16(relu(bf16(iq_h . k_g)) * w_h)), w_h = bf16(hw_h * ID^-0.5 * IH^-0.5),
-  for g < G = (positions[T-1] + 1) // ratio.
-- `select`: score -> selection int32 [T, K] (ascending, -1 padded) and, on the candidate source, the
-  block mask uint8 [T, >=NB] that later index sources respect.
-Oracle: host.oracle.attention (`indexer_scores`, `select`, `candidate_blocks`, `topk_positions`).
+NB = ceil(G / B) blocks; bf16 = uint16 bit patterns). Each wrapper takes the arguments of its
+oracle function in host.oracle.attention in the same order, then the device's own (outputs, row
+count, the positions the kernels read widths off, the stream):
+- `index_queries(w, x, qr, cos, sin, positions, iq, hw, n_tokens)`: x bf16 [T, C], qr bf16 [T, Q] ->
+  iq = fp4_32(RoPE(qr @ wq_b^T)) bf16 [T, IH*ID] (the oracle's [T, IH, ID]) and hw = x @ proj^T bf16
+  [T, IH]. Oracle: index_queries(w, x, qr, cos, sin, positions).
+- `index_scores(iq, hw, keys, scale, score, n_tokens, positions, ratio, width)`: iq, hw, keys bf16
+  [>=G, ID] -> score bf16 [T, >=G]: score[t, g] = bf16(sum_h bf16(relu(bf16(iq_h . k_g)) * w_h)),
+  w_h = bf16(hw_h * scale), scale = ID^-0.5 * IH^-0.5, for g < G = (positions[T-1] + 1) // ratio (the
+  oracle's keys are those G rows). Oracle: index_scores(iq, hw, keys, scale).
+- `select(cfg, role, score, positions, candidates, selection, n_tokens)`: score -> selection int32
+  [T, K] (ascending, -1 padded) and, on the candidate source, the block mask uint8 [T, >=NB] in
+  `candidates` that later index sources respect (the oracle's mask is per position, [T, G] bool:
+  each block's flag repeated over its B positions). Oracle: select(cfg, role, score, positions,
+  candidates), with candidate_blocks and topk_positions.
 
 Exactness. The index queries and keys are fp4 values: in a block of 32 along ID every value is an
 E2M1 code times the block's power-of-two scale, so a product is (an integer <= 144) * s_q * s_k / 4
@@ -34,6 +40,7 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, float64, int32, int64, uint32
 
+from flashv41.host.config import LayerRole, ModelConfig
 from flashv41.host.errors import InputError
 from flashv41.stages.device import (
     SIM,
@@ -91,17 +98,18 @@ def score_key(bits):
 
 @cache
 def score_kernel(index_heads: int, index_dim: int, head_threads: int, groups: int):
-    """Block (head_threads, groups) per tile of `groups` groups of one query row."""
+    """Block (head_threads, groups) per tile of `groups` groups of one query row. iq bf16 [T, IH * ID],
+    hw bf16 [T, IH], keys bf16 [>= G, ID], score bf16 [T, >= G], positions int32 [T]."""
     nt = head_threads * groups
     sync = nt > 1
     dims = index_dim + 1  # padded shared rows: threads of a warp read different heads' rows
 
     @jit_for(nt)
     def kernel(iq, hw, keys, score, positions, n_tokens, ratio, w_scale):
-        qs = cuda.shared.array((index_heads, dims), float32)
-        ks = cuda.shared.array((groups, dims), float32)
-        ws = cuda.shared.array(index_heads, float32)
-        part = cuda.shared.array((groups, head_threads), float64)
+        qs = cuda.shared.array((index_heads, dims), float32)  # [IH, ID + 1]: the row's queries
+        ks = cuda.shared.array((groups, dims), float32)  # [groups, ID + 1]: the tile's keys
+        ws = cuda.shared.array(index_heads, float32)  # [IH]: the scaled head weights
+        part = cuda.shared.array((groups, head_threads), float64)  # [groups, head threads]: sums over heads
         t = cuda.blockIdx.y
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
@@ -259,9 +267,10 @@ def select_kernel(threads: int, radix_bits: int):
 
     @jit_for(nt)
     def kernel(score, cand, sel, positions, n_tokens, ratio, candidate_source, use_candidates, blk, topk_blocks):
-        hist = cuda.shared.array(bins, int32)
-        buf = cuda.shared.array(nt, int64)
-        found = cuda.shared.array(2, int64)
+        # score bf16 [T, >= G], cand uint8 [T, >= NB], sel int32 [T, K], positions int32 [T]
+        hist = cuda.shared.array(bins, int32)  # [2^radix_bits]: one pass's histogram of key digits
+        buf = cuda.shared.array(nt, int64)  # [threads]: exclusive_scan's
+        found = cuda.shared.array(2, int64)  # the pass's digit of the k-th key, and the count above it
         t = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         width = (positions[n_tokens - 1] + 1) // ratio
@@ -284,25 +293,25 @@ class IndexerWeights:
     proj: DeviceWeight  # [IH, C]
 
 
-def index_queries(w: IndexerWeights, qr: DeviceArray, x: DeviceArray, iq: DeviceArray, hw: DeviceArray,
-                  positions: DeviceArray, n_tokens: int, cos: DeviceArray, sin: DeviceArray, stream=0) -> None:
+def index_queries(w: IndexerWeights, x: DeviceArray, qr: DeviceArray, cos: DeviceArray, sin: DeviceArray,
+                  positions: DeviceArray, iq: DeviceArray, hw: DeviceArray, n_tokens: int, stream=0) -> None:
     """iq[:T] = fp4_32(RoPE(qr @ wq_b^T)) per head; hw[:T] = x @ proj^T (bf16, unscaled)."""
     heads = w.proj.n
     linear(qr, w.wq_b, iq, n_tokens, stream=stream)
-    rope(iq, cos, sin, positions, n_tokens, heads, stream=stream)
-    fp4_quant(iq, n_tokens, FP4_BLOCK, False, stream=stream)
+    rope(iq, cos, sin, positions, False, n_tokens, heads, stream=stream)
+    fp4_quant(iq, FP4_BLOCK, False, n_tokens, stream=stream)
     linear(x, w.proj, hw, n_tokens, stream=stream)
 
 
-def index_scores(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, score: DeviceArray, positions: DeviceArray,
-                 n_tokens: int, ratio: int, width: int, w_scale: float, stream=0,
+def index_scores(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, scale: float, score: DeviceArray,
+                 n_tokens: int, positions: DeviceArray, ratio: int, width: int, stream=0,
                  tile: tuple[int, int] = (0, 0)) -> None:
     """score[t, g] for t < T and g < G = (positions[T-1] + 1) // ratio (bf16 bits).
 
-    width: G as the host knows it; it only sizes the grid (the kernel reads G off the positions,
-    and its blocks stride over the row, so a captured graph may pass the cache's length).
-    w_scale: ID^-0.5 * IH^-0.5 rounded to fp32 as the oracle does. tile: (head threads, groups)
-    per block (0 = the default; tests force others).
+    scale: ID^-0.5 * IH^-0.5, rounded to fp32 here as the oracle does. width: G as the host knows
+    it; it only sizes the grid (the kernel reads G off the positions, and its blocks stride over
+    the row, so a captured graph may pass the cache's length). tile: (head threads, groups) per
+    block (0 = the default; tests force others).
     """
     for a, what in ((iq, "iq"), (hw, "hw"), (keys, "keys"), (score, "score")):
         check_array(a, (np.uint16,), 2, f"index_scores {what}")
@@ -322,17 +331,18 @@ def index_scores(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, score: Dev
     blocks = min((width + groups - 1) // groups, SCORE_MAX_BLOCKS)
     kernel = score_kernel(heads, index_dim, head_threads, groups)
     kernel[(blocks, n_tokens), (head_threads, groups), stream](
-        iq, hw, keys, score, positions, n_tokens, ratio, np.float32(w_scale))
+        iq, hw, keys, score, positions, n_tokens, ratio, np.float32(scale))
 
 
-def select(score: DeviceArray, positions: DeviceArray, candidates: DeviceArray, selection: DeviceArray,
-           n_tokens: int, ratio: int, candidate_source: bool, use_candidates: bool, block: int, topk_blocks: int,
-           stream=0, threads: int = 0, radix_bits: int = 0) -> None:
-    """selection[:T] (int32 [T, K]): the top min(K, visible) visible positions of each row by
-    (score desc, position asc), ascending, -1 padded; visible = (positions[t] + 1) // ratio.
+def select(cfg: ModelConfig, role: LayerRole, score: DeviceArray, positions: DeviceArray, candidates: DeviceArray,
+           selection: DeviceArray, n_tokens: int, stream=0, threads: int = 0, radix_bits: int = 0) -> None:
+    """selection[:T] (int32 [T, K], K = cfg.index_topk): the top min(K, visible) visible positions
+    of each row by (score desc, position asc), ascending, -1 padded; visible = (positions[t] + 1) //
+    role.ratio.
 
-    candidate_source: first write candidates[t, b] (uint8) = block b kept, for b < NB.
-    use_candidates: positions in blocks with candidates[t, b] == 0 rank as -inf.
+    The candidate source first writes candidates[t, b] (uint8) = block b kept, for b < NB (blocks
+    of cfg.candidate_block_size, cfg.candidate_topk_blocks of them); on a later index source
+    (role.uses_candidates) positions in blocks with candidates[t, b] == 0 rank as -inf.
     threads (a power of two), radix_bits (4 or 8): the kernel's shape (0 = the defaults; tests
     force others).
     """
@@ -342,9 +352,11 @@ def select(score: DeviceArray, positions: DeviceArray, candidates: DeviceArray, 
     check_array(selection, (np.int32,), 2, "select selection")
     for a, what in ((score, "score"), (positions, "positions"), (candidates, "candidates"), (selection, "selection")):
         check_rows(a, n_tokens, f"select {what}")
+    if selection.shape[1] != cfg.index_topk:
+        raise InputError(f"select: selection {selection.shape} for the top {cfg.index_topk}")
     if n_tokens == 0:
         return
     nt = threads or SELECT_THREADS
     select_kernel(nt, radix_bits or RADIX_BITS)[n_tokens, nt, stream](
-        score, candidates, selection, positions, n_tokens, ratio, bool(candidate_source), bool(use_candidates),
-        block, topk_blocks)
+        score, candidates, selection, positions, n_tokens, role.ratio, bool(role.candidate_source),
+        bool(role.uses_candidates), cfg.candidate_block_size, cfg.candidate_topk_blocks)

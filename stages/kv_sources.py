@@ -12,8 +12,13 @@ softmax weights over their scores, rounded to bf16, then normed. Tokens of a gro
 wait in the per-sequence fp32 state [r, D] (slot = position % r), exactly as the oracle keeps it.
 
 Shapes: x bf16 [T, C]; kv_state / score_state fp32 [ratio, D]; caches bf16 [max_seq // ratio, D]
-and [max_seq // ratio, ID]; workspaces for T <= max_tokens rows. Oracle: host.oracle.attention
-(`compress`, `pool_group`, `index_keys`, and the compressed write in `attention_layer`).
+and [max_seq // ratio, ID]; workspaces for T <= max_tokens rows.
+
+Oracle: host.oracle.attention.compress(cfg, role, w, state, x, start) -> (latents, groups) and
+publish(cfg, role, w, state, latents, groups, cos, sin) (with pool_group and index_keys). The
+wrappers take those arguments in that order, then the workspace, the device positions, the row
+count and the stream; `compress` returns the same pair, as the device holds it: the latents are the
+workspace rows ws.latent[:n], the groups a `Groups` (first id, count, positions on the device).
 
 Every kernel reads the chunk's positions from the device (`positions`, int32 [T]) and derives the
 first completed group from positions[0], so a launch depends on the host only through counts.
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, float64
 
+from flashv41.host.config import LayerRole, ModelConfig
 from flashv41.stages.device import SIM, DeviceArray, exp_f32, f32_to_bf16, grid_1d, mul_rn
 from flashv41.stages.linear import DeviceWeight, linear
 from flashv41.stages.norm_rope_quant import fp4_quant, rms_norm, rope
@@ -38,15 +44,6 @@ COPY_THREADS = 64 if SIM else 256
 NEG_INF = float32(-np.inf)
 
 
-def completed_groups(start: int, n_tokens: int, ratio: int) -> tuple[int, int]:
-    """(first group, count) of the groups whose last token lies in positions start..start+T-1."""
-    first_end = start + (ratio - 1 - start % ratio) % ratio  # first position p with p % ratio == ratio - 1
-    last = start + n_tokens - 1
-    if first_end > last:
-        return first_end // ratio, 0
-    return first_end // ratio, (last - first_end) // ratio + 1
-
-
 @cuda.jit
 def _pool_kernel(kv, score, kv_state, score_state, pooled, group_pos, positions, n_tokens, n_groups, ratio,
                  width):
@@ -54,7 +51,9 @@ def _pool_kernel(kv, score, kv_state, score_state, pooled, group_pos, positions,
 
     Group gi's tokens come from the chunk, or (for the first group only) from the state where they
     precede the chunk. Block row 0 then stores the chunk's last token of each slot into the state,
-    after it pooled: the only reader of the state is that same thread, so no barrier is needed."""
+    after it pooled: the only reader of the state is that same thread, so no barrier is needed.
+    kv, score fp32 [T, D]; kv_state, score_state fp32 [ratio, D]; pooled bf16 [>= n_groups, D];
+    group_pos int32 [>= n_groups]; positions int32 [T]."""
     d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     gi = cuda.blockIdx.y
     if d >= width:
@@ -94,7 +93,8 @@ def _pool_kernel(kv, score, kv_state, score_state, pooled, group_pos, positions,
 
 @cuda.jit
 def _scatter_rows_kernel(src, dst, positions, n_rows, ratio, width):
-    """dst[g0 + r] = src[r] for r < n_rows, g0 the first group completed by the chunk."""
+    """dst[g0 + r] = src[r] for r < n_rows, g0 the first group completed by the chunk. src bf16
+    [>= n_rows, width], dst bf16 [groups, width] (a cache), positions int32 [T]."""
     i = cuda.grid(1)
     if i >= n_rows * width:
         return
@@ -105,11 +105,28 @@ def _scatter_rows_kernel(src, dst, positions, n_rows, ratio, width):
     dst[g0 + r, c] = src[r, c]
 
 
+def completed_groups(start: int, n_tokens: int, ratio: int) -> tuple[int, int]:
+    """(first group, count) of the groups whose last token lies in positions start..start+T-1."""
+    first_end = start + (ratio - 1 - start % ratio) % ratio  # first position p with p % ratio == ratio - 1
+    last = start + n_tokens - 1
+    if first_end > last:
+        return first_end // ratio, 0
+    return first_end // ratio, (last - first_end) // ratio + 1
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The groups a chunk completes (the oracle's `groups`, group ids [n]), as the device holds them."""
+
+    first: int  # g0, the id of the first (the others follow it)
+    count: int  # n
+    positions: DeviceArray  # int32 [>= n]: position j * ratio of each group j = g0 .. g0 + n - 1
+
+
 @dataclass
 class KvSourceWeights:
     """One kv-source layer's compressor and index-key weights on the device."""
 
-    ratio: int
     comp_kv: DeviceWeight  # [D, C]
     comp_gate: DeviceWeight | None  # [D, C], ratio > 1 only
     comp_norm: DeviceArray  # fp32 [D]
@@ -178,40 +195,44 @@ def pool_groups(proj_kv: DeviceArray, proj_score: DeviceArray, state: KvSourceSt
                                              group_pos, positions, n_tokens, n_groups, ratio, width)
 
 
-def compress(w: KvSourceWeights, state: KvSourceState, ws: KvSourceWorkspace, x: DeviceArray,
-             positions: DeviceArray, start: int, n_tokens: int, eps: float, stream=0) -> tuple[int, int, DeviceArray]:
-    """The compressor over a chunk: latents (bf16, before RoPE) of the n groups it completes into
-    ws.latent[:n]. Returns (first group g0, n, group positions: int32 device array, n used)."""
-    g0, n = completed_groups(start, n_tokens, w.ratio)
-    if w.ratio == 1:
+def compress(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, state: KvSourceState, x: DeviceArray,
+             start: int, ws: KvSourceWorkspace, positions: DeviceArray, n_tokens: int,
+             stream=0) -> tuple[DeviceArray, Groups]:
+    """The compressor over a chunk: (latents, groups) of the n groups it completes, the latents
+    (bf16, before RoPE) in ws.latent[:n]."""
+    g0, n = completed_groups(start, n_tokens, role.ratio)
+    if role.ratio == 1:
         linear(x, w.comp_kv, ws.raw, n_tokens, stream=stream)
-        rms_norm(ws.raw, w.comp_norm, ws.latent, n_tokens, eps, stream=stream)
-        return g0, n, positions
+        rms_norm(ws.raw, w.comp_norm, cfg.norm_eps, ws.latent, n_tokens, stream=stream)
+        return ws.latent, Groups(g0, n, positions)
     assert w.comp_gate is not None
     linear(x, w.comp_kv, ws.proj_kv, n_tokens, stream=stream)
     linear(x, w.comp_gate, ws.proj_score, n_tokens, stream=stream)
     pool_groups(ws.proj_kv, ws.proj_score, state, ws.raw, ws.group_pos, positions, n_tokens, n, stream)
     if n:
-        rms_norm(ws.raw, w.comp_norm, ws.latent, n, eps, stream=stream)
-    return g0, n, ws.group_pos
+        rms_norm(ws.raw, w.comp_norm, cfg.norm_eps, ws.latent, n, stream=stream)
+    return ws.latent, Groups(g0, n, ws.group_pos)
 
 
-def publish(w: KvSourceWeights, state: KvSourceState, ws: KvSourceWorkspace, positions: DeviceArray,
-            group_pos: DeviceArray, n: int, cos: DeviceArray, sin: DeviceArray, eps: float, stream=0) -> None:
-    """Index keys and compressed rows of the n new groups (latents in ws.latent[:n]) into the caches.
+def publish(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, state: KvSourceState, latents: DeviceArray,
+            groups: Groups, cos: DeviceArray, sin: DeviceArray, ws: KvSourceWorkspace, positions: DeviceArray,
+            stream=0) -> None:
+    """Index keys and compressed rows of the new groups (latents bf16 [>= n, D], turned into the
+    compressed rows in place) into the caches.
 
     keys = fp4_32(RoPE(k_norm(latent @ wk^T))); rows = fp4_16e4m3(RoPE(latent)), both at the group
     positions; written to cache rows g0 .. g0+n-1 by a kernel that reads g0 off the device positions.
     """
+    n = groups.count
     if n == 0:
         return
-    linear(ws.latent, w.wk, ws.key_raw, n, stream=stream)
-    rms_norm(ws.key_raw, w.k_norm, ws.keys, n, eps, stream=stream)
-    rope(ws.keys, cos, sin, group_pos, n, 1, stream=stream)
-    fp4_quant(ws.keys, n, 32, False, stream=stream)
-    rope(ws.latent, cos, sin, group_pos, n, 1, stream=stream)
-    fp4_quant(ws.latent, n, 16, True, stream=stream)
-    for src, dst in ((ws.keys, state.index_keys), (ws.latent, state.compressed)):
+    linear(latents, w.wk, ws.key_raw, n, stream=stream)
+    rms_norm(ws.key_raw, w.k_norm, cfg.norm_eps, ws.keys, n, stream=stream)
+    rope(ws.keys, cos, sin, groups.positions, False, n, stream=stream)
+    fp4_quant(ws.keys, 32, False, n, stream=stream)
+    rope(latents, cos, sin, groups.positions, False, n, stream=stream)
+    fp4_quant(latents, 16, True, n, stream=stream)
+    for src, dst in ((ws.keys, state.index_keys), (latents, state.compressed)):
         width = src.shape[1]
         _scatter_rows_kernel[grid_1d(n * width, COPY_THREADS), COPY_THREADS, stream](
-            src, dst, positions, n, w.ratio, width)
+            src, dst, positions, n, role.ratio, width)

@@ -1,15 +1,17 @@
 """RMSNorm, RoPE and the two model-level quantisers on the device, each bit-exact to its oracle.
 
-Shapes and dtypes (R rows; bf16 = uint16 bit patterns on the device):
-- `rms_norm(x, weight, out, n_rows, eps)`: x bf16 or fp32 [R, C], weight fp32 [C], out bf16 [R, C]
-  (may be x itself). Oracle: host.numerics.rms_norm.
-- `rope(x, cos, sin, positions, n_rows, heads, inverse)`: in place on bf16 [R, heads * D], the last
-  rope_dim values of every head rotated by the angle of position positions[r] (int32 [R]); cos, sin
-  fp32 [max_seq, rope_dim / 2]. Oracle: host.oracle.attention.rope_tail.
+Shapes and dtypes (R rows; bf16 = uint16 bit patterns on the device). Each wrapper takes its oracle
+function's arguments in the oracle's order, then the device's own (output, row count, stream):
+- `rms_norm(x, weight, eps, out, n_rows)`: x bf16 or fp32 [R, C], weight fp32 [C], out bf16 [R, C]
+  (may be x itself). Oracle: host.numerics.rms_norm(x, weight, eps).
+- `rope(x, cos, sin, positions, inverse, n_rows, heads)`: in place on bf16 [R, heads * D] (the
+  oracle's [R, heads, D], heads side by side in a row), the last rope_dim values of every head
+  rotated by the angle of position positions[r] (int32 [R]); cos, sin fp32 [max_seq, rope_dim / 2].
+  Oracle: host.oracle.attention.rope_tail(x, cos, sin, positions, inverse).
 - `act_quant(x, n_rows)`: in place on bf16 [R, C], fp8 e4m3 blocks of 32. Oracle:
-  host.numerics.act_quant.
-- `fp4_quant(x, n_rows, block, e4m3_scale)`: in place on bf16 [R, C], E2M1 blocks of 16 (E4M3
-  scale) or 32 (E8M0 scale). Oracle: host.numerics.fp4_act_quant.
+  host.numerics.act_quant(x).
+- `fp4_quant(x, block, e4m3_scale, n_rows)`: in place on bf16 [R, C], E2M1 blocks of 16 (E4M3
+  scale) or 32 (E8M0 scale). Oracle: host.numerics.fp4_act_quant(x, block, e4m3_scale).
 
 Why every result here equals the oracle's bit for bit (not just within an ulp):
 - RMSNorm squares in fp32 and sums the squares in float64, as the oracle does; a float64 sum of
@@ -68,6 +70,7 @@ E4M3_SUB_QUANTUM = float32(2.0**-9)
 NORM_THREADS = 1 if SIM else 128
 ELEM_THREADS = 64 if SIM else 128
 
+
 @device
 def pow2_ceil(amax, max_inv):
     """2^ceil(log2(amax * max_inv)) read off the fp32 bits (host.numerics.pow2_ceil_scale)."""
@@ -119,14 +122,24 @@ def e2m1_round(v):
     return -r if (f32_bits(v) >> 31) != 0 else r
 
 
+@device
+def block_amax(x, r, c0, n):
+    """max |x[r, c0:c0 + n]| of a row of bf16 bits, as float32 (exact: a max takes no rounding)."""
+    amax = float32(0)
+    for c in range(c0, c0 + n):
+        amax = max(amax, abs(bf16_to_f32(x[r, c])))
+    return amax
+
+
 @cache
 def rms_norm_kernel(x_bf16: bool, threads: int):
-    """One block of `threads` threads per row: float64 partial sums, a tree in shared memory."""
+    """One block of `threads` threads per row: float64 partial sums, a tree in shared memory.
+    x bf16 bits (x_bf16) or fp32 [R, width], weight fp32 [width], out bf16 [R, width]."""
     sync = threads > 1
 
     @jit_for(threads)
     def kernel(x, weight, out, n_rows, width, eps):
-        partial = cuda.shared.array(threads, float64)
+        partial = cuda.shared.array(threads, float64)  # [threads]: each thread's sum of squares
         r = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         acc = float64(0)
@@ -154,7 +167,8 @@ def rms_norm_kernel(x_bf16: bool, threads: int):
 
 @cuda.jit
 def _rope_kernel(x, cos, sin, positions, n_rows, heads, head_dim, rope_dim, inverse):
-    """One thread per (row, head, pair); pairs (2i, 2i+1) of each head's last rope_dim values."""
+    """One thread per (row, head, pair); pairs (2i, 2i+1) of each head's last rope_dim values.
+    x bf16 [R, heads * head_dim] in place; cos, sin fp32 [max_seq, rope_dim / 2]; positions int32 [R]."""
     half = rope_dim // 2
     i = cuda.grid(1)
     if i >= n_rows * heads * half:
@@ -172,18 +186,10 @@ def _rope_kernel(x, cos, sin, positions, n_rows, heads, head_dim, rope_dim, inve
     x[r, col + 1] = f32_to_bf16(mul_rn(a, s) + mul_rn(b, c))
 
 
-@device
-def block_amax(x, r, c0, n):
-    """max |x[r, c0:c0 + n]| of a row of bf16 bits, as float32 (exact: a max takes no rounding)."""
-    amax = float32(0)
-    for c in range(c0, c0 + n):
-        amax = max(amax, abs(bf16_to_f32(x[r, c])))
-    return amax
-
-
 @cuda.jit
 def _act_quant_kernel(x, n_rows, width):
-    """One thread per block of 32 values: fp8 e4m3 quantise-dequantise with a power-of-two scale."""
+    """One thread per block of 32 values: fp8 e4m3 quantise-dequantise with a power-of-two scale.
+    x bf16 [R, width] in place."""
     i = cuda.grid(1)
     per_row = width // ACT_BLOCK
     if i >= n_rows * per_row:
@@ -197,7 +203,8 @@ def _act_quant_kernel(x, n_rows, width):
 
 @cuda.jit
 def _fp4_quant_kernel(x, n_rows, width, block, e4m3_scale):
-    """One thread per block: E2M1 quantise-dequantise, E4M3 or E8M0 (power-of-two) scale."""
+    """One thread per block: E2M1 quantise-dequantise, E4M3 or E8M0 (power-of-two) scale.
+    x bf16 [R, width] in place."""
     i = cuda.grid(1)
     per_row = width // block
     if i >= n_rows * per_row:
@@ -215,7 +222,7 @@ def _fp4_quant_kernel(x, n_rows, width, block, e4m3_scale):
         x[r, c] = f32_to_bf16(mul_rn(e2m1_round(v), s))
 
 
-def rms_norm(x: DeviceArray, weight: DeviceArray, out: DeviceArray, n_rows: int, eps: float, stream=0,
+def rms_norm(x: DeviceArray, weight: DeviceArray, eps: float, out: DeviceArray, n_rows: int, stream=0,
              threads: int = 0) -> None:
     """out[:n_rows] = bf16(weight * (x * rsqrt(mean(x^2) + eps))) row by row (x may be out).
     threads: block size (0 = the default; tests force others)."""
@@ -233,10 +240,11 @@ def rms_norm(x: DeviceArray, weight: DeviceArray, out: DeviceArray, n_rows: int,
     rms_norm_kernel(bool(x.dtype == np.uint16), nt)[n_rows, nt, stream](x, weight, out, n_rows, width, np.float32(eps))
 
 
-def rope(x: DeviceArray, cos: DeviceArray, sin: DeviceArray, positions: DeviceArray, n_rows: int, heads: int,
-         inverse: bool = False, stream=0) -> None:
+def rope(x: DeviceArray, cos: DeviceArray, sin: DeviceArray, positions: DeviceArray, inverse: bool, n_rows: int,
+         heads: int = 1, stream=0) -> None:
     """Rotate, in place, the last rope_dim values of each of `heads` heads of x[:n_rows] (bf16
-    [R, heads * D]) by the angle of positions[r]; `inverse` rotates back (the conjugate)."""
+    [R, heads * D]) by the angle of positions[r]; `inverse` rotates back (the conjugate). heads is
+    what the oracle reads off its [R, heads, D] shape."""
     check_array(x, (np.uint16,), 2, "rope x")
     check_array(cos, (np.float32,), 2, "rope cos")
     check_array(sin, (np.float32,), 2, "rope sin")
@@ -264,7 +272,7 @@ def act_quant(x: DeviceArray, n_rows: int, stream=0) -> None:
         _act_quant_kernel[grid_1d(total, ELEM_THREADS), ELEM_THREADS, stream](x, n_rows, x.shape[1])
 
 
-def fp4_quant(x: DeviceArray, n_rows: int, block: int, e4m3_scale: bool, stream=0) -> None:
+def fp4_quant(x: DeviceArray, block: int, e4m3_scale: bool, n_rows: int, stream=0) -> None:
     """fp4 (E2M1) quantise-dequantise x[:n_rows] in place, blocks of `block` values along the row;
     e4m3_scale: scale e4m3(amax / 6) (compressed kv), else 2^ceil(log2(amax / 6)) (index q / k)."""
     check_array(x, (np.uint16,), 2, "fp4_quant x")

@@ -1,17 +1,18 @@
 """Sparse single-kv-head attention with a sink on the device, and the per-query entry lists.
 
 Shapes (T tokens, H heads x D head_dim, W window slots, E entries per query; bf16 = uint16 bits):
-- `sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, out, n_tokens, scale)`:
+- `sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens)`:
   q bf16 [T, H, D]; ring bf16 [W, D] (the window ring, slot = position % W); chunk_rows bf16 [Cn, D]
   (this chunk's window rows); comp_rows bf16 [G, D] (the compressed cache); entries int32 [T, E]:
   e < 0 skipped, e < W -> ring[e], e < W + Cn -> chunk_rows[e - W], else comp_rows[e - W - Cn];
   sinks fp32 [H]; out bf16 [T, H, D]. K = V = the row (MQA).
-- `build_entries(positions, selection, entries, n_tokens, window, chunk_capacity)`: the canonical
+- `build_entries(positions, selection, window, chunk_capacity, entries, n_tokens)`: the canonical
   list of each query at position p in that encoding: the W window positions p - W + 1 .. p oldest
   first (-1 before 0; ring slots for positions before the chunk, chunk rows from the chunk's
   first position on), then the K selected compressed positions as given (ascending, -1 padded).
-Oracle: host.oracle.attention.sparse_attention (over rows = ring, chunk rows and compressed rows
-concatenated) and the entry lists of host.oracle.attention.attention_layer.
+Oracle: host.oracle.attention.sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale)
+and host.oracle.attention.build_entries(positions, selection, window, chunk_capacity): the wrappers
+take those arguments in that order, then their output and row count.
 
 The online softmax walks the entries in blocks of 64 in the oracle's order and roundings: per
 block the running max (from -1e30) is updated, p = exp(s - max) (float64 exp rounded once, as the
@@ -109,19 +110,20 @@ def _resolve(e, window, chunk_rows):
 
 @cache
 def sparse_kernel(head_dim: int, threads: int, lanes: int):
-    """Block of `threads` threads (warps of `lanes`) per (head, token)."""
+    """Block of `threads` threads (warps of `lanes`) per (head, token). q bf16 [T, H, D]; ring
+    [W, D], chunk [Cn, D], comp [G, D] bf16; entries int32 [T, E]; sinks fp32 [H]; out bf16 [T, H, D]."""
     sync = threads > 1
     warps = threads // lanes
     per_thread = head_dim // threads
 
     @jit_for(threads)
     def kernel(q, ring, chunk, comp, entries, sinks, out, n_entries, scale):
-        qs = cuda.shared.array(head_dim, float32)
-        ss = cuda.shared.array(SPARSE_BLOCK, float32)  # the block's scores (-inf: skipped)
-        ps = cuda.shared.array(SPARSE_BLOCK, float32)  # their probabilities, fp32
-        src = cuda.shared.array(SPARSE_BLOCK, int32)
-        row = cuda.shared.array(SPARSE_BLOCK, int32)
-        scratch = cuda.shared.array(threads, float32)
+        qs = cuda.shared.array(head_dim, float32)  # [D]: the query, fp32
+        ss = cuda.shared.array(SPARSE_BLOCK, float32)  # [64]: the block's scores (-inf: skipped)
+        ps = cuda.shared.array(SPARSE_BLOCK, float32)  # [64]: their probabilities, fp32
+        src = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: the source of each entry's row (_resolve)
+        row = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: its row there
+        scratch = cuda.shared.array(threads, float32)  # [threads]: warp_sum's (simulator)
         h = cuda.blockIdx.x
         t = cuda.blockIdx.y
         tid = cuda.threadIdx.x
@@ -131,8 +133,8 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int):
         chunk_rows = chunk.shape[0]
         for d in range(tid, head_dim, threads):
             qs[d] = bf16_to_f32(q[t, h, d])
-        acc = cuda.local.array(per_thread, float32)
-        pv = cuda.local.array(per_thread, float32)
+        acc = cuda.local.array(per_thread, float32)  # [D / threads]: this thread's output dims
+        pv = cuda.local.array(per_thread, float32)  # [D / threads]: their value sum over a block
         for i in range(per_thread):
             acc[i] = float32(0)
         run_max = START_MAX
@@ -186,7 +188,7 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int):
 @cuda.jit
 def _entries_kernel(positions, selection, entries, n_tokens, window, chunk_rows, n_selected):
     """One thread per (token, entry): the window entries, then the selection shifted past the ring
-    and the chunk rows."""
+    and the chunk rows. positions int32 [T]; selection int32 [T, K]; entries int32 [T, W + K]."""
     i = cuda.grid(1)
     width = window + n_selected
     if i >= n_tokens * width:
@@ -208,8 +210,8 @@ def _entries_kernel(positions, selection, entries, n_tokens, window, chunk_rows,
     entries[t, j] = e
 
 
-def build_entries(positions: DeviceArray, selection: DeviceArray | None, entries: DeviceArray, n_tokens: int,
-                  window: int, chunk_capacity: int, stream=0) -> None:
+def build_entries(positions: DeviceArray, selection: DeviceArray | None, window: int, chunk_capacity: int,
+                  entries: DeviceArray, n_tokens: int, stream=0) -> None:
     """entries[:T, :W + K] as sparse_attention reads them (K = selection.shape[1], 0 without one)."""
     check_array(positions, (np.int32,), 1, "build_entries positions")
     check_array(entries, (np.int32,), 2, "build_entries entries")
@@ -231,7 +233,7 @@ def build_entries(positions: DeviceArray, selection: DeviceArray | None, entries
 
 
 def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray, comp_rows: DeviceArray,
-                     entries: DeviceArray, sinks: DeviceArray, out: DeviceArray, n_tokens: int, scale: float,
+                     entries: DeviceArray, sinks: DeviceArray, scale: float, out: DeviceArray, n_tokens: int,
                      stream=0, threads: int = 0) -> None:
     """out[:T] = attention of q[:T] over the rows its entries name (see the module docstring).
     threads: block size (0 = the default; tests force others)."""

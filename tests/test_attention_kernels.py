@@ -6,6 +6,11 @@ blocks, the entry lists. Within a derived bound and nearly all bit-equal: sparse
 (sparse_bound and SPARSE_EQUAL_MIN say why). Simulator shapes here; `gpu` tests repeat the heavy
 kernels at V4.1-Flash sizes. The `check_...` functions are what tests/test_mutants_attention.py holds
 broken kernels to: each must reject every mutant of its kernel there.
+
+A wrapper takes its oracle function's arguments in the same order, then its device-only ones
+(output, row count, workspace, stream), so each check builds the argument tuple once and passes it
+to both: as it is to the oracle, through `dev` (each array onto the device, bf16 values as their
+bits) to the wrapper.
 """
 
 from __future__ import annotations
@@ -42,6 +47,19 @@ from tests.bounds import assert_within, bf16_ulp
 
 def dev_bf16(x: np.ndarray):
     return cuda.to_device(to_bits(x))
+
+
+def dev(args: tuple, fp32: tuple[int, ...] = ()) -> tuple:
+    """An oracle function's arguments as its wrapper takes them: each float array onto the device as
+    bf16 bits, or as fp32 where its index is in `fp32`; integer arrays as int32; the rest as they are."""
+    def one(i: int, a):
+        if not isinstance(a, np.ndarray):
+            return a
+        if a.dtype.kind in "iu":
+            return cuda.to_device(a.astype(np.int32))
+        return cuda.to_device(a.astype(np.float32)) if i in fp32 else dev_bf16(a)
+
+    return tuple(one(i, a) for i, a in enumerate(args))
 
 
 def host_bf16(a) -> np.ndarray:
@@ -86,10 +104,10 @@ def check_rms_norm(dtype, threads: int = 0) -> None:
     if dtype == np.float32:
         x = x * np.float32(1 + 2.0**-12)  # fp32 values that are not bf16
     weight = bf16(rng.standard_normal(width).astype(np.float32))
-    xd = dev_bf16(x) if dtype == np.uint16 else cuda.to_device(x)
+    args = (x, weight, 1e-6)
     out = cuda.device_array((rows + 2, width), np.uint16)
-    nrq.rms_norm(xd, cuda.to_device(weight), out, rows, 1e-6, threads=threads)
-    assert_bits_equal(out.copy_to_host()[:rows], rms_norm(x, weight, 1e-6), f"rms_norm {np.dtype(dtype).name}")
+    nrq.rms_norm(*dev(args, fp32=(1,) if dtype == np.uint16 else (0, 1)), out, rows, threads=threads)
+    assert_bits_equal(out.copy_to_host()[:rows], rms_norm(*args), f"rms_norm {np.dtype(dtype).name}")
 
 
 @pytest.mark.parametrize("threads", [0, 2, 4])
@@ -102,9 +120,10 @@ def test_rms_norm_in_place():
     rng = np.random.default_rng(2)
     x = random_rows(rng, 3, 64)
     weight = bf16(rng.random(64).astype(np.float32))
-    xd = dev_bf16(x)
-    nrq.rms_norm(xd, cuda.to_device(weight), xd, 3, 1e-20)
-    assert_bits_equal(xd.copy_to_host(), rms_norm(x, weight, 1e-20), "rms_norm in place")
+    args = (x, weight, 1e-20)
+    xd, wd, eps = dev(args, fp32=(1,))
+    nrq.rms_norm(xd, wd, eps, xd, 3)
+    assert_bits_equal(xd.copy_to_host(), rms_norm(*args), "rms_norm in place")
 
 
 ROPE_POSITIONS = np.array([0, 1, 2, 77, 150, 198, 199], np.int32)
@@ -117,14 +136,14 @@ def check_rope(cfg, heads: int, compressed: bool, max_seq: int = 200) -> None:
     head_dim = 32
     tables = rope_tables(cfg, max_seq)
     cos, sin = tables.compressed if compressed else tables.plain
-    rd = cfg.rope_dim
     positions = ROPE_POSITIONS
     rows = positions.size
     x = bf16(rng.standard_normal((rows, heads, head_dim)).astype(np.float32))
     for inverse in (False, True):
-        xd = dev_bf16(x.reshape(rows, -1))
-        nrq.rope(xd, cuda.to_device(cos), cuda.to_device(sin), cuda.to_device(positions), rows, heads, inverse)
-        ref = oracle.rope_tail(x, cos[positions][:, None], sin[positions][:, None], rd, inverse)
+        args = (x, cos, sin, positions, inverse)
+        xd = dev_bf16(x.reshape(rows, -1))  # a token's heads side by side in one device row
+        nrq.rope(xd, *dev(args[1:], fp32=(0, 1)), rows, heads)
+        ref = oracle.rope_tail(*args)
         assert_bits_equal(xd.copy_to_host().reshape(rows, heads, head_dim), ref, f"rope inverse={inverse}")
 
 
@@ -182,18 +201,20 @@ def check_act_quant() -> None:
     """act_quant of random rows and of the crafted blocks against host.numerics.act_quant, bit-exact."""
     rng = np.random.default_rng(4)
     for x in (random_rows(rng, 9, 128), fp8_crafted_blocks()):
-        xd = dev_bf16(x)
+        args = (x,)
+        (xd,) = dev(args)
         nrq.act_quant(xd, x.shape[0])
-        assert_bits_equal(xd.copy_to_host(), act_quant(x), "act_quant")
+        assert_bits_equal(xd.copy_to_host(), act_quant(*args), "act_quant")
 
 
 def check_fp4_quant(block: int, e4m3_scale: bool) -> None:
     """fp4_quant of random rows and of the crafted blocks against host.numerics.fp4_act_quant, bit-exact."""
     rng = np.random.default_rng(5 + block)
     for x in (random_rows(rng, 9, 128), fp4_crafted_blocks(block)):
-        xd = dev_bf16(x)
-        nrq.fp4_quant(xd, x.shape[0], block, e4m3_scale)
-        assert_bits_equal(xd.copy_to_host(), fp4_act_quant(x, block, e4m3_scale), f"fp4 {block}")
+        args = (x, block, e4m3_scale)
+        xd, *rest = dev(args)
+        nrq.fp4_quant(xd, *rest, x.shape[0])
+        assert_bits_equal(xd.copy_to_host(), fp4_act_quant(*args), f"fp4 {block}")
 
 
 def test_act_quant_exact():
@@ -226,10 +247,10 @@ def test_quantiser_shape_errors():
     with pytest.raises(InputError, match="blocks of 32"):
         nrq.act_quant(x, 2)
     with pytest.raises(InputError, match="rows requested"):
-        nrq.fp4_quant(cuda.to_device(np.zeros((2, 32), np.uint16)), 3, 16, True)
+        nrq.fp4_quant(cuda.to_device(np.zeros((2, 32), np.uint16)), 16, True, 3)
     with pytest.raises(InputError, match="uint16"):
-        nrq.rms_norm(cuda.to_device(np.zeros((2, 32), np.float64)), cuda.to_device(np.ones(32, np.float32)),
-                     cuda.device_array((2, 32), np.uint16), 2, 1e-6)
+        nrq.rms_norm(cuda.to_device(np.zeros((2, 32), np.float64)), cuda.to_device(np.ones(32, np.float32)), 1e-6,
+                     cuda.device_array((2, 32), np.uint16), 2)
 
 
 # ---- kv sources ----------------------------------------------------------------------------------------
@@ -253,9 +274,9 @@ def one_hot(rows: int, cols: int, shift: int, scale: float) -> np.ndarray:
 
 @pytest.mark.parametrize("ratio", [1, 2, 4])
 def test_kv_source_exact_across_calls(tiny_cfg, ratio):
-    """compress + publish against oracle.compress / oracle.index_keys / the compressed write, chunk
-    after chunk (groups split across calls, calls that complete none), with projections that are
-    exact everywhere: latents, state, both caches bit-exact."""
+    """compress + publish against oracle.compress + oracle.publish, chunk after chunk (groups split
+    across calls, calls that complete none), with projections that are exact everywhere: latents,
+    group positions, state, both caches bit-exact."""
     cfg = tiny_cfg
     rng = np.random.default_rng(6 + ratio)
     c, d, idd = cfg.dim, cfg.head_dim, cfg.index_head_dim
@@ -267,7 +288,7 @@ def test_kv_source_exact_across_calls(tiny_cfg, ratio):
                                 k_norm=bf16(rng.random(idd).astype(np.float32) + 0.5))
     gtype = "F32" if ratio > 1 else "BF16"
     dw = kv_sources.KvSourceWeights(
-        ratio, DeviceWeight.from_values("kv", w.comp_kv, gtype),
+        DeviceWeight.from_values("kv", w.comp_kv, gtype),
         DeviceWeight.from_values("gate", w.comp_gate, gtype) if w.comp_gate is not None else None,
         cuda.to_device(w.comp_norm), DeviceWeight.from_values("wk", w.wk, "BF16"), cuda.to_device(w.k_norm))
     tables = rope_tables(cfg, max_seq)
@@ -281,16 +302,13 @@ def test_kv_source_exact_across_calls(tiny_cfg, ratio):
         x = bf16(rng.standard_normal((n, c)).astype(np.float32))
         positions = cuda.to_device(np.arange(start, start + n, dtype=np.int32))
         latents, groups = oracle.compress(cfg, role, w, ostate, x, start)
-        g0, count, gpos = kv_sources.compress(dw, state, ws, dev_bf16(x), positions, start, n, cfg.norm_eps)
-        assert count == groups.size and (count == 0 or g0 == groups[0])
-        assert_bits_equal(ws.latent.copy_to_host()[:count], latents, f"latents at {start}")
-        if count:
-            gp = groups * ratio
-            ostate.index_keys[groups] = oracle.index_keys(cfg, w, latents, gp, cos, sin)
-            rotated = oracle.rope_tail(latents, cos[gp], sin[gp], cfg.rope_dim)
-            ostate.compressed[groups] = fp4_act_quant(rotated, 16, e4m3_scale=True)
-            assert np.array_equal(gpos.copy_to_host()[:count], gp)
-        kv_sources.publish(dw, state, ws, positions, gpos, count, dcos, dsin, cfg.norm_eps)
+        dlatents, dgroups = kv_sources.compress(cfg, role, dw, state, dev_bf16(x), start, ws, positions, n)
+        count = dgroups.count
+        assert count == groups.size and (count == 0 or dgroups.first == groups[0])
+        assert_bits_equal(dlatents.copy_to_host()[:count], latents, f"latents at {start}")
+        assert np.array_equal(dgroups.positions.copy_to_host()[:count], groups * ratio)
+        oracle.publish(cfg, role, w, ostate, latents, groups, cos, sin)
+        kv_sources.publish(cfg, role, dw, state, dlatents, dgroups, dcos, dsin, ws, positions)
         if ratio > 1:
             assert np.array_equal(state.kv_state.copy_to_host(), ostate.kv_state)
             assert np.array_equal(state.score_state.copy_to_host(), ostate.score_state)
@@ -318,16 +336,12 @@ def test_pooling_exact_on_random_projections():
 
 # ---- indexer -------------------------------------------------------------------------------------------
 
-def fake_indexer_cfg(cfg, heads: int, dim: int):
-    return dataclasses.replace(cfg, index_heads=heads, index_head_dim=dim)
-
-
 def check_index_scores(tiny_cfg, seed, heads, dim, t, width, spare, c, tile=(0, 0)):
-    """index_queries + index_scores against oracle.indexer_scores, every score bit-exact. The
-    projections are one-hot (exact in any implementation), so both sides score the very same fp4
-    queries; key 2 is all zero (every dot zero); the key cache has `spare` rows past the width."""
+    """index_queries + index_scores against oracle.index_queries + oracle.index_scores, every query
+    and score bit-exact. The projections are one-hot (exact in any implementation), so both sides
+    score the very same fp4 queries; key 2 is all zero (every dot zero); the kernel's key cache has
+    `spare` rows past the width (the oracle's ends there)."""
     rng = np.random.default_rng(seed)
-    cfg = fake_indexer_cfg(tiny_cfg, heads, dim)
     qr = bf16(rng.standard_normal((t, heads * dim)).astype(np.float32))
     x = bf16(rng.standard_normal((t, c)).astype(np.float32))
     keys = fp4_act_quant(bf16(rng.standard_normal((width + spare, dim)).astype(np.float32)), 32, False)
@@ -335,17 +349,21 @@ def check_index_scores(tiny_cfg, seed, heads, dim, t, width, spare, c, tile=(0, 
     w = oracle.AttentionWeights(*([None] * 9), idx_wq_b=np.eye(heads * dim, dtype=np.float32),
                                 idx_proj=one_hot(heads, c, 5, 1.0))
     positions = np.arange(width - t, width)
-    cos, sin = rope_tables(cfg, max(64, width)).compressed
-    ref = oracle.indexer_scores(cfg, w, x, qr, keys[:width], cos[positions], sin[positions])
+    cos, sin = rope_tables(tiny_cfg, max(64, width)).compressed
+    args = (w, x, qr, cos, sin, positions)
+    ref_iq, ref_hw = oracle.index_queries(*args)
     iw = indexer.IndexerWeights(DeviceWeight.from_values("wq_b", w.idx_wq_b, "BF16"),
                                 DeviceWeight.from_values("proj", w.idx_proj, "F32"))
     iq = cuda.device_array((t, heads * dim), np.uint16)
     hw = cuda.device_array((t, heads), np.uint16)
-    pos = cuda.to_device(positions.astype(np.int32))
-    indexer.index_queries(iw, dev_bf16(qr), dev_bf16(x), iq, hw, pos, t, cuda.to_device(cos), cuda.to_device(sin))
+    dargs = dev(args[1:], fp32=(2, 3))
+    indexer.index_queries(iw, *dargs, iq, hw, t)
+    assert_bits_equal(iq.copy_to_host(), ref_iq.reshape(t, -1), "index queries")
+    assert_bits_equal(hw.copy_to_host(), ref_hw, "index head weights")
+    scale = dim ** -0.5 * heads ** -0.5
+    ref = oracle.index_scores(ref_iq, ref_hw, keys[:width], scale)
     score = cuda.device_array((t, width + spare), np.uint16)
-    scale = np.float32(dim ** -0.5 * heads ** -0.5)
-    indexer.index_scores(iq, hw, dev_bf16(keys), score, pos, t, 1, width, scale, tile=tile)
+    indexer.index_scores(iq, hw, dev_bf16(keys), scale, score, t, dargs[-1], 1, width, tile=tile)
     got = host_bf16(score)[:, :width]
     assert np.array_equal(got, ref), f"{int((got != ref).sum())} scores differ"
     assert (ref == 0).any() and (ref > 0).any()
@@ -383,30 +401,29 @@ SPARE_SCORE = 100.0  # beyond the width: above every pattern's score, so a kerne
 
 def check_select(cfg, case, seed: int | None = None) -> None:
     """Candidate source, a later index source respecting its mask, and a plain index source, each
-    against oracle.select on the same scores: selections and masks exactly equal. The kernel's score
-    rows run 3 columns past the width, at SPARE_SCORE (the oracle sees only the width): it must not
-    read them."""
+    against oracle.select on the same scores: selections and masks exactly equal (the kernel's mask
+    in blocks, each block's flag standing for its positions). The kernel's score rows run 3 columns
+    past the width, at SPARE_SCORE (the oracle sees only the width): it must not read them."""
     ratio, start, t, topk, block, topk_blocks = case
     cfg = dataclasses.replace(cfg, index_topk=topk, candidate_block_size=block, candidate_topk_blocks=topk_blocks)
     rng = np.random.default_rng(10 + start if seed is None else seed)
     positions = np.arange(start, start + t)
     width = (start + t) // ratio
-    pos = cuda.to_device(positions.astype(np.int32))
     nb = -(-width // block)
     for name, scores in score_patterns(rng, t, width).items():
-        shared = oracle.SharedRuntime()
+        candidates = None
         cand = cuda.to_device(np.full((t, nb + 2), 7, np.uint8))
         for source, uses in ((True, False), (False, True), (False, False)):
             role = LayerRole(3, ratio, False, True, source, uses, False)
             other = score_patterns(rng, t, width)["ties"] if uses else scores
-            ref = oracle.select(cfg, role, other, positions, shared)
+            ref, candidates = oracle.select(cfg, role, other, positions, candidates)
             padded = np.concatenate([other, np.full((t, 3), SPARE_SCORE, np.float32)], axis=1)
             sel = cuda.to_device(np.full((t, topk), 99, np.int32))
-            indexer.select(dev_bf16(padded), pos, cand, sel, t, ratio, source, uses, block, topk_blocks)
+            indexer.select(*dev((cfg, role, padded, positions)), cand, sel, t)
             assert np.array_equal(sel.copy_to_host(), ref), f"{name} source={source} uses={uses}"
             if source:
                 mask = np.repeat(cand.copy_to_host()[:, :nb].astype(bool), block, axis=1)[:, :width]
-                assert np.array_equal(mask, shared.candidates), f"{name}: candidate blocks"
+                assert np.array_equal(mask, candidates), f"{name}: candidate blocks"
 
 
 @pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: f"r{c[0]}s{c[1]}T{c[2]}k{c[3]}b{c[4]}x{c[5]}")
@@ -423,45 +440,39 @@ def test_select_other_shapes(tiny_cfg, threads, radix_bits):
     positions = np.arange(start, start + t)
     width = start + t
     scores = score_patterns(rng, t, width)["ties"]
-    pos = cuda.to_device(positions.astype(np.int32))
-    shared = oracle.SharedRuntime()
+    candidates = None
     cand = cuda.device_array((t, 8), np.uint8)
     for source, uses in ((True, False), (False, True)):
         role = LayerRole(3, ratio, False, True, source, uses, False)
-        ref = oracle.select(cfg, role, scores, positions, shared)
+        args = (cfg, role, scores, positions)
+        ref, candidates = oracle.select(*args, candidates)
         sel = cuda.device_array((t, 5), np.int32)
-        indexer.select(dev_bf16(scores), pos, cand, sel, t, ratio, source, uses, 3, 2, threads=threads,
-                       radix_bits=radix_bits)
+        indexer.select(*dev(args), cand, sel, t, threads=threads, radix_bits=radix_bits)
         assert np.array_equal(sel.copy_to_host(), ref)
 
 
 # ---- entries and sparse attention ---------------------------------------------------------------------
 
 def check_entries(start: int, t: int) -> None:
-    """Each window entry resolves to the row of the position oracle.window_positions names (ring rows
-    label their slot's position, chunk rows their own), then the selection shifted past both."""
+    """build_entries against oracle.build_entries, exactly, with a selection (-1 padded) and without;
+    the chunk rows' capacity above T, as the stage's workspace has it. (That the oracle's entries name
+    the right positions is tests/test_oracle_attention.py's business.)"""
     window, cap, k = 8, 12, 3
     positions = np.arange(start, start + t)
-    ring_pos = np.full(window, -5)
-    for p in range(max(0, start - window), start):
-        ring_pos[p % window] = p
-    labels = np.concatenate([ring_pos, positions, np.full(cap - t, -9)])
     selection = np.where(np.arange(k)[None, :] < 2, np.arange(t)[:, None] + np.arange(k)[None, :], -1)
-    entries = cuda.device_array((t, window + k), np.int32)
-    build_entries(cuda.to_device(positions.astype(np.int32)), cuda.to_device(selection.astype(np.int32)), entries,
-                  t, window, cap)
-    got = entries.copy_to_host()
-    win = got[:, :window]
-    named = np.where(win >= 0, labels[np.clip(win, 0, None)], -1)
-    assert np.array_equal(named, oracle.window_positions(positions, window)), "window entries"
-    assert np.array_equal(got[:, window:], np.where(selection >= 0, selection + window + cap, -1)), "selected entries"
+    for chosen in (selection, None):
+        args = (positions, chosen, window, cap)
+        entries = cuda.device_array((t, window + (0 if chosen is None else k)), np.int32)
+        build_entries(*dev(args), entries, t)
+        got, want = entries.copy_to_host(), oracle.build_entries(*args)
+        assert np.array_equal(got, want), f"entries from {start}, T {t}: got {got.tolist()}, oracle {want.tolist()}"
 
 
 ENTRY_CASES = [(0, 5), (6, 4), (13, 1), (20, 12)]  # (start, T)
 
 
 @pytest.mark.parametrize("start,t", ENTRY_CASES)
-def test_entries_name_the_window_positions(start, t):
+def test_entries_exact(start, t):
     check_entries(start, t)
 
 
@@ -548,13 +559,13 @@ def check_sparse_attention(seed, t, heads, dim, window, chunk, groups, selected,
     (got, ref)."""
     rng = np.random.default_rng(seed)
     q, ring, chunk_rows, comp, entries, sinks = attention_inputs(rng, t, heads, dim, window, chunk, groups, selected)
-    rows = np.concatenate([ring, chunk_rows, comp])
     scale = dim ** -0.5
-    ref = oracle.sparse_attention(q, rows, entries.astype(np.int64), sinks, scale)
+    args = (q, ring, chunk_rows, comp, entries, sinks, scale)
+    ref = oracle.sparse_attention(*args)
     out = cuda.device_array((t, heads, dim), np.uint16)
-    sparse_attention(dev_bf16(q), dev_bf16(ring), dev_bf16(chunk_rows), dev_bf16(comp), cuda.to_device(entries),
-                     cuda.to_device(sinks), out, t, scale, threads=threads)
+    sparse_attention(*dev(args, fp32=(5,)), out, t, threads=threads)
     got = host_bf16(out)
+    rows = np.concatenate([ring, chunk_rows, comp])
     assert np.all(got[1] == 0) and np.all(ref[1] == 0), "a row without entries gives zeros"
     assert_within(got, ref, sparse_bound(q, rows, entries, sinks, scale, ref), what)
     filled = (entries >= 0).any(axis=1)
@@ -573,7 +584,7 @@ def test_sparse_attention_shape_errors():
     rows = cuda.device_array((8, 64), np.uint16)
     with pytest.raises(InputError, match="do not agree"):
         sparse_attention(q, rows, rows, cuda.device_array((4, 32), np.uint16), cuda.device_array((2, 8), np.int32),
-                         cuda.to_device(np.zeros(2, np.float32)), q, 2, 0.1)
+                         cuda.to_device(np.zeros(2, np.float32)), 0.1, q, 2)
 
 
 # ---- V4.1-Flash sizes on the GPU -----------------------------------------------------------------------

@@ -115,8 +115,8 @@ class SideBySide:
         if not differs.any():
             return ~differs
         assert "index_score" in cap, f"{where}: selection differs before any group is complete"
-        shared = oracle.SharedRuntime(candidates=cap.get("candidates") if role.uses_candidates else None)
-        own = oracle.select(self.cfg, role, cap["index_score"], positions, shared)
+        candidates = cap.get("candidates") if role.uses_candidates else None
+        own, _ = oracle.select(self.cfg, role, cap["index_score"], positions, candidates)
         assert np.array_equal(own, cap["selection"]), f"{where}: the selection is not top-k of the stage's own scores"
         for r in np.flatnonzero(differs):
             c = cosine(cap["index_score"][r], ocap["index_score"][r])

@@ -17,7 +17,7 @@ What rejects each (measured on the simulator, at the CI shape and, for the `gpu`
   slot, the sink left out: sparse_bound (95-327 of 512 values out of it; 1657-87662 of 131072).
   The sink counts because attention_inputs puts each head's sink near its log-sum-exp, and a
   window row because its queries' entries are the layer's own lists (each names every window row).
-- entries: the window entries' positions (exact).
+- entries: the oracle's entry lists (exact).
 - index scores: exact scores (14-52 of 65 differ; 5919-11752 of 12288 at flash).
 - selection: exact selections and masks. The short visible width shows in the candidate blocks
   (CI) and, at flash, only in the "rising" score pattern (newest positions ranked first: without it

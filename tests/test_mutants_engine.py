@@ -61,9 +61,9 @@ def _take_previous_rows(entries, n_tokens, window):
             entries[t, j] = entries[t - 1, j]
 
 
-def entries_of_the_previous_token(positions, selection, entries, n_tokens, window, chunk_capacity, stream=0):
+def entries_of_the_previous_token(positions, selection, window, chunk_capacity, entries, n_tokens, stream=0):
     """build_entries, then each query but the first attends the previous token's selection."""
-    build_entries(positions, selection, entries, n_tokens, window, chunk_capacity, stream)
+    build_entries(positions, selection, window, chunk_capacity, entries, n_tokens, stream)
     if selection is not None:
         _take_previous_rows[1, 64, stream](entries, n_tokens, window)
 

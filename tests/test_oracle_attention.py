@@ -1,4 +1,4 @@
-"""The attention oracle's selection rules and sparse attention, against brute-force readings.
+"""The attention oracle's selection rules, entry lists and sparse attention, against brute-force readings.
 
 The brute forces below are written from SPEC.md 2.2 and the reference's Indexer, in plain Python:
 every (score, position) pair sorted with `sorted` and a key, blocks walked one by one, over the whole
@@ -21,7 +21,7 @@ from flashv41.host.config import LayerRole
 from flashv41.host.numerics import bf16
 from flashv41.host.oracle.attention import (
     SPARSE_BLOCK,
-    SharedRuntime,
+    build_entries,
     candidate_blocks,
     select,
     sparse_attention,
@@ -110,17 +110,17 @@ def check_stack(score: np.ndarray, start: int, ratio: int, topk: int, topk_block
     own scores, here the reversed rows), each against the brute force."""
     positions = start + np.arange(score.shape[0])
     cfg = config(topk, topk_blocks, block)
-    got = select(cfg, role("plain", ratio), score, positions, SharedRuntime())  # type: ignore[arg-type]
+    got, _ = select(cfg, role("plain", ratio), score, positions, None)  # type: ignore[arg-type]
     want, _ = brute_select("plain", score, positions, ratio, topk, topk_blocks, block, None)
     assert_selection(got, want, score, positions, "plain index source")
 
-    shared = SharedRuntime()
-    got = select(cfg, role("source", ratio), score, positions, shared)  # type: ignore[arg-type]
+    got, mask = select(cfg, role("source", ratio), score, positions, None)  # type: ignore[arg-type]
     want, cand = brute_select("source", score, positions, ratio, topk, topk_blocks, block, None)
     assert_selection(got, want, score, positions, "candidate source")
-    assert shared.candidates is not None and shared.candidates.tolist() == cand, "candidate mask"
+    assert mask is not None and mask.tolist() == cand, "candidate mask"
     other = np.ascontiguousarray(score[:, ::-1])
-    got = select(cfg, role("user", ratio), other, positions, shared)  # type: ignore[arg-type]
+    got, kept = select(cfg, role("user", ratio), other, positions, mask)  # type: ignore[arg-type]
+    assert kept is mask, "a later index source hands the mask on as it came"
     want, _ = brute_select("user", other, positions, ratio, topk, topk_blocks, block, cand)
     assert_selection(got, want, other, positions, "candidate-respecting index source")
 
@@ -166,18 +166,17 @@ def test_candidate_blocks_by_hand() -> None:
 def test_select_by_hand() -> None:
     # ratio 2, queries at positions 0..5 of a fresh sequence: visible = 0, 1, 1, 2, 2, 3 of width 3
     score = np.array([[1, 2, 3]] * 6, F32)
-    got = select(config(2, 1, 2), role("plain", 2), score, np.arange(6), SharedRuntime())  # type: ignore[arg-type]
+    got, _ = select(config(2, 1, 2), role("plain", 2), score, np.arange(6), None)  # type: ignore[arg-type]
     assert got.tolist() == [[-1, -1], [0, -1], [0, -1], [0, 1], [0, 1], [1, 2]]
     # a candidate source keeping one block of 2 (the pinned one), then a user with its own scores:
     # at position 5 (visible 3: block 1 pinned) only position 2 is finite, position 0 and 1 are masked,
     # so the second pick is a filler: the lowest masked position, 0
-    shared = SharedRuntime()
-    select(config(2, 1, 2), role("source", 2), score, np.arange(6), shared)  # type: ignore[arg-type]
-    assert shared.candidates is not None
-    assert shared.candidates[5].tolist() == [False, False, True]
-    assert shared.candidates[3].tolist() == [True, True, False]
+    _, mask = select(config(2, 1, 2), role("source", 2), score, np.arange(6), None)  # type: ignore[arg-type]
+    assert mask is not None
+    assert mask[5].tolist() == [False, False, True]
+    assert mask[3].tolist() == [True, True, False]
     user = np.array([[9, 8, 7]] * 6, F32)
-    got = select(config(2, 1, 2), role("user", 2), user, np.arange(6), shared)  # type: ignore[arg-type]
+    got, _ = select(config(2, 1, 2), role("user", 2), user, np.arange(6), mask)  # type: ignore[arg-type]
     assert got[5].tolist() == [0, 2]
     assert got[3].tolist() == [0, 1] and got[0].tolist() == [-1, -1]
     check_stack(score, 0, 2, 2, 1, 2)
@@ -209,7 +208,7 @@ def test_crafted_patterns(ratio: int) -> None:
 def test_visible_zero_and_first_group() -> None:
     # the first chunk of a ratio-2 layer: position 0 sees nothing, 1 and 2 see group 0
     score = np.array([[4.0], [4.0], [4.0]], F32)
-    got = select(config(3, 2, 2), role("source", 2), score, np.arange(3), SharedRuntime())  # type: ignore[arg-type]
+    got, _ = select(config(3, 2, 2), role("source", 2), score, np.arange(3), None)  # type: ignore[arg-type]
     assert got.tolist() == [[-1, -1, -1], [0, -1, -1], [0, -1, -1]]
     check_stack(score, 0, 2, 3, 2, 2)
 
@@ -241,6 +240,26 @@ def test_window_positions() -> None:
     assert got.tolist() == [[-1, -1, -1, 0], [0, 1, 2, 3], [6, 7, 8, 9]]  # oldest first, -1 before 0
 
 
+@pytest.mark.parametrize("start,t", [(0, 5), (6, 4), (13, 1), (20, 12)])
+def test_entries_name_the_window_positions(start: int, t: int) -> None:
+    """Each window entry resolves to the row of the position window_positions names (ring rows
+    label the position their slot holds before the chunk, chunk rows their own; the chunk rows'
+    capacity above T), then the selection shifted past both."""
+    window, cap, k = 8, 12, 3
+    positions = np.arange(start, start + t)
+    ring_pos = np.full(window, -5)
+    for p in range(max(0, start - window), start):
+        ring_pos[p % window] = p
+    labels = np.concatenate([ring_pos, positions, np.full(cap - t, -9)])
+    selection = np.where(np.arange(k)[None, :] < 2, np.arange(t)[:, None] + np.arange(k)[None, :], -1)
+    got = build_entries(positions, selection, window, cap)
+    win = got[:, :window]
+    named = np.where(win >= 0, labels[np.clip(win, 0, None)], -1)
+    assert np.array_equal(named, window_positions(positions, window)), "window entries"
+    assert np.array_equal(got[:, window:], np.where(selection >= 0, selection + window + cap, -1)), "selected entries"
+    assert np.array_equal(build_entries(positions, None, window, cap), got[:, :window]), "without a selection"
+
+
 # --- sparse attention -----------------------------------------------------------------------------------
 
 
@@ -268,13 +287,20 @@ def reference_attention(q: np.ndarray, rows: np.ndarray, entries: np.ndarray, si
     return out, mag
 
 
+def attend(q: np.ndarray, rows: np.ndarray, entries: np.ndarray, sinks: np.ndarray, scale: float) -> np.ndarray:
+    """sparse_attention over `rows` cut into its three sources (ring, chunk rows, compressed rows):
+    laid end to end they are `rows` again, so the entries index them as they index `rows`."""
+    n = rows.shape[0]
+    return sparse_attention(q, rows[:n // 3], rows[n // 3:2 * n // 3], rows[2 * n // 3:], entries, sinks, scale)
+
+
 def test_empty_row_gives_zeros() -> None:
     rng = np.random.default_rng(0)
     q = bf16(rng.standard_normal((2, 3, 8)).astype(F32))
     rows = bf16(rng.standard_normal((5, 8)).astype(F32))
     entries = np.array([[-1] * 70, [2] + [-1] * 69])
     sinks = np.array([0.0, 5.0, -3.0], F32)
-    out = sparse_attention(q, rows, entries, sinks, 8**-0.5)
+    out = attend(q, rows, entries, sinks, 8**-0.5)
     assert not np.isnan(out).any()
     assert (out[0] == 0).all()
     assert (out[1] != 0).any()
@@ -287,7 +313,7 @@ def test_single_entry_by_hand() -> None:
     rows = np.array([[0.0] * 4, [2.0, 1.0, -1.0, 0.5]], F32)
     entries = np.array([[-1, 1, -1]])
     sinks = np.array([1.0, -np.inf, 1.0 + math.log(3.0)], F32)
-    out = sparse_attention(q, rows, entries, sinks, 0.5)
+    out = attend(q, rows, entries, sinks, 0.5)
     v = rows[1]
     assert out[0, 0].tolist() == (v / 2).tolist()  # sink 1: exp(0) = 1, denominator 2
     assert out[0, 1].tolist() == v.tolist()  # sink -inf adds nothing
@@ -303,7 +329,7 @@ def test_probabilities_rounded_to_bf16_before_values() -> None:
     q = np.zeros((1, 1, 4), F32)
     q[0, 0, 0] = 1
     rows = np.array([[1, 0, 0, 0], [0.5, 1, 0, 0]], F32)
-    out = sparse_attention(q, rows, np.array([[0, 1]]), np.array([-np.inf], F32), 0.2)
+    out = attend(q, rows, np.array([[0, 1]]), np.array([-np.inf], F32), 0.2)
     p_b = math.exp(-0.1)
     assert float(bf16(np.array([p_b], F32))[0]) == 0.90625
     assert out[0, 0, 1] == 0.4765625
@@ -317,14 +343,14 @@ def test_trailing_empty_entries_change_nothing() -> None:
     rows = bf16(rng.standard_normal((n, d)).astype(F32))
     entries = rng.integers(-1, n, (t, 70))
     sinks = rng.standard_normal(h).astype(F32)
-    base = sparse_attention(q, rows, entries, sinks, d**-0.5)
+    base = attend(q, rows, entries, sinks, d**-0.5)
     for extra in (1, 5, 58, 64, 130):  # within the last block of 64, to its end, into new blocks
         longer = np.concatenate([entries, np.full((t, extra), -1)], axis=1)
-        got = sparse_attention(q, rows, longer, sinks, d**-0.5)
+        got = attend(q, rows, longer, sinks, d**-0.5)
         assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), f"{extra} trailing -1 entries"
     # but an entry that is not -1 does change it
     more = np.concatenate([entries, np.zeros((t, 1), np.int64)], axis=1)
-    assert not np.array_equal(sparse_attention(q, rows, more, sinks, d**-0.5), base)
+    assert not np.array_equal(attend(q, rows, more, sinks, d**-0.5), base)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -346,7 +372,7 @@ def test_against_float64_softmax(seed: int) -> None:
         entries[0] = order[np.linspace(0, n - 1, e).astype(int)]
     sinks = (rng.standard_normal(h) * 2).astype(F32)
     scale = d**-0.5
-    got = sparse_attention(q, rows, entries, sinks, scale)
+    got = attend(q, rows, entries, sinks, scale)
     assert got.dtype == F32 and (bf16(got) == got).all()
     ref, mag = reference_attention(q, rows, entries, sinks, scale)
     err = np.abs(got.astype(np.float64) - ref)

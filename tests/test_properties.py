@@ -33,7 +33,7 @@ from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
 from flashv41.stages.engram_hash import FastEngramHasher
 from tests.test_engram_hash import ScalarHasher, assert_ids_equal, engram_configs, streams
 from tests.test_numerics import E4M3_VALUES, e2m1_by_grid, e4m3_by_table
-from tests.test_oracle_attention import brute_select, patterns
+from tests.test_oracle_attention import brute_select, config, patterns, role
 from tests.test_quants import _q2_k_excess
 
 F32 = np.float32
@@ -174,7 +174,7 @@ def test_fp4_kernel_per_element(data: st.DataObject) -> None:
     blocks = data.draw(st.lists(quant_blocks(block, fp8=False), min_size=1, max_size=4))
     x = np.concatenate(blocks).reshape(1, -1)
     dev = cuda.to_device(to_bits(x))
-    nrq.fp4_quant(dev, 1, block, e4m3_scale)
+    nrq.fp4_quant(dev, block, e4m3_scale, 1)
     want = np.concatenate([fp4_by_element(b, e4m3_scale) for b in x.reshape(-1, block)]).reshape(x.shape)
     got = from_bits(dev.copy_to_host())
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (x, got, want)
@@ -196,12 +196,11 @@ def test_select_kernel_against_brute_force(case: tuple[np.ndarray, int, int, int
     cand = cuda.to_device(np.full((t, n_blocks), 7, np.uint8))
     other = np.ascontiguousarray(score[:, ::-1])
     candidates = None
-    for kind, scores, source, uses in (("source", score, True, False), ("user", other, False, True),
-                                       ("plain", score, False, False)):
+    for kind, scores, source in (("source", score, True), ("user", other, False), ("plain", score, False)):
         want, new = brute_select(kind, scores, positions, ratio, topk, topk_blocks, block, candidates)
         sel = cuda.to_device(np.full((t, topk), 99, np.int32))
-        indexer.select(cuda.to_device(to_bits(bf16(scores))), pos, cand, sel, t, ratio, source, uses, block,
-                       topk_blocks)
+        indexer.select(config(topk, topk_blocks, block), role(kind, ratio), cuda.to_device(to_bits(bf16(scores))), pos,
+                       cand, sel, t)
         got = sel.copy_to_host()
         assert np.array_equal(got, want), f"{kind}: scores {scores.tolist()} at {positions.tolist()}: " \
                                           f"got {got.tolist()}, brute force {want.tolist()}"

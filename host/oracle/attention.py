@@ -8,7 +8,13 @@ The per-query list of attended rows is canonical, whatever the chunking: the W w
 p - W + 1 .. p oldest first (-1 where negative; the reference's decode layout), then the selected
 compressed positions ascending, -1-padded to K. The sparse attention walks that list in blocks of
 64, as the reference kernel does, so the bf16 rounding of the probabilities (relative to the
-running maximum) is the same for a position however the sequence was split into calls.
+running maximum) is the same for a position however the sequence was split into calls. Each entry
+names its row where the layer keeps it: a window position before the chunk in the ring (slot
+p % W), one of the chunk in the chunk's own rows, a selected group in the compressed cache.
+
+Each attention stage of stages/ has its function here (RMSNorm and the quantisers in host.numerics),
+taking the same arguments in the same order: the stage's wrapper adds only its device-only ones at
+the end (output buffers, row counts, workspaces, the stream), so a test hands both one tuple.
 """
 
 from __future__ import annotations
@@ -107,17 +113,15 @@ class SharedRuntime:
     candidates: np.ndarray | None = None  # [T, width] bool, the candidate source's block mask
 
 
-def rope_tail(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, inverse: bool = False) -> np.ndarray:
-    """x [..., D] with its last rope_dim values rotated; cos / sin broadcast against x[..., ::2]'s tail."""
+def rope_tail(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray,
+              inverse: bool = False) -> np.ndarray:
+    """x [T, ..., D] with the last R values of each of its vectors rotated by the angle of
+    positions[t] (cos, sin: the tables [max_seq, R / 2]); `inverse` rotates back (the conjugate)."""
+    rd = 2 * cos.shape[-1]
+    angle = (len(positions),) + (1,) * (x.ndim - 2) + (rd // 2,)  # broadcast over the vectors of a token
     out = x.copy()
-    out[..., -rope_dim:] = rotate(x[..., -rope_dim:], cos, sin, inverse)
+    out[..., -rd:] = rotate(x[..., -rd:], cos[positions].reshape(angle), sin[positions].reshape(angle), inverse)
     return out
-
-
-def window_positions(positions: np.ndarray, window: int) -> np.ndarray:
-    """[T, W]: the window positions p - W + 1 .. p of each query, oldest first; -1 before 0."""
-    idx = positions[:, None] - window + 1 + np.arange(window)[None, :]
-    return np.where(idx < 0, -1, idx)
 
 
 def pool_group(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
@@ -160,13 +164,25 @@ def compress(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, state: Laye
     return latents, np.asarray(groups, np.int64)
 
 
-def index_keys(cfg: ModelConfig, w: AttentionWeights, latents: np.ndarray, group_pos: np.ndarray,
-               cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+def index_keys(cfg: ModelConfig, w: AttentionWeights, latents: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+               group_pos: np.ndarray) -> np.ndarray:
     """Index keys of new groups: k = k_norm(latent @ wk^T), RoPE at the group position, fp4 (32, E8M0)."""
     assert w.wk is not None and w.k_norm is not None
     k = rms_norm(linear(latents, w.wk), w.k_norm, cfg.norm_eps)
-    k = rope_tail(k, cos[group_pos], sin[group_pos], cfg.rope_dim)
-    return fp4_act_quant(k, 32, e4m3_scale=False)
+    return fp4_act_quant(rope_tail(k, cos, sin, group_pos), 32, e4m3_scale=False)
+
+
+def publish(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, state: LayerState, latents: np.ndarray,
+            groups: np.ndarray, cos: np.ndarray, sin: np.ndarray, adopt: Adopt = own_choice) -> None:
+    """The new groups' rows into the kv source's caches, both at the group positions j * ratio:
+    index keys (above) and compressed rows fp4_16e4m3(RoPE(latent)). latents [n, D], groups [n]."""
+    if groups.size == 0:
+        return
+    assert state.index_keys is not None and state.compressed is not None
+    group_pos = groups * role.ratio
+    state.index_keys[groups] = adopt("index_keys", index_keys(cfg, w, latents, cos, sin, group_pos))
+    rows = fp4_act_quant(rope_tail(latents, cos, sin, group_pos), 16, e4m3_scale=True)
+    state.compressed[groups] = adopt("compressed", rows)
 
 
 def candidate_blocks(score: np.ndarray, visible: np.ndarray, topk_blocks: int, block: int) -> np.ndarray:
@@ -200,55 +216,81 @@ def topk_positions(score_row: np.ndarray, visible: int, topk: int) -> np.ndarray
     return np.sort(order)
 
 
-def indexer_scores(cfg: ModelConfig, w: AttentionWeights, x: np.ndarray, qr: np.ndarray, keys: np.ndarray,
-                   cos_q: np.ndarray, sin_q: np.ndarray) -> np.ndarray:
-    """Index scores [T, G] (bf16 values) of T queries against G index keys.
-
-    iq = fp4(RoPE(qr @ wq_b^T)); w = bf16((x @ proj^T) * ID^-0.5 * IH^-0.5);
-    score = bf16(sum_h bf16(relu(bf16(iq_h . k)) * w_h)).
-    """
+def index_queries(w: AttentionWeights, x: np.ndarray, qr: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                  positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The index source's queries: (iq [T, IH, ID] = fp4_32(RoPE(qr @ wq_b^T)), hw [T, IH] = x @ proj^T),
+    bf16 values; x [T, C], qr [T, Q]."""
     assert w.idx_wq_b is not None and w.idx_proj is not None
-    t = x.shape[0]
-    iq = linear(qr, w.idx_wq_b).reshape(t, cfg.index_heads, cfg.index_head_dim)
-    iq = rope_tail(iq, cos_q[:, None], sin_q[:, None], cfg.rope_dim)
-    iq = fp4_act_quant(iq, 32, e4m3_scale=False)
-    head_w = bf16(linear(x, w.idx_proj) * F32(cfg.index_head_dim ** -0.5 * cfg.index_heads ** -0.5))
+    heads = w.idx_proj.shape[0]
+    iq = linear(qr, w.idx_wq_b).reshape(x.shape[0], heads, -1)
+    iq = fp4_act_quant(rope_tail(iq, cos, sin, positions), 32, e4m3_scale=False)
+    return iq, linear(x, w.idx_proj)
+
+
+def index_scores(iq: np.ndarray, hw: np.ndarray, keys: np.ndarray, scale: float) -> np.ndarray:
+    """Index scores [T, G] (bf16 values) of the T queries against the G index keys [G, ID].
+
+    w = bf16(hw * scale) (scale = ID^-0.5 * IH^-0.5); score = bf16(sum_h bf16(relu(bf16(iq_h . k)) * w_h)).
+    """
+    head_w = bf16(hw * F32(scale))
     dots = bf16(f32(np.einsum("thd,gd->thg", iq.astype(np.float64), keys.astype(np.float64))))
     weighted = bf16(np.maximum(dots, F32(0)) * head_w[:, :, None])
     return bf16(sum_last(np.swapaxes(weighted, 1, 2)))
 
 
 def select(cfg: ModelConfig, role: LayerRole, score: np.ndarray, positions: np.ndarray,
-           shared: SharedRuntime, adopt: Adopt = own_choice) -> np.ndarray:
-    """Mask, candidate blocks and top-k: scores [T, G] -> selection [T, K] (ascending, -1 padded).
-    The candidate source's mask goes through `adopt` before later index sources read it."""
+           candidates: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Mask, candidate blocks and top-k: scores [T, G] -> (selection [T, K] ascending, -1 padded;
+    the candidate mask [T, G] bool). The candidate source returns the mask it makes; a later index
+    source ranks the positions outside `candidates` as -inf, and returns it as it came."""
     ratio = role.ratio
     visible = (positions + 1) // ratio
     cols = np.arange(score.shape[1])
     score = np.where(cols[None, :] >= visible[:, None], NEG_INF, score).astype(F32)
     if role.candidate_source:
-        shared.candidates = adopt("candidates", candidate_blocks(score, visible, cfg.candidate_topk_blocks,
-                                                                 cfg.candidate_block_size))
+        candidates = candidate_blocks(score, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
     elif role.uses_candidates:
-        assert shared.candidates is not None and shared.candidates.shape == score.shape
-        score = np.where(shared.candidates, score, NEG_INF).astype(F32)
+        assert candidates is not None and candidates.shape == score.shape
+        score = np.where(candidates, score, NEG_INF).astype(F32)
     out = np.full((score.shape[0], cfg.index_topk), -1, np.int64)
     for i in range(score.shape[0]):
         chosen = topk_positions(score[i], int(visible[i]), cfg.index_topk)
         out[i, : chosen.size] = chosen
-    return out
+    return out, candidates
 
 
-def sparse_attention(q: np.ndarray, rows: np.ndarray, entries: np.ndarray, sinks: np.ndarray,
-                     scale: float) -> np.ndarray:
+def window_positions(positions: np.ndarray, window: int) -> np.ndarray:
+    """[T, W]: the window positions p - W + 1 .. p of each query, oldest first; -1 before 0."""
+    idx = positions[:, None] - window + 1 + np.arange(window)[None, :]
+    return np.where(idx < 0, -1, idx)
+
+
+def build_entries(positions: np.ndarray, selection: np.ndarray | None, window: int,
+                  chunk_capacity: int) -> np.ndarray:
+    """The canonical list [T, W + K] int64 of each query (K = 0 without a selection), as indices
+    into the rows (ring [W], chunk rows [chunk_capacity], compressed rows) laid end to end: window
+    position wp before the chunk -> ring slot wp % W, from the chunk's first position on -> W + its
+    offset in the chunk; selected group s -> W + chunk_capacity + s; -1 stays -1 (nothing)."""
+    start = positions[0]
+    wp = window_positions(positions, window)
+    entries = np.where(wp < 0, -1, np.where(wp >= start, window + wp - start, wp % window))
+    if selection is None:
+        return entries
+    return np.concatenate([entries, np.where(selection >= 0, window + chunk_capacity + selection, -1)], axis=1)
+
+
+def sparse_attention(q: np.ndarray, ring: np.ndarray, chunk_rows: np.ndarray, comp_rows: np.ndarray,
+                     entries: np.ndarray, sinks: np.ndarray, scale: float) -> np.ndarray:
     """Sparse single-kv-head attention with a sink, online softmax in blocks of 64.
 
-    q [T, H, D] bf16; rows [N, D] bf16 (K = V); entries [T, E] int64 indices into rows, -1 = skip;
-    sinks [H] fp32. Per block: s = (q . k) * scale; running max from -1e30; p = exp(s - max),
-    summed in fp32, rounded to bf16 before the value product; the sink adds exp(sink - max) to
-    the denominator only. A row with no entry gives zeros. Returns o [T, H, D] bf16.
+    q [T, H, D] bf16; the rows (K = V), bf16: ring [W, D], chunk_rows [Cn, D], comp_rows [G, D];
+    entries [T, E] indices into the three laid end to end (build_entries), -1 = skip; sinks [H]
+    fp32. Per block: s = (q . k) * scale; running max from -1e30; p = exp(s - max), summed in fp32,
+    rounded to bf16 before the value product; the sink adds exp(sink - max) to the denominator
+    only. A row with no entry gives zeros. Returns o [T, H, D] bf16.
     """
     t, h, d = q.shape
+    rows = np.concatenate([ring, chunk_rows, comp_rows])
     scale32 = F32(scale)
     valid = entries >= 0
     gathered = rows[np.where(valid, entries, 0)] * valid[..., None]  # [T, E, D]
@@ -290,37 +332,24 @@ def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tabl
     caches) and, for source layers, `shared`. Each discrete choice (CHOICES) goes through `adopt`.
     """
     t = x.shape[0]
-    rd, win = cfg.rope_dim, cfg.window
+    win = cfg.window
     positions = start + np.arange(t)
     cos, sin = tables.for_ratio(role.ratio)
-    cos_t, sin_t = cos[positions], sin[positions]
 
     qr = rms_norm(linear(x, w.wq_a), w.q_norm, cfg.norm_eps)
-    q = linear(qr, w.wq_b).reshape(t, cfg.n_heads, cfg.head_dim)
-    q = rope_tail(q, cos_t[:, None], sin_t[:, None], rd)
+    q = rope_tail(linear(qr, w.wq_b).reshape(t, cfg.n_heads, cfg.head_dim), cos, sin, positions)
     kv = rms_norm(linear(x, w.wkv), w.kv_norm, cfg.norm_eps)
-    kv = adopt("window_rows", act_quant(rope_tail(kv, cos_t, sin_t, rd), 32))
+    kv = adopt("window_rows", act_quant(rope_tail(kv, cos, sin, positions), 32))
 
-    # window rows: the W - 1 positions before the chunk come from the ring, then the chunk itself
-    first = max(0, start - win + 1)
-    history = np.arange(first, start)
-    win_rows = np.concatenate([state.window_ring[history % win], kv], axis=0)
-    win_entries = window_positions(positions, win)
-    win_entries = np.where(win_entries >= 0, win_entries - first, -1)
-    for i in range(max(0, t - win), t):
-        state.window_ring[(start + i) % win] = kv[i]
-
-    entries = win_entries
-    rows = win_rows
+    selection = None
+    comp_rows = np.zeros((0, cfg.head_dim), F32)
     if role.ratio > 0:
         latents = np.zeros((0, cfg.head_dim), F32)
         groups = np.zeros(0, np.int64)
         if role.kv_source:
             assert state.compressed is not None and state.index_keys is not None
             latents, groups = compress(cfg, role, w, state, x, start)
-            group_pos = groups * role.ratio
-            if groups.size:
-                state.index_keys[groups] = adopt("index_keys", index_keys(cfg, w, latents, group_pos, cos, sin))
+            publish(cfg, role, w, state, latents, groups, cos, sin, adopt)
             shared.compressed, shared.index_keys = state.compressed, state.index_keys
         width = (start + t) // role.ratio
         if role.index_source and width == 0:
@@ -328,27 +357,30 @@ def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tabl
             shared.selection = np.full((t, cfg.index_topk), -1, np.int64)
         elif role.index_source:
             assert shared.index_keys is not None
-            score = indexer_scores(cfg, w, x, qr, shared.index_keys[:width], cos_t, sin_t)
-            shared.selection = adopt("selection", select(cfg, role, score, positions, shared, adopt))
+            iq, hw = index_queries(w, x, qr, cos, sin, positions)
+            index_scale = cfg.index_head_dim ** -0.5 * cfg.index_heads ** -0.5
+            score = index_scores(iq, hw, shared.index_keys[:width], index_scale)
+            chosen, candidates = select(cfg, role, score, positions, shared.candidates)
+            if role.candidate_source:
+                assert candidates is not None
+                shared.candidates = adopt("candidates", candidates)
+            shared.selection = adopt("selection", chosen)
             if capture is not None:
                 capture["index_score"] = score
-        if role.kv_source and groups.size:
-            rotated = rope_tail(latents, cos[group_pos], sin[group_pos], rd)
-            assert state.compressed is not None
-            state.compressed[groups] = adopt("compressed", fp4_act_quant(rotated, 16, e4m3_scale=True))
         assert shared.compressed is not None and shared.selection is not None
         selection = shared.selection
-        comp_entries = np.where(selection >= 0, selection + win_rows.shape[0], -1)
-        entries = np.concatenate([win_entries, comp_entries], axis=1)
-        rows = np.concatenate([win_rows, shared.compressed[:width]], axis=0)
+        comp_rows = shared.compressed[:width]
         if capture is not None:
             capture.update(latents=latents, groups=groups, selection=selection.copy())
             if shared.candidates is not None:
                 capture["candidates"] = shared.candidates.copy()
 
-    o = sparse_attention(q, rows, entries, w.sinks, cfg.head_dim ** -0.5)
-    o_rot = rope_tail(o, cos_t[:, None], sin_t[:, None], rd, inverse=True)
-    out = output_projection(cfg, w, o_rot)
+    entries = build_entries(positions, selection, win, t)
+    o = sparse_attention(q, state.window_ring, kv, comp_rows, entries, w.sinks, cfg.head_dim ** -0.5)
+    # the ring keeps the chunk's last W rows, written once the attention has read the older ones
+    for i in range(max(0, t - win), t):
+        state.window_ring[(start + i) % win] = kv[i]
+    out = output_projection(cfg, w, rope_tail(o, cos, sin, positions, inverse=True))
     if capture is not None:
         capture.update(attn_x=x, qr=qr, q=q, kv=kv, attn_o=o, attn_out=out)
     return out

@@ -14,10 +14,13 @@ Per layer, in order (SPEC.md 2): engram (hash once per call for all engram layer
 projection -> gate) -> attention mixes, hc_pre + attn_norm -> attention -> hc_post -> the FFN
 sublayer as a zero output with its own mixes, whose `pre` is the next layer's pre-mix.
 
-A call has a host part (`_upload`: the hash, then token ids, engram row ids, mask, first mix and
-positions onto the device) and a device part (`_layers`: launches only). A one-token step's device
-part is replayed from a CUDA graph of the sequence (flashv41.graphs), one graph per `graph_key`:
-what the step decides on the host. Prefill chunks, captures and profiling launch eagerly.
+The steps of a call are built once, at construction, into `Engine.plan` (flashv41.plan): which
+stage, which method, which buffers. A call walks it: the host part (token ids, the engram hash,
+each engram layer's rows onto the device; then mask, first mix and positions, `_copy_inputs`), the
+device part (launches only) and the highway's download. A one-token step's device part is
+replayed from a CUDA graph of the sequence (flashv41.graphs), one graph per `graph_key`: what the
+step decides on the host. Profiling and captures watch the walk as observers (`StageTimer`,
+`LayerCapture`); a watched call, like a prefill chunk, launches eagerly.
 
 The engine's workspaces are shared by its sequences, so calls on one engine must not run
 concurrently (one Python thread drives an engine). A prompt longer than `max_tokens` is prefilled
@@ -26,7 +29,6 @@ in chunks of `max_tokens`.
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -38,6 +40,27 @@ from flashv41.graphs import GraphRunner, graphs_available
 from flashv41.host.errors import CapacityError, InputError, SequenceStateError
 from flashv41.host.model import Model
 from flashv41.host.tokens import check_tokens
+from flashv41.plan import (
+    HASHER,
+    IDS,
+    MASK,
+    SHARED,
+    START,
+    STATE,
+    TOKEN_MASK,
+    TOKENS,
+    Call,
+    Captured,
+    Head,
+    LayerCapture,
+    LayerPlan,
+    Plan,
+    Rows,
+    StageTimer,
+    Step,
+    StepObserver,
+    walk,
+)
 
 ProgressFn = Callable[[str], None]
 
@@ -49,8 +72,8 @@ class Engine:
     max_tokens: tokens per forward call (sizes the workspaces; longer prompts are chunked).
     table_residency: "device" (engram tables uploaded once) or "host" (rows read from the
     memory-mapped file per call and uploaded).
-    profile: synchronise around every stage and add its wall time to `stage_seconds` (slower;
-    for timing tables; steps then run eagerly).
+    profile: synchronise around every step and add its wall time to `stage_seconds` under the
+    step's name (flashv41.plan.StageTimer; slower; for timing tables; steps then run eagerly).
     graphs: replay one-token steps as CUDA graphs (flashv41.graphs), per sequence and per step
     kind (`graph_key`); ignored on the simulator and with host-resident tables, whose rows are
     uploaded data rather than ids. Results are the same either way.
@@ -107,6 +130,8 @@ class Engine:
         self._one_hot[:, 0] = 1
         self.profile = profile
         self.stage_seconds: defaultdict[str, float] = defaultdict(float)
+        self._timer = StageTimer(cuda.synchronize, self.stage_seconds)
+        self.plan = self._build_plan()
         self._ratios = sorted({role.ratio for role in cfg.roles if role.ratio > 0})
         self.graphs = graphs and graphs_available() and table_residency == "device"
         self._runner = GraphRunner() if self.graphs else None
@@ -133,6 +158,7 @@ class Engine:
             self.engram.free()
         self.h = self.x = self.a = self.mask = None
         self.pre = []
+        self.plan = Plan.empty()
         self.closed = True
 
     def __enter__(self) -> Engine:
@@ -145,89 +171,81 @@ class Engine:
         if self.closed:
             raise SequenceStateError("this engine was closed")
 
-    def _stage(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one stage; when profiling, time it between two device synchronisations."""
-        if not self.profile:
-            return fn(*args)
-        self._cuda.synchronize()
-        start = time.perf_counter()
-        result = fn(*args)
-        self._cuda.synchronize()
-        self.stage_seconds[name] += time.perf_counter() - start
-        return result
+    def _build_plan(self) -> Plan:
+        """Every step of a call, once (SPEC.md 2): the host part (token ids, the engram hash, each
+        engram layer's rows), the embedding, each layer's engram -> hc_pre + attn_norm ->
+        attention -> hc_post -> the FFN sublayer as a zero output, and the highway's download."""
+        cfg, hyper, attention, engram = self.cfg, self.hyper, self.attention, self.engram
+        h, x, a = self.h, self.x, self.a
+        upload = [Step("embedding", None, hyper, "upload_ids", (IDS, TOKENS))]
+        if cfg.engram is not None:
+            upload.append(Step("engram hash (host)", None, HASHER, "hash", (IDS, START, TOKEN_MASK), result="hashes"))
+        # the attention sublayer reads the mix the previous layer's FFN mixes wrote (layer 0: the
+        # uploaded one-hot), so two buffers alternate; its own mixes' `pre` goes to the third
+        pre_mix, pre_next, unused = self.pre
+        layers = []
+        for role in cfg.roles:
+            i = role.layer
+            rows: Rows | None = None
+            engram_steps: tuple[Step, ...] = ()
+            if role.engram:
+                assert engram is not None and cfg.engram is not None
+                rows = Rows(cfg.engram.hash_index(i))
+                upload.append(Step("engram rows, projection, gate", i, engram, "upload_rows", (i, rows, TOKENS)))
+                engram_steps = (Step("engram rows, projection, gate", i, engram, "run",
+                                     (i, h, TOKENS, MASK, Captured(i))),)
+            attn = (Step("hc mixes", i, hyper, "mixes", (i, "attn", h, unused, TOKENS)),
+                    Step("hc_pre + attn_norm", i, hyper, "pre_norm", (i, h, pre_mix, x, TOKENS)),
+                    Step(f"attention ({role.block_type})", i, attention, "forward",
+                         (i, x, a, STATE, SHARED, START, TOKENS, Captured(i))),
+                    Step("hc_post", i, hyper, "post_mix", (h, a, TOKENS)))
+            ffn = (Step("hc mixes", i, hyper, "mixes", (i, "ffn", h, pre_next, TOKENS)),
+                   Step("hc_post", i, hyper, "post_mix", (h, None, TOKENS)))
+            layers.append(LayerPlan(i, pre_mix, rows, engram_steps, attn, ffn))
+            pre_mix, pre_next = pre_next, pre_mix
+        head = (Step("embedding", None, hyper, "embed_uploaded", (h, TOKENS)),)
+        download = (Step("highway download", None, Head(h), "copy_to_host", result="output"),)
+        return Plan(tuple(upload), head, tuple(layers), download, h)
+
+    def _observers(self, capture: bool) -> tuple[StepObserver, ...]:
+        """Who watches this call's steps; nobody on the plain path. The capture comes first, so its
+        host copies fall outside the timer's window."""
+        watching: list[StepObserver] = []
+        if capture:
+            watching.append(LayerCapture(self.plan))
+        if self.profile:
+            watching.append(self._timer)
+        return tuple(watching)
 
     def _forward(self, seq: Sequence, ids: np.ndarray, mask: np.ndarray | None, capture: bool) -> np.ndarray:
         """One chunk of T <= max_tokens tokens at the sequence's position; returns h [T, hc, C]."""
         t = ids.size
-        start = seq.position
-        masked = mask is not None
-        hashes = self._upload(seq, ids, mask, start)
-        if t == 1 and self.graphs and not capture and not self.profile:
-            self._replay(seq, start, masked)
+        call = Call(tokens=t, start=seq.position, ids=ids, token_mask=mask, mask=None if mask is None else self.mask,
+                    hasher=seq.hasher, state=seq.state, shared=self.attention.new_shared(),
+                    captures=[{} for _ in self.cfg.roles] if capture else None)
+        observers = self._observers(capture)
+        walk(self.plan.upload, call, observers)
+        self._copy_inputs(call)
+        # an observer needs the steps one by one, which a graph replay does not give it
+        if t == 1 and self.graphs and not observers:
+            self._replay(seq, call)
         else:
-            captures = self._layers(seq, t, start, masked, capture, hashes)
-            if capture:
-                seq.captures = captures
+            walk(self.plan.device, call, observers)
+            if call.captures is not None:
+                seq.captures = call.captures
         seq.position += t
-        return self._stage("highway download", lambda: self.h[:t].copy_to_host())
+        walk(self.plan.download, call, observers)
+        assert call.output is not None
+        return call.output
 
-    def _upload(self, seq: Sequence, ids: np.ndarray, mask: np.ndarray | None, start: int) -> np.ndarray | None:
-        """The host's part of a call: hash, then everything the device work reads that changes
-        from call to call (token ids, engram row ids, mask, first mix, positions) onto the device.
-        Returns the engram row ids of every engram layer (None without engram)."""
-        cfg, t, stage = self.cfg, ids.size, self._stage
-        stage("embedding", self.hyper.upload_ids, ids, t)
-        hashes = None
-        if seq.hasher is not None:
-            assert self.engram is not None and cfg.engram is not None
-            hashes = stage("engram hash (host)", seq.hasher.hash, ids, start, mask)
-            for role in cfg.roles:
-                if role.engram:
-                    i = role.layer
-                    stage("engram rows, projection, gate", self.engram.upload_rows, i,
-                          hashes[:, cfg.engram.hash_index(i)], t)
-        if mask is not None:
-            self.mask[:t].copy_to_device(mask.astype(np.uint8))
+    def _copy_inputs(self, call: Call) -> None:
+        """The rest of what the device part reads that changes from call to call (mask, first mix,
+        positions): plain copies, not stages of the profile's table."""
+        t = call.tokens
+        if call.token_mask is not None:
+            self.mask[:t].copy_to_device(call.token_mask.astype(np.uint8))
         self.pre[0][:t].copy_to_device(self._one_hot[:t])
-        self.attention.upload_positions(start, t)
-        return hashes
-
-    def _layers(self, seq: Sequence, t: int, start: int, masked: bool, capture: bool = False,
-                hashes: np.ndarray | None = None) -> list[dict]:
-        """The device part of a call: every layer, from what `_upload` put on the device. Launches
-        only (no copy, no allocation) unless `capture` asks for every layer's intermediates (then
-        `hashes`, `_upload`'s row ids, go into them too)."""
-        cfg, stage = self.cfg, self._stage
-        stage("embedding", self.hyper.embed_uploaded, self.h, t)
-        mask_dev = self.mask if masked else None
-        pre_mix, pre_next, unused = self.pre
-        shared = self.attention.new_shared()
-        captures: list[dict] = []
-        for role in cfg.roles:
-            i = role.layer
-            cap: dict | None = {} if capture else None
-            if cap is not None:
-                cap.update(h_in=self.h[:t].copy_to_host(), pre_mix=pre_mix[:t].copy_to_host())
-            if role.engram:
-                assert self.engram is not None and seq.hasher is not None
-                stage("engram rows, projection, gate", self.engram.run, i, self.h, t, mask_dev, cap)
-                if cap is not None:
-                    assert hashes is not None and cfg.engram is not None
-                    cap["engram_ids"] = np.asarray(hashes[:, cfg.engram.hash_index(i)], np.int64).copy()
-            stage("hc mixes", self.hyper.mixes, i, "attn", self.h, unused, t)
-            stage("hc_pre + attn_norm", self.hyper.pre_norm, i, self.h, pre_mix, self.x, t)
-            stage(f"attention ({role.block_type})", self.attention.forward, i, self.x, self.a, seq.state, shared,
-                  start, t, cap)
-            stage("hc_post", self.hyper.post_mix, self.h, self.a, t)
-            if cap is not None:
-                cap["h_attn"] = self.h[:t].copy_to_host()
-            stage("hc mixes", self.hyper.mixes, i, "ffn", self.h, pre_next, t)
-            stage("hc_post", self.hyper.post_mix, self.h, None, t)
-            pre_mix, pre_next = pre_next, pre_mix
-            if cap is not None:
-                cap["h_out"] = self.h[:t].copy_to_host()
-                captures.append(cap)
-        return captures
+        self.attention.upload_positions(call.start, t)
 
     def graph_key(self, start: int, masked: bool) -> tuple:
         """What a one-token step at `start` decides on the host, for every compressor ratio r of
@@ -236,20 +254,19 @@ class Engine:
         launch the same kernels with the same arguments, so they share a graph."""
         return (masked, *((start % r == r - 1, start + 1 < r) for r in self._ratios))
 
-    def _replay(self, seq: Sequence, start: int, masked: bool) -> None:
+    def _replay(self, seq: Sequence, call: Call) -> None:
         """The device part of a one-token step as a CUDA graph: the sequence's graph for this
         step's key, captured the second time the key comes up (the first runs eagerly, which
         also compiles every kernel the capture will record)."""
-        key = self.graph_key(start, masked)
+        key = self.graph_key(call.start, call.mask is not None)
         graph = seq.graphs.get(key)
         if graph is None and key not in seq.graph_keys_seen:
             seq.graph_keys_seen.add(key)
-            self._layers(seq, 1, start, masked)
+            walk(self.plan.device, call)
             return
         assert self._runner is not None
         if graph is None:
-            stages: list[Any] = [self.hyper, self.attention] + ([self.engram] if self.engram is not None else [])
-            graph = self._runner.capture_stages(stages, lambda: self._layers(seq, 1, start, masked))
+            graph = self._runner.capture_stages(self.plan.device_stages(), lambda: walk(self.plan.device, call))
             seq.graphs[key] = graph
         self._cuda.synchronize()  # eager work queued on other streams comes first
         self._runner.launch(graph)

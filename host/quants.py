@@ -1,10 +1,12 @@
 """GGUF tensor codecs in NumPy: the block layouts flashv41 reads, dequantisation to float32, and the
 quantisers the synthetic-model writer uses.
 
-Supported types: F32, F16, BF16, Q8_0 (34 bytes per 32 values) and Q2_K (84 bytes per 256 values).
-Every dequantised value is exact in float32 (a Q2_K value is an fp16 scale times a 4-bit sub-scale
-times a 2-bit level, at most 17 significant bits), so the GPU kernels can reproduce these results
-bit for bit whatever their operation order. Dequantisation agrees bit for bit with gguf-py's
+Supported types: F32, F16, BF16, Q8_0 and Q2_K, each declared once in the table `FORMATS` (its
+block layout a NumPy structured dtype whose size is asserted, values a block, dequantiser and
+quantiser); stages.quant_types adds each type's device pieces. Every dequantised value is exact
+in float32 (a Q2_K value is an fp16 scale times a 4-bit sub-scale times a 2-bit level, at most 17
+significant bits), so the GPU kernels can reproduce these results bit for bit whatever their
+operation order. Dequantisation agrees bit for bit with gguf-py's
 `gguf.quants.dequantize` (tests/test_quants.py holds it to that).
 
 The Q2_K quantiser follows the idea of ggml's reference quantiser: per 16-value sub-block a
@@ -14,6 +16,7 @@ sub-scales and sub-minimums quantised to 4 bits against the block's fp16 `d` and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -32,52 +35,25 @@ class GGMLType(IntEnum):
     BF16 = 30
 
 
-@dataclass(frozen=True)
-class QuantFormat:
-    """How one ggml type packs values: `block_values` values in `block_bytes` bytes."""
-
-    ggml_type: GGMLType
-    block_values: int
-    block_bytes: int
-
-    def row_bytes(self, n_values: int) -> int:
-        """Bytes of a row of `n_values` values; the row must hold whole blocks."""
-        if n_values % self.block_values:
-            raise UnsupportedError(
-                f"{self.ggml_type.name} packs {self.block_values} values a block; "
-                f"a row of {n_values} values does not split into whole blocks"
-            )
-        return n_values // self.block_values * self.block_bytes
-
-
-# One block of Q8_0: an fp16 scale and 32 signed 8-bit levels; value = d * qs.
+# The block layouts, each declared here once (ggml-common.h); the loader, the oracle and the device
+# pieces (stages.quant_types) read sizes and field offsets from these dtypes, never re-type them.
+F32_BLOCK = np.dtype([("v", "<f4")])
+F16_BLOCK = np.dtype([("v", "<f2")])
+BF16_BLOCK = np.dtype([("v", "<u2")])  # the bf16 bit pattern
+# Q8_0: an fp16 scale and 32 signed 8-bit levels; value = d * qs.
 Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
-# One block of Q2_K: 16 bytes of (min << 4 | scale) nibbles, 64 bytes of 2-bit levels, fp16 d, dmin.
+# Q2_K: 16 bytes of (min << 4 | scale) nibbles, 64 bytes of 2-bit levels, fp16 d, dmin.
 Q2_K_BLOCK = np.dtype([("scales", "u1", (16,)), ("qs", "u1", (64,)), ("d", "<f2"), ("dmin", "<f2")])
-assert Q8_0_BLOCK.itemsize == 34 and Q2_K_BLOCK.itemsize == 84
-
-FORMATS: dict[GGMLType, QuantFormat] = {
-    GGMLType.F32: QuantFormat(GGMLType.F32, 1, 4),
-    GGMLType.F16: QuantFormat(GGMLType.F16, 1, 2),
-    GGMLType.BF16: QuantFormat(GGMLType.BF16, 1, 2),
-    GGMLType.Q8_0: QuantFormat(GGMLType.Q8_0, 32, Q8_0_BLOCK.itemsize),
-    GGMLType.Q2_K: QuantFormat(GGMLType.Q2_K, 256, Q2_K_BLOCK.itemsize),
-}
+assert (F32_BLOCK.itemsize, F16_BLOCK.itemsize, BF16_BLOCK.itemsize, Q8_0_BLOCK.itemsize, Q2_K_BLOCK.itemsize) \
+    == (4, 2, 2, 34, 84)
 
 
-def ggml_type(value: int | str | GGMLType) -> GGMLType:
-    """The GGMLType for an id or a name ("Q8_0", "bf16"); an unsupported one raises UnsupportedError."""
-    try:
-        if isinstance(value, str):
-            return GGMLType[value.upper()]
-        return GGMLType(int(value))
-    except (KeyError, ValueError):
-        names = ", ".join(t.name for t in GGMLType)
-        raise UnsupportedError(f"ggml type {value!r} is not supported (supported: {names})") from None
-
-
-def quant_format(value: int | str | GGMLType) -> QuantFormat:
-    return FORMATS[ggml_type(value)]
+def field_offset(block: np.dtype, name: str) -> int:
+    """Byte offset of field `name` in a block dtype (what the device pieces index with)."""
+    fields = block.fields
+    if fields is None or name not in fields:
+        raise KeyError(f"{block} has no field {name!r}")
+    return int(fields[name][1])
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -94,20 +70,39 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(is_nan, quiet_nan, rounded).astype(np.uint16)
 
 
+def _blocks(raw: np.ndarray, block: np.dtype) -> np.ndarray:
+    """Stored bytes [..., whole blocks] as a flat array of `block` records."""
+    return np.ascontiguousarray(raw).reshape(-1, block.itemsize).view(block).reshape(-1)
+
+
+def dequantize_f32(raw: np.ndarray) -> np.ndarray:
+    return _blocks(raw, F32_BLOCK)["v"].astype(np.float32).reshape(*raw.shape[:-1], -1)
+
+
+def dequantize_f16(raw: np.ndarray) -> np.ndarray:
+    return _blocks(raw, F16_BLOCK)["v"].astype(np.float32).reshape(*raw.shape[:-1], -1)
+
+
+def dequantize_bf16(raw: np.ndarray) -> np.ndarray:
+    return bf16_bits_to_f32(_blocks(raw, BF16_BLOCK)["v"]).reshape(*raw.shape[:-1], -1)
+
+
 def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
-    """Q8_0 bytes [..., 34 * n] -> float32 [..., 32 * n]."""
-    blocks = np.ascontiguousarray(raw).reshape(-1, Q8_0_BLOCK.itemsize).view(Q8_0_BLOCK).reshape(-1)
+    """Q8_0 bytes [..., whole blocks] -> float32 [..., 32 a block]."""
+    blocks = _blocks(raw, Q8_0_BLOCK)
     d = blocks["d"].astype(np.float32)[:, None]
     return (blocks["qs"].astype(np.float32) * d).reshape(*raw.shape[:-1], -1)
 
 
-def dequantize_q2_k(raw: np.ndarray) -> np.ndarray:
-    """Q2_K bytes [..., 84 * n] -> float32 [..., 256 * n].
+def q2_k_terms(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q2_K bytes [..., whole blocks] -> the two parts of every value, float32 [..., 256 a block]
+    each: d * (sc & 15) * level and dmin * (sc >> 4), the value being the first minus the second.
 
     Value e of a block: level (qs[(e // 128) * 32 + e % 32] >> 2 * ((e % 128) // 32)) & 3, in
-    sub-block e // 16 whose nibbles give y = d * (sc & 15) * level - dmin * (sc >> 4).
+    sub-block e // 16, whose scale byte sc holds the sub-scale (low nibble) and sub-minimum. Each
+    part is exact in float32 (an fp16 scale times 4- and 2-bit integers).
     """
-    blocks = np.ascontiguousarray(raw).reshape(-1, Q2_K_BLOCK.itemsize).view(Q2_K_BLOCK).reshape(-1)
+    blocks = _blocks(raw, Q2_K_BLOCK)
     nb = blocks.shape[0]
     shifts = np.array([0, 2, 4, 6], dtype=np.uint8)
     # [nb, half, shift, 32] -> element order e = half * 128 + shift_index * 32 + lane
@@ -117,45 +112,14 @@ def dequantize_q2_k(raw: np.ndarray) -> np.ndarray:
     dmin = blocks["dmin"].astype(np.float32)[:, None]
     scale = (d * (blocks["scales"] & 0xF).astype(np.float32))[:, :, None]
     minimum = (dmin * (blocks["scales"] >> 4).astype(np.float32))[:, :, None]
-    return (scale * levels - minimum).reshape(*raw.shape[:-1], -1)
+    shape = (*raw.shape[:-1], -1)
+    return (scale * levels).reshape(shape), np.broadcast_to(minimum, levels.shape).reshape(shape)
 
 
-def dequantize(data: np.ndarray, qtype: int | str | GGMLType, n_values: int | None = None) -> np.ndarray:
-    """Any supported tensor's stored form -> float32.
-
-    `data` is what the file holds: raw bytes (uint8, the last axis one or more whole rows) or a
-    typed array (F32 / F16 values). Raw bytes give [..., n_values] when the last axis is exactly
-    one row, else [rows, n_values]; `n_values` (values per row) defaults to the last axis' worth.
-    """
-    fmt = quant_format(qtype)
-    data = np.asarray(data)
-    if data.dtype != np.uint8:
-        if fmt.ggml_type not in (GGMLType.F32, GGMLType.F16):
-            raise ValueError(f"{fmt.ggml_type.name} data must be raw bytes (uint8), got {data.dtype}")
-        return data.astype(np.float32)
-    if n_values is None:
-        n_values = data.shape[-1] // fmt.block_bytes * fmt.block_values if data.ndim else 0
-    row_bytes = fmt.row_bytes(n_values)
-    if data.size % row_bytes:
-        raise ValueError(f"{data.size} bytes do not make rows of {row_bytes} bytes "
-                         f"({n_values} {fmt.ggml_type.name} values)")
-    one_row_per_line = data.ndim and data.shape[-1] == row_bytes
-    shape = (*data.shape[:-1], n_values) if one_row_per_line else (data.size // row_bytes, n_values)
-    raw = np.ascontiguousarray(data).reshape(-1, row_bytes)
-    t = fmt.ggml_type
-    if raw.shape[0] == 0:
-        return np.zeros(shape, np.float32)
-    if t == GGMLType.F32:
-        out = raw.view("<f4").astype(np.float32)
-    elif t == GGMLType.F16:
-        out = raw.view("<f2").astype(np.float32)
-    elif t == GGMLType.BF16:
-        out = bf16_bits_to_f32(raw.view("<u2"))
-    elif t == GGMLType.Q8_0:
-        out = dequantize_q8_0(raw)
-    else:
-        out = dequantize_q2_k(raw)
-    return out.reshape(shape)
+def dequantize_q2_k(raw: np.ndarray) -> np.ndarray:
+    """Q2_K bytes [..., whole blocks] -> float32 [..., 256 a block] (q2_k_terms: y = d sc q - dmin m)."""
+    scaled, minimum = q2_k_terms(raw)
+    return scaled - minimum
 
 
 def _round_half_even(x: np.ndarray) -> np.ndarray:
@@ -170,9 +134,9 @@ def _round_half_away(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
-    """float32 [rows, k] -> Q8_0 bytes [rows, k / 32 * 34]: d = amax / 127, levels round half away."""
+    """float32 [rows, k] -> Q8_0 bytes [rows, row_bytes]: d = amax / 127, levels round half away."""
     rows, k = x.shape
-    groups = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, 32)
+    groups = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, Q8_0_BLOCK["qs"].shape[0])
     d = np.abs(groups).max(axis=1, keepdims=True) / np.float32(127)
     with np.errstate(divide="ignore"):
         inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
@@ -229,10 +193,8 @@ def _fit_scale_min(x: np.ndarray, levels: int, n_trials: int) -> tuple[np.ndarra
 
 
 def quantize_q2_k(x: np.ndarray) -> np.ndarray:
-    """float32 [rows, k] -> Q2_K bytes [rows, k / 256 * 84]."""
+    """float32 [rows, k] -> Q2_K bytes [rows, row_bytes] (k a multiple of 256, checked by `quantize`)."""
     rows, k = x.shape
-    if k % 256:
-        raise UnsupportedError(f"Q2_K needs rows of whole 256-value blocks, got {k} values")
     sub = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, 16)
     scale, minimum, _ = _fit_scale_min(sub, levels=3, n_trials=15)
     nb = sub.shape[0] // 16
@@ -265,18 +227,103 @@ def quantize_q2_k(x: np.ndarray) -> np.ndarray:
     return blocks.view(np.uint8).reshape(rows, -1)
 
 
+def quantize_f32(x: np.ndarray) -> np.ndarray:
+    return x.copy()
+
+
+def quantize_f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)
+
+
+def quantize_bf16(x: np.ndarray) -> np.ndarray:
+    return f32_to_bf16_bits(x).view(np.uint8).reshape(x.shape[0], -1)
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One ggml type as the host handles it: `block_values` values in a `block` record, the
+    dequantiser of stored bytes [..., whole blocks] -> float32 [..., values] and the quantiser of
+    float32 [rows, k] -> the stored form (typed rows for F32 / F16, else bytes [rows, row_bytes])."""
+
+    ggml_type: GGMLType
+    block: np.dtype
+    block_values: int
+    dequantize: Callable[[np.ndarray], np.ndarray]
+    quantize: Callable[[np.ndarray], np.ndarray]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block.itemsize
+
+    def row_bytes(self, n_values: int) -> int:
+        """Bytes of a row of `n_values` values; the row must hold whole blocks."""
+        if n_values % self.block_values:
+            raise UnsupportedError(
+                f"{self.ggml_type.name} packs {self.block_values} values a block; "
+                f"a row of {n_values} values does not split into whole blocks"
+            )
+        return n_values // self.block_values * self.block_bytes
+
+
+# The table of quant types: adding a type is adding its block dtype above and a row here (and its
+# device pieces in stages.quant_types).
+FORMATS: dict[GGMLType, QuantFormat] = {
+    GGMLType.F32: QuantFormat(GGMLType.F32, F32_BLOCK, 1, dequantize_f32, quantize_f32),
+    GGMLType.F16: QuantFormat(GGMLType.F16, F16_BLOCK, 1, dequantize_f16, quantize_f16),
+    GGMLType.BF16: QuantFormat(GGMLType.BF16, BF16_BLOCK, 1, dequantize_bf16, quantize_bf16),
+    GGMLType.Q8_0: QuantFormat(GGMLType.Q8_0, Q8_0_BLOCK, Q8_0_BLOCK["qs"].shape[0], dequantize_q8_0,
+                               quantize_q8_0),
+    GGMLType.Q2_K: QuantFormat(GGMLType.Q2_K, Q2_K_BLOCK, 256, dequantize_q2_k, quantize_q2_k),
+}
+
+
+def ggml_type(value: int | str | GGMLType) -> GGMLType:
+    """The GGMLType for an id or a name ("Q8_0", "bf16"); an unsupported one raises UnsupportedError."""
+    try:
+        if isinstance(value, str):
+            return GGMLType[value.upper()]
+        return GGMLType(int(value))
+    except (KeyError, ValueError):
+        names = ", ".join(t.name for t in GGMLType)
+        raise UnsupportedError(f"ggml type {value!r} is not supported (supported: {names})") from None
+
+
+def quant_format(value: int | str | GGMLType) -> QuantFormat:
+    return FORMATS[ggml_type(value)]
+
+
+def dequantize(data: np.ndarray, qtype: int | str | GGMLType, n_values: int | None = None) -> np.ndarray:
+    """Any supported tensor's stored form -> float32.
+
+    `data` is what the file holds: raw bytes (uint8, the last axis one or more whole rows) or a
+    typed array (F32 / F16 values). Raw bytes give [..., n_values] when the last axis is exactly
+    one row, else [rows, n_values]; `n_values` (values per row) defaults to the last axis' worth.
+    """
+    fmt = quant_format(qtype)
+    data = np.asarray(data)
+    if data.dtype != np.uint8:
+        if fmt.ggml_type not in (GGMLType.F32, GGMLType.F16):
+            raise ValueError(f"{fmt.ggml_type.name} data must be raw bytes (uint8), got {data.dtype}")
+        return data.astype(np.float32)
+    if n_values is None:
+        n_values = data.shape[-1] // fmt.block_bytes * fmt.block_values if data.ndim else 0
+    row_bytes = fmt.row_bytes(n_values)
+    if data.size % row_bytes:
+        raise ValueError(f"{data.size} bytes do not make rows of {row_bytes} bytes "
+                         f"({n_values} {fmt.ggml_type.name} values)")
+    one_row_per_line = data.ndim and data.shape[-1] == row_bytes
+    shape = (*data.shape[:-1], n_values) if one_row_per_line else (data.size // row_bytes, n_values)
+    raw = np.ascontiguousarray(data).reshape(-1, row_bytes)
+    if raw.shape[0] == 0:
+        return np.zeros(shape, np.float32)
+    return fmt.dequantize(raw).reshape(shape)
+
+
 def quantize(x: np.ndarray, qtype: int | str | GGMLType) -> np.ndarray:
     """float32 [rows, k] -> the stored form of `qtype`: typed array (F32, F16) or bytes [rows, bytes]."""
-    t = ggml_type(qtype)
+    fmt = quant_format(qtype)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim == 1:
         x = x[None, :]
-    if t == GGMLType.F32:
-        return x.copy()
-    if t == GGMLType.F16:
-        return x.astype(np.float16)
-    if t == GGMLType.BF16:
-        return f32_to_bf16_bits(x).view(np.uint8).reshape(x.shape[0], -1)
-    fmt = FORMATS[t]
     fmt.row_bytes(x.shape[1])
-    return quantize_q8_0(x) if t == GGMLType.Q8_0 else quantize_q2_k(x)
+    return fmt.quantize(x)

@@ -31,7 +31,7 @@ from flashv41.host import gguf_layout as L
 from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
 from flashv41.host.errors import InputError, UnsupportedError
 from flashv41.host.numerics import bf16
-from flashv41.host.quants import FORMATS, Q2_K_BLOCK, GGMLType, ggml_type, quantize
+from flashv41.host.quants import FORMATS, GGMLType, ggml_type, quantize
 
 # Per-norm mean of the weights, and per-projection gain over fan_in^-0.5 (the reference's testing.py).
 NORM_MEAN = {
@@ -173,12 +173,13 @@ def _stored(values: np.ndarray, gtype: GGMLType) -> np.ndarray:
 
 def _q2k_table(rows: int, width: int, rng: np.random.Generator) -> np.ndarray:
     """Q2_K rows drawn in the stored format, values of RMS about 0.9 (like quantised N(0, 1))."""
-    nb = rows * width // 256
-    blocks = np.zeros(nb, dtype=Q2_K_BLOCK)
-    sc = rng.integers(8, 16, size=(nb, 16), dtype=np.uint8)
-    mn = rng.integers(8, 16, size=(nb, 16), dtype=np.uint8)
+    fmt = FORMATS[GGMLType.Q2_K]
+    nb = rows * width // fmt.block_values
+    blocks = np.zeros(nb, dtype=fmt.block)
+    sc = rng.integers(8, 16, size=blocks["scales"].shape, dtype=np.uint8)
+    mn = rng.integers(8, 16, size=blocks["scales"].shape, dtype=np.uint8)
     blocks["scales"] = sc | (mn << 4)
-    blocks["qs"] = rng.integers(0, 256, size=(nb, 64), dtype=np.uint8)
+    blocks["qs"] = rng.integers(0, 256, size=blocks["qs"].shape, dtype=np.uint8)
     blocks["d"] = np.float16(0.8 / 11.5)
     blocks["dmin"] = np.float16(1.2 / 11.5)
     return blocks.view(np.uint8).reshape(rows, -1)
@@ -325,12 +326,13 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     wt = ggml_type(weight_type)
     tt = ggml_type(table_type or p.default_table_type)
     for t, what in ((wt, "weight type"), (tt, "table type")):
-        if t not in (GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.F16, GGMLType.F32):
+        if t not in FORMATS:
             raise UnsupportedError(f"{what} {t.name} cannot be written")
-    if tt == GGMLType.Q2_K and p.engram_head_dim % 256:
+    q2_k_values = FORMATS[GGMLType.Q2_K].block_values
+    if tt == GGMLType.Q2_K and p.engram_head_dim % q2_k_values:
         raise UnsupportedError(
             f"preset {preset_name!r} has engram rows of {p.engram_head_dim} values; a Q2_K table needs "
-            "rows of whole 256-value blocks (use --table-type Q8_0 or BF16)"
+            f"rows of whole {q2_k_values}-value blocks (use --table-type Q8_0 or BF16)"
         )
     n_e = len(p.engram_layers)
     primes = engram_primes(n_e, p.max_ngram, p.engram_heads, p.engram_vocab_size)

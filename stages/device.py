@@ -1,15 +1,11 @@
-"""Device helpers shared by every stage: bit casts, bf16 / fp16 conversion, reductions, and the
-per-type weight dequantisers.
+"""Device helpers shared by every stage: bit casts, bf16 / fp16 conversion, 16-byte loads,
+reductions. The per-type weight pieces (dequantisers, stream units, tensor-core fetches) are the
+quant-type table's, stages.quant_types.
 
 Formats on the device: bf16 tensors are uint16 bit patterns, fp32 tensors float32, weights the
 GGUF's stored bytes (uint8 [rows, row_bytes]), whatever their type. The same kernels run on a GPU
 and on Numba's CUDA simulator; where the simulator lacks something (bit casts through libdevice,
 warp shuffles) the helper has a second body for it, chosen once at import.
-
-Dequantisers share one signature, `dequant_<type>(w, row, chunk, out)`: the 32 values of chunk
-`chunk` (values chunk*32 .. chunk*32+31) of weight row `row` into the local array `out`, exactly
-as host.quants.dequantize computes them (every product there is exact in float32, so the order
-of operations cannot change a bit).
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import numpy as np
 from numba import cuda, float32, float64, int32, uint16, uint32
 
 from flashv41.host.errors import InputError
-from flashv41.host.quants import GGMLType
 from flashv41.stages.backend import using_simulator
 
 DeviceArray = Any  # a numba device array (DeviceNDArray; the simulator's FakeCUDAArray)
@@ -109,77 +104,6 @@ def fp16_to_f32(h):
 def read_u16(b, row, off):
     return uint32(b[row, off]) | (uint32(b[row, off + 1]) << 8)
 
-
-@device
-def dequant_q8_0(w, row, chunk, out):
-    base = chunk * 34
-    d = fp16_to_f32(read_u16(w, row, base))
-    for i in range(CHUNK):
-        q = int32(w[row, base + 2 + i])
-        if q >= 128:
-            q -= 256
-        out[i] = float32(q) * d
-
-
-@device
-def dequant_q8_0_split(w, row, chunk, out):
-    """Q8_0 in the split layout (stages.linear.split_q8_0): quants at 32 * chunk, scales after the
-    row's K quants."""
-    k = (w.shape[1] // 34) * CHUNK
-    d = fp16_to_f32(read_u16(w, row, k + 2 * chunk))
-    for i in range(CHUNK):
-        q = int32(w[row, chunk * CHUNK + i])
-        if q >= 128:
-            q -= 256
-        out[i] = float32(q) * d
-
-
-@device
-def dequant_q2_k(w, row, chunk, out):
-    base = (chunk // 8) * 84
-    sub = chunk % 8
-    shift = 2 * (sub % 4)
-    qs = base + 16 + (sub // 4) * 32
-    d = fp16_to_f32(read_u16(w, row, base + 80))
-    dmin = fp16_to_f32(read_u16(w, row, base + 82))
-    for i in range(CHUNK):
-        sc = uint32(w[row, base + (sub * 32 + i) // 16])
-        scale = d * float32(sc & 15)
-        minimum = dmin * float32(sc >> 4)
-        q = (uint32(w[row, qs + i]) >> shift) & 3
-        out[i] = scale * float32(q) - minimum
-
-
-@device
-def dequant_bf16(w, row, chunk, out):
-    base = chunk * 64
-    for i in range(CHUNK):
-        out[i] = bf16_to_f32(read_u16(w, row, base + 2 * i))
-
-
-@device
-def dequant_f16(w, row, chunk, out):
-    base = chunk * 64
-    for i in range(CHUNK):
-        out[i] = fp16_to_f32(read_u16(w, row, base + 2 * i))
-
-
-@device
-def dequant_f32(w, row, chunk, out):
-    base = chunk * 128
-    for i in range(CHUNK):
-        o = base + 4 * i
-        u = read_u16(w, row, o) | (read_u16(w, row, o + 2) << 16)
-        out[i] = f32_from_bits(u)
-
-
-DEQUANT = {
-    GGMLType.Q8_0: dequant_q8_0,
-    GGMLType.Q2_K: dequant_q2_k,
-    GGMLType.BF16: dequant_bf16,
-    GGMLType.F16: dequant_f16,
-    GGMLType.F32: dequant_f32,
-}
 
 if SIM:
     def load_words4(a, row, i):

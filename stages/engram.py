@@ -4,7 +4,7 @@ Shapes: T tokens, L = cols row ids per token, E = a table row's width (head_dim)
 - row ids int64 [T, L] of one layer, from the hash (stages.engram_hash, on the host);
 - rows bf16 bits uint16 [T, L * E] (stages.engram_rows: the table on the device or on the host);
 - kv = rows @ wkv^T bf16 bits uint16 [T, C * (hc + 1)]: hc keys then the value (stages.linear:
-  the stream GEMV for up to 8 tokens, reading the stored wkv blocks directly; gemm for more);
+  the stream GEMV for up to 8 tokens, reading the wkv rows directly; tc or gemm for more);
 - the gate (stages.engram_gate) adds g * value to h float32 [>= T, hc, C] in place and leaves
   g float32 [T, hc] in a workspace.
 
@@ -29,10 +29,11 @@ from flashv41.host import gguf_layout as L
 from flashv41.host.errors import CapacityError, InputError, ModelFormatError, UnsupportedError
 from flashv41.host.model import Model
 from flashv41.host.numerics import F32, from_bits
-from flashv41.stages.device import DEQUANT, DeviceArray
+from flashv41.stages.device import DeviceArray
 from flashv41.stages.engram_gate import check_hc, engram_gate
 from flashv41.stages.engram_rows import RESIDENCIES, RowWorkspace, TableRows, is_device_array
 from flashv41.stages.linear import DeviceWeight, linear
+from flashv41.stages.quant_types import DEVICE_TYPES
 
 WKV, Q_WEIGHT, K_WEIGHT = "engram_wkv", "engram_q", "engram_k"
 
@@ -94,7 +95,7 @@ class EngramStage:
                 raise ModelFormatError(f"{ref.name}: shape {list(ref.shape)}, expected {list(expected[ref.name])}")
         if len(table.shape) != 2 or table.shape[1] != self.head_dim:
             raise ModelFormatError(f"{table.name}: shape {list(table.shape)}, expected [rows, {self.head_dim}]")
-        if wkv.ggml_type not in DEQUANT:
+        if wkv.ggml_type not in DEVICE_TYPES:
             raise UnsupportedError(f"{wkv.name}: type {wkv.ggml_type.name} is not supported")
         qk = (q.dequantize() * k.dequantize()).astype(F32)
         rows = TableRows(table, self.table_residency, stream=self.stream)

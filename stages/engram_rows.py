@@ -14,10 +14,10 @@ Host-to-device copies go through pinned staging buffers, so they run asynchronou
 stage's stream; an event keeps the host from refilling a staging buffer while a copy from it may
 still be in flight.
 
-Every type in stages.device.DEQUANT is supported (Q2_K, Q8_0, BF16, F16, F32): one thread per
-32-value chunk of a row, the per-type dequantiser, then the round to bf16 (nearest even). The
-dequantised values are exact in float32 (host.quants), so the rows are bit-identical to the
-oracle's, host.oracle.engram.engram_rows.
+Every type of the quant-type table (stages.quant_types.DEVICE_TYPES: Q2_K, Q8_0, BF16, F16, F32)
+is supported: one thread per 32-value chunk of a row, the type's chunk dequantiser of stored rows,
+then the round to bf16 (nearest even). The dequantised values are exact in float32 (host.quants),
+so the rows are bit-identical to the oracle's, host.oracle.engram.engram_rows.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from numba import cuda, float32
 from flashv41.host.engram_rows import EngramRowReader
 from flashv41.host.errors import InputError, UnsupportedError
 from flashv41.host.gguf_model import TensorRef
-from flashv41.host.quants import FORMATS, GGMLType
-from flashv41.stages.device import CHUNK, DEQUANT, SIM, f32_to_bf16, grid_1d
+from flashv41.host.quants import FORMATS
+from flashv41.stages.device import CHUNK, SIM, f32_to_bf16, grid_1d
+from flashv41.stages.quant_types import DEVICE_TYPES, DeviceType
 
 RESIDENCIES = ("device", "host")
 # threads per block: one thread per 32-value chunk; the simulator runs each thread as a Python thread
@@ -39,10 +40,10 @@ ROWS_THREADS = 8 if SIM else 128
 
 
 @cache
-def rows_kernel(gtype: GGMLType, gathered: bool):
+def rows_kernel(qt: DeviceType, gathered: bool):
     """The row kernel for one table type. gathered: rows come from the whole table by id (device
     residency); otherwise row r of the source is already the r-th requested row (host residency)."""
-    dequant = DEQUANT[gtype]
+    dequant = qt.dequant
 
     @cuda.jit
     def rows(source, ids, out, n_tokens, cols, chunks):
@@ -117,7 +118,7 @@ class TableRows:
     def __init__(self, table: TensorRef, residency: str, stream=0):
         if residency not in RESIDENCIES:
             raise InputError(f"table residency must be one of {', '.join(RESIDENCIES)}, got {residency!r}")
-        if table.ggml_type not in DEQUANT:
+        if table.ggml_type not in DEVICE_TYPES:
             raise UnsupportedError(f"{table.name}: engram tables of type {table.ggml_type.name} are not supported")
         if len(table.shape) != 2 or table.shape[1] % CHUNK:
             raise UnsupportedError(f"{table.name}: an engram table is [rows, head_dim] with head_dim a multiple "
@@ -173,7 +174,8 @@ class TableRows:
         source = self.data if gathered else ws.raw
         chunks = self.head_dim // CHUNK
         grid = grid_1d(n_tokens * cols * chunks, ROWS_THREADS)
-        rows_kernel(self.gtype, gathered)[grid, ROWS_THREADS, stream](source, ws.ids, out, n_tokens, cols, chunks)
+        rows_kernel(DEVICE_TYPES[self.gtype], gathered)[grid, ROWS_THREADS, stream](
+            source, ws.ids, out, n_tokens, cols, chunks)
 
     def free(self) -> None:
         self.data = None

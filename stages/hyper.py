@@ -6,7 +6,8 @@ Shapes: T tokens, hc copies, C dim, M = (2 + hc) * hc mixes. The highway h is fl
 
 - `embed`: h[t, c] = bf16(dequant(token_embd[id_t])) for every copy c.
 - `mixes`: raw = h_flat @ fn^T and the square sum of h_flat, in fp32 partial sums over slices of
-  the flattened highway [T, M + 1, S], then per token r = rsqrt(mean(h^2) + eps),
+  the flattened highway [T, M + 1, S] (stages.linear.stream_partials: the decode GEMV's walk, any
+  T), then per token r = rsqrt(mean(h^2) + eps),
   pre = sigmoid(raw * r * s0 + b) + hc_eps, post = 2 sigmoid(raw * r * s1 + b), comb = Sinkhorn.
 - `pre_norm`: x = attn_norm(bf16(sum_c pre[c] h[c])) in bf16.
 - `post`: h[c] = post[c] * a + sum_k comb[k, c] h[k], in place; a = None is a zero sublayer.
@@ -25,7 +26,7 @@ from numba import cuda, float32, int32
 
 from flashv41.host.errors import UnsupportedError
 from flashv41.stages.device import CHUNK, SIM, WARP, bf16_round, bf16_to_f32, f32_to_bf16, warp_sum
-from flashv41.stages.linear import GEMV_MAX_TOKENS, DeviceWeight, chunk_dot, gemv_token_cap
+from flashv41.stages.linear import DeviceWeight, stream_partials
 
 MAX_HC = 4
 MAX_MIX = (2 + MAX_HC) * MAX_HC
@@ -33,8 +34,7 @@ MIX_ROWS = MAX_MIX + 1  # the mixes and the highway's square sum
 BLOCK = 4 if SIM else 256  # threads per token block (a power of two: the reduction halves it)
 LANES = 1 if SIM else WARP
 COMB_CELLS = MAX_HC * MAX_HC
-MIX_SLICE_CHUNKS = 8  # chunks of the flattened highway per partial-product block
-MIX_THREADS = 4 if SIM else 256  # threads of a partial-product block
+MIX_SLICE_CHUNKS = 8  # chunks of the flattened highway per partial sum (a slice of the product)
 SINKHORN_THREADS = 1 if SIM else 256  # the simulator pays dearly for the Sinkhorn loop's barriers
 
 
@@ -71,58 +71,6 @@ else:
 @cuda.jit(device=True)
 def _sigmoid(x):
     return float32(1) / (float32(1) + math.exp(-x))
-
-
-@cache
-def mix_partials_kernel(dequant, tokens: int):
-    """Block (slice s, token group g) of MIX_SLICE_CHUNKS chunks and `tokens` tokens: for every
-    token t of the group, partial[t, m, s] = sum over the slice of h[t, k] * fn[m, k] (m < M) and
-    partial[t, M, s] = sum over the slice of h[t, k]^2. One thread per (row, chunk) item; the
-    chunk dots are added in chunk order, so the result does not depend on the launch."""
-    xs_shape = (tokens, MIX_SLICE_CHUNKS, CHUNK + 1)  # padded: lanes read different chunks
-    dots_shape = (tokens, MIX_ROWS, MIX_SLICE_CHUNKS)
-
-    @cuda.jit
-    def mix_partials(h, fn, partial, n_tokens, width, n_mix):
-        xs = cuda.shared.array(xs_shape, float32)  # [token, chunk, value] the slice of the highway
-        dots = cuda.shared.array(dots_shape, float32)  # [token, row, chunk] one dot per item
-        buf = cuda.local.array(CHUNK, float32)
-        tid = cuda.threadIdx.x
-        s = cuda.blockIdx.x
-        t0 = cuda.blockIdx.y * tokens
-        here = min(MIX_SLICE_CHUNKS, width // CHUNK - s * MIX_SLICE_CHUNKS)
-        in_group = min(tokens, n_tokens - t0)
-        k0 = s * MIX_SLICE_CHUNKS * CHUNK
-        for i in range(tid, tokens * MIX_SLICE_CHUNKS * CHUNK, cuda.blockDim.x):
-            t = i // (MIX_SLICE_CHUNKS * CHUNK)
-            k = i - t * (MIX_SLICE_CHUNKS * CHUNK)
-            live = t < in_group and k < here * CHUNK
-            xs[t, k // CHUNK, k % CHUNK] = h[t0 + t, k0 + k] if live else float32(0)
-        cuda.syncthreads()
-        for item in range(tid, (n_mix + 1) * here, cuda.blockDim.x):
-            m = item // here
-            c = item - m * here
-            if m < n_mix:
-                dequant(fn, m, s * MIX_SLICE_CHUNKS + c, buf)
-                for t in range(tokens):
-                    dots[t, m, c] = chunk_dot(buf, xs, t, c)
-            else:
-                for t in range(tokens):
-                    acc = float32(0)
-                    for i in range(CHUNK):
-                        v = xs[t, c, i]
-                        acc += v * v
-                    dots[t, m, c] = acc
-        cuda.syncthreads()
-        for i in range(tid, in_group * (n_mix + 1), cuda.blockDim.x):
-            t = i // (n_mix + 1)
-            m = i - t * (n_mix + 1)
-            total = float32(0)
-            for c in range(here):
-                total += dots[t, m, c]
-            partial[t0 + t, m, s] = total
-
-    return mix_partials
 
 
 @cuda.jit
@@ -305,15 +253,12 @@ class HyperStage:
 
     def mixes(self, layer: int, kind: str, h, pre, n_tokens: int) -> None:
         """pre [T, hc] (caller's buffer), self.post and self.comb from h for sublayer `kind`: the
-        product and the highway's square sum by slices of MIX_SLICE_CHUNKS chunks (many blocks for
+        product and the highway's square sum by slices of MIX_SLICE_CHUNKS chunks (many warps for
         one token), then one block per token adds the slices up and runs the split and Sinkhorn."""
         fn, scale, base = self.layers[layer][kind]
         cfg = self.cfg
         width = cfg.hc * cfg.dim
-        tokens = gemv_token_cap(min(n_tokens, GEMV_MAX_TOKENS))
-        grid = (self.n_slices, -(-n_tokens // tokens))
-        mix_partials_kernel(fn.dequant, tokens)[grid, MIX_THREADS, self.stream](
-            h.reshape(h.shape[0], width), fn.data, self.partial, n_tokens, width, cfg.mix_hc)
+        stream_partials(h.reshape(h.shape[0], width), fn, self.partial, n_tokens, self.stream)
         _mixes_kernel[n_tokens, SINKHORN_THREADS, self.stream](
             self.partial, scale, base, pre, self.post, self.comb, self.n_slices, width, cfg.hc,
             cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))

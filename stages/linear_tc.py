@@ -39,17 +39,17 @@ no on the simulator, for callers that want the fast path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, uint32
 
-from flashv41.host.quants import FORMATS, GGMLType
-from flashv41.stages.device import SIM, WARP, bf16_to_f32, device, f32_bits, f32_to_bf16, fp16_to_f32
+from flashv41.host.quants import FORMATS
+from flashv41.stages.device import CHUNK, SIM, WARP, bf16_to_f32, device, f32_to_bf16
+from flashv41.stages.quant_types import DEVICE_TYPES, Q2_K_CHUNKS, Q2_K_GROUPS, TC_STEP_WORDS, DeviceType, pack
 
-BK = 32  # values of k per step: one Q8_0 block, an eighth of a Q2_K block
-KW = BK // 2  # 32-bit words (bf16 pairs) per tile row per step
+BK = CHUNK  # values of k per step: the table's tensor-core pieces fetch a chunk a step
+KW = TC_STEP_WORDS  # 32-bit words (bf16 pairs) per tile row per step
 PAD = 4  # shared rows of KW + 4 words: a fragment read (8 rows x 4 words) hits 32 distinct banks
 if SIM:  # 4 warps: two along each axis, each 2 x 2 fragments (a Python thread per CUDA thread there)
     WARPS_M, WARPS_N, FM, FN = 2, 2, 2, 2
@@ -59,7 +59,6 @@ WM, WN = 16 * FM, 8 * FN  # a warp's tile: FM x FN fragments of 16 tokens x 8 ou
 BM, BN = WARPS_M * WM, WARPS_N * WN  # a block's tile: tokens x outputs
 THREADS = WARP * WARPS_M * WARPS_N
 A_LOADS = BM * KW // THREADS  # input words each thread loads per step
-Q2_GROUPS = 16  # 16-value groups in a Q2_K block
 assert A_LOADS * THREADS == BM * KW and THREADS >= BN and THREADS >= 2 * BM
 
 TILE_A = (BM, KW + PAD)  # [token, word]
@@ -113,18 +112,6 @@ else:
 
 
 @device
-def bf16_int(v):
-    """The bf16 bits of a small integer (exact: |v| < 256)."""
-    return f32_bits(float32(v)) >> 16
-
-
-@device
-def pack(lo, hi):
-    """Two bf16 bit patterns in one word, the lower k in the low half (as mma reads them)."""
-    return uint32(lo) | (uint32(hi) << 16)
-
-
-@device
 def split3(s):
     """s = hi + mid + lo exactly, each a bf16 (fp32 has 24 significant bits, bf16 8): the bits."""
     hi = f32_to_bf16(s)
@@ -133,129 +120,20 @@ def split3(s):
     return hi, mid, f32_to_bf16(r - bf16_to_f32(mid))
 
 
-# Per weight type, two pairs of helpers with one signature each; `ks` is the K step, w32 / w16 the
-# weight bytes viewed as 32- / 16-bit words [N, row words]:
-# - fetch(w32, w16, n, ks, c, k) -> (word, aux): word c of row n's stored bytes for the step;
-#   put(b_s, r, c, word, aux, ks) writes them to b_s row r as bf16 pairs.
-# - fetch_scales(w32, w16, n, ks, k) -> (u, v): row n's scales for the step;
-#   put_scales(d_s, m_s, mins_s, r, ks, u, v) writes them to the block's scale arrays.
-
-@device
-def fetch_bf16(w32, w16, n, ks, c, k):
-    return w32[n, ks * KW + c], uint32(0)
-
-
-@device
-def put_bf16(b_s, r, c, word, aux, ks):
-    b_s[r, c] = word
-
-
-@device
-def fetch_scales_none(w32, w16, n, ks, k):
-    return uint32(0), uint32(0)
-
-
-@device
-def put_scales_none(d_s, m_s, mins_s, r, ks, u, v):
-    return
-
-
-@device
-def fetch_q8_0(w32, w16, n, ks, c, k):
-    return w32[n, ks * 8 + c], uint32(0)  # levels: 32 bytes a step
-
-
-@device
-def i8_bf16(word, byte):
-    """The bf16 bits of signed byte `byte` of word."""
-    return bf16_int(int32(word << (24 - 8 * byte)) >> 24)
-
-
-@device
-def put_q8_0(b_s, r, c, word, aux, ks):
-    b_s[r, 2 * c] = pack(i8_bf16(word, 0), i8_bf16(word, 1))
-    b_s[r, 2 * c + 1] = pack(i8_bf16(word, 2), i8_bf16(word, 3))
-
-
-@device
-def fetch_scales_q8_0(w32, w16, n, ks, k):
-    return uint32(w16[n, k // 2 + ks]), uint32(0)  # the scales follow the row's K levels
-
-
-@device
-def put_scales_q8_0(d_s, m_s, mins_s, r, ks, u, v):
-    d_s[r] = fp16_to_f32(u)
-
-
-# Q2_K block (84 bytes, 21 words): scales[16] at word 0, qs[64] at word 4, d | dmin << 16 at word 20.
-# Step ks is sub-block sub = ks % 8 of block ks // 8: levels (qs[32 * (sub // 4) + i] >> 2 * (sub % 4)) & 3
-# for i < 32, in groups 2 * sub (i < 16) and 2 * sub + 1, whose scale bytes are one 16-bit word.
-
-@device
-def fetch_q2_k(w32, w16, n, ks, c, k):
-    b, sub = ks // 8, ks % 8
-    return w32[n, 21 * b + 4 + 8 * (sub // 4) + c], uint32(w16[n, 42 * b + sub])
-
-
-@device
-def put_q2_k(b_s, r, c, word, aux, ks):
-    shift = 2 * (ks % 4)
-    sc = (aux >> (8 * (c // 4))) & 15  # levels 4c..4c+3 are in group c // 4 of the step
-    v0 = bf16_int(sc * ((word >> shift) & 3))
-    v1 = bf16_int(sc * ((word >> (8 + shift)) & 3))
-    v2 = bf16_int(sc * ((word >> (16 + shift)) & 3))
-    v3 = bf16_int(sc * ((word >> (24 + shift)) & 3))
-    b_s[r, 2 * c] = pack(v0, v1)
-    b_s[r, 2 * c + 1] = pack(v2, v3)
-
-
-@device
-def fetch_scales_q2_k(w32, w16, n, ks, k):
-    b, sub = ks // 8, ks % 8
-    return uint32(w16[n, 42 * b + sub]), w32[n, 21 * b + 20]
-
-
-@device
-def put_scales_q2_k(d_s, m_s, mins_s, r, ks, u, v):
-    d_s[r] = fp16_to_f32(v & 0xFFFF)
-    m_s[r] = fp16_to_f32(v >> 16)
-    mins_s[r, ks % 8] = pack(bf16_int((u >> 4) & 15), bf16_int(u >> 12))
-
-
-@dataclass(frozen=True)
-class TcType:
-    """How a weight type enters the kernel: its helpers, the stored words a row reads per step,
-    and whether the values are scaled (per step: a Q8_0 block, a Q2_K block's eighth)."""
-
-    fetch: object
-    put: object
-    fetch_scales: object
-    put_scales: object
-    words: int
-    scaled: bool
-
-
-TC_TYPES = {
-    GGMLType.BF16: TcType(fetch_bf16, put_bf16, fetch_scales_none, put_scales_none, KW, False),
-    GGMLType.Q8_0: TcType(fetch_q8_0, put_q8_0, fetch_scales_q8_0, put_scales_q8_0, 8, True),
-    GGMLType.Q2_K: TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, 8, True),
-}
-
-
 @cache
-def tc_kernel(gtype: GGMLType, out_bf16: bool):
+def tc_kernel(qt: DeviceType, out_bf16: bool):
     """Tiles of BM tokens x BN outputs of one group; block = THREADS, grid = (output tiles per group,
-    token tiles, groups)."""
-    tc = TC_TYPES[gtype]
+    token tiles, groups). The weight type enters through its record's tc pieces (stages.quant_types)."""
+    tc = qt.tc
+    assert tc is not None
     fetch, put, fetch_scales, put_scales = tc.fetch, tc.put, tc.fetch_scales, tc.put_scales
-    words, scaled = tc.words, tc.scaled
-    mins = gtype == GGMLType.Q2_K
+    words, scaled, mins = tc.words, tc.scaled, tc.mins
     # stored weight words each thread loads per step: consecutive ones of one row (a Q2_K thread's
     # are in one group of 16 values, so it reads the group's scale once)
     b_loads = BN * words // THREADS
     assert b_loads * THREADS == BN * words
-    mins_shape = (BN, 8 + PAD) if mins else (1, 1)  # [output, group pair] min nibbles, bf16 pairs
-    sums_shape = (BM, Q2_GROUPS + 1) if mins else (1, 1)  # [token, group] the groups' input sums
+    mins_shape = (BN, Q2_K_CHUNKS + PAD) if mins else (1, 1)  # [output, group pair] min nibbles, bf16 pairs
+    sums_shape = (BM, Q2_K_GROUPS + 1) if mins else (1, 1)  # [token, group] the groups' input sums
 
     @cuda.jit if SIM else cuda.jit(launch_bounds=(THREADS, 2))  # type: ignore[call-arg]
     def gemm_tc(x, w, y, n_tokens, n_rows, width):
@@ -339,7 +217,7 @@ def tc_kernel(gtype: GGMLType, out_bf16: bool):
                     word = a_s[r, 8 * h + j]
                     s += bf16_to_f32(word & 0xFFFF)
                     s += bf16_to_f32(word >> 16)
-                sums_s[r, 2 * (step % 8) + h] = s
+                sums_s[r, 2 * (step % Q2_K_CHUNKS) + h] = s
             for kk in range(2):  # two k16 mma steps
                 kw = kk * 8 + t4
                 for fm in range(FM):
@@ -367,7 +245,7 @@ def tc_kernel(gtype: GGMLType, out_bf16: bool):
                         for i in range(4):
                             acc[fm, fn, i] += d_s[wn + fn * 8 + 2 * t4 + i % 2] * part[fm, fn, i]
                             part[fm, fn, i] = float32(0)
-            if mins and step % 8 == 7:  # a Q2_K block's end: minus dmin * sum_j m_j S_j
+            if mins and step % Q2_K_CHUNKS == Q2_K_CHUNKS - 1:  # a Q2_K block's end: minus dmin * sum_j m_j S_j
                 cuda.syncthreads()  # every group's sums are in sums_s
                 for fm in range(FM):
                     for i in range(4):  # the A fragment of the sums [token, group], in three bf16 pieces
@@ -411,9 +289,9 @@ def supports(w, x_dtype) -> bool:
 
 def _takes(w, x_dtype) -> bool:
     fmt = FORMATS[w.gtype]
-    return (np.dtype(x_dtype) == np.uint16 and w.gtype in TC_TYPES and w.k % max(BK, fmt.block_values) == 0
-            and fmt.row_bytes(w.k) % 4 == 0  # rows of whole 32-bit words (Q8_0: K % 64 == 0)
-            and (w.gtype != GGMLType.Q8_0 or getattr(w, "layout", "split") == "split"))
+    return (np.dtype(x_dtype) == np.uint16 and DEVICE_TYPES[w.gtype].tc is not None
+            and w.k % max(BK, fmt.block_values) == 0
+            and fmt.row_bytes(w.k) % 4 == 0)  # stored rows of whole 32-bit words (Q8_0: K % 64 == 0)
 
 
 def linear_tc(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
@@ -434,4 +312,5 @@ def linear_tc(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     if n_tokens == 0:
         return
     grid = ((group_rows + BN - 1) // BN, (n_tokens + BM - 1) // BM, groups)
-    tc_kernel(w.gtype, y.dtype == np.uint16)[grid, THREADS, stream](x, w.data, y, n_tokens, group_rows, w.k)
+    tc_kernel(DEVICE_TYPES[w.gtype], y.dtype == np.uint16)[grid, THREADS, stream](
+        x, w.data, y, n_tokens, group_rows, w.k)

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashv41.host.quants import Q2_K_BLOCK, GGMLType
+from flashv41.host.quants import GGMLType, q2_k_terms
 
 U = 2.0**-24  # float32 unit roundoff
 LAMBDA = 8.0  # the high-probability factor of the sqrt(K) product bound (see the module docstring)
@@ -88,20 +88,11 @@ def assert_within(got: np.ndarray, ref: np.ndarray, bound: np.ndarray, what: str
 
 
 def q2_k_part_magnitudes(stored: np.ndarray, k: int) -> np.ndarray:
-    """|d sc q| + |dmin m| of every value of Q2_K rows (uint8 [N, K / 256 * 84]) -> float32 [N, K]:
+    """|d sc q| + |dmin m| of every value of Q2_K rows (uint8 [N, row_bytes]) -> float32 [N, K]:
     the magnitudes of the two terms per value that the stream and tensor-core kernels add apart."""
     rows = np.ascontiguousarray(stored).reshape(stored.shape[0], -1)
-    blocks = rows.reshape(-1, Q2_K_BLOCK.itemsize).view(Q2_K_BLOCK).reshape(-1)
-    nb = blocks.shape[0]
-    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)
-    levels = ((blocks["qs"].reshape(nb, 2, 1, 32) >> shifts.reshape(1, 1, 4, 1)) & np.uint8(3))
-    levels = levels.reshape(nb, 16, 16).astype(np.float32)
-    # each product is exact in float32 (an fp16 scale times 4- and 2-bit integers); the sum rounds once
-    d = np.abs(blocks["d"].astype(np.float32))[:, None, None]
-    dmin = np.abs(blocks["dmin"].astype(np.float32))[:, None, None]
-    sc = (blocks["scales"] & 0xF).astype(np.float32)[:, :, None]
-    m = (blocks["scales"] >> 4).astype(np.float32)[:, :, None]
-    return ((d * sc) * levels + dmin * m).reshape(rows.shape[0], k)
+    scaled, minimum = q2_k_terms(rows)  # each exact in float32; the sum rounds once
+    return (np.abs(scaled) + np.abs(minimum)).reshape(rows.shape[0], k)
 
 
 def split_terms(gtype: GGMLType, stored: np.ndarray, k: int) -> dict:

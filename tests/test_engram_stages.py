@@ -222,14 +222,14 @@ def oracle(tiny):
 
 def wkv_terms(st: EngramStage, layer: int, n_tokens: int) -> dict:
     """split_terms for the projection of n_tokens tokens: a Q2_K wkv's two parts per value when the
-    kernel that stages.linear picks adds them apart (stream, tc: on a GPU), else nothing."""
+    kernel that stages.linear picks adds them apart (stream; tc on a GPU), else nothing."""
     w = st.layers[layer].wkv
     if w.gtype != GGMLType.Q2_K or pick_kernel(w, True, n_tokens) not in ("stream", "tc"):
         return {}
     return split_terms(w.gtype, w.data.copy_to_host(), w.k)
 
 
-@pytest.mark.parametrize("tokens", [2, 9], ids=["gemv", "gemm"])
+@pytest.mark.parametrize("tokens", [2, 9], ids=["stream", "gemm"])
 def test_projection_within_bound(tiny, stage, oracle, tokens: int) -> None:
     """Simulator: 100% of the kv outputs bit-equal to the oracle."""
     engram = tiny.config.engram
@@ -312,7 +312,7 @@ def _highway(rng: np.random.Generator, t: int, cfg) -> np.ndarray:
     return (rng.standard_normal((t, cfg.hc, cfg.dim)) * 0.5).astype(F32)
 
 
-@pytest.mark.parametrize("tokens", [5, 11], ids=["gemv", "gemm"])
+@pytest.mark.parametrize("tokens", [5, 11], ids=["stream", "gemm"])
 def test_apply_prefill(tiny, stage, oracle, tokens: int) -> None:
     cfg = tiny.config
     rng = np.random.default_rng(tokens)

@@ -209,9 +209,9 @@ def test_missing_embedding(tiny_path: Path, tmp_path: Path) -> None:
 
 
 def test_wrong_shape(tiny_path: Path, tmp_path: Path) -> None:
-    name = "blk.2.attn_kv.weight"  # Q8_0: one more 34-byte block a row is 32 more values
+    name = "blk.2.attn_kv.weight"  # Q8_0: one more block a row is 32 more values
     data, (rows, cols) = _tensor(tiny_path, name)
-    wider = np.zeros((rows, data.shape[1] + 34), np.uint8)
+    wider = np.zeros((rows, data.shape[1] + FORMATS[GGMLType.Q8_0].block_bytes), np.uint8)
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", replace_tensors={name: (wider, GQ.Q8_0)})
     _expect(path, ModelFormatError, name, f"[{rows}, {cols + 32}]", f"[{rows}, {cols}]")
 

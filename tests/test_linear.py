@@ -12,30 +12,19 @@ from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
 from flashv41.host.numerics import bf16, from_bits, to_bits
 from flashv41.host.numerics import linear as oracle_linear
-from flashv41.host.quants import GGMLType, dequantize, quantize
-from flashv41.stages.linear import (  # noqa: E402
-    GEMV_MAX_TOKENS,
-    SEG_VALUES,
-    DeviceWeight,
-    linear,
-    pick_kernel,
-    split_q8_0,
-)
-from tests.bounds import assert_bf16_product, assert_f32_product, split_terms
+from flashv41.host.quants import Q8_0_BLOCK, GGMLType, dequantize, quantize
+from flashv41.stages.linear import GEMV_MAX_TOKENS, DeviceWeight, linear, pick_kernel, stream_partials  # noqa: E402
+from flashv41.stages.quant_types import split_q8_0  # noqa: E402
+from tests.bounds import assert_bf16_product, assert_f32_product, assert_within, f32_sum_error, split_terms
 
 TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16, GGMLType.F16, GGMLType.F32]
 
 
-def weight(rng, n, k, gtype, layout=None):
+def weight(rng, n, k, gtype):
     """Gaussian values of RMS k**-0.5 quantised to `gtype`: (DeviceWeight, the oracle's values)."""
     values = (rng.standard_normal((n, k)) * k**-0.5).astype(np.float32)
     stored = np.ascontiguousarray(quantize(values, gtype)).view(np.uint8).reshape(n, -1)
-    return DeviceWeight.from_values("w", values, gtype, layout), dequantize(stored, gtype, k)
-
-
-def stream_layout(gtype):
-    """What the stream kernel reads: Q8_0 split (the GPU's default, not the simulator's)."""
-    return "split" if gtype == GGMLType.Q8_0 else None
+    return DeviceWeight.from_values("w", values, gtype), dequantize(stored, gtype, k)
 
 
 def check_groups(got, x, wq, rows: int, out_bf16: bool, what: str, terms: dict) -> float:
@@ -69,7 +58,7 @@ def check_linear(w: DeviceWeight, wq: np.ndarray, tokens: int, kernel: str = "",
     linear(cuda.to_device(x if x_f32 else to_bits(x)), w, y, tokens, group_rows=group_rows, kernel=kernel)
     got = from_bits(y.copy_to_host()) if out_bf16 else y.copy_to_host()
     picked = kernel or pick_kernel(w, not x_f32, tokens)
-    # stream and tc add a Q2_K value's two parts apart (gemv and gemm dequantise it first)
+    # stream and tc add a Q2_K value's two parts apart (gemm dequantises it first)
     split = picked in ("stream", "tc") and w.gtype == GGMLType.Q2_K
     terms = split_terms(w.gtype, w.data.copy_to_host(), w.k) if split else {}
     what = f"{w.gtype.name} {w.layout} [{w.n}, {w.k}] {picked} T={tokens} {'bf16' if out_bf16 else 'f32'} out"
@@ -79,7 +68,7 @@ def check_linear(w: DeviceWeight, wq: np.ndarray, tokens: int, kernel: str = "",
 @pytest.mark.parametrize("gtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("kernel,tokens", [("", 1), ("gemm", 3), ("", 19)])
 def test_bf16_in_bf16_out(gtype, kernel, tokens):
-    """gemv (T = 1, the simulator's default), gemm (T = 3 forced, T = 19 picked); 40 outputs of
+    """stream (T = 1, picked), gemm (T = 3 forced, T = 19 picked on the simulator); 40 outputs of
     K = 256 a token. Simulator: 100% bit-equal for every type and kernel."""
     rng = np.random.default_rng(int(gtype) * 100 + tokens)
     w, wq = weight(rng, 40, 256, gtype)
@@ -97,16 +86,15 @@ def test_stream(gtype, tokens, out):
     0.3% of the bound."""
     rng = np.random.default_rng(int(gtype) * 10 + tokens)
     k = 320 if gtype == GGMLType.BF16 else 512
-    w, wq = weight(rng, 6, k, gtype, stream_layout(gtype))
+    w, wq = weight(rng, 6, k, gtype)
     check_linear(w, wq, tokens, "stream", out_bf16=out == "bf16", seed=tokens)
 
 
 @pytest.mark.parametrize("kernel,tokens", [("gemm", 1), ("gemm", 11)])
 def test_gemm_reads_split_q8_0(kernel, tokens):
-    """The GPU's Q8_0 layout through the fp32 tiles (what an fp32 input or a kernel without tensor
-    cores reads), on the simulator too, where weights default to the stored layout. Simulator: 100%
-    bit-equal."""
-    w, wq = weight(np.random.default_rng(17), 12, 128, GGMLType.Q8_0, "split")
+    """Q8_0's split layout through the fp32 tiles (what an fp32 input or a kernel without tensor
+    cores reads). Simulator: 100% bit-equal."""
+    w, wq = weight(np.random.default_rng(17), 12, 128, GGMLType.Q8_0)
     check_linear(w, wq, tokens, kernel, seed=tokens)
 
 
@@ -116,37 +104,66 @@ def test_q8_0_split_layout():
     values = rng.standard_normal((3, 96)).astype(np.float32)
     stored = np.ascontiguousarray(quantize(values, GGMLType.Q8_0)).view(np.uint8).reshape(3, -1)
     split = split_q8_0(stored, 96)
-    blocks = stored.reshape(3, 3, 34)
+    blocks = stored.view(Q8_0_BLOCK)  # [row, block]
     assert split.shape == stored.shape
-    assert (split[:, :96].reshape(3, 3, 32) == blocks[:, :, 2:]).all()
-    assert (split[:, 96:].reshape(3, 3, 2) == blocks[:, :, :2]).all()
+    assert (split[:, :96].reshape(3, 3, 32) == blocks["qs"].view(np.uint8)).all()
+    assert (split[:, 96:].reshape(3, 3, 2) == np.ascontiguousarray(blocks["d"]).view(np.uint8).reshape(3, 3, 2)).all()
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "gemm"])
+@pytest.mark.parametrize("kernel", ["stream", "gemm"])
 def test_f32_in_f32_out(kernel):
     """The hc mixes' product: fp32 highway in, fp32 mixes out (its products round too: still at most
-    K roundings a term). Simulator: largest error 0.8% (gemv) and 1.2% (gemm) of the bound."""
+    K roundings a term). Simulator: largest error 1.5% (stream) and 1.2% (gemm) of the bound."""
     w, wq = weight(np.random.default_rng(7), 24, 128, GGMLType.F32)
     check_linear(w, wq, 5, kernel, out_bf16=False, x_f32=True, seed=7)
+
+
+@pytest.mark.parametrize("gtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens,out", [(1, "bf16"), (3, "f32")])
+def test_stream_f32_in(gtype, tokens, out):
+    """fp32 inputs through every type's stream unit (the hc mixes read the fp32 highway so), bf16
+    and fp32 out. Simulator: 100% bit-equal (bf16 out); fp32 out: largest error 0.3% of the bound."""
+    rng = np.random.default_rng(int(gtype) * 10 + tokens + 5)
+    w, wq = weight(rng, 6, 512, gtype)
+    check_linear(w, wq, tokens, "stream", out_bf16=out == "bf16", x_f32=True, seed=tokens)
+
+
+@pytest.mark.parametrize("gtype", TYPES, ids=lambda t: t.name)
+def test_stream_partials(gtype):
+    """The hc mixes' product (stages.hyper): fp32 x, per-slice sums of every row and a last row of
+    the inputs' square sums, 11 tokens (two token groups, the second partly empty) over 3 slices of
+    K. The slices' sum is held to the fp32 product bound, the square sums to the worst-case fp32
+    summation bound. Simulator: largest product error 0.4% of the bound."""
+    rng = np.random.default_rng(int(gtype) + 40)
+    w, wq = weight(rng, 6, 512, gtype)
+    tokens, slices = GEMV_MAX_TOKENS + 3, 3
+    x = rng.standard_normal((tokens, w.k)).astype(np.float32)
+    partial = cuda.device_array((tokens + 1, w.n + 1, slices), np.float32)
+    stream_partials(cuda.to_device(x), w, partial, tokens)
+    got = partial.copy_to_host()[:tokens].astype(np.float64).sum(axis=2)  # exact for three fp32 terms
+    terms = split_terms(w.gtype, w.data.copy_to_host(), w.k) if gtype == GGMLType.Q2_K else {}
+    assert_f32_product(got[:, :w.n], x, wq, f"{gtype.name} stream_partials T={tokens}", **terms)
+    squares = (x.astype(np.float64) ** 2).sum(axis=1)
+    assert_within(got[:, w.n], squares, f32_sum_error(squares, w.k), "square sums")
 
 
 @pytest.mark.parametrize("kernel,tokens", [("stream", 2), ("gemm", 9)])
 def test_grouped(kernel, tokens):
     """The attention's wo_a: G groups of R outputs, group g reading its own slice of the input.
     Simulator: 100% bit-equal in every group."""
-    w, wq = weight(np.random.default_rng(11), 3 * 8, 256, GGMLType.Q8_0, stream_layout(GGMLType.Q8_0))
+    w, wq = weight(np.random.default_rng(11), 3 * 8, 256, GGMLType.Q8_0)
     check_linear(w, wq, tokens, kernel, group_rows=8, seed=tokens)
 
 
 @pytest.mark.parametrize("gtype,extra", [(GGMLType.F16, 32), (GGMLType.F16, 64), (GGMLType.F32, 32)],
                          ids=["F16-odd-blocks", "F16", "F32"])
-def test_gemv_several_segments(gtype, extra):
-    """K past one gemv segment (SEG_VALUES) with a partial last one, and groups of a row count that
-    does not fill the kernel's blocks: every output row of every group, against the oracle (the
-    gemv serves the types the stream kernel does not). Simulator: 100% bit-equal."""
+def test_stream_long_rows_in_groups(gtype, extra):
+    """Rows of K = 1024 + extra values (slices of units that do not divide evenly), and groups of a
+    row count that does not fill the kernel's blocks: every output row of every group, against the
+    oracle. Simulator: 100% bit-equal."""
     rng = np.random.default_rng(int(gtype) + extra)
-    w, wq = weight(rng, 2 * 5, SEG_VALUES + extra, gtype)
-    check_linear(w, wq, 3, "gemv", group_rows=5, seed=extra)
+    w, wq = weight(rng, 2 * 5, 1024 + extra, gtype)
+    check_linear(w, wq, 3, "stream", group_rows=5, seed=extra)
 
 
 def test_shape_errors_are_clear():

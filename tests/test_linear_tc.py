@@ -15,7 +15,7 @@ import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
 from flashv41.host.numerics import bf16, from_bits, to_bits
-from flashv41.host.quants import Q2_K_BLOCK, Q8_0_BLOCK, GGMLType, dequantize
+from flashv41.host.quants import FORMATS, GGMLType, dequantize
 from flashv41.stages.device import SIM
 from flashv41.stages.linear import DeviceWeight
 from flashv41.stages.linear_tc import BM, BN, linear_tc, supports
@@ -31,8 +31,8 @@ def stored_rows(rng, n, k, gtype) -> np.ndarray:
     largest integer the kernel puts in bf16), and flash-sized weights take no quantiser time."""
     if gtype == GGMLType.BF16:
         return to_bits(rng.standard_normal((n, k)).astype(np.float32) * np.float32(k**-0.5)).view(np.uint8)
-    block = Q8_0_BLOCK if gtype == GGMLType.Q8_0 else Q2_K_BLOCK
-    blocks = np.zeros((n, k // (32 if gtype == GGMLType.Q8_0 else 256)), block)
+    fmt = FORMATS[gtype]
+    blocks = np.zeros((n, k // fmt.block_values), fmt.block)
     if gtype == GGMLType.Q8_0:
         blocks["qs"] = rng.integers(-128, 128, blocks["qs"].shape)
         blocks["d"] = rng.uniform(0.5, 1.5, blocks.shape) * k**-0.5 / 74
@@ -49,7 +49,7 @@ def weight(n, k, gtype):
     """A random weight [n, k] as linear_tc takes it, its dequantised values (the oracle's) and the
     magnitudes of the terms the kernel adds for it (split_terms: Q2_K's two parts)."""
     stored = stored_rows(np.random.default_rng(int(gtype) + n + k), n, k, gtype)
-    w = DeviceWeight.from_stored("w", gtype, stored, k, layout="split" if gtype == GGMLType.Q8_0 else "stored")
+    w = DeviceWeight.from_stored("w", gtype, stored, k)
     return w, dequantize(stored, gtype, k), split_terms(gtype, stored, k)
 
 

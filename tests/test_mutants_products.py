@@ -1,14 +1,18 @@
 """Broken product kernels that the product tests must reject (SPEC.md 4): the decode GEMV (the
-`stream` kernel and `gemv`), the prefill GEMM (`gemm`, and on a GPU the tensor-core `tc`), each
-with three mutants built by tests/mutants.py:
+`stream` kernel), the prefill GEMM (`gemm`, and on a GPU the tensor-core `tc`), each with three
+mutants built by tests/mutants.py:
 
 - truncate: the bf16 output rounding truncates (f32_to_bf16 drops the low half of the bits);
-- drop: one term of each output's dot product is lost (gemv, gemm: the first value of every row,
-  as a dequantiser that zeroes it; stream: the first 16-byte unit of every row, 16 Q8_0 / Q2_K
-  values or 8 BF16 ones, taken back out of the sum; tc: the first weight of every row in the staged
-  tile, for Q2_K its d sc q part, the dmin m part staying);
-- scale: a 1% scale error (gemv, gemm: every block's values 1.01x, as a wrong block scale; stream:
-  every row's walked sums 1.01x; tc: every tensor-core step's contribution 1.01x).
+- drop: one term of each output's dot product is lost (gemm: the first value of every row, as a
+  weight dequantiser that zeroes it; stream: the first unit of every row, 16 Q8_0 / Q2_K values or
+  8 BF16 ones, taken back out of the sum; tc: the first weight of every row in the staged tile, for
+  Q2_K its d sc q part, the dmin m part staying);
+- scale: a 1% scale error (gemm: every block's values 1.01x, as a wrong block scale; stream: every
+  row's walked sums 1.01x; tc: every tensor-core step's contribution 1.01x).
+
+The mutated pieces are the quant-type table's (stages.quant_types.DEVICE_TYPES, swapped in the
+kernel's module: a record with a broken weight dequantiser or tc put) or the kernel module's own
+(stream_walker, mma, f32_to_bf16).
 
 Each test runs its mutant through the very check the product tests use (test_linear.check_linear,
 test_linear_tc.check_tc) and requires it to fail on one of tests/bounds.py's rules (the message
@@ -23,7 +27,8 @@ truncate 42-59% bit-equal and 27-51% of the outputs out of the sqrt(K) bound; dr
 truncate 49-51% bit-equal (stream, gemv, gemm, tc; 2-33% of the outputs out of the bound), drop
 3-46% bit-equal (stream's 16-byte unit 3-7%, gemv's one term 3.5%, tc's one term 13-46%; 33-96%
 out), scale 0-0.01% bit-equal (52-95% out); the unmutated kernels 99.57-100% bit-equal on the
-same shapes.
+same shapes (gemv, since removed, was the decode kernel of the stored Q8_0 rows that `stream-wo_b`
+now covers).
 """
 
 from __future__ import annotations
@@ -37,17 +42,17 @@ from numba import float32, uint16, uint32
 
 from flashv41 import stages
 from flashv41.host.quants import GGMLType, dequantize
-from flashv41.stages.device import CHUNK, DEQUANT, dequant_q8_0_split, device, f32_bits
+from flashv41.stages.device import CHUNK, device, f32_bits
 from flashv41.stages.linear import DeviceWeight
+from flashv41.stages.quant_types import DEVICE_TYPES
 from tests.bounds import BIT_EQUAL_RULE, BOUND_RULE
 from tests.mutants import mutant
-from tests.test_linear import check_linear, stream_layout, weight
+from tests.test_linear import check_linear, weight
 from tests.test_linear_tc import FLASH, check_tc, stored_rows
 
 MUTANTS = ["truncate", "drop", "scale"]
 SCALE = float32(1.01)
-# stream_dots' units per row: K >> shift (16-byte pieces of Q8_0 and BF16, 32-bit Q2_K quant words)
-UNIT_SHIFT = {GGMLType.Q8_0: 4, GGMLType.BF16: 3, GGMLType.Q2_K: 4}
+STREAM_TYPES = [GGMLType.Q8_0, GGMLType.BF16, GGMLType.Q2_K]
 
 
 @device
@@ -78,10 +83,10 @@ def scaled_values(dequant):
     return dequant_scaled
 
 
-def stream_dots_mutant(kind: str):
-    """A stages.linear.stream_dots whose walkers drop their row's unit 0 ("drop") or scale their
+def stream_walker_mutant(kind: str):
+    """A stages.linear.stream_walker whose walkers drop their row's unit 0 ("drop") or scale their
     sums by 1.01 ("scale"), around the real walkers."""
-    real = stages.linear.stream_dots
+    real = stages.linear.stream_walker
 
     def dropping(walk, shift, tokens):
         @device
@@ -107,15 +112,15 @@ def stream_dots_mutant(kind: str):
 
     wrap = dropping if kind == "drop" else scaling
 
-    def dots(tokens: int):
-        return {t: wrap(walk, UNIT_SHIFT[t], tokens) for t, walk in real(tokens).items()}
+    def walker(unit, x_bf16: bool, tokens: int):
+        return wrap(real(unit, x_bf16, tokens), unit.shift, tokens)
 
-    return dots
+    return walker
 
 
 def tc_dropping_types():
-    """linear_tc's TC_TYPES with a `put` that zeroes the first staged weight of every row (the low
-    half of its first word at step 0)."""
+    """The quant-type table with tc pieces whose `put` zeroes the first staged weight of every row
+    (the low half of its first word at step 0)."""
     def dropping(put):
         @device
         def put_dropping(b_s, r, c, word, aux, ks):
@@ -125,7 +130,8 @@ def tc_dropping_types():
 
         return put_dropping
 
-    return {t: dataclasses.replace(tc, put=dropping(tc.put)) for t, tc in stages.linear_tc.TC_TYPES.items()}
+    return {t: dataclasses.replace(qt, tc=dataclasses.replace(qt.tc, put=dropping(qt.tc.put)) if qt.tc else None)
+            for t, qt in DEVICE_TYPES.items()}
 
 
 def tc_scaled_mma():
@@ -142,15 +148,16 @@ def tc_scaled_mma():
 
 
 def replacements(kernel: str, kind: str) -> dict:
-    """The globals a mutant of `kernel` ("stream", "gemv", "gemm", "tc") swaps (tests/mutants.py)."""
+    """The globals a mutant of `kernel` ("stream", "gemm", "tc") swaps (tests/mutants.py)."""
     if kind == "truncate":
         return {"f32_to_bf16": truncating_bf16}
     if kernel == "stream":
-        return {"stream_dots": stream_dots_mutant(kind)}
+        return {"stream_walker": stream_walker_mutant(kind)}
     if kernel == "tc":
-        return {"TC_TYPES": tc_dropping_types()} if kind == "drop" else {"mma": tc_scaled_mma()}
+        return {"DEVICE_TYPES": tc_dropping_types()} if kind == "drop" else {"mma": tc_scaled_mma()}
     wrap = dropping_first_value if kind == "drop" else scaled_values
-    return {"DEQUANT": {t: wrap(f) for t, f in DEQUANT.items()}, "dequant_q8_0_split": wrap(dequant_q8_0_split)}
+    return {"DEVICE_TYPES": {t: dataclasses.replace(qt, weight_dequant=wrap(qt.weight_dequant))
+                             for t, qt in DEVICE_TYPES.items()}}
 
 
 def rejected(check, *args, **kwargs) -> str:
@@ -177,21 +184,21 @@ T, N, K = 4, 32, 256  # 128 outputs a check: enough for the 99% rule to mean som
 
 
 @lru_cache(maxsize=4)
-def small_weight(gtype: GGMLType, layout: str | None):
-    return weight(np.random.default_rng(int(gtype)), N, K, gtype, layout)
+def small_weight(gtype: GGMLType):
+    return weight(np.random.default_rng(int(gtype)), N, K, gtype)
 
 
 @pytest.mark.parametrize("kind", MUTANTS)
-@pytest.mark.parametrize("gtype", list(UNIT_SHIFT), ids=lambda t: t.name)
+@pytest.mark.parametrize("gtype", STREAM_TYPES, ids=lambda t: t.name)
 def test_stream_mutants(gtype, kind):
-    w, wq = small_weight(gtype, stream_layout(gtype))
+    w, wq = small_weight(gtype)
     run_mutant("stream", kind, check_linear, w, wq, T, "stream", seed=1)
 
 
 @pytest.mark.parametrize("kind", MUTANTS)
-@pytest.mark.parametrize("kernel,tokens", [("gemv", T), ("gemm", 9)])
-def test_gemv_gemm_mutants(kernel, tokens, kind):
-    w, wq = small_weight(GGMLType.Q8_0, "stored")  # gemv reads stored rows (a GPU defaults to split)
+@pytest.mark.parametrize("kernel,tokens", [("stream", T), ("gemm", 9)])
+def test_stream_gemm_mutants(kernel, tokens, kind):
+    w, wq = small_weight(GGMLType.Q8_0)
     run_mutant(kernel, kind, check_linear, w, wq, tokens, kernel, seed=2)
 
 
@@ -200,7 +207,7 @@ def test_gemv_gemm_mutants(kernel, tokens, kind):
                          ids=["stream-Q2_K", "gemm-Q2_K"])
 def test_f32_out_mutants(kernel, gtype, kind):
     """fp32 out: no bit-equality to check, so the sqrt(K) bound alone must catch these."""
-    w, wq = small_weight(gtype, stream_layout(gtype))
+    w, wq = small_weight(gtype)
     run_mutant(kernel, kind, check_linear, w, wq, T, kernel, out_bf16=False, seed=3)
 
 
@@ -208,10 +215,10 @@ def test_f32_out_mutants(kernel, gtype, kind):
 
 
 @lru_cache(maxsize=1)
-def flash_weight(n: int, k: int, gtype: GGMLType, layout: str):
+def flash_weight(n: int, k: int, gtype: GGMLType):
     """Random stored rows [n, k] (test_linear_tc.stored_rows) as a DeviceWeight, and their values."""
     stored = stored_rows(np.random.default_rng(int(gtype) + n + k), n, k, gtype)
-    return DeviceWeight.from_stored("w", gtype, stored, k, layout=layout), dequantize(stored, gtype, k)
+    return DeviceWeight.from_stored("w", gtype, stored, k), dequantize(stored, gtype, k)
 
 
 STREAM_SHAPES = [(GGMLType.Q8_0, "wo_b"), (GGMLType.BF16, "wq_b"), (GGMLType.Q2_K, "engram_wkv")]
@@ -224,19 +231,19 @@ STREAM_SHAPES = [(GGMLType.Q8_0, "wo_b"), (GGMLType.BF16, "wq_b"), (GGMLType.Q2_
 def test_flash_stream_mutants(gtype, name, kind):
     """The decode kernel at T = 1 on a flash shape per type."""
     n, k = FLASH[name]
-    w, wq = flash_weight(n, k, gtype, stream_layout(gtype) or "stored")
+    w, wq = flash_weight(n, k, gtype)
     run_mutant("stream", kind, check_linear, w, wq, 1, "stream", seed=1)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", MUTANTS)
-@pytest.mark.parametrize("kernel,tokens,name,layout", [("gemv", 1, "wo_b", "stored"), ("gemm", 64, "wq_a", "split")],
-                         ids=["gemv-wo_b", "gemm-wq_a"])
-def test_flash_gemv_gemm_mutants(kernel, tokens, name, layout, kind):
-    """gemv (the decode product of the types stream does not take) and gemm (prefill with an fp32
-    input or a weight the tensor cores do not take) on Q8_0 flash shapes."""
+@pytest.mark.parametrize("kernel,tokens,name", [("stream", 1, "wo_b"), ("gemm", 64, "wq_a")],
+                         ids=["stream-wo_b", "gemm-wq_a"])
+def test_flash_stream_gemm_mutants(kernel, tokens, name, kind):
+    """stream (the decode product) and gemm (prefill with an fp32 input or a weight the tensor
+    cores do not take) on Q8_0 flash shapes."""
     n, k = FLASH[name]
-    w, wq = flash_weight(n, k, GGMLType.Q8_0, layout)
+    w, wq = flash_weight(n, k, GGMLType.Q8_0)
     run_mutant(kernel, kind, check_linear, w, wq, tokens, kernel, seed=2)
 
 

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as GQ
 
 from flashv41.host.errors import UnsupportedError
-from flashv41.host.quants import Q2_K_BLOCK, Q8_0_BLOCK, GGMLType, dequantize, quantize
+from flashv41.host.quants import FORMATS, Q2_K_BLOCK, GGMLType, dequantize, quantize
 
 ROWS, K = 64, 512
 
@@ -36,8 +36,9 @@ def _stored(qtype: GGMLType, rng: np.random.Generator) -> np.ndarray:
         bits = rng.integers(0, 1 << 16, size=(ROWS, K), dtype=np.uint16)
         bits = np.where((bits & 0x7F80) == 0x7F80, bits & 0x807F, bits).astype(np.uint16)
         return bits.view(np.uint8).reshape(ROWS, -1)
-    block = Q8_0_BLOCK if qtype == GGMLType.Q8_0 else Q2_K_BLOCK
-    n_blocks = ROWS * K // (32 if qtype == GGMLType.Q8_0 else 256)
+    fmt = FORMATS[qtype]
+    block = fmt.block
+    n_blocks = ROWS * K // fmt.block_values
     raw = rng.integers(0, 256, size=(n_blocks, block.itemsize), dtype=np.uint8)
     blocks = raw.view(block).reshape(-1)
     # random bytes would make some scales inf / NaN; the format's scales are finite fp16 values
@@ -45,6 +46,14 @@ def _stored(qtype: GGMLType, rng: np.random.Generator) -> np.ndarray:
     if qtype == GGMLType.Q2_K:
         blocks["dmin"] = _finite_f16(rng, n_blocks)
     return blocks.view(np.uint8).reshape(ROWS, -1)
+
+
+@pytest.mark.parametrize("qtype", list(GGMLType), ids=lambda t: t.name)
+def test_table_matches_gguf_py(qtype: GGMLType) -> None:
+    """The table's block layout (values a block, bytes a block) is ggml's, as gguf-py records it."""
+    fmt = FORMATS[qtype]
+    assert fmt.ggml_type == qtype
+    assert (fmt.block_values, fmt.block_bytes) == gguf.GGML_QUANT_SIZES[GQ(int(qtype))]
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q2_K],
@@ -77,7 +86,7 @@ def test_q8_0_quantize_matches_gguf_py() -> None:
     x = _q8_0_inputs(np.random.default_rng(8))
     ours = quantize(x, GGMLType.Q8_0)
     theirs = gguf.quants.quantize(x, GQ.Q8_0)
-    assert ours.shape == theirs.shape == (ROWS, K // 32 * 34)
+    assert ours.shape == theirs.shape == (ROWS, FORMATS[GGMLType.Q8_0].row_bytes(K))
     assert np.array_equal(ours, theirs)
 
 
@@ -132,7 +141,7 @@ def test_q2_k_error_within_format_bound(dist: str) -> None:
     else:
         x = rng.uniform(-1.0, 3.0, (ROWS, K)).astype(np.float32)
     stored = quantize(x, GGMLType.Q2_K)
-    assert stored.shape == (ROWS, K // 256 * 84)
+    assert stored.shape == (ROWS, FORMATS[GGMLType.Q2_K].row_bytes(K))
     y = dequantize(stored, GGMLType.Q2_K, K)
     excess = _q2_k_excess(x, y, stored)
     worst = np.unravel_index(np.argmax(excess), x.shape)
@@ -184,7 +193,7 @@ def test_rows_must_hold_whole_blocks() -> None:
     with pytest.raises(UnsupportedError, match="Q8_0.*32"):
         quantize(np.zeros((2, 48), np.float32), GGMLType.Q8_0)
     with pytest.raises(UnsupportedError, match="Q2_K.*256"):
-        dequantize(np.zeros(84 * 2, np.uint8), GGMLType.Q2_K, 384)
+        dequantize(np.zeros(2 * Q2_K_BLOCK.itemsize, np.uint8), GGMLType.Q2_K, 384)
 
 
 def test_unsupported_type_is_named() -> None:

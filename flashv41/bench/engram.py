@@ -42,7 +42,7 @@ from flashv41.bench.core import HOST, BenchCase, BenchContext, BenchOptions, Ben
 from flashv41.host.config import EngramConfig
 from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
 from flashv41.host.errors import InputError
-from flashv41.host.quants import Q2_K_BLOCK, Q8_0_BLOCK, GGMLType, ggml_type
+from flashv41.host.quants import FORMATS, GGMLType, ggml_type
 from flashv41.host.synth import preset
 
 WEIGHT_TYPES = (GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16)  # random wkv blocks can be made for these
@@ -71,12 +71,13 @@ def engram_config(preset_name: str, **overrides) -> EngramConfig:
 
 def random_stored(n: int, k: int, gtype: GGMLType, rng: np.random.Generator) -> np.ndarray:
     """uint8 [n, row_bytes]: random but finite stored rows of `gtype` (values of RMS about k^-0.5)."""
+    fmt = FORMATS[gtype]
     if gtype == GGMLType.Q8_0:
-        blocks = np.zeros(n * k // 32, Q8_0_BLOCK)
+        blocks = np.zeros(n * k // fmt.block_values, fmt.block)
         blocks["d"] = np.float16(k**-0.5 / 73)  # uniform levels in [-127, 127]: RMS about 73
         blocks["qs"] = rng.integers(-127, 128, size=blocks["qs"].shape, dtype=np.int8)
     elif gtype == GGMLType.Q2_K:
-        blocks = np.zeros(n * k // 256, Q2_K_BLOCK)
+        blocks = np.zeros(n * k // fmt.block_values, fmt.block)
         blocks["scales"] = rng.integers(0, 256, size=blocks["scales"].shape, dtype=np.uint8)
         blocks["qs"] = rng.integers(0, 256, size=blocks["qs"].shape, dtype=np.uint8)
         blocks["d"] = np.float16(k**-0.5 / 14)

@@ -1,0 +1,652 @@
+"""The device half of the quant-type table: per GGUF type, the pieces every kernel family decodes
+weights with, found by type in DEVICE_TYPES (ggml-cuda's traits table). host.quants.FORMATS is
+the host half: block layout (a structured dtype whose size it asserts), values a block, host
+dequantiser and quantiser. Every constant below (block bytes, field offsets, words a block) is
+read from those dtypes at import, never typed again; adding a type is adding its host row there
+and its record here.
+
+A record (`DeviceType`) holds, with one signature per piece:
+- `dequant(w, row, chunk, out)`: the 32 values of chunk `chunk` (values chunk*32 .. chunk*32+31)
+  of stored row `row` (uint8 [rows, row_bytes], the GGUF's bytes) into the local array `out`,
+  exactly as host.quants.dequantize computes them (every product there is exact in float32, so the
+  order of operations cannot change a bit). The engram tables and the embedding gather use it.
+- the weight layout: `weight_rows(stored, k)` turns stored rows into what a DeviceWeight keeps on
+  the device (uint8 [N, pitch]), `weight_dequant` is `dequant` on those rows, `layout` its name.
+  Every type keeps its stored bytes, except Q8_0: "split", the row's K int8 quants first, then its
+  K/32 fp16 scales, zero-padded to whole 16-byte pieces (the stream kernel's loads are 16 bytes
+  and aligned; a stored block starts on a 2-byte boundary). The padding is under one block, so a
+  row's K still reads off its width.
+- `stream`: the decode GEMV's unit (stages.linear's stream kernels). `make(tokens, x_bf16)` builds
+  unit(ww, wf, row, x32, xo, k, n_tokens, acc, u), which adds the dot products of unit u of the
+  row with the inputs to acc[t] for t < n_tokens (<= tokens): ww / wf the weight rows as 32-bit
+  words / fp16, x32 the inputs as 32-bit words [T, K_total / 2] (bf16 pairs) or [T, K_total]
+  (fp32), this row's K-wide slice at word xo. A row is K >> shift units, each one 16-byte load
+  (Q2_K: a 32-bit quant word, its blocks being whole words, not whole 16-byte pieces); a lane issues
+  `in_flight` of them together. Integers become floats by an exponent trick (`small_int`,
+  `int8_at`), not by conversions.
+- `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc).
+
+Oracle: host.quants.dequantize holds the dequantisers (tests/test_engram_stages.py's rows, bit for bit);
+the units and tc pieces are held through the products (tests/test_linear.py, test_linear_tc.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from numba import float32, int32, uint32, uint64
+
+from flashv41.host.quants import (
+    BF16_BLOCK,
+    F16_BLOCK,
+    F32_BLOCK,
+    FORMATS,
+    Q2_K_BLOCK,
+    Q8_0_BLOCK,
+    GGMLType,
+    QuantFormat,
+    field_offset,
+)
+from flashv41.stages.device import (
+    CHUNK,
+    SIM,
+    bf16_to_f32,
+    device,
+    f32_bits,
+    f32_from_bits,
+    fp16_to_f32,
+    load_words4,
+    read_u16,
+)
+
+ROW_ALIGN = 16  # bytes: the stream kernel reads weight rows in aligned 16-byte pieces
+WORD = 4  # bytes of the 32-bit words the stream and tensor-core kernels read
+
+F32_BYTES, F16_BYTES, BF16_BYTES = F32_BLOCK.itemsize, F16_BLOCK.itemsize, BF16_BLOCK.itemsize
+
+Q8_0_BYTES = Q8_0_BLOCK.itemsize
+Q8_0_VALUES = FORMATS[GGMLType.Q8_0].block_values
+Q8_0_D = field_offset(Q8_0_BLOCK, "d")  # byte offsets in a block
+Q8_0_QS = field_offset(Q8_0_BLOCK, "qs")
+Q8_0_SCALE_BYTES = Q8_0_BLOCK["d"].itemsize
+
+Q2_K_BYTES = Q2_K_BLOCK.itemsize
+Q2_K_VALUES = FORMATS[GGMLType.Q2_K].block_values
+Q2_K_SCALES = field_offset(Q2_K_BLOCK, "scales")  # byte offsets in a block
+Q2_K_QS = field_offset(Q2_K_BLOCK, "qs")
+Q2_K_D = field_offset(Q2_K_BLOCK, "d")
+Q2_K_DMIN = field_offset(Q2_K_BLOCK, "dmin")
+Q2_K_GROUPS = Q2_K_BLOCK["scales"].shape[0]  # 16-value groups, one scale byte each
+Q2_K_CHUNKS = Q2_K_VALUES // CHUNK  # chunks (tensor-core K steps) a block
+# the word readers: a block as 32-bit words and as 16-bit halves
+Q2_K_WORDS, Q2_K_HALVES = Q2_K_BYTES // WORD, Q2_K_BYTES // 2
+Q2_K_SCALES_WORD, Q2_K_QS_WORD, Q2_K_D_WORD = Q2_K_SCALES // WORD, Q2_K_QS // WORD, Q2_K_D // WORD
+Q2_K_SCALES_HALF, Q2_K_D_HALF, Q2_K_DMIN_HALF = Q2_K_SCALES // 2, Q2_K_D // 2, Q2_K_DMIN // 2
+Q2_K_QS_WORDS = Q2_K_BLOCK["qs"].shape[0] // WORD  # a quant word holds 4 bytes of 4 levels
+Q2_K_HALF_QS = Q2_K_BLOCK["qs"].shape[0] // 2  # quant bytes of each 128-value half of a block
+
+assert Q8_0_VALUES == CHUNK  # a Q8_0 block is one chunk
+# Q2_K's word readers: whole words for the scales, the quants and (d, dmin) together, d in the
+# low half; 16 quant words a block (the stream unit finds its block by u >> 4)
+assert Q2_K_BYTES % WORD == 0 and Q2_K_SCALES % WORD == 0 and Q2_K_QS % WORD == 0 and Q2_K_D % WORD == 0
+assert Q2_K_DMIN == Q2_K_D + 2 and Q2_K_QS_WORDS == 16 and Q2_K_GROUPS * 16 == Q2_K_VALUES
+
+# uint64 indices: Numba wraps negative signed indices and floors signed divisions, a few
+# instructions per access that an unsigned index does not need
+U1, U2, U3, U4, U8 = uint64(1), uint64(2), uint64(3), uint64(4), uint64(8)
+TWO_112 = float32(2.0**112)  # fp16's exponent bias (15) against fp32's (127)
+
+
+# ------------------------------------------------------------------ weight layouts (host side)
+
+
+def split_q8_0(stored: np.ndarray, k: int) -> np.ndarray:
+    """GGUF Q8_0 rows (uint8 [N, row_bytes]: per block an fp16 scale, then 32 int8 quants) -> the
+    split layout: per row the K quants, then the K/32 scales (same bytes, same size)."""
+    n = stored.shape[0]
+    blocks = np.ascontiguousarray(stored).reshape(-1, Q8_0_BYTES).view(Q8_0_BLOCK).reshape(n, -1)
+    quants = np.ascontiguousarray(blocks["qs"]).view(np.uint8).reshape(n, k)
+    scales = np.ascontiguousarray(blocks["d"]).view(np.uint8).reshape(n, -1)
+    return np.concatenate([quants, scales], axis=1)
+
+
+def padded_split_q8_0(stored: np.ndarray, k: int) -> np.ndarray:
+    """split_q8_0's rows, zero-padded to whole ROW_ALIGN-byte pieces (under one block: see the
+    module docstring)."""
+    split = split_q8_0(stored, k)
+    pad = -split.shape[1] % ROW_ALIGN
+    return np.pad(split, ((0, 0), (0, pad))) if pad else split
+
+
+def stored_rows(stored: np.ndarray, k: int) -> np.ndarray:
+    return stored
+
+
+# ------------------------------------------------------------------------- chunk dequantisers
+
+
+@device
+def dequant_q8_0(w, row, chunk, out):
+    base = chunk * Q8_0_BYTES
+    d = fp16_to_f32(read_u16(w, row, base + Q8_0_D))
+    for i in range(CHUNK):
+        q = int32(w[row, base + Q8_0_QS + i])
+        if q >= 128:
+            q -= 256
+        out[i] = float32(q) * d
+
+
+@device
+def dequant_q8_0_split(w, row, chunk, out):
+    """Q8_0 in the split layout: quants at 32 * chunk, scales after the row's K quants."""
+    k = (w.shape[1] // Q8_0_BYTES) * CHUNK
+    d = fp16_to_f32(read_u16(w, row, k + Q8_0_SCALE_BYTES * chunk))
+    for i in range(CHUNK):
+        q = int32(w[row, chunk * CHUNK + i])
+        if q >= 128:
+            q -= 256
+        out[i] = float32(q) * d
+
+
+@device
+def dequant_q2_k(w, row, chunk, out):
+    base = (chunk // Q2_K_CHUNKS) * Q2_K_BYTES
+    sub = chunk % Q2_K_CHUNKS
+    shift = 2 * (sub % 4)
+    qs = base + Q2_K_QS + (sub // 4) * Q2_K_HALF_QS
+    d = fp16_to_f32(read_u16(w, row, base + Q2_K_D))
+    dmin = fp16_to_f32(read_u16(w, row, base + Q2_K_DMIN))
+    for i in range(CHUNK):
+        sc = uint32(w[row, base + Q2_K_SCALES + (sub * CHUNK + i) // 16])
+        scale = d * float32(sc & 15)
+        minimum = dmin * float32(sc >> 4)
+        q = (uint32(w[row, qs + i]) >> shift) & 3
+        out[i] = scale * float32(q) - minimum
+
+
+@device
+def dequant_bf16(w, row, chunk, out):
+    base = chunk * CHUNK * BF16_BYTES
+    for i in range(CHUNK):
+        out[i] = bf16_to_f32(read_u16(w, row, base + BF16_BYTES * i))
+
+
+@device
+def dequant_f16(w, row, chunk, out):
+    base = chunk * CHUNK * F16_BYTES
+    for i in range(CHUNK):
+        out[i] = fp16_to_f32(read_u16(w, row, base + F16_BYTES * i))
+
+
+@device
+def dequant_f32(w, row, chunk, out):
+    base = chunk * CHUNK * F32_BYTES
+    for i in range(CHUNK):
+        o = base + F32_BYTES * i
+        u = read_u16(w, row, o) | (read_u16(w, row, o + 2) << 16)
+        out[i] = f32_from_bits(u)
+
+
+# ------------------------------------------------------------------- stream-unit helpers
+
+if SIM:
+    # the simulator runs these as Python for every value the stream kernel reads: table lookups
+    # and plain conversions there, the same values as the GPU's bit tricks
+    from flashv41.stages.device import _BF16_VALUES
+
+    _F16_VALUES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+    def bf16_pair(word):
+        w = int(word)
+        return _BF16_VALUES[w & 0xFFFF], _BF16_VALUES[w >> 16]
+
+    def f16_pair(word):
+        w = int(word)
+        return _F16_VALUES[w & 0xFFFF], _F16_VALUES[w >> 16]
+
+    def small_int(bits):
+        return np.float32(int(bits))
+
+    def int8_at(flipped, byte):
+        return np.float32(((int(flipped) >> (8 * byte)) & 0xFF) - 128)
+
+    def f32x4(x32, t, o):
+        """Four fp32 inputs x[t, o .. o + 3] of the 32-bit-word view (o a multiple of 4)."""
+        return tuple(np.asarray(x32[t, o:o + 4]).view(np.float32))
+
+    def bf16x4(x32, t, o):
+        """Four bf16 inputs, the pairs in words o and o + 1."""
+        x0, x1 = bf16_pair(x32[t, o])
+        x2, x3 = bf16_pair(x32[t, o + 1])
+        return x0, x1, x2, x3
+else:
+    @device
+    def bf16_pair(word):
+        """The two bf16 values packed in a 32-bit word (low half first) as float32."""
+        return f32_from_bits(word << 16), f32_from_bits(word & 0xFFFF0000)
+
+    @device
+    def f16_half(h):
+        """An fp16 pattern (low 16 bits of h) as float32: its exponent and mantissa placed in an fp32
+        pattern give the value times 2^-112 exactly (fp16 subnormals become fp32 subnormals), then
+        one multiplication; infinities and NaNs get the all-ones exponent first."""
+        mag = h & 0x7FFF
+        bits = ((h & 0x8000) << 16) | (mag << 13) | (uint32(0x7F800000) if mag >= 0x7C00 else uint32(0))
+        return f32_from_bits(bits) * TWO_112
+
+    @device
+    def f16_pair(word):
+        """The two fp16 values packed in a 32-bit word (low half first) as float32."""
+        return f16_half(word & 0xFFFF), f16_half(word >> 16)
+
+    @device
+    def small_int(bits):
+        """An integer 0 <= bits < 2^23 as float32, exactly: placed in the mantissa of 2^23 and the 2^23
+        taken away: two full-rate instructions, where integer-to-float conversion has a lower rate."""
+        return f32_from_bits(0x4B000000 | bits) - float32(8388608.0)
+
+    @device
+    def int8_at(flipped, byte):
+        """Byte `byte` of a 32-bit word as a signed int8 value q, in float32, given the word with every
+        byte's top bit flipped (each byte then holds q + 128)."""
+        return f32_from_bits(0x4B000000 | ((flipped >> (8 * byte)) & 0xFF)) - float32(8388736.0)  # 2^23 + 128
+
+    @device
+    def f32x4(x32, t, o):
+        """Four fp32 inputs x[t, o .. o + 3] of the 32-bit-word view, one 16-byte load (o a multiple of 4)."""
+        a0, a1, a2, a3 = load_words4(x32, t, o)
+        return f32_from_bits(a0), f32_from_bits(a1), f32_from_bits(a2), f32_from_bits(a3)
+
+    @device
+    def bf16x4(x32, t, o):
+        """Four bf16 inputs, the pairs in words o and o + 1."""
+        x0, x1 = bf16_pair(x32[t, o])
+        x2, x3 = bf16_pair(x32[t, o + U1])
+        return x0, x1, x2, x3
+
+
+@device
+def int8_dot4(flipped, xw0, xw1):
+    """The four int8 quants of a word (top bits flipped) times four bf16 values in two words."""
+    x0, x1 = bf16_pair(xw0)
+    x2, x3 = bf16_pair(xw1)
+    return (int8_at(flipped, 0) * x0 + int8_at(flipped, 1) * x1 + int8_at(flipped, 2) * x2
+            + int8_at(flipped, 3) * x3)
+
+
+@device
+def int8_dot4_f32(flipped, x32, t, o):
+    """The four int8 quants of a word (top bits flipped) times the fp32 inputs x[t, o .. o + 3]."""
+    x0, x1, x2, x3 = f32x4(x32, t, o)
+    return (int8_at(flipped, 0) * x0 + int8_at(flipped, 1) * x1 + int8_at(flipped, 2) * x2
+            + int8_at(flipped, 3) * x3)
+
+
+# Input readers, one signature: (x32, t, xo, v) -> the inputs v, v + 1, ... of token t's slice
+# starting at input word xo (v a multiple of their count): 16-byte loads where the words allow.
+
+@device
+def x8_bf16(x32, t, xo, v):
+    """Eight bf16 inputs: one 16-byte load."""
+    a0, a1, a2, a3 = load_words4(x32, t, xo + (v >> U1))
+    x0, x1 = bf16_pair(a0)
+    x2, x3 = bf16_pair(a1)
+    x4, x5 = bf16_pair(a2)
+    x6, x7 = bf16_pair(a3)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@device
+def x8_f32(x32, t, xo, v):
+    """Eight fp32 inputs: two 16-byte loads."""
+    x0, x1, x2, x3 = f32x4(x32, t, xo + v)
+    x4, x5, x6, x7 = f32x4(x32, t, xo + v + U4)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@device
+def x4_bf16(x32, t, xo, v):
+    """Four bf16 inputs: two word loads (8 bytes need not be 16-byte aligned)."""
+    return bf16x4(x32, t, xo + (v >> U1))
+
+
+@device
+def x4_f32(x32, t, xo, v):
+    """Four fp32 inputs: one 16-byte load."""
+    return f32x4(x32, t, xo + v)
+
+
+# ----------------------------------------------------------------------------- stream units
+# Each factory returns the unit for up to `tokens` tokens of bf16 (x_bf16) or fp32 inputs. xo is
+# in input words, so an input value v of the row's slice is word xo + v / 2 (bf16) or xo + v.
+
+
+def q8_0_unit(tokens: int, x_bf16: bool):
+    """Split Q8_0: unit u is the quants 16 u .. 16 u + 15 (half of block u // 2); the scales follow
+    the K quants."""
+    if x_bf16:
+        @device
+        def q8_0_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+            w0, w1, w2, w3 = load_words4(ww, row, U4 * u)
+            d = float32(wf[row, uint64(k >> 1) + (u >> U1)])
+            w0, w1, w2, w3 = w0 ^ 0x80808080, w1 ^ 0x80808080, w2 ^ 0x80808080, w3 ^ 0x80808080
+            for t in range(tokens):
+                if t < n_tokens:
+                    a0, a1, a2, a3 = load_words4(x32, t, xo + U8 * u)
+                    b0, b1, b2, b3 = load_words4(x32, t, xo + U8 * u + U4)
+                    acc[t] += d * (int8_dot4(w0, a0, a1) + int8_dot4(w1, a2, a3) + int8_dot4(w2, b0, b1)
+                                   + int8_dot4(w3, b2, b3))
+
+        return q8_0_unit
+
+    @device
+    def q8_0_unit_f32(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        w0, w1, w2, w3 = load_words4(ww, row, U4 * u)
+        d = float32(wf[row, uint64(k >> 1) + (u >> U1)])
+        w0, w1, w2, w3 = w0 ^ 0x80808080, w1 ^ 0x80808080, w2 ^ 0x80808080, w3 ^ 0x80808080
+        for t in range(tokens):
+            if t < n_tokens:
+                o = xo + uint64(16) * u
+                acc[t] += d * (int8_dot4_f32(w0, x32, t, o) + int8_dot4_f32(w1, x32, t, o + U4)
+                               + int8_dot4_f32(w2, x32, t, o + U8) + int8_dot4_f32(w3, x32, t, o + uint64(12)))
+
+    return q8_0_unit_f32
+
+
+def halves_unit(tokens: int, x_bf16: bool, pair):
+    """Rows of 16-bit values (BF16 with fp32 inputs, F16): unit u is the weights 8 u .. 8 u + 7,
+    `pair` decoding two of them from a word."""
+    x8 = x8_bf16 if x_bf16 else x8_f32
+
+    @device
+    def halves_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        w0, w1, w2, w3 = load_words4(ww, row, U4 * u)
+        v0, v1 = pair(w0)
+        v2, v3 = pair(w1)
+        v4, v5 = pair(w2)
+        v6, v7 = pair(w3)
+        for t in range(tokens):
+            if t < n_tokens:
+                x0, x1, x2, x3, x4, x5, x6, x7 = x8(x32, t, xo, U8 * u)
+                acc[t] += v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3 + v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7
+
+    return halves_unit
+
+
+def bf16_unit(tokens: int, x_bf16: bool):
+    """BF16: unit u is the weights 8 u .. 8 u + 7."""
+    if not x_bf16:
+        return halves_unit(tokens, x_bf16, bf16_pair)
+
+    @device
+    def bf16_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        w0, w1, w2, w3 = load_words4(ww, row, U4 * u)
+        v0, v1 = bf16_pair(w0)
+        v2, v3 = bf16_pair(w1)
+        v4, v5 = bf16_pair(w2)
+        v6, v7 = bf16_pair(w3)
+        for t in range(tokens):
+            if t < n_tokens:
+                a0, a1, a2, a3 = load_words4(x32, t, xo + U4 * u)
+                x0, x1 = bf16_pair(a0)
+                x2, x3 = bf16_pair(a1)
+                x4, x5 = bf16_pair(a2)
+                x6, x7 = bf16_pair(a3)
+                acc[t] += v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3 + v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7
+
+    return bf16_unit
+
+
+def f16_unit(tokens: int, x_bf16: bool):
+    """F16: unit u is the weights 8 u .. 8 u + 7."""
+    return halves_unit(tokens, x_bf16, f16_pair)
+
+
+def f32_unit(tokens: int, x_bf16: bool):
+    """F32: unit u is the weights 4 u .. 4 u + 3."""
+    x4 = x4_bf16 if x_bf16 else x4_f32
+
+    @device
+    def f32_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        v0, v1, v2, v3 = f32x4(ww, row, U4 * u)
+        for t in range(tokens):
+            if t < n_tokens:
+                x0, x1, x2, x3 = x4(x32, t, xo, U4 * u)
+                acc[t] += v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3
+
+    return f32_unit
+
+
+def q2_k_unit(tokens: int, x_bf16: bool):
+    """Q2_K: unit u is quant word u of the row (block u // 16, word i = u % 16 of its quants, half
+    h = i // 8), which holds values 128 h + 32 s + 4 (i % 8) + b in bits 8 b + 2 s, for s, b < 4;
+    the value's (scale, min) byte is in the block's scale word 2 h + s // 2. The min is folded in as
+    dmin * m * sum(x) per 4 values."""
+    half = uint64(Q2_K_VALUES // 2)
+    if x_bf16:
+        @device
+        def q2_k_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+            blk = u >> uint64(4)
+            i = u & uint64(15)
+            h = i >> U3
+            word = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_QS_WORD) + i]
+            sc_lo = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_SCALES_WORD) + U2 * h]  # scale bytes 8 h ..
+            sc_hi = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_SCALES_WORD) + U2 * h + U1]  # 8 h + 4 ..
+            d = float32(wf[row, uint64(Q2_K_HALVES) * blk + uint64(Q2_K_D_HALF)])
+            dmin = float32(wf[row, uint64(Q2_K_HALVES) * blk + uint64(Q2_K_DMIN_HALF)])
+            pair = (i & uint64(7)) >> U2  # which 16-value scale group of the 32 values of an s
+            x_word = xo + half * blk + uint64(64) * h + U2 * (i & uint64(7))
+            for s in range(4):
+                sc = ((sc_lo if s < 2 else sc_hi) >> (uint64(16 * (s % 2)) + uint64(8) * pair)) & 0xFF
+                scale = d * float32(sc & 15)
+                minimum = dmin * float32(sc >> 4)
+                q0 = small_int((word >> (2 * s)) & 3)
+                q1 = small_int((word >> (8 + 2 * s)) & 3)
+                q2 = small_int((word >> (16 + 2 * s)) & 3)
+                q3 = small_int((word >> (24 + 2 * s)) & 3)
+                for t in range(tokens):
+                    if t < n_tokens:
+                        x0, x1 = bf16_pair(x32[t, x_word + uint64(16 * s)])
+                        x2, x3 = bf16_pair(x32[t, x_word + uint64(16 * s) + U1])
+                        acc[t] += scale * (q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3) - minimum * (x0 + x1 + x2 + x3)
+
+        return q2_k_unit
+
+    @device
+    def q2_k_unit_f32(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        blk = u >> uint64(4)
+        i = u & uint64(15)
+        h = i >> U3
+        word = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_QS_WORD) + i]
+        sc_lo = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_SCALES_WORD) + U2 * h]
+        sc_hi = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_SCALES_WORD) + U2 * h + U1]
+        d = float32(wf[row, uint64(Q2_K_HALVES) * blk + uint64(Q2_K_D_HALF)])
+        dmin = float32(wf[row, uint64(Q2_K_HALVES) * blk + uint64(Q2_K_DMIN_HALF)])
+        pair = (i & uint64(7)) >> U2
+        x_word = xo + uint64(Q2_K_VALUES) * blk + half * h + U4 * (i & uint64(7))
+        for s in range(4):
+            sc = ((sc_lo if s < 2 else sc_hi) >> (uint64(16 * (s % 2)) + uint64(8) * pair)) & 0xFF
+            scale = d * float32(sc & 15)
+            minimum = dmin * float32(sc >> 4)
+            q0 = small_int((word >> (2 * s)) & 3)
+            q1 = small_int((word >> (8 + 2 * s)) & 3)
+            q2 = small_int((word >> (16 + 2 * s)) & 3)
+            q3 = small_int((word >> (24 + 2 * s)) & 3)
+            for t in range(tokens):
+                if t < n_tokens:
+                    x0, x1, x2, x3 = f32x4(x32, t, x_word + uint64(32 * s))
+                    acc[t] += scale * (q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3) - minimum * (x0 + x1 + x2 + x3)
+
+    return q2_k_unit_f32
+
+
+# ------------------------------------------------------------------------ tensor-core pieces
+# Per weight type two pairs of helpers with one signature each; `ks` is the K step (CHUNK
+# values), w32 / w16 the weight rows viewed as 32- / 16-bit words [N, row words]:
+# - fetch(w32, w16, n, ks, c, k) -> (word, aux): word c of row n's stored words for the step;
+#   put(b_s, r, c, word, aux, ks) writes them to b_s row r as bf16 pairs.
+# - fetch_scales(w32, w16, n, ks, k) -> (u, v): row n's scales for the step;
+#   put_scales(d_s, m_s, mins_s, r, ks, u, v) writes them to the block's scale arrays.
+
+TC_STEP_WORDS = CHUNK // 2  # bf16 pairs a tile row holds per step
+
+
+@device
+def bf16_int(v):
+    """The bf16 bits of a small integer (exact: |v| < 256)."""
+    return f32_bits(float32(v)) >> 16
+
+
+@device
+def pack(lo, hi):
+    """Two bf16 bit patterns in one word, the lower k in the low half (as mma reads them)."""
+    return uint32(lo) | (uint32(hi) << 16)
+
+
+@device
+def fetch_bf16(w32, w16, n, ks, c, k):
+    return w32[n, ks * TC_STEP_WORDS + c], uint32(0)
+
+
+@device
+def put_bf16(b_s, r, c, word, aux, ks):
+    b_s[r, c] = word
+
+
+@device
+def fetch_scales_none(w32, w16, n, ks, k):
+    return uint32(0), uint32(0)
+
+
+@device
+def put_scales_none(d_s, m_s, mins_s, r, ks, u, v):
+    return
+
+
+@device
+def fetch_q8_0(w32, w16, n, ks, c, k):
+    return w32[n, ks * (CHUNK // WORD) + c], uint32(0)  # levels: one byte each, a chunk a step
+
+
+@device
+def i8_bf16(word, byte):
+    """The bf16 bits of signed byte `byte` of word."""
+    return bf16_int(int32(word << (24 - 8 * byte)) >> 24)
+
+
+@device
+def put_q8_0(b_s, r, c, word, aux, ks):
+    b_s[r, 2 * c] = pack(i8_bf16(word, 0), i8_bf16(word, 1))
+    b_s[r, 2 * c + 1] = pack(i8_bf16(word, 2), i8_bf16(word, 3))
+
+
+@device
+def fetch_scales_q8_0(w32, w16, n, ks, k):
+    return uint32(w16[n, k // 2 + ks]), uint32(0)  # the scales follow the row's K levels
+
+
+@device
+def put_scales_q8_0(d_s, m_s, mins_s, r, ks, u, v):
+    d_s[r] = fp16_to_f32(u)
+
+
+# Q2_K: step ks is sub-block sub = ks % 8 of block ks // 8: levels (qs[32 * (sub // 4) + i] >> 2 *
+# (sub % 4)) & 3 for i < 32, in groups 2 * sub (i < 16) and 2 * sub + 1, whose scale bytes are one
+# 16-bit half; d and dmin are one word.
+
+@device
+def fetch_q2_k(w32, w16, n, ks, c, k):
+    b, sub = ks // Q2_K_CHUNKS, ks % Q2_K_CHUNKS
+    return (w32[n, Q2_K_WORDS * b + Q2_K_QS_WORD + (Q2_K_HALF_QS // WORD) * (sub // 4) + c],
+            uint32(w16[n, Q2_K_HALVES * b + Q2_K_SCALES_HALF + sub]))
+
+
+@device
+def put_q2_k(b_s, r, c, word, aux, ks):
+    shift = 2 * (ks % 4)
+    sc = (aux >> (8 * (c // 4))) & 15  # levels 4c..4c+3 are in group c // 4 of the step
+    v0 = bf16_int(sc * ((word >> shift) & 3))
+    v1 = bf16_int(sc * ((word >> (8 + shift)) & 3))
+    v2 = bf16_int(sc * ((word >> (16 + shift)) & 3))
+    v3 = bf16_int(sc * ((word >> (24 + shift)) & 3))
+    b_s[r, 2 * c] = pack(v0, v1)
+    b_s[r, 2 * c + 1] = pack(v2, v3)
+
+
+@device
+def fetch_scales_q2_k(w32, w16, n, ks, k):
+    b, sub = ks // Q2_K_CHUNKS, ks % Q2_K_CHUNKS
+    return uint32(w16[n, Q2_K_HALVES * b + Q2_K_SCALES_HALF + sub]), w32[n, Q2_K_WORDS * b + Q2_K_D_WORD]
+
+
+@device
+def put_scales_q2_k(d_s, m_s, mins_s, r, ks, u, v):
+    d_s[r] = fp16_to_f32(v & 0xFFFF)
+    m_s[r] = fp16_to_f32(v >> 16)
+    mins_s[r, ks % Q2_K_CHUNKS] = pack(bf16_int((u >> 4) & 15), bf16_int(u >> 12))
+
+
+# ---------------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class StreamUnit:
+    """The stream kernel's piece of a type: `make(tokens, x_bf16)` -> unit; a row of K values is
+    K >> shift units, a lane issuing `in_flight` of them together."""
+
+    make: Callable
+    shift: int
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class TcType:
+    """How a weight type enters the tensor-core GEMM: its helpers, the stored words a row reads per
+    step, whether the values are scaled (per step: a Q8_0 block, a Q2_K block's eighth) and whether
+    a block's mins are taken away at its end (Q2_K)."""
+
+    fetch: Callable
+    put: Callable
+    fetch_scales: Callable
+    put_scales: Callable
+    words: int
+    scaled: bool
+    mins: bool
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """One GGUF type's device pieces (module docstring); `host` is its host.quants.FORMATS row."""
+
+    host: QuantFormat
+    dequant: Callable
+    layout: str
+    weight_rows: Callable[[np.ndarray, int], np.ndarray]
+    weight_dequant: Callable
+    stream: StreamUnit
+    tc: TcType | None
+
+    @property
+    def gtype(self) -> GGMLType:
+        return self.host.ggml_type
+
+
+def _entry(gtype: GGMLType, dequant, stream: StreamUnit, tc: TcType | None = None, layout: str = "stored",
+           weight_rows=stored_rows, weight_dequant=None) -> tuple[GGMLType, DeviceType]:
+    return gtype, DeviceType(FORMATS[gtype], dequant, layout, weight_rows, weight_dequant or dequant, stream, tc)
+
+
+DEVICE_TYPES: dict[GGMLType, DeviceType] = dict([
+    _entry(GGMLType.F32, dequant_f32, StreamUnit(f32_unit, 2, 2)),
+    _entry(GGMLType.F16, dequant_f16, StreamUnit(f16_unit, 3, 2)),
+    _entry(GGMLType.BF16, dequant_bf16, StreamUnit(bf16_unit, 3, 2),
+           TcType(fetch_bf16, put_bf16, fetch_scales_none, put_scales_none, TC_STEP_WORDS, False, False)),
+    _entry(GGMLType.Q8_0, dequant_q8_0, StreamUnit(q8_0_unit, 4, 2),
+           TcType(fetch_q8_0, put_q8_0, fetch_scales_q8_0, put_scales_q8_0, CHUNK // WORD, True, False),
+           "split", padded_split_q8_0, dequant_q8_0_split),
+    _entry(GGMLType.Q2_K, dequant_q2_k, StreamUnit(q2_k_unit, 4, 4),
+           TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, CHUNK // WORD, True, True)),
+])
+assert set(DEVICE_TYPES) == set(FORMATS)

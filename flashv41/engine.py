@@ -99,9 +99,9 @@ class Engine:
         select_backend()
         from numba import cuda
 
+        from flashv41.host.engram_hash_fast import FastEngramHasher
         from flashv41.stages.attention import AttentionStage
         from flashv41.stages.engram import EngramStage
-        from flashv41.stages.engram_hash import FastEngramHasher
         from flashv41.stages.hyper import HyperStage
 
         self._cuda = cuda

@@ -1,7 +1,7 @@
 """The engram sublayer on the device (SPEC.md 2.1): rows -> projection -> gate, in place on h.
 
 Shapes: T tokens, L = cols row ids per token, E = a table row's width (head_dim), C = dim, hc copies.
-- row ids int64 [T, L] of one layer, from the hash (stages.engram_hash, on the host);
+- row ids int64 [T, L] of one layer, from the hash (host.engram_hash_fast, on the host);
 - rows bf16 bits uint16 [T, L * E] (stages.engram_rows: the table on the device or on the host);
 - kv = rows @ wkv^T bf16 bits uint16 [T, C * (hc + 1)]: hc keys then the value (stages.linear:
   the stream GEMV for up to 8 tokens, reading the wkv rows directly; tc or gemm for more);
@@ -158,7 +158,7 @@ class EngramStage:
         w = self._weights(layer)
         t = self._check_tokens(n_tokens)
         mask = self._checked_mask(h_dev, t, token_mask_dev)
-        engram_gate(h_dev, self.kv, w.qk, mask, self.gates, t, self.eps, self.stream)
+        engram_gate(h_dev, self.kv, w.qk, self.eps, mask, self.gates, t, self.stream)
 
     def apply(self, layer: int, h_dev, row_ids: np.ndarray, n_tokens: int, token_mask_dev=None,
               capture: dict | None = None) -> None:

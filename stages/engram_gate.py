@@ -102,8 +102,9 @@ def check_hc(hc: int) -> None:
         raise UnsupportedError(f"the engram gate supports hc (hyper-connection copies) 1..{MAX_HC}, got {hc}")
 
 
-def engram_gate(h, kv, qk, mask, g_out, n_tokens: int, eps: float, stream=0, threads: int = GATE_THREADS) -> None:
+def engram_gate(h, kv, qk, eps: float, mask, g_out, n_tokens: int, stream=0, threads: int = GATE_THREADS) -> None:
     """h[:n_tokens] += g * value in place, g into g_out[:n_tokens] (shapes in the module docstring).
+    The oracle's engram_gate(h, kv, qk, eps, token_mask) takes the same first five arguments.
 
     `mask` is required here (the stage passes an all-ones one when the caller has none);
     `threads` overrides the block size (tests run the multi-warp reduction on the simulator).

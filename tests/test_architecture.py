@@ -82,3 +82,21 @@ def test_a_floor_refuses_its_bare_name():
     """Imported by its folder's name (from the checkout's root, say), a floor says what to import."""
     done = subprocess.run([sys.executable, "-c", "import host"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "import flashv41.host, not host" in done.stderr, done.stderr
+
+
+def test_each_block_layout_is_written_once():
+    """The sizes and field offsets of the multi-byte blocks (Q8_0: 34 bytes; Q2_K: 84 bytes, 21
+    32-bit words, d at byte 80, dmin at 82) appear as numbers in host/quants.py's table alone;
+    every other module reads them from its dtypes."""
+    from flashv41.host.quants import FORMATS, Q2_K_BLOCK, Q8_0_BLOCK, GGMLType, field_offset
+
+    layout = {Q8_0_BLOCK.itemsize, Q2_K_BLOCK.itemsize, Q2_K_BLOCK.itemsize // 4,
+              field_offset(Q2_K_BLOCK, "d"), field_offset(Q2_K_BLOCK, "dmin")}
+    assert layout == {34, 84, 21, 80, 82}
+    assert FORMATS[GGMLType.Q2_K].block_bytes == 84
+    table = ROOT / "host" / "quants.py"
+    wrong = [f"{path.relative_to(ROOT)}:{node.lineno} {node.value}"
+             for folder in FOLDERS for path in project_modules(folder) if path != table
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and type(node.value) is int and node.value in layout]
+    assert not wrong, "a block layout written outside host/quants.py:\n" + "\n".join(wrong)

@@ -16,13 +16,13 @@ from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
 import flashv41
 from flashv41.bench.engram import random_stored
+from flashv41.host.engram_hash_fast import FastEngramHasher
 from flashv41.host.numerics import F32, to_bits
 from flashv41.host.oracle import Oracle
 from flashv41.host.oracle.engram import engram_gate as oracle_gate
 from flashv41.host.quants import GGMLType, dequantize
 from flashv41.stages.engram import EngramStage
 from flashv41.stages.engram_gate import engram_gate
-from flashv41.stages.engram_hash import FastEngramHasher
 from flashv41.stages.linear import DeviceWeight
 from tests.bounds import assert_within
 from tests.test_engram_stages import _gate_inputs, check_apply, gate_bounds
@@ -95,7 +95,7 @@ def test_gate(t: int, hc: int, c: int) -> None:
     rng = np.random.default_rng(c)
     h, kv, qk, mask = _gate_inputs(rng, t, hc, c)
     h_dev, g_dev = cuda.to_device(h), cuda.device_array((t, hc), np.float32)
-    engram_gate(h_dev, cuda.to_device(to_bits(kv)), cuda.to_device(qk), cuda.to_device(mask), g_dev, t, 1e-20)
+    engram_gate(h_dev, cuda.to_device(to_bits(kv)), cuda.to_device(qk), 1e-20, cuda.to_device(mask), g_dev, t)
     h_ref, g_ref = oracle_gate(h, kv, qk, 1e-20, mask)
     dg, dh = gate_bounds(h, kv, qk, 1e-20, g_ref)
     g, out = g_dev.copy_to_host(), h_dev.copy_to_host()

@@ -1,7 +1,7 @@
 """The engram stages against the oracle, on the tiny preset (simulator-sized; the same tests at small
 and flash sizes are in tests/test_engram_gpu.py).
 
-- hash (stages.engram_hash): equal to host.engram_hash, element for element, for prefill, chunked
+- hash (host.engram_hash_fast): equal to host.engram_hash, element for element, for prefill, chunked
   prefill, decode, masks and unmapped ids, with the same errors;
 - rows (stages.engram_rows): bit-identical to host.oracle.engram.engram_rows, Q2_K / Q8_0 / BF16
   tables, both residencies;
@@ -27,6 +27,7 @@ from flashv41.bench.engram import engram_config
 from flashv41.cli import main
 from flashv41.host.engram_hash import EngramHasher
 from flashv41.host.engram_hash import hash_positions as oracle_hash_positions
+from flashv41.host.engram_hash_fast import FastEngramHasher, floor_mod, hash_positions
 from flashv41.host.errors import CapacityError, InputError, UnsupportedError
 from flashv41.host.numerics import F32, bf16, from_bits, to_bits
 from flashv41.host.numerics import linear as oracle_linear
@@ -37,7 +38,6 @@ from flashv41.host.quants import GGMLType
 from flashv41.stages.backend import using_simulator
 from flashv41.stages.engram import EngramStage
 from flashv41.stages.engram_gate import engram_gate
-from flashv41.stages.engram_hash import FastEngramHasher, floor_mod, hash_positions
 from flashv41.stages.engram_rows import RowWorkspace, TableRows
 from flashv41.stages.linear import pick_kernel
 from tests.bounds import assert_bf16_product, assert_within, split_terms
@@ -264,8 +264,8 @@ def test_gate_within_bound(t: int, hc: int, c: int, threads: int) -> None:
     eps = 1e-20
     h_dev = cuda.to_device(h)
     g_dev = cuda.device_array((t, hc), np.float32)
-    engram_gate(h_dev, cuda.to_device(to_bits(kv)), cuda.to_device(qk), cuda.to_device(mask.astype(np.uint8)),
-                g_dev, t, eps, threads=threads)
+    engram_gate(h_dev, cuda.to_device(to_bits(kv)), cuda.to_device(qk), eps, cuda.to_device(mask.astype(np.uint8)),
+                g_dev, t, threads=threads)
     h_ref, g_ref = oracle_gate(h, kv, qk, eps, mask)
     dg, dh = gate_bounds(h, kv, qk, eps, g_ref)
     g, out = g_dev.copy_to_host(), h_dev.copy_to_host()

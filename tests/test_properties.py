@@ -1,7 +1,7 @@
 """Property tests (hypothesis, seeded and small for CI) of the pieces the existing property tests
 leave out, each against an independent formulation:
 
-- the compiled engram hasher (stages.engram_hash.FastEngramHasher, float-reciprocal modulo) against
+- the compiled engram hasher (host.engram_hash_fast.FastEngramHasher, float-reciprocal modulo) against
   tests/test_engram_hash.py's scalar Python-integer hasher, on random engram configs with random
   token maps and primes up to 2^46 (the existing property test drives the NumPy oracle hasher
   only, with primes below 600);
@@ -26,11 +26,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
+from flashv41.host.engram_hash_fast import FastEngramHasher
 from flashv41.host.numerics import act_quant, bf16, from_bits, to_bits
 from flashv41.host.quants import GGMLType, dequantize, quantize
 from flashv41.stages import indexer  # noqa: E402
 from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
-from flashv41.stages.engram_hash import FastEngramHasher
 from tests.test_engram_hash import ScalarHasher, assert_ids_equal, engram_configs, streams
 from tests.test_numerics import E4M3_VALUES, e2m1_by_grid, e4m3_by_table
 from tests.test_oracle_attention import brute_select, config, patterns, role

@@ -12,7 +12,7 @@
 - `engram.rows.device`, `engram.gate`: the row gather + dequantisation and the gate alone, device
   work of one token; bound = the bytes they move / copy bandwidth (both are latency-bound at one
   token).
-- `engram.hash.64k` (P6): stages.engram_hash on a 64k-token prefill with the flash preset's two
+- `engram.hash.64k` (P6): host.engram_hash_fast on a 64k-token prefill with the flash preset's two
   engram layers, host clock; bound = the target rate (20 M token-layers/s), so ratio <= 1 meets it.
 
 The step rows run an EngramStage on a one-layer flash-dimension model written once into the
@@ -156,8 +156,8 @@ def step_case(wtype: str, residency: str) -> BenchCase:
     def run(ctx: BenchContext) -> list[BenchRow]:
         from numba import cuda
 
+        from flashv41.host.engram_hash_fast import FastEngramHasher
         from flashv41.stages.engram import EngramStage
-        from flashv41.stages.engram_hash import FastEngramHasher
 
         model = step_model(ctx.options)
         cfg = model.config
@@ -218,7 +218,7 @@ def step_case(wtype: str, residency: str) -> BenchCase:
 
 def hash_case() -> BenchCase:
     def run(ctx: BenchContext) -> list[BenchRow]:
-        from flashv41.stages.engram_hash import FastEngramHasher
+        from flashv41.host.engram_hash_fast import FastEngramHasher
 
         cfg = engram_config("flash")
         ids = np.random.default_rng(3).integers(0, cfg.token_map.shape[0], HASH_TOKENS)

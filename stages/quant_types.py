@@ -99,7 +99,7 @@ U1, U2, U3, U4, U8 = uint64(1), uint64(2), uint64(3), uint64(4), uint64(8)
 TWO_112 = float32(2.0**112)  # fp16's exponent bias (15) against fp32's (127)
 
 
-# ------------------------------------------------------------------ weight layouts (host side)
+# weight layouts (host side)
 
 
 def split_q8_0(stored: np.ndarray, k: int) -> np.ndarray:
@@ -124,7 +124,7 @@ def stored_rows(stored: np.ndarray, k: int) -> np.ndarray:
     return stored
 
 
-# ------------------------------------------------------------------------- chunk dequantisers
+# chunk dequantisers
 
 
 @device
@@ -189,7 +189,7 @@ def dequant_f32(w, row, chunk, out):
         out[i] = f32_from_bits(u)
 
 
-# ------------------------------------------------------------------- stream-unit helpers
+# stream-unit helpers
 
 if SIM:
     # the simulator runs these as Python for every value the stream kernel reads: table lookups
@@ -318,7 +318,7 @@ def x4_f32(x32, t, xo, v):
     return f32x4(x32, t, xo + v)
 
 
-# ----------------------------------------------------------------------------- stream units
+# stream units
 # Each factory returns the unit for up to `tokens` tokens of bf16 (x_bf16) or fp32 inputs. xo is
 # in input words, so an input value v of the row's slice is word xo + v / 2 (bf16) or xo + v.
 
@@ -482,7 +482,7 @@ def q2_k_unit(tokens: int, x_bf16: bool):
     return q2_k_unit_f32
 
 
-# ------------------------------------------------------------------------ tensor-core pieces
+# tensor-core pieces
 # Per weight type two pairs of helpers with one signature each; `ks` is the K step (CHUNK
 # values), w32 / w16 the weight rows viewed as 32- / 16-bit words [N, row words]:
 # - fetch(w32, w16, n, ks, c, k) -> (word, aux): word c of row n's stored words for the step;
@@ -588,7 +588,7 @@ def put_scales_q2_k(d_s, m_s, mins_s, r, ks, u, v):
     mins_s[r, ks % Q2_K_CHUNKS] = pack(bf16_int((u >> 4) & 15), bf16_int(u >> 12))
 
 
-# ---------------------------------------------------------------------------------- the table
+# the table
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """flashv41: DeepSeek-V4.1-Flash engram and attention layers on the GPU, from GGUF files.
 
-Public API: `load_model`, `Model`, `Engine` / `Sequence`, `ModelConfig`, `LayerRole`,
-`EngramConfig` and the errors.
+Public API: `load_model`, `builtin_model` (the built-in tiny model's path), `Model`, `Engine` /
+`Sequence`, `ModelConfig`, `LayerRole`, `EngramConfig` and the errors.
 """
 
 from flashv41.engine import Engine, Sequence
@@ -16,6 +16,7 @@ from flashv41.host.errors import (
 )
 from flashv41.host.model import Model
 from flashv41.model import load_model
+from flashv41.runner import builtin_model
 
 __all__ = [
     "CapacityError",
@@ -30,6 +31,7 @@ __all__ = [
     "Sequence",
     "SequenceStateError",
     "UnsupportedError",
+    "builtin_model",
     "load_model",
 ]
 __version__ = "0.1.0"

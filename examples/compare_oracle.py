@@ -30,8 +30,8 @@ import numpy as np
 import flashv41
 from flashv41.check import COSINE, MAX_FLIP_SHARE, REL_RMS, Flips, LayerAgreement, compare_call
 from flashv41.host.oracle import Oracle
-from flashv41.runner import open_model, random_tokens
-from flashv41.stages.backend import backend_name
+from flashv41.host.progress import Progress
+from flashv41.runner import backend_description, open_model, random_tokens
 
 HEADER = (f"{'call':<20} {'layer':>5}  {'role':<26} {'cosine':>12} {'rel rms':>9} {'max |err|':>9}  "
           f"{'flips':>11}  ok")
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # a small model launches small grids, and on a GPU Numba warns about each one's occupancy
     warnings.filterwarnings("ignore", message=".*GPU under-utilization")
+    print(f"kernels on: {backend_description()}")  # before anything slow: the simulator takes seconds a call
     model = open_model(args.model)
     try:
         cfg = model.config
@@ -65,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
         steps = random_tokens(cfg.vocab_size, args.steps, args.seed, 1)
         max_seq = prompt.size + steps.size
         print(f"model: {model.path} ({cfg.describe()})")
-        print(f"kernels on: {backend_name()}")
         print(f"bounds: cosine >= {COSINE} and rel rms <= {REL_RMS} per layer; engram row ids and attended "
               f"selections equal; flips of each kind <= {MAX_FLIP_SHARE:.0%} of a call's values (or one)")
         oracle = Oracle(model, max_seq=max_seq)
@@ -77,15 +77,18 @@ def main(argv: list[str] | None = None) -> int:
             print(HEADER)
             failed = 0
             run = Flips()
-            for name, ids in calls:
-                _, call = compare_call(seq, ref, ids)
-                for role, agreement in zip(cfg.roles, call.layers, strict=True):
-                    print(row(name, role, agreement))
-                    failed += not agreement.close
-                run.add(call.flips)
-                if not call.flips.rare:
-                    print(f"{name}: FAIL: flips not rare: {call.flips.describe()}")
-                    failed += 1
+            with Progress("engine and oracle", len(calls), "call", "calls") as progress:
+                for name, ids in calls:
+                    _, call = compare_call(seq, ref, ids)
+                    progress.update()
+                    with progress.paused():  # the rows print above the bar (which is on stderr)
+                        for role, agreement in zip(cfg.roles, call.layers, strict=True):
+                            print(row(name, role, agreement))
+                            failed += not agreement.close
+                        if not call.flips.rare:
+                            print(f"{name}: FAIL: flips not rare: {call.flips.describe()}")
+                            failed += 1
+                    run.add(call.flips)
             seq.release()
             ref.release()
             print(f"flips over the run (the engine's choices the oracle went on with): {run.describe()}")

@@ -27,8 +27,8 @@ import warnings
 from pathlib import Path
 
 import flashv41
-from flashv41.runner import open_model, random_tokens, stage_table
-from flashv41.stages.backend import backend_name
+from flashv41.host.progress import Progress
+from flashv41.runner import backend_description, open_model, random_tokens, stage_table
 
 
 def report(step_s: list[float], position: int, stage_seconds: dict[str, float] | None) -> None:
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # a small model launches small grids, and on a GPU Numba warns about each one's occupancy
     warnings.filterwarnings("ignore", message=".*GPU under-utilization")
+    print(f"kernels on: {backend_description()}")  # before anything slow: the simulator takes seconds a step
     model = open_model(args.model)
     try:
         cfg = model.config
@@ -70,25 +71,28 @@ def main(argv: list[str] | None = None) -> int:
         tokens = random_tokens(cfg.vocab_size, args.steps, args.seed, 1)
         max_seq = prompt.size + tokens.size
         print(f"model: {model.path} ({cfg.describe()})")
-        print(f"kernels on: {backend_name()}")
         engine = flashv41.Engine(model, max_seq=max_seq, max_tokens=min(args.max_tokens, max_seq),
                                  profile=not args.no_profile)
         try:
             seq = engine.new_sequence()
-            start = time.perf_counter()
-            seq.prefill(prompt)
-            prefill_s = time.perf_counter() - start
+            with Progress(f"prefill of {prompt.size} tokens", 1, "call", "calls") as progress:
+                start = time.perf_counter()
+                seq.prefill(prompt)
+                prefill_s = time.perf_counter() - start
+                progress.update()
             print(f"prefill: {prompt.size} tokens in {prefill_s * 1e3:.1f} ms ({prompt.size / prefill_s:.1f} tokens/s; "
                   "on a GPU the first call compiles the kernels)")
 
             engine.stage_seconds.clear()  # the stage table covers decode steps only
             step_s = []
-            for i, token in enumerate(tokens):
-                if i == 1:
-                    engine.stage_seconds.clear()  # and only the steady-state ones when there are any
-                start = time.perf_counter()
-                h = seq.decode(int(token))  # [1, hc, dim]: its download waits for the step to finish
-                step_s.append(time.perf_counter() - start)
+            with Progress("decode", tokens.size, "step", "steps") as progress:  # on stderr, outside the timing
+                for i, token in enumerate(tokens):
+                    if i == 1:
+                        engine.stage_seconds.clear()  # and only the steady-state ones when there are any
+                    start = time.perf_counter()
+                    h = seq.decode(int(token))  # [1, hc, dim]: its download waits for the step to finish
+                    step_s.append(time.perf_counter() - start)
+                    progress.update()
             report(step_s, prompt.size, engine.stage_seconds if engine.profile else None)
             print(f"final highway [{', '.join(str(n) for n in h.shape)}] at position {seq.position - 1}")
             seq.release()  # frees the sequence's caches; the engine could start another

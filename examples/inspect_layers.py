@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import flashv41
-from flashv41.runner import open_model, random_tokens
-from flashv41.stages.backend import backend_name
+from flashv41.runner import backend_description, open_model, random_tokens
 
 
 def rms(a: np.ndarray) -> float:
@@ -63,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # a small model launches small grids, and on a GPU Numba warns about each one's occupancy
     warnings.filterwarnings("ignore", message=".*GPU under-utilization")
+    print(f"kernels on: {backend_description()}")  # before anything slow
     model = open_model(args.model)
     try:
         cfg = model.config
         prompt = random_tokens(cfg.vocab_size, args.prompt_len, args.seed, 0)
         print(f"model: {model.path} ({cfg.describe()})")
-        print(f"kernels on: {backend_name()}")
         print(f"prompt: {prompt.size} tokens (seed {args.seed})")
         with flashv41.Engine(model, max_seq=prompt.size, max_tokens=prompt.size) as engine:
             seq = engine.new_sequence()

@@ -14,8 +14,8 @@ So a call is compared from identical starting points, choice for choice:
   a flip is one quantised value, one selected position (a row's selections compared as sets) or
   one candidate-mask position that differs.
 
-Then every layer's output highway must agree to cosine >= COSINE and relative RMS <= REL_RMS
-(SPEC.md 4), flips or not; the engram row ids and the selection each later layer attended (the one
+Then every layer's output highway must agree to cosine >= COSINE and relative RMS <= REL_RMS,
+flips or not; the engram row ids and the selection each later layer attended (the one
 the shared runtime hands down) must be equal; the layer's attention state after the call must be
 the oracle's (window ring and both caches bit for bit, since every row in them is a choice the
 oracle took from the engine: a row written to the wrong slot shows here, even though the next call

@@ -2,9 +2,12 @@
 
 Each subcommand is a pair of functions: `add_<name>_command(subparsers)` declares its arguments
 and `<name>_command(args) -> int` runs it; `SUBCOMMANDS` lists the declarers, so adding a command
-is adding a pair and one entry. Errors flashv41 raises on purpose (`FlashError`) print as one line,
-`flashv41: error: <message>`, with exit status 2; operating-system errors (a full disk, a
-directory that cannot be written) likewise with status 1. `main(argv)` returns the status
+is adding a pair and one entry. Every error is one line on stderr: a bad argument as argparse
+words it, `flashv41: error: argument --seed: ...` (exit 2; numbers are checked as they are
+parsed, so nothing runs first); an error flashv41 raises on purpose (`FlashError`) as
+`flashv41: error: <message>` (exit 2); an operating-system error (a full disk, a folder that
+cannot be written) likewise with exit 1; Ctrl-C as `flashv41: interrupted` (exit 130, after the
+work under way has cleaned up: synth leaves no partial file). `main(argv)` returns the status
 instead of exiting, so the CLI can be driven from Python.
 """
 
@@ -16,21 +19,55 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
+
+import numpy as np
 
 from flashv41 import __version__
 from flashv41.host.config import ModelConfig
 from flashv41.host.errors import FlashError
 from flashv41.host.model import Model
-from flashv41.memory import TABLE_RESIDENCIES, estimate_memory, format_bytes
-from flashv41.model import load_model
+from flashv41.memory import DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES, estimate_memory, format_bytes
 
 WRITABLE_WEIGHT_TYPES = ("BF16", "Q8_0", "Q2_K")
 WRITABLE_TABLE_TYPES = ("Q2_K", "Q8_0", "BF16")
-# a write shorter than this prints no progress lines, only the closing summary
-PROGRESS_AFTER_S = 2.0
+INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
 
 
-def add_synth_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+class Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line, `flashv41: error: message`, without the usage
+    block above it: the same shape as every other flashv41 error, whichever subcommand's parser
+    found it (its prog is "flashv41 run"; the usage is a --help away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog.split()[0]}: error: {message}\n")
+
+
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `least`, or an error naming the value given."""
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    return whole_number
+
+
+def token_list(text: str) -> np.ndarray:
+    """An argparse type: --tokens' comma-separated ids (flashv41.runner.parse_tokens)."""
+    from flashv41.runner import parse_tokens
+
+    try:
+        return parse_tokens(text)
+    except FlashError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_synth_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
     from flashv41.host.synth import PRESETS
 
     p = subparsers.add_parser(
@@ -46,60 +83,61 @@ def add_synth_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                    help="type of the dense matrices and the embedding (default Q8_0)")
     p.add_argument("--table-type", choices=WRITABLE_TABLE_TYPES, default=None,
                    help="type of the engram tables (default: the preset's, Q2_K where rows are 256 wide)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    p.add_argument("--seed", type=at_least(0), default=0, help="random seed of the weights (default 0)")
     p.add_argument("--engram-rows", type=int, default=None, metavar="N",
-                   help="about N rows per engram table (default: the preset's)")
+                   help="about N rows per engram table (default: the preset's; at least the preset's smallest "
+                        "table: a distinct prime of at least 2 rows per n-gram order and head)")
     p.set_defaults(handler=synth_command)
 
 
 def synth_command(args: argparse.Namespace) -> int:
-    from flashv41.host.synth import PRESETS, print_progress, write_synthetic
+    from flashv41.host.synth import PRESETS, progress_bar, write_synthetic
 
     overrides = {} if args.engram_rows is None else {"engram_rows": args.engram_rows}
     table_type = args.table_type or PRESETS[args.preset].default_table_type
     start = time.monotonic()
-    printer = print_progress(f"writing {args.output.name}")
-
-    def progress(name: str, done: int, total: int) -> None:
-        if time.monotonic() - start >= PROGRESS_AFTER_S:
-            printer(name, done, total)
-
-    path = write_synthetic(args.output, args.preset, weight_type=args.weight_type, table_type=table_type,
-                           seed=args.seed, progress=progress, **overrides)
+    with progress_bar(f"writing {args.output.name}") as progress:
+        path = write_synthetic(args.output, args.preset, weight_type=args.weight_type, table_type=table_type,
+                               seed=args.seed, progress=progress, **overrides)
     elapsed = time.monotonic() - start
     print(f"wrote {path} ({format_bytes(path.stat().st_size)}) in {elapsed:.2f} s: preset {args.preset}, "
           f"weights {args.weight_type}, engram tables {table_type}, seed {args.seed}")
     return 0
 
 
-def add_info_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_info_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
     p = subparsers.add_parser(
         "info", help="show a GGUF model's configuration, layer roles, tensors and memory estimate",
         description="Load and validate a DeepSeek-V4.1 GGUF (llama.cpp layout) and describe it.",
     )
     p.add_argument("model", type=Path, metavar="FILE.gguf")
-    p.add_argument("--max-seq", type=int, default=None, metavar="N",
-                   help="positions per sequence for the memory estimate "
-                        "(default: the model's context length)")
-    p.add_argument("--max-tokens", type=int, default=512, metavar="N",
-                   help="tokens per forward chunk for the memory estimate (default 512)")
+    p.add_argument("--max-seq", type=at_least(1), default=None, metavar="N",
+                   help="positions per sequence for the memory estimate, up to the model's context length "
+                        "(default: the context length)")
+    p.add_argument("--max-tokens", type=at_least(1), default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help=f"tokens per forward chunk for the memory estimate (default {DEFAULT_MAX_TOKENS}, "
+                        "as `flashv41 run`)")
     p.add_argument("--table-residency", choices=TABLE_RESIDENCIES, default="device",
                    help="where the engram tables live (default device)")
     p.set_defaults(handler=info_command)
 
 
 def info_command(args: argparse.Namespace) -> int:
-    model = load_model(args.model)
+    from flashv41.runner import open_model
+
+    model = open_model(args.model)
     try:
         cfg = model.config
         max_seq = args.max_seq if args.max_seq is not None else cfg.context_length
+        # first, so that a refused estimate prints its error alone, not after the whole listing
+        estimate = estimate_memory(cfg, model.weights, max_seq, args.max_tokens, args.table_residency)
         print(describe_config(model))
         print()
         print(describe_roles(cfg))
         print()
         print(describe_tensors(model))
         print()
-        print(estimate_memory(cfg, model.weights, max_seq, args.max_tokens, args.table_residency).table())
+        print(estimate.table())
     finally:
         model.close()
     return 0
@@ -232,20 +270,21 @@ def describe_tensors(model: Model) -> str:
     return "\n".join(lines)
 
 
-def add_bench_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_bench_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
     from flashv41.bench import MIN_REPS, BenchOptions
 
     defaults = BenchOptions()
     p = subparsers.add_parser(
-        "bench", help="measure the PERF.md rows on the GPU (copy bandwidth, GEMVs, engram steps, hash)",
-        description="Run the benchmark rows (PERF.md) on the GPU: the copy bandwidth first, then every "
-                    "selected row with its median time, bytes, bound and ratio. Needs a CUDA GPU.",
+        "bench", help="time the stages on the GPU against their bounds (copy bandwidth, GEMVs, engram steps, "
+                      "hash; docs/performance.md)",
+        description="Run the benchmark rows of docs/performance.md on the GPU: the copy bandwidth first, then "
+                    "every selected row with its median time, bytes, bound and ratio. Needs a CUDA GPU.",
     )
     p.add_argument("--rows", nargs="+", default=[], metavar="PATTERN",
                    help="row names or fnmatch patterns to run (e.g. 'engram.wkv*'); default all")
     p.add_argument("--weight-type", nargs="+", default=list(defaults.weight_types), choices=WRITABLE_WEIGHT_TYPES,
                    dest="weight_types", help="weight types of the GEMV and step rows (default Q8_0 Q2_K BF16)")
-    p.add_argument("--reps", type=int, default=defaults.reps, metavar="N",
+    p.add_argument("--reps", type=at_least(MIN_REPS), default=defaults.reps, metavar="N",
                    help=f"timed repetitions per row, the median is reported (default and minimum {MIN_REPS})")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--workdir", type=Path, default=defaults.workdir, metavar="DIR",
@@ -262,7 +301,7 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_run_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_run_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
     p = subparsers.add_parser(
         "run", help="run one sequence (prefill, then decode steps) and summarise the final highway",
         description="Prefill a prompt, decode N more tokens one at a time, and print the timings and "
@@ -273,24 +312,27 @@ def add_run_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
                    help="the model (default: the built-in tiny model)")
     p.add_argument("--oracle", action="store_true", help="run the NumPy oracle (CPU) instead of the GPU engine")
     prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--tokens", default=None, metavar="ID,ID,...", help="the prompt's token ids")
-    prompt.add_argument("--prompt-len", type=int, default=8, metavar="N",
+    prompt.add_argument("--tokens", type=token_list, default=None, metavar="ID,ID,...",
+                        help="the prompt's token ids")
+    prompt.add_argument("--prompt-len", type=at_least(1), default=8, metavar="N",
                         help="a random prompt of N tokens from --seed (default 8)")
-    p.add_argument("--decode", type=int, default=4, metavar="N", help="decode steps after the prompt (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt and decode tokens (default 0)")
+    p.add_argument("--decode", type=at_least(0), default=4, metavar="N",
+                   help="decode steps after the prompt (default 4)")
+    p.add_argument("--seed", type=at_least(0), default=0,
+                   help="seed of the random prompt and decode tokens (default 0)")
     p.add_argument("--check", action="store_true",
                    help="also compare every layer's output with the NumPy oracle (exit 1 below cosine 0.99999)")
     p.set_defaults(handler=run_command)
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from flashv41.runner import parse_tokens, run_model
+    from flashv41.runner import run_model
 
-    tokens = None if args.tokens is None else parse_tokens(args.tokens)
-    return run_model(args.model, args.oracle, tokens, args.prompt_len, args.decode, args.seed, check=args.check)
+    return run_model(args.model, args.oracle, args.tokens, args.prompt_len, args.decode, args.seed,
+                     check=args.check)
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[Parser]], None], ...] = (
     add_synth_command,
     add_info_command,
     add_run_command,
@@ -299,7 +341,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="flashv41",
         description="DeepSeek-V4.1-Flash engram and attention layers on the GPU (Numba-CUDA), "
                     "from GGUF files.",
@@ -326,3 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # the handlers' finally blocks have run by now: files closed, partial writes removed
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED

@@ -10,7 +10,7 @@ that runs a chunk of tokens through the layer stack.
     seq.release()                   # frees its device state; the engine stays usable
     engine.close()
 
-Per layer, in order (SPEC.md 2): engram (hash once per call for all engram layers -> rows ->
+Per layer, in the V4.1 order: engram (hash once per call for all engram layers -> rows ->
 projection -> gate) -> attention mixes, hc_pre + attn_norm -> attention -> hc_post -> the FFN
 sublayer as a zero output with its own mixes, whose `pre` is the next layer's pre-mix.
 
@@ -172,8 +172,8 @@ class Engine:
             raise SequenceStateError("this engine was closed")
 
     def _build_plan(self) -> Plan:
-        """Every step of a call, once (SPEC.md 2): the host part (token ids, the engram hash, each
-        engram layer's rows), the embedding, each layer's engram -> hc_pre + attn_norm ->
+        """Every step of a call, once, in the V4.1 order: the host part (token ids, the engram hash,
+        each engram layer's rows), the embedding, each layer's engram -> hc_pre + attn_norm ->
         attention -> hc_post -> the FFN sublayer as a zero output, and the highway's download."""
         cfg, hyper, attention, engram = self.cfg, self.hyper, self.attention, self.engram
         h, x, a = self.h, self.x, self.a

@@ -10,7 +10,7 @@
 
 The workspace figure is a rough estimate from the largest buffers a forward pass needs, not the
 engine's allocation: it is to be replaced by the engine's own allocation report once the engine
-exists. Weights and state follow SPEC.md's layouts exactly.
+exists. Weights and state are exact: the tensors' stored sizes and the caches' shapes.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from dataclasses import dataclass
 
 from flashv41.host import gguf_layout as L
 from flashv41.host.config import LayerRole, ModelConfig
-from flashv41.host.errors import InputError
+from flashv41.host.errors import CapacityError, InputError
 from flashv41.host.gguf_model import WeightStore
 
 TABLE_RESIDENCIES = ("device", "host")
+# tokens per forward chunk where the caller does not say: `flashv41 run`'s engine and `info`'s estimate
+DEFAULT_MAX_TOKENS = 256
 BF16_BYTES = 2
 FP32_BYTES = 4
 INT64_BYTES = 8
@@ -157,6 +159,9 @@ def estimate_memory(config: ModelConfig, weights: WeightStore, max_seq: int, max
     if max_seq < 1 or max_tokens < 1:
         raise InputError(f"max_seq and max_tokens must be >= 1, got max_seq {max_seq}, "
                          f"max_tokens {max_tokens}")
+    # the Engine's refusal, in its words: an estimate for an engine that cannot be built is no use
+    if max_seq > config.context_length:
+        raise CapacityError(f"max_seq {max_seq} exceeds the model's context length {config.context_length}")
     if table_residency not in TABLE_RESIDENCIES:
         raise InputError(f"table_residency must be one of {', '.join(TABLE_RESIDENCIES)}, "
                          f"got {table_residency!r}")

@@ -6,6 +6,11 @@ oracle (`host.oracle.Oracle`) or the GPU engine (`flashv41.engine.Engine`), so `
 one place that chooses. Without a model file the built-in tiny synthetic model is used, written once
 into the cache directory (`$FLASHV41_CACHE`, else `$XDG_CACHE_HOME/flashv41`, else
 `~/.cache/flashv41`) and rewritten when it is missing or unreadable.
+
+What `flashv41 run` prints: the results and the stage table on stdout; on stderr, before any long
+work, where the kernels run (the GPU's name, or the CUDA simulator), then the engine's set-up and
+the progress of the prefill chunks, the decode steps and the check (host.progress: a bar on a
+terminal, a line now and then elsewhere).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import numpy as np
 
 from flashv41.host.errors import CapacityError, FlashError, InputError
 from flashv41.host.model import Model
+from flashv41.host.progress import Progress
+from flashv41.host.tokens import check_tokens
+from flashv41.memory import DEFAULT_MAX_TOKENS
 from flashv41.model import load_model
 
 CACHE_ENV = "FLASHV41_CACHE"
@@ -57,7 +65,7 @@ def _stderr(line: str) -> None:
 
 def builtin_model(cache: Path | None = None, log: Callable[[str], None] = _stderr) -> Path:
     """The built-in tiny model's path, writing it first (atomically) if it is missing or unreadable."""
-    from flashv41.host.synth import write_synthetic
+    from flashv41.host.synth import progress_bar, write_synthetic
 
     folder = cache if cache is not None else cache_dir()
     path = folder / BUILTIN_NAME
@@ -70,7 +78,8 @@ def builtin_model(cache: Path | None = None, log: Callable[[str], None] = _stder
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"{BUILTIN_NAME}.{os.getpid()}.tmp"
     try:
-        write_synthetic(tmp, "tiny")
+        with progress_bar("writing the built-in tiny model") as progress:
+            write_synthetic(tmp, "tiny", progress=progress)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -78,7 +87,14 @@ def builtin_model(cache: Path | None = None, log: Callable[[str], None] = _stder
     return path
 
 
-def make_runner(model: Model, oracle: bool, max_seq: int, max_tokens: int = 256) -> Runner:
+def backend_description() -> str:
+    """Where the engine's kernels run, in words: the GPU's name, or 'CUDA simulator (CPU), no GPU found'."""
+    from flashv41.stages.backend import backend_name, using_simulator
+
+    return backend_name() + (", no GPU found" if using_simulator() else "")
+
+
+def make_runner(model: Model, oracle: bool, max_seq: int, max_tokens: int = DEFAULT_MAX_TOKENS) -> Runner:
     """The NumPy oracle, or the engine (on the GPU, or on the CUDA simulator without one) with
     per-stage timing on."""
     if oracle:
@@ -114,22 +130,24 @@ def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded:
     worst_cos, worst_err, flips, ok = [1.0] * n, [0.0] * n, [0] * n, True
     failures: list[str] = []
     run = Flips()
+    start = max(0, prompt.size - engine.max_tokens)
+    calls = [prompt[start:]] + [np.array([t]) for t in decoded]
     try:
-        start = max(0, prompt.size - engine.max_tokens)
         if start:
             seq.prefill(prompt[:start])
             ref.prefill(prompt[:start])
-        calls = [prompt[start:]] + [np.array([t]) for t in decoded]
-        for k, ids in enumerate(calls):
-            _, call = compare_call(seq, ref, ids)
-            for a in call.layers:
-                worst_cos[a.layer] = min(worst_cos[a.layer], a.cosine)
-                worst_err[a.layer] = max(worst_err[a.layer], a.max_error)
-                flips[a.layer] += a.flips.total
-            run.add(call.flips)
-            if not call.ok:
-                ok = False
-                failures.append(f"  call {k} ({'prefill' if k == 0 else 'decode'}): {call.describe()}")
+        with Progress("check against the oracle", len(calls), "call", "calls") as progress:
+            for k, ids in enumerate(calls):
+                _, call = compare_call(seq, ref, ids)
+                progress.update()
+                for a in call.layers:
+                    worst_cos[a.layer] = min(worst_cos[a.layer], a.cosine)
+                    worst_err[a.layer] = max(worst_err[a.layer], a.max_error)
+                    flips[a.layer] += a.flips.total
+                run.add(call.flips)
+                if not call.ok:
+                    ok = False
+                    failures.append(f"  call {k} ({'prefill' if k == 0 else 'decode'}): {call.describe()}")
     finally:
         seq.release()
     if not run.rare:
@@ -146,20 +164,36 @@ def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded:
     return lines, ok
 
 
+INT64_MAX = int(np.iinfo(np.int64).max)
+
+
 def parse_tokens(text: str) -> np.ndarray:
-    """'1,2,3' -> int64 ids."""
-    try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise InputError(f"--tokens takes comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise InputError("--tokens is empty")
+    """'1,2,3' -> int64 ids (spaces around an id are fine); InputError naming the first item that is
+    empty, not an integer, or too large for int64. Whether an id is in the vocabulary is the
+    model's to say (host.tokens.check_tokens)."""
+    ids = []
+    for k, part in enumerate(text.split(","), start=1):
+        item = part.strip()
+        if not item:
+            raise InputError(f"item {k} of {text!r} is empty (ids are comma-separated integers, e.g. 1,2,3)")
+        try:
+            value = int(item)
+        except ValueError:
+            raise InputError(f"item {k} of {text!r}, {item!r}, is not an integer (ids are comma-separated "
+                             "integers)") from None
+        if abs(value) > INT64_MAX:
+            raise InputError(f"item {k} of {text!r}, {item}, is too large for a token id")
+        ids.append(value)
     return np.array(ids, np.int64)
 
 
 def open_model(path: Path | None) -> Model:
     """The model at `path`, or the built-in tiny model (written first if need be) when it is None."""
-    return load_model(path if path is not None else builtin_model())
+    if path is None:
+        return load_model(builtin_model())
+    if path.is_dir():
+        raise InputError(f"{path} is a directory, not a GGUF model file")
+    return load_model(path)
 
 
 def random_tokens(vocab: int, count: int, seed: int, stream: int) -> np.ndarray:
@@ -174,22 +208,39 @@ class RunResult:
     highway: np.ndarray  # [prompt + decode, hc, dim] fp32: every position's final highway
     prefill_s: float
     decode_s: float
+    prefill_calls: int = 1
+
+
+def prefill_chunk(runner: Runner, prompt: np.ndarray) -> int:
+    """Tokens per prefill call: the engine's max_tokens (it would chunk the prompt so itself), or
+    the whole prompt for a runner without one (the oracle)."""
+    return int(getattr(runner, "max_tokens", prompt.size))
 
 
 def run_sequence(runner: Runner, prompt: np.ndarray, decoded: np.ndarray) -> RunResult:
-    """Prefill `prompt` in one call, then decode `decoded` one token at a time."""
+    """Prefill `prompt` in chunks of `prefill_chunk` tokens, then decode `decoded` one token at a
+    time, the progress of each shown on stderr (host.progress)."""
+    chunk = prefill_chunk(runner, prompt)
+    n_chunks = -(-prompt.size // chunk)
     seq = runner.new_sequence()
     try:
+        outs = []
         start = time.perf_counter()
-        outs = [np.asarray(seq.prefill(prompt))]
+        with Progress(f"prefill of {prompt.size} tokens", n_chunks, "chunk", "chunks") as progress:
+            for s in range(0, prompt.size, chunk):
+                outs.append(np.asarray(seq.prefill(prompt[s:s + chunk])))
+                progress.update()
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
-        for token in decoded:
-            outs.append(np.asarray(seq.decode(int(token))))
+        if decoded.size:
+            with Progress("decode", decoded.size, "step", "steps") as progress:
+                for token in decoded:
+                    outs.append(np.asarray(seq.decode(int(token))))
+                    progress.update()
         decode_s = time.perf_counter() - start
     finally:
         seq.release()
-    return RunResult(prompt, decoded, np.concatenate(outs, axis=0), prefill_s, decode_s)
+    return RunResult(prompt, decoded, np.concatenate(outs, axis=0), prefill_s, decode_s, n_chunks)
 
 
 def highway_stats(h: np.ndarray) -> str:
@@ -208,6 +259,12 @@ def _ids(ids: np.ndarray, shown: int = 12) -> str:
     return "[" + ", ".join(values) + "]"
 
 
+def _per_second(count: int, seconds: float) -> str:
+    """A rate with the digits it needs: 0.777, 12.3, 195."""
+    rate = count / max(seconds, 1e-9)
+    return f"{rate:.0f}" if rate >= 100 else f"{rate:.3g}"
+
+
 def _rate(count: int, seconds: float, unit: str) -> str:
     if count == 0:
         return "none"
@@ -220,14 +277,15 @@ def report(model: Model, runner_name: str, result: RunResult, seed: int) -> list
     cfg = model.config
     roles = ", ".join(f"{r.layer} {r.block_type}{'+engram' if r.engram else ''}" for r in cfg.roles)
     h = result.highway
+    calls = "one call" if result.prefill_calls == 1 else f"{result.prefill_calls} calls"
     return [
         f"model: {model.path} ({cfg.describe()})",
         f"roles: {roles}",
         f"runner: {runner_name}",
         f"tokens: prompt {result.prompt.size} {_ids(result.prompt)}, decode {result.decoded.size} "
         f"{_ids(result.decoded)} (seed {seed})",
-        f"prefill: {result.prompt.size} tokens in one call, {result.prefill_s:.3f} s "
-        f"({result.prompt.size / max(result.prefill_s, 1e-9):.0f} tokens/s)",
+        f"prefill: {result.prompt.size} tokens in {calls}, {result.prefill_s:.3f} s "
+        f"({_per_second(result.prompt.size, result.prefill_s)} tokens/s)",
         f"decode: {_rate(result.decoded.size, result.decode_s, 'step')}",
         f"final highway [{', '.join(str(n) for n in h.shape)}] fp32: {highway_stats(h)}",
         f"last position: {highway_stats(h[-1])}",
@@ -236,29 +294,31 @@ def report(model: Model, runner_name: str, result: RunResult, seed: int) -> list
 
 def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, prompt_len: int, n_decode: int,
               seed: int, out: Callable[[str], None] = print, check: bool = False) -> int:
-    """The whole `flashv41 run`; returns the exit status."""
-    if prompt_len < 1 or n_decode < 0:
-        raise InputError(f"--prompt-len must be >= 1 and --decode >= 0, got {prompt_len} and {n_decode}")
+    """The whole `flashv41 run`; returns the exit status. Everything is checked before any work
+    starts, so a bad argument costs no time and prints nothing but its error."""
+    if prompt_len < 1 or n_decode < 0 or seed < 0:
+        raise InputError(f"--prompt-len must be >= 1, --decode >= 0 and --seed >= 0, got {prompt_len}, "
+                         f"{n_decode} and {seed}")
+    if check and oracle:
+        raise InputError("--check compares the engine with the oracle; it cannot be combined with --oracle")
     model = open_model(model_path)
     try:
         cfg = model.config
-        prompt = tokens if tokens is not None else random_tokens(cfg.vocab_size, prompt_len, seed, 0)
-        decoded = random_tokens(cfg.vocab_size, n_decode, seed, 1)
-        max_seq = prompt.size + n_decode
-        if max_seq > cfg.context_length:
-            raise CapacityError(f"{prompt.size} prompt tokens and {n_decode} decode steps exceed the model's "
+        n_prompt = tokens.size if tokens is not None else prompt_len
+        if n_prompt + n_decode > cfg.context_length:
+            raise CapacityError(f"{n_prompt} prompt tokens and {n_decode} decode steps exceed the model's "
                                 f"context length {cfg.context_length}")
-        if check and oracle:
-            raise InputError("--check compares the engine with the oracle; it cannot be combined with --oracle")
-        runner = make_runner(model, oracle, max_seq)
+        if tokens is not None:
+            prompt, _ = check_tokens(tokens, None, cfg.vocab_size)
+        else:
+            prompt = random_tokens(cfg.vocab_size, prompt_len, seed, 0)
+        decoded = random_tokens(cfg.vocab_size, n_decode, seed, 1)
+        name = "NumPy oracle" if oracle else f"engine on {backend_description()}"
+        _stderr(f"runner: {name}")
+        runner = make_runner(model, oracle, prompt.size + n_decode)
         status = 0
         try:
             result = run_sequence(runner, prompt, decoded)
-            name = "NumPy oracle"
-            if not oracle:
-                from flashv41.stages.backend import backend_name, using_simulator
-
-                name = f"engine on {backend_name()}" + (" (no GPU found)" if using_simulator() else "")
             for line in report(model, name, result, seed):
                 out(line)
             seconds = getattr(runner, "stage_seconds", None)
@@ -278,4 +338,3 @@ def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, 
     finally:
         model.close()
     return status
-

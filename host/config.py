@@ -14,7 +14,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class LayerRole:
-    """What one attention layer is in the shared runtime (SPEC.md 2.2).
+    """What one attention layer is in the shared runtime.
 
     ratio: 0 = sliding window only; 1 or 2 = window plus compressed rows chosen by an indexer.
     kv_source: owns a compressor and index keys and publishes both caches.
@@ -48,7 +48,7 @@ class LayerRole:
 
 @dataclass(frozen=True, eq=False)
 class EngramConfig:
-    """The n-gram hash (SPEC.md 2.1) and table geometry.
+    """The engram n-gram hash and table geometry.
 
     layer_ids: the model layers with an engram sublayer, in hash order.
     multipliers: int64 [layers, max_ngram]; primes, offsets: int64 [layers, max_ngram - 1, heads].

@@ -1,4 +1,4 @@
-"""The engram n-gram hash (SPEC.md 2.1), integer-exact, vectorised NumPy: the oracle's hasher.
+"""The engram n-gram hash, integer-exact, vectorised NumPy: the oracle's hasher.
 
 For position p and shift s = 0..max_ngram-1 the look-back token is the compressed id at p - s;
 once p - s < 0 or a looked-back id is -1 (unmapped or masked), that shift and every farther one

@@ -1,7 +1,7 @@
-"""The engram n-gram hash (SPEC.md 2.1, step 1) on the host, compiled: row ids for the GPU stages.
+"""The engram n-gram hash (the engram sublayer's first step) on the host, compiled: row ids for the GPU stages.
 
 Same math, same interface and same errors as host.engram_hash (the oracle, vectorised NumPy), in a
-`numba.njit` loop that is fast enough for long prefills (PERF.md P6: >= 20 M token-layers/s on a
+`numba.njit` loop that is fast enough for long prefills (docs/performance.md P6: >= 20 M token-layers/s on a
 64k-token prefill). For position p and shift s = 0..max_ngram-1 the look-back token is the
 compressed id at p - s; once p - s < 0 or a looked-back id is -1 (unmapped or masked) that shift and
 every farther one take `pad_id`. Per engram layer: rolling = t0 * m0, then for each s >= 1:

@@ -1,6 +1,6 @@
 """Reading rows of an engram table (`blk.{i}.engram_embd.weight`) by row id, on the host.
 
-A table holds one row of `head_dim` values per hashed n-gram id (SPEC.md 2.1, step 2); real tables
+A table holds one row of `head_dim` values per hashed n-gram id; real tables
 have millions of rows, so the reader gathers only the requested rows from the memory-mapped file
 with one vectorised fancy index, never the whole table. `read` returns the stored bytes (what the
 GPU gather copies), `dequantize` the float32 values (the oracle's view of the same rows).

@@ -1,7 +1,7 @@
 """The llama.cpp layout of a DeepSeek-V4.1 GGUF file: key and tensor names, shapes, roles.
 
 Shared by the reader (`host.gguf_model`) and the synthetic writer (`host.synth`), so the two can
-never disagree. Names follow llama.cpp's V4.1 converter and loader (GGUF.md); shapes here are in
+never disagree. Names follow llama.cpp's V4.1 converter and loader; shapes here are in
 NumPy order ([out, in]: the reverse of the ggml dims the file lists).
 """
 

@@ -146,6 +146,8 @@ def _min_item_bytes(reader: GGUFReader, raw_type: int) -> int:
 
 def open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFReader, Path]:
     p = Path(path)
+    if p.is_dir():
+        raise ModelFormatError(f"{p} is a directory, not a GGUF model file")
     if not p.is_file():
         raise ModelFormatError(f"{p}: no such file")
     with open(p, "rb") as f:

@@ -98,7 +98,7 @@ def matmul_t(x, w) -> np.ndarray:
 
 
 def linear(x, w) -> np.ndarray:
-    """A GGUF linear layer (SPEC.md 3.1): bf16(sum_k x[k] * w[n, k]), fp32 accumulation.
+    """A GGUF linear layer: bf16(sum_k x[k] * w[n, k]), fp32 accumulation.
 
     x: bf16 values [..., K]; w: dequantised float32 [N, K]; result bf16 values [..., N].
     """

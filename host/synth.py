@@ -1,7 +1,7 @@
 """Synthetic V4.1 models: complete GGUF files in the llama.cpp layout with seeded random weights.
 
-The weights follow the released checkpoint's statistics as the reference tests measure them
-(SPEC.md 4): embedding RMS 0.12, norm weights around a per-norm mean with 10% spread, projections
+The weights follow the released checkpoint's statistics as the reference tests measure them:
+embedding RMS 0.12, norm weights around a per-norm mean with 10% spread, projections
 N(0, (gain / sqrt(fan_in))^2) with the reference's per-name gains, other 1-D parameters
 N(0, 0.5^2). Engram tables hold rows of RMS about 1; Q2_K tables are drawn straight in the stored
 format (quantising hundreds of millions of values would take minutes).
@@ -13,14 +13,16 @@ Presets:
 - `small`: the reference tests' sizes (`testing.py`).
 - `flash`: V4.1-Flash dimensions on the six-layer schedule, engram tables of `engram_rows` rows.
 
-Files are written tensor by tensor (never the whole model in memory), with progress callbacks.
+Files are written tensor by tensor (never the whole model in memory), with progress callbacks,
+under a temporary name that becomes the file's only when the last byte is written: a failed or
+interrupted write leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from flashv41.host import gguf_layout as L
 from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
 from flashv41.host.errors import InputError, UnsupportedError
 from flashv41.host.numerics import bf16
+from flashv41.host.progress import Progress
 from flashv41.host.quants import FORMATS, GGMLType, ggml_type, quantize
 
 # Per-norm mean of the weights, and per-projection gain over fan_in^-0.5 (the reference's testing.py).
@@ -44,6 +47,9 @@ NORM_MEAN = {
 GAIN = {"attn_q_a": 1.6, "attn_q_b": 0.95, "attn_kv": 1.8, "attn_output_a": 1.6, "attn_output_b": 1.9,
         "attn_compressor_kv": 1.8, "engram_wkv": 1.8, "indexer.attn_q_b": 0.95}
 EMBED_STD = 0.12
+# the compiled engram hash's largest prime (host.engram_hash_fast.MAX_PRIME, not imported: that
+# module compiles with numba, which writing a file does not need)
+MAX_TABLE_PRIME = 1 << 51
 
 # Matrices that take the model's weight type; the others keep the types published files use.
 WEIGHT_TYPED = ("attn_q_a", "attn_q_b", "attn_kv", "attn_output_a", "attn_output_b", "indexer.attn_q_b",
@@ -131,8 +137,19 @@ def preset(name: str, **overrides) -> Preset:
     p = PRESETS[name]
     rows = overrides.pop("engram_rows", None)
     if rows is not None:
-        cols = (overrides.get("max_ngram", p.max_ngram) - 1) * overrides.get("engram_heads", p.engram_heads)
-        overrides["engram_vocab_size"] = max(2, int(rows) // cols)
+        max_ngram = overrides.get("max_ngram", p.max_ngram)
+        heads = overrides.get("engram_heads", p.engram_heads)
+        # every n-gram order and head takes a distinct prime number of rows (at least 2), so a
+        # table has at least the sum of the smallest such primes; fewer rows cannot be written
+        fewest = int(engram_primes(1, max_ngram, heads, 2).sum())
+        if int(rows) < fewest:
+            raise InputError(f"engram rows {rows}: the smallest engram table preset {name!r} can hold has "
+                             f"{fewest} rows (a distinct prime of at least 2 rows per n-gram order and head)")
+        per_column = int(rows) // ((max_ngram - 1) * heads)
+        if per_column >= MAX_TABLE_PRIME:
+            raise InputError(f"engram rows {rows}: the engram hash takes tables of fewer than 2^51 rows per "
+                             f"n-gram order and head ({(max_ngram - 1) * heads} of them in preset {name!r})")
+        overrides["engram_vocab_size"] = per_column
     return replace(p, **overrides)
 
 
@@ -344,7 +361,11 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     plan = plan_tensors(p, wt, tt, table_rows)
 
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise InputError(f"{out} is a directory: name the file to write")
+    if not out.parent.is_dir():
+        missing = "is not a directory" if out.parent.exists() else "does not exist"
+        raise InputError(f"cannot write {out}: the folder {out.parent} {missing}")
     tmp = out.with_name(out.name + ".partial")
     writer = GGUFWriter(tmp, L.ARCH)
     try:
@@ -382,19 +403,30 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     return out
 
 
-def print_progress(prefix: str = "writing") -> ProgressFn:
-    """A progress callback that prints a line every few seconds (and at the end) to stderr."""
-    import sys
+def binary_unit(nbytes: int) -> tuple[str, int]:
+    """The binary unit a size of `nbytes` reads best in, as (name, bytes per unit): KiB, MiB or GiB."""
+    for name, size in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if nbytes >= size:
+            return name, size
+    return "KiB", 1 << 10
 
-    state = {"last": 0.0, "start": time.monotonic()}
+
+@contextmanager
+def progress_bar(desc: str) -> Iterator[ProgressFn]:
+    """A progress callback for `write_synthetic` that shows the bytes written under `desc`
+    (host.progress.Progress, in the binary unit of the total); the bar is cleared on leaving."""
+    shown: list[Progress] = []
+    written = [0]
 
     def report(name: str, done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - state["last"] < 2.0 and done < total:
-            return
-        state["last"] = now
-        rate = done / max(now - state["start"], 1e-9) / 1e6
-        print(f"{prefix}: {done / 1e6:9.1f} / {total / 1e6:.1f} MB ({100 * done / max(total, 1):5.1f}%) "
-              f"{rate:7.1f} MB/s  {name}", file=sys.stderr, flush=True)
+        if not shown:
+            unit, scale = binary_unit(total)
+            shown.append(Progress(desc, total, unit, unit, scale=scale, decimals=1))
+        shown[0].update(done - written[0])
+        written[0] = done
 
-    return report
+    try:
+        yield report
+    finally:
+        if shown:
+            shown[0].close()

@@ -1,4 +1,4 @@
-"""The engram sublayer on the device (SPEC.md 2.1): rows -> projection -> gate, in place on h.
+"""The engram sublayer on the device: rows -> projection -> gate, in place on h.
 
 Shapes: T tokens, L = cols row ids per token, E = a table row's width (head_dim), C = dim, hc copies.
 - row ids int64 [T, L] of one layer, from the hash (host.engram_hash_fast, on the host);

@@ -1,4 +1,4 @@
-"""The engram gate on the device (SPEC.md 2.1, step 4), in place on the fp32 highway.
+"""The engram gate on the device, in place on the fp32 highway.
 
 Shapes: T tokens, hc copies, C = dim. h float32 [>= T, hc, C]; kv bf16 bits uint16 [>= T, C * (hc + 1)]
 (hc keys, copy-major, then the one shared value); qk = q_weight * k_weight float32 [hc, C]; the

@@ -1,4 +1,4 @@
-"""Engram rows on the device (SPEC.md 2.1, step 2): gather table rows by id, dequantise them to bf16.
+"""Engram rows on the device: gather table rows by id, dequantise them to bf16.
 
 Shapes: T tokens, L = cols row ids per token, E = the table's row width (head_dim, 256 at flash).
 Row ids int64 [T, L] (from the hasher, on the host) -> rows bf16 bits uint16 [T, L * E], i.e. the

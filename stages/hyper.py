@@ -2,7 +2,7 @@
 the highway (with Sinkhorn), the collapse into a normed sublayer input, and the expansion back.
 
 Shapes: T tokens, hc copies, C dim, M = (2 + hc) * hc mixes. The highway h is float32
-[T, hc, C] (SPEC.md 2: kept in fp32 on the device); sublayer inputs and outputs are bf16 bits.
+[T, hc, C] (kept in fp32 on the device); sublayer inputs and outputs are bf16 bits.
 
 - `embed`: h[t, c] = bf16(dequant(token_embd[id_t])) for every copy c.
 - `mixes`: raw = h_flat @ fn^T and the square sum of h_flat, in fp32 partial sums over slices of

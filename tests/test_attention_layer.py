@@ -11,7 +11,7 @@ What is compared, per layer call:
   own scores must give the stage's selection, and those scores must agree with the oracle's to a
   cosine of 0.999: a bf16 ulp in a projection that moves an fp4 code of an index query or key moves
   a score by a few percent at most, and nothing else can change it);
-- the layer output on the other rows: cosine >= 0.99999 (SPEC.md 4) and no value off by more than
+- the layer output on the other rows: cosine >= 0.99999 and no value off by more than
   2^-4 of its row's largest (one flipped fp8 / fp4 code, diluted by the softmax and the projections,
   stays far below that; a wrong row, scale, rotation or order does not).
 Across chunkings the outputs at each position agree with the one-shot prefill the same way.
@@ -173,7 +173,7 @@ def test_prefill_then_decode(one_shot):
 @pytest.mark.parametrize("chunks", [[3, 3, 3, 3, 1, 1, 1, 1], [5, 5, 2, 1, 1, 1, 1]], ids=["chunks3", "chunks5"])
 def test_chunked_prefill_matches_one_shot(tiny, one_shot, chunks):
     """Chunks of 3 and 5 (groups and the window split across calls), then decode: each call against
-    the oracle, and every position's output against the one-shot run's (SPEC.md 3.3)."""
+    the oracle, and every position's output against the one-shot run's."""
     run = SideBySide(*tiny, total=16, seed=1)
     run.run(chunks)
     run.check_state()

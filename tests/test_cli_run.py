@@ -1,5 +1,6 @@
 """`flashv41 run`: the built-in tiny model in a cache directory, the oracle run and its report, the
-engine run with its stage table and its check against the oracle, and errors as one line."""
+engine run with its stage table, its check against the oracle and its progress on stderr, errors as
+one line (each bad argument, exit 2, before any work) and Ctrl-C as one line (exit 130)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flashv41 import load_model
+import flashv41
+from flashv41 import load_model, runner
 from flashv41.cli import main
 from flashv41.host.oracle import Oracle
-from flashv41.runner import BUILTIN_NAME, CACHE_ENV, cache_dir, random_tokens
+from flashv41.runner import BUILTIN_NAME, CACHE_ENV, RunResult, cache_dir, random_tokens, report, run_sequence
 from flashv41.stages.backend import using_simulator
 
 
@@ -108,10 +110,17 @@ def test_run_engine_with_check(cache: Path, capsys: pytest.CaptureFixture[str]) 
     """The main job: the engine (here on the simulator, and it says so), its stage table, and the
     per-layer agreement with the oracle; the final highway equals the oracle's within the check."""
     assert main(["run", "--prompt-len", "5", "--decode", "2", "--check"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "runner: engine on " in out
     if using_simulator():
-        assert "CUDA simulator" in out and "no GPU found" in out
+        assert "runner: engine on CUDA simulator (CPU), no GPU found\n" in out
+    # stderr: where the kernels run first (the built-in model's writing aside), then each long piece
+    # of work named as it starts (stderr is not a terminal here, and this run is too short for more)
+    err = [line for line in captured.err.splitlines() if not line.startswith(("writing the built-in", "wrote "))]
+    assert err[0] == out.splitlines()[2], err
+    for words in ("prefill of 5 tokens: 1 chunk", "decode: 2 steps", "check against the oracle: 3 calls"):
+        assert words in err, words
     for words in ("stage times", "attention (kv_index_source_r2)", "engram rows, projection, gate", "hc mixes",
                   "check against the oracle (3 calls"):
         assert words in out, words
@@ -139,6 +148,106 @@ def test_run_errors_are_one_line(args: list[str], words: str, cache: Path,
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("flashv41: error: ") and words in err[-1], err
     assert "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--tokens", "99999999999999999999999"],
+     "flashv41: error: argument --tokens: item 1 of '99999999999999999999999', 99999999999999999999999, is "
+     "too large for a token id"),
+    (["--tokens", "1,,2"],
+     "flashv41: error: argument --tokens: item 2 of '1,,2' is empty (ids are comma-separated integers, "
+     "e.g. 1,2,3)"),
+    (["--tokens", "1,2,"],
+     "flashv41: error: argument --tokens: item 3 of '1,2,' is empty (ids are comma-separated integers, "
+     "e.g. 1,2,3)"),
+    (["--prompt-len", "99999999999999999999999"],
+     "flashv41: error: 99999999999999999999999 prompt tokens and 4 decode steps exceed the model's context "
+     "length 256"),
+    (["--decode", "99999999999999999999999"],
+     "flashv41: error: 8 prompt tokens and 99999999999999999999999 decode steps exceed the model's context "
+     "length 256"),
+    (["--prompt-len", "x"], "flashv41: error: argument --prompt-len: takes an integer, got 'x'"),
+    (["--seed", "-1"], "flashv41: error: argument --seed: must be at least 0, got -1"),
+    (["--decode", "-1"], "flashv41: error: argument --decode: must be at least 0, got -1"),
+    (["--prompt-len", "0"], "flashv41: error: argument --prompt-len: must be at least 1, got 0"),
+    (["--tokens", "1,2,128"], "flashv41: error: token id 128 at index 2 is outside the vocabulary [0, 128)"),
+])
+@pytest.mark.parametrize("oracle", [True, False])
+def test_run_bad_argument_is_its_only_line(args: list[str], line: str, oracle: bool, tiny_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before any work (for the engine too: nothing is set up), so the error is all there is."""
+    assert main(["run", str(tiny_path), *(["--oracle"] if oracle else []), *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [line] and captured.out == ""
+
+
+def test_run_interrupted(tiny_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during the run: the runner and the model are closed, and one line says so (exit 130)."""
+    closed = []
+    monkeypatch.setattr(flashv41.Model, "close", lambda self: closed.append(self.path))
+
+    def interrupt(*args: object) -> RunResult:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_sequence", interrupt)
+    assert main(["run", "--oracle", str(tiny_path)]) == 130
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == ["runner: NumPy oracle", "flashv41: interrupted"] and captured.out == ""
+    assert closed == [tiny_path]
+
+
+class ChunkedRunner:
+    """A stand-in engine of max_tokens 2 that records the calls it is given."""
+
+    max_tokens = 2
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def new_sequence(self) -> ChunkedRunner:
+        return self
+
+    def prefill(self, token_ids: np.ndarray) -> np.ndarray:
+        self.calls.append([int(t) for t in token_ids])
+        return np.zeros((len(token_ids), 1, 1), np.float32)
+
+    def decode(self, token_id: int) -> np.ndarray:
+        self.calls.append([token_id])
+        return np.zeros((1, 1, 1), np.float32)
+
+    def release(self) -> None:
+        pass
+
+
+def test_prefill_in_the_engines_chunks(tiny_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The prompt goes in max_tokens at a time (the progress counts those calls), as the engine
+    would have split it, and the report says how many calls it took."""
+    fake = ChunkedRunner()
+    result = run_sequence(fake, np.arange(5), np.array([7]))
+    assert fake.calls == [[0, 1], [2, 3], [4], [7]] and result.prefill_calls == 3
+    assert result.highway.shape == (6, 1, 1)
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["prefill of 5 tokens: 3 chunks", "decode: 1 step"]
+    model = load_model(tiny_path)
+    try:
+        lines = report(model, "test", result, 0)
+    finally:
+        model.close()
+    assert any(line.startswith("prefill: 5 tokens in 3 calls, ") for line in lines), lines
+
+
+def test_report_rates(tiny_path: Path) -> None:
+    """A prefill slower than a token a second keeps its digits: no '(1 tokens/s)'."""
+    model = load_model(tiny_path)
+    try:
+        slow = RunResult(np.arange(8), np.arange(0), np.zeros((8, 4, 32), np.float32), 10.3, 0.0)
+        fast = RunResult(np.arange(8), np.arange(0), np.zeros((8, 4, 32), np.float32), 0.0125, 0.0)
+        slow_line, fast_line = (next(x for x in report(model, "test", r, 0) if x.startswith("prefill:"))
+                                for r in (slow, fast))
+    finally:
+        model.close()
+    assert slow_line == "prefill: 8 tokens in one call, 10.300 s (0.777 tokens/s)"
+    assert fast_line == "prefill: 8 tokens in one call, 0.013 s (640 tokens/s)"
 
 
 def test_run_usage_errors(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:

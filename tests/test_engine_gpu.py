@@ -92,7 +92,7 @@ FLASH3 = dict(vocab=2048, compress_ratios=(0, 2, 2), kv_sources=(1,), index_sour
 def test_graph_decode_is_eager_decode(synth_model, preset):
     """Decode replayed from CUDA graphs gives the eager launches' results bit for bit, over steps of
     every graph key (a first step with nothing to score, group completions or not, masked tokens
-    or not), and once every key has its graph a step allocates no device memory (PERF.md M1)."""
+    or not), and once every key has its graph a step allocates no device memory (docs/performance.md M1)."""
     path = synth_model("small") if preset == "small" else synth_model("flash", **FLASH3)
     model = flashv41.load_model(path)
     steps = 48

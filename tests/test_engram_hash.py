@@ -1,6 +1,6 @@
 """The engram n-gram hash (host.engram_hash) against an independent scalar formulation.
 
-The scalar hasher below is written from SPEC.md 2.1 with plain Python integers, one position, one
+The scalar hasher below is written from the V4.1 hash's definition with plain Python integers, one position, one
 shift and one head at a time: it shares no code with the vectorised oracle hasher (no NumPy
 broadcasting, no `blocked` array, no clamped gathers). Both are run on the tiny and small presets'
 real tables and on random small tables built with host.engram_tables, over prefill at 0, chunked
@@ -31,7 +31,7 @@ PROPERTY = settings(max_examples=60, deadline=None, derandomize=True, database=N
 
 
 class ScalarHasher:
-    """SPEC.md 2.1 one integer at a time: a list of compressed ids (None = never written)."""
+    """The V4.1 hash one integer at a time: a list of compressed ids (None = never written)."""
 
     def __init__(self, engram: EngramConfig):
         self.map = [int(v) for v in engram.token_map]

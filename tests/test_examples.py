@@ -1,6 +1,7 @@
 """The examples run as written: each one's `main` on the tiny model with small arguments, its output
-checked (every layer's line, the agreement table and its verdict or exit 1, the decode timings and
-the stage table). Shapes are the simulator's: about 25 s together."""
+checked (where the kernels run, said first; every layer's line, the agreement table and its verdict
+or exit 1, the decode timings and the stage table; the progress on stderr). Shapes are the
+simulator's: about 25 s together."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from types import ModuleType
 import pytest
 
 from flashv41 import check
+from flashv41.stages.backend import using_simulator
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BLOCK_TYPES = ("swa+engram", "kv_index_source_r2+engram", "consumer_r2", "candidate_source_r1", "consumer_r1",
@@ -34,6 +36,14 @@ def tiny(synth_model) -> str:
     return str(synth_model("tiny"))
 
 
+def kernels_first(out: str) -> None:
+    """The first line says where the kernels run, before the model is even opened."""
+    first = out.splitlines()[0]
+    assert first.startswith("kernels on: "), first
+    if using_simulator():
+        assert first == "kernels on: CUDA simulator (CPU), no GPU found"
+
+
 def layer_rows(out: str) -> list[str]:
     return [line for line in out.splitlines() if re.match(r"\s+\d+\s{2}\S", line)]
 
@@ -41,6 +51,7 @@ def layer_rows(out: str) -> list[str]:
 def test_inspect_layers(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert load_example("inspect_layers").main(["--model", tiny, "--prompt-len", "4", "--query", "-1"]) == 0
     out = capsys.readouterr().out
+    kernels_first(out)
     assert "compressed positions selected by query 3" in out
     rows = layer_rows(out)
     assert [row.split()[1] for row in rows] == list(BLOCK_TYPES)
@@ -57,7 +68,10 @@ def test_inspect_layers(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_compare_oracle(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert load_example("compare_oracle").main(["--model", tiny, "--prompt-len", "4", "--steps", "1"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    kernels_first(out)
+    assert captured.err.splitlines() == ["engine and oracle: 2 calls"]
     rows = [line for line in out.splitlines() if line.startswith(("prefill 4", "decode at 4"))]
     assert len(rows) == 2 * len(BLOCK_TYPES)
     for row in rows:
@@ -76,7 +90,10 @@ def test_compare_oracle_exits_1_on_disagreement(tiny: str, capsys: pytest.Captur
 
 def test_decode_loop(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert load_example("decode_loop").main(["--model", tiny, "--prompt-len", "4", "--steps", "2"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    kernels_first(out)
+    assert captured.err.splitlines() == ["prefill of 4 tokens: 1 call", "decode: 2 steps"]
     assert re.search(r"prefill: 4 tokens in [\d.]+ ms", out)
     assert re.search(r"decode: first step [\d.]+ ms at position 4", out)
     assert re.search(r"decode: 1 step, [\d.]+ ms per step .* [\d.]+ tokens/s with stage timing on", out)

@@ -1,4 +1,4 @@
-"""Broken product kernels that the product tests must reject (SPEC.md 4): the decode GEMV (the
+"""Broken product kernels that the product tests must reject: the decode GEMV (the
 `stream` kernel), the prefill GEMM (`gemm`, and on a GPU the tensor-core `tc`), each with three
 mutants built by tests/mutants.py:
 

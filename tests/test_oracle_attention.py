@@ -1,6 +1,6 @@
 """The attention oracle's selection rules, entry lists and sparse attention, against brute-force readings.
 
-The brute forces below are written from SPEC.md 2.2 and the reference's Indexer, in plain Python:
+The brute forces below are written from the V4.1 attention's definition and the reference's Indexer, in plain Python:
 every (score, position) pair sorted with `sorted` and a key, blocks walked one by one, over the whole
 compressed width as the reference's `topk(min(index_topk, end_pos // ratio))` does, then positions
 the query cannot see mapped out. The oracle instead takes the top min(index_topk, visible) per query;

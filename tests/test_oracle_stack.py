@@ -1,7 +1,7 @@
 """The oracle's layer stack on the tiny and small presets: every block type, and outputs that do not
 depend on how a sequence is fed.
 
-SPEC.md 3.3: every position's output must not depend on how the sequence was chunked; in the oracle
+Every position's output must not depend on how the sequence was chunked; in the oracle
 that is exact. So chunked prefill, decode after prefill and decode-only runs are compared with one-shot
 prefill bit for bit (float32 viewed as uint32), the final highway and every layer's captured
 intermediates alike, over sequences of 3-4 windows (the window ring wraps several times, the ratio-2

@@ -82,7 +82,7 @@ def test_not_a_gguf(tmp_path: Path, content: bytes | str) -> None:
 
 def test_no_such_file(tmp_path: Path) -> None:
     expect(tmp_path / "absent.gguf", ModelFormatError, "absent.gguf", "no such file")
-    expect(tmp_path, ModelFormatError, "no such file")  # a directory
+    expect(tmp_path, ModelFormatError, str(tmp_path), "is a directory, not a GGUF model file")
 
 
 @pytest.mark.parametrize("fraction", [0.001, 0.01, 0.3, 0.6, 0.95])

@@ -1,4 +1,4 @@
-"""Benchmark rows of the attention layers (PERF.md P2, M1) at V4.1-Flash dimensions.
+"""Benchmark rows of the attention layers (docs/performance.md P2, M1) at V4.1-Flash dimensions.
 
 - `attention.decode.<type>.<block type>` (P2): one decode step of one layer of each block type (swa,
   kv_index_source_r2, consumer_r2, candidate_source_r1, consumer_r1, candidate_index_source_r1),

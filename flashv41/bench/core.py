@@ -1,4 +1,5 @@
-"""`flashv41 bench`: the PERF.md measurements, side by side with their bounds, in one process.
+"""`flashv41 bench`: the measurements of docs/performance.md, side by side with their bounds, in one
+process.
 
 A benchmark module (listed in BENCH_MODULES) exposes `cases(options) -> list[BenchCase]`; a case
 has a name and a `run(ctx) -> list[BenchRow]`. The framework measures the copy bandwidth first
@@ -6,9 +7,12 @@ has a name and a `run(ctx) -> list[BenchRow]`. The framework measures the copy b
 writes JSON. Adding a family of rows is adding a module to BENCH_MODULES.
 
 Every row carries its median time, what it moved or computed (bytes or FLOPs), its bound and
-the ratio time / bound (1.0 = at the bound; PERF.md's targets are ratios). Device times come from
-CUDA events, after warm-up, as the median of >= 20 repetitions; a row that measures a host-side
-step says so in its note and uses the host clock.
+the ratio time / bound (1.0 = at the bound; the targets in docs/performance.md are ratios). Device
+times come from CUDA events, after warm-up, as the median of >= 20 repetitions; a row that
+measures a host-side step says so in its note and uses the host clock.
+
+Progress goes to stderr (host.progress): the GPU first, before the copy probes, then a bar over
+the rows, which steps aside for each row's line.
 
 The copy bandwidth is measured three ways over buffers far past the L2 (COPY_BYTES each):
 cudaMemcpy device-to-device, a read+write copy kernel and a read-only streaming kernel
@@ -53,6 +57,7 @@ import importlib
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -61,6 +66,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from flashv41.host.errors import InputError, UnsupportedError
+from flashv41.host.progress import Progress
 from flashv41.memory import flush_device_frees
 from flashv41.stages.backend import backend_name, select_backend
 
@@ -158,7 +164,7 @@ class BenchRow:
 
     @property
     def ratio(self) -> float:
-        """median / bound: 1.0 is at the bound, PERF.md's targets cap this."""
+        """median / bound: 1.0 is at the bound, the targets in docs/performance.md cap this."""
         return self.median_s / self.bound_s if self.bound_s > 0 else float("nan")
 
     def to_json(self) -> dict:
@@ -503,28 +509,37 @@ def report(ctx: BenchContext) -> dict:
 
 def run(options: BenchOptions, json_path: Path | None = None, print_fn: Callable[[str], None] = print) -> BenchContext:
     """Measure the copy bandwidths and the L2, run the selected cases, print the table, write JSON
-    if asked."""
+    if asked. The rows' progress goes to stderr (host.progress), each row's line through `print_fn`."""
     require_gpu()
     if options.reps < MIN_REPS:
         raise InputError(f"bench: --reps must be at least {MIN_REPS}, got {options.reps}")
     cases = select_cases(all_cases(options), options.rows)
+    # the rows write their synthetic models into the work directory, which is the benchmark's own
+    options.workdir.mkdir(parents=True, exist_ok=True)
     from flashv41.stages.bandwidth import L2Evictor
 
+    gpu = backend_name()
+    print(f"bench on {gpu}: the copy bandwidth and the L2 first, then {len(cases)} row"
+          f"{'s' if len(cases) != 1 else ''}", file=sys.stderr, flush=True)
     l2_bytes, l2_source = device_l2_bytes()
     copies = measure_copy_bandwidths(options.reps, options.warmup, l2_bytes)
     bandwidths = {r.name.removeprefix("copy."): r.bytes / r.median_s for r in copies}
-    ctx = BenchContext(options, backend_name(), max(bandwidths.values()), list(copies), bandwidths, l2_bytes,
+    ctx = BenchContext(options, gpu, max(bandwidths.values()), list(copies), bandwidths, l2_bytes,
                        l2_source, L2Evictor(EVICT_FACTOR * l2_bytes))
     print_fn(f"  L2 {l2_bytes / 2**20:.0f} MiB ({l2_source}); copy bandwidth "
              + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in bandwidths.items()))
     try:
-        for case in cases:
-            rows = case.run(ctx)
-            release_device_memory()
-            ctx.rows += rows
-            for r in rows:
-                print_fn(f"  {r.name}: {r.median_s * 1e6:.1f} us (bound {r.bound_s * 1e6:.1f} us, "
-                         f"ratio {r.ratio:.2f}; {r.l2.describe() if r.l2 is not None else 'not a timing'})")
+        with Progress(f"bench on {ctx.gpu}", len(cases), "row", "rows") as progress:
+            for case in cases:
+                rows = case.run(ctx)
+                release_device_memory()
+                ctx.rows += rows
+                progress.update()
+                with progress.paused():
+                    for r in rows:
+                        print_fn(f"  {r.name}: {r.median_s * 1e6:.1f} us (bound {r.bound_s * 1e6:.1f} us, "
+                                 f"ratio {r.ratio:.2f}; "
+                                 f"{r.l2.describe() if r.l2 is not None else 'not a timing'})")
     finally:
         ctx.evictor.free()
     print_fn(format_table(ctx.gpu, ctx.copy_bandwidth, ctx.rows, ctx.copy_bandwidths, ctx.l2_bytes))

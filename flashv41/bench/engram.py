@@ -1,4 +1,4 @@
-"""Benchmark rows of the engram sublayer (PERF.md P1, P3 and P6) at V4.1-Flash dimensions.
+"""Benchmark rows of the engram sublayer (docs/performance.md P1, P3 and P6) at V4.1-Flash dimensions.
 
 - `engram.wkv_gemv.<type>` (P1): the engram projection for one token, [dim * (hc + 1), cols * 256]
   = [25600, 6144] (157.3 M weights) read from its stored blocks; bound = stored bytes / copy
@@ -47,7 +47,7 @@ from flashv41.host.synth import preset
 
 WEIGHT_TYPES = (GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16)  # random wkv blocks can be made for these
 HASH_TOKENS = 65536
-HASH_TARGET = 20e6  # token-layers per second (PERF.md P6)
+HASH_TARGET = 20e6  # token-layers per second (docs/performance.md P6)
 STEP_TABLE_ROWS = 3_000_000
 # the flash preset cut to one window-only layer with engram: the smallest file with a real engram layer
 STEP_MODEL: dict[str, Any] = dict(compress_ratios=(0,), kv_sources=(), index_sources=(), candidate_source=99,

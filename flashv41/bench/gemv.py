@@ -1,4 +1,4 @@
-"""Benchmark rows of the decode GEMVs (PERF.md P1) at V4.1-Flash dimensions.
+"""Benchmark rows of the decode GEMVs (docs/performance.md P1) at V4.1-Flash dimensions.
 
 `gemv.<matrix>.<type>`: one token through one weight matrix of a decode step, for every shape a
 step streams: the attention's wq_a, wq_b, wkv, wo_a (8 groups, one launch), wo_b, the indexer's

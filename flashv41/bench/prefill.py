@@ -1,4 +1,4 @@
-"""Benchmark rows of the prefill GEMMs (PERF.md P5) at V4.1-Flash dimensions.
+"""Benchmark rows of the prefill GEMMs (docs/performance.md P5) at V4.1-Flash dimensions.
 
 `prefill.gemm.<matrix>.<type>`: PREFILL_TOKENS tokens through one weight matrix of a layer (every
 shape of flashv41.bench.gemv's SHAPES; the grouped wo_a in one call), our kernel (stages.linear's
@@ -26,7 +26,7 @@ from flashv41.bench.core import BenchCase, BenchContext, BenchOptions, BenchRow,
 from flashv41.bench.gemv import SHAPES, time_product
 
 PREFILL_TOKENS = 4096
-PEAK_TFLOPS = 790.0  # H200 dense bf16, PERF.md
+PEAK_TFLOPS = 790.0  # H200 dense bf16, as docs/performance.md gives it
 
 
 def cublas_time(ctx: BenchContext, t: int, n: int, k: int, groups: int) -> tuple[float, L2Plan] | None:

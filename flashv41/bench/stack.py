@@ -1,4 +1,4 @@
-"""Benchmark rows of the whole stack's decode step (PERF.md P4, M1) at V4.1-Flash dimensions.
+"""Benchmark rows of the whole stack's decode step (docs/performance.md P4, M1) at V4.1-Flash dimensions.
 
 The flash preset (its six-layer schedule, two engram layers, Q8_0 weights, a Q2_K engram table),
 written once into the options' work directory, runs in an Engine: a prompt of PROMPT tokens, a

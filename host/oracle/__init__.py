@@ -1,9 +1,10 @@
 """The NumPy oracle: the engram and attention layers and the layer stack, as V4.1 computes them.
 
 This is the yardstick every GPU kernel is held to. It follows the official reference's operation
-order (model.py, engram.py, kernel_cpu.py) with SPEC.md's deliberate deviations only: weights as
-the GGUF stores them, an fp32 highway, top-k ties to the lower position, prefill in chunks from any
-position. host.numerics says how each operation is rounded.
+order (model.py, engram.py, kernel_cpu.py) with deliberate deviations only (README.md lists them,
+under "How the oracle differs from the reference"): weights as the GGUF stores them, an fp32
+highway, top-k ties to the lower position, prefill in chunks from any position. host.numerics
+says how each operation is rounded.
 
     oracle = Oracle(model)                 # model from flashv41.load_model
     seq = oracle.new_sequence()

@@ -1,4 +1,4 @@
-"""One V4.1 attention layer (SPEC.md 2.2), every role, prefill in chunks from any position.
+"""One V4.1 attention layer, every role, prefill in chunks from any position.
 
 Shapes: T tokens of the chunk, C dim, H heads x D head_dim (R = rope_dim on the tail), Q q_lora,
 W window, IH x ID index heads x index head_dim, G compressed groups, K index_topk,
@@ -44,7 +44,7 @@ SPARSE_BLOCK = 64
 NEG_INF = F32(-np.inf)
 
 # The layer's discrete choices, where a last-bit difference between two correct implementations can
-# land on a rounding boundary and flip the outcome (SPEC.md 4): the quantised window rows
+# land on a rounding boundary and flip the outcome: the quantised window rows
 # ("window_rows" [T, D]), the new index-key and compressed rows ("index_keys" [n, ID], "compressed"
 # [n, D]), the candidate mask ("candidates" [T, G]) and the selection ("selection" [T, K]). The
 # oracle hands each value it computed to an `Adopt` hook, which returns the value the layer goes on

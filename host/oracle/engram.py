@@ -1,4 +1,4 @@
-"""The engram sublayer (SPEC.md 2.1): rows -> projection -> gate, as the oracle computes them.
+"""The engram sublayer: rows -> projection -> gate, as the oracle computes them.
 
 Shapes: T tokens, L = cols row ids per token, E = engram head_dim (row width), C = dim, hc copies.
 """

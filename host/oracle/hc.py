@@ -1,4 +1,4 @@
-"""Hyper-connections (SPEC.md 2): the mixes each sublayer derives from the highway, and the collapse
+"""Hyper-connections: the mixes each sublayer derives from the highway, and the collapse
 (`hc_pre`) and expansion (`hc_post`) around a sublayer. All float32, in the reference's order."""
 
 from __future__ import annotations

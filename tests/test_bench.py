@@ -240,3 +240,36 @@ def test_plan_type_is_frozen() -> None:
     plan = L2Plan("evict", 1, L2)
     with pytest.raises(AttributeError):
         plan.mode = "hbm"  # type: ignore[misc]
+
+
+def test_run_walks_the_rows_with_progress(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
+    """bench.run's own loop (the GPU named first, the rows' progress, each row's line, the table,
+    the JSON) with the GPU parts stood in for: the loop itself is host code and must not wait for a
+    GPU run to be exercised."""
+    import flashv41.stages.bandwidth as bandwidth
+
+    class NoEvictor:
+        freed = False
+
+        def __init__(self, nbytes: int) -> None:
+            pass
+
+        def free(self) -> None:
+            NoEvictor.freed = True
+
+    copies = [BenchRow(f"copy.{name}", 1e-4, 1e-4, bytes=int(4e8)) for name in ("memcpy", "copy_kernel", "read_kernel")]
+    cases = [bench.BenchCase(f"fake.{i}", lambda ctx, i=i: [BenchRow(f"fake.{i}", 2e-6, 1e-6, bytes=MB)])
+             for i in range(3)]
+    monkeypatch.setattr(bench, "require_gpu", lambda: None)
+    monkeypatch.setattr(bench, "backend_name", lambda: "Fake GPU")
+    monkeypatch.setattr(bench, "device_l2_bytes", lambda: (L2, "driver"))
+    monkeypatch.setattr(bench, "measure_copy_bandwidths", lambda reps, warmup, l2: copies)
+    monkeypatch.setattr(bench, "all_cases", lambda options: cases)
+    monkeypatch.setattr(bandwidth, "L2Evictor", NoEvictor)
+    lines: list[str] = []
+    ctx = bench.run(BenchOptions(workdir=tmp_path / "work"), tmp_path / "bench.json", lines.append)
+    names = ["copy.memcpy", "copy.copy_kernel", "copy.read_kernel", "fake.0", "fake.1", "fake.2"]
+    assert [r.name for r in ctx.rows] == names and NoEvictor.freed
+    assert any(line.startswith("  fake.2: 2.0 us (bound 1.0 us, ratio 2.00") for line in lines)
+    assert "Fake GPU" in capsys.readouterr().err.splitlines()[0]
+    assert [r["name"] for r in json.loads((tmp_path / "bench.json").read_text())["rows"]] == names

@@ -40,6 +40,7 @@ from flashv41.graphs import GraphRunner, graphs_available
 from flashv41.host.errors import CapacityError, InputError, SequenceStateError
 from flashv41.host.model import Model
 from flashv41.host.tokens import check_tokens
+from flashv41.memory import DEFAULT_MAX_SEQ, DEFAULT_MAX_TOKENS
 from flashv41.plan import (
     HASHER,
     IDS,
@@ -68,7 +69,8 @@ ProgressFn = Callable[[str], None]
 class Engine:
     """DeepSeek-V4.1 engram + attention layers on the GPU (or the CUDA simulator) for one model.
 
-    max_seq: positions a sequence may hold (sizes the per-sequence caches and RoPE tables).
+    max_seq: positions a sequence may hold (sizes the per-sequence caches and RoPE tables); by
+    default 4096, or the model's context length where that is shorter.
     max_tokens: tokens per forward call (sizes the workspaces; longer prompts are chunked).
     table_residency: "device" (engram tables uploaded once) or "host" (rows read from the
     memory-mapped file per call and uploaded).
@@ -80,10 +82,12 @@ class Engine:
     progress: called with a line of text at each step of the (possibly long) set-up.
     """
 
-    def __init__(self, model: Model, max_seq: int = 4096, max_tokens: int = 256,
+    def __init__(self, model: Model, max_seq: int | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
                  table_residency: str = "device", profile: bool = False, progress: ProgressFn | None = None,
                  graphs: bool = True):
         cfg = model.config
+        if max_seq is None:
+            max_seq = min(DEFAULT_MAX_SEQ, cfg.context_length)
         for name, value in (("max_seq", max_seq), ("max_tokens", max_tokens)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
                 raise InputError(f"{name} must be an integer, got {type(value).__name__} {value!r}")

@@ -23,8 +23,9 @@ from flashv41.host.errors import CapacityError, InputError
 from flashv41.host.gguf_model import WeightStore
 
 TABLE_RESIDENCIES = ("device", "host")
-# tokens per forward chunk where the caller does not say: `flashv41 run`'s engine and `info`'s estimate
+# tokens per forward chunk where the caller does not say: the Engine's, `flashv41 run`'s and `info`'s
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_SEQ = 4096  # an Engine's positions when not given (or the model's context, if shorter)
 BF16_BYTES = 2
 FP32_BYTES = 4
 INT64_BYTES = 8

@@ -148,3 +148,17 @@ def test_token_mask(tiny):
     gates = [cap["engram_gate"] for cap in seq.captures if "engram_gate" in cap]
     assert len(gates) == 2 and all((g[~mask] == 0).all() and (g[mask] > 0).all() for g in gates)
     seq.release()
+
+
+def test_default_max_seq_fits_the_model(tiny_path) -> None:
+    """Engine(model) with no sizes runs on a model whose context is under 4096 positions: its
+    max_seq defaults to the shorter of the two (an explicit max_seq past the context is refused)."""
+    model = flashv41.load_model(tiny_path)
+    try:
+        with flashv41.Engine(model) as engine:
+            assert engine.max_seq == min(4096, model.config.context_length)
+            assert engine.max_tokens == 256
+        with pytest.raises(CapacityError, match="exceeds the model's context length"):
+            flashv41.Engine(model, max_seq=model.config.context_length + 1)
+    finally:
+        model.close()

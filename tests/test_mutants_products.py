@@ -196,10 +196,11 @@ def test_stream_mutants(gtype, kind):
 
 
 @pytest.mark.parametrize("kind", MUTANTS)
-@pytest.mark.parametrize("kernel,tokens", [("stream", T), ("gemm", 9)])
-def test_stream_gemm_mutants(kernel, tokens, kind):
+@pytest.mark.parametrize("kernel,tokens,x_f32", [("stream", T, True), ("gemm", 9, False)], ids=["stream-f32x", "gemm"])
+def test_f32_in_and_gemm_mutants(kernel, tokens, x_f32, kind):
+    """The stream kernel's fp32-input units (test_stream_mutants holds the bf16-input ones), and gemm."""
     w, wq = small_weight(GGMLType.Q8_0)
-    run_mutant(kernel, kind, check_linear, w, wq, tokens, kernel, seed=2)
+    run_mutant(kernel, kind, check_linear, w, wq, tokens, kernel, x_f32=x_f32, seed=2)
 
 
 @pytest.mark.parametrize("kind", ["drop", "scale"])
@@ -237,14 +238,12 @@ def test_flash_stream_mutants(gtype, name, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", MUTANTS)
-@pytest.mark.parametrize("kernel,tokens,name", [("stream", 1, "wo_b"), ("gemm", 64, "wq_a")],
-                         ids=["stream-wo_b", "gemm-wq_a"])
-def test_flash_stream_gemm_mutants(kernel, tokens, name, kind):
-    """stream (the decode product) and gemm (prefill with an fp32 input or a weight the tensor
-    cores do not take) on Q8_0 flash shapes."""
-    n, k = FLASH[name]
+def test_flash_gemm_mutants(kind):
+    """gemm (prefill with an fp32 input or a weight the tensor cores do not take) on a Q8_0 flash
+    shape; the stream kernel's Q8_0 wo_b case is test_flash_stream_mutants'."""
+    n, k = FLASH["wq_a"]
     w, wq = flash_weight(n, k, GGMLType.Q8_0)
-    run_mutant(kernel, kind, check_linear, w, wq, tokens, kernel, seed=2)
+    run_mutant("gemm", kind, check_linear, w, wq, 64, "gemm", seed=2)
 
 
 TC_SHAPES = [(GGMLType.BF16, "wo_b"), (GGMLType.Q8_0, "wq_b"), (GGMLType.Q2_K, "engram_wkv")]

@@ -189,11 +189,7 @@ def parse_tokens(text: str) -> np.ndarray:
 
 def open_model(path: Path | None) -> Model:
     """The model at `path`, or the built-in tiny model (written first if need be) when it is None."""
-    if path is None:
-        return load_model(builtin_model())
-    if path.is_dir():
-        raise InputError(f"{path} is a directory, not a GGUF model file")
-    return load_model(path)
+    return load_model(path if path is not None else builtin_model())
 
 
 def random_tokens(vocab: int, count: int, seed: int, stream: int) -> np.ndarray:

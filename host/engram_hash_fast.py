@@ -28,10 +28,8 @@ from numba import njit
 
 from flashv41.host.config import EngramConfig
 from flashv41.host.engram_hash import DEAD, compress_tokens
+from flashv41.host.engram_tables import MAX_PRIME
 from flashv41.host.errors import CapacityError, UnsupportedError
-
-# floor_mod is exact for divisors below this (see its docstring); real tables have primes < 2^32.
-MAX_PRIME = 1 << 51
 
 
 @njit(inline="always", cache=True)

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# the largest table prime the compiled hash takes (host.engram_hash_fast's floor_mod is exact for
+# divisors below it; real tables have primes < 2^32)
+MAX_PRIME = 1 << 51
+
 
 def is_prime(n: int) -> bool:
     """Deterministic Miller-Rabin for n < 3.3e24 (far beyond any bucket size)."""

@@ -30,7 +30,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from flashv41.host import gguf_layout as L
-from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
+from flashv41.host.engram_tables import MAX_PRIME, engram_multipliers, engram_offsets, engram_primes, stub_token_map
 from flashv41.host.errors import InputError, UnsupportedError
 from flashv41.host.numerics import bf16
 from flashv41.host.progress import Progress
@@ -47,9 +47,6 @@ NORM_MEAN = {
 GAIN = {"attn_q_a": 1.6, "attn_q_b": 0.95, "attn_kv": 1.8, "attn_output_a": 1.6, "attn_output_b": 1.9,
         "attn_compressor_kv": 1.8, "engram_wkv": 1.8, "indexer.attn_q_b": 0.95}
 EMBED_STD = 0.12
-# the compiled engram hash's largest prime (host.engram_hash_fast.MAX_PRIME, not imported: that
-# module compiles with numba, which writing a file does not need)
-MAX_TABLE_PRIME = 1 << 51
 
 # Matrices that take the model's weight type; the others keep the types published files use.
 WEIGHT_TYPED = ("attn_q_a", "attn_q_b", "attn_kv", "attn_output_a", "attn_output_b", "indexer.attn_q_b",
@@ -146,7 +143,7 @@ def preset(name: str, **overrides) -> Preset:
             raise InputError(f"engram rows {rows}: the smallest engram table preset {name!r} can hold has "
                              f"{fewest} rows (a distinct prime of at least 2 rows per n-gram order and head)")
         per_column = int(rows) // ((max_ngram - 1) * heads)
-        if per_column >= MAX_TABLE_PRIME:
+        if per_column >= MAX_PRIME:
             raise InputError(f"engram rows {rows}: the engram hash takes tables of fewer than 2^51 rows per "
                              f"n-gram order and head ({(max_ngram - 1) * heads} of them in preset {name!r})")
         overrides["engram_vocab_size"] = per_column

@@ -42,6 +42,7 @@ points at are the stage's workspaces.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -189,6 +190,8 @@ class AttentionStage:
         self.max_seq = max_seq
         self.stream = stream  # every launch and copy goes here (a numba or cuda.core stream, a graph builder)
         self.capturing = False  # set while a graph is captured: grids are then sized for the caches
+        # profiling: called with a part's name after its launches are queued (None: not profiling)
+        self.trace: Callable[[str], None] | None = None
         self.eps = np.float32(cfg.norm_eps)
         self.scale = np.float32(cfg.head_dim ** -0.5)
         self.index_scale = np.float32(cfg.index_head_dim ** -0.5 * cfg.index_heads ** -0.5)
@@ -360,14 +363,21 @@ class AttentionStage:
         pos = self.positions
         cos, sin = self.tables[role.ratio > 0]
 
+        mark = self._mark
         linear(x, w.wq_a, self.qa, t, stream=s)
+        mark("wq_a")
         rms_norm(self.qa, w.q_norm, self.eps, self.qr, t, stream=s)
+        mark("q_norm")
         linear(self.qr, w.wq_b, self.q_rows, t, stream=s)
+        mark("wq_b")
         rope(self.q_rows, cos, sin, pos, False, t, cfg.n_heads, stream=s)
+        mark("q_rope")
         linear(x, w.wkv, self.kv_raw, t, stream=s)
+        mark("wkv")
         rms_norm(self.kv_raw, w.kv_norm, self.eps, self.kv, t, stream=s)
         rope(self.kv, cos, sin, pos, False, t, stream=s)
         act_quant(self.kv, t, stream=s)
+        mark("kv_norm_rope_quant")
 
         # a ratio-0 layer has no compressed rows: any bf16 [*, D] array stands in (no entry names it)
         entries, comp_rows, selection = self.entries_window, self.kv, None
@@ -375,14 +385,20 @@ class AttentionStage:
             selection = self._sources(layer, w, st, shared, x, start, t, cos, sin, capture)
             entries, comp_rows = self.entries_all, shared.compressed
         build_entries(pos, selection, cfg.window, self.kv.shape[0], entries, t, stream=s)
+        mark("entries")
         sparse_attention(self.q, st.ring, self.kv, comp_rows, entries, w.sinks, self.scale, self.o, t, stream=s)
+        mark("sparse_attention")
         if capture is not None:
             capture["attn_o"] = self._host(self.o, t)
         rope(self.o_rows, cos, sin, pos, True, t, cfg.n_heads, stream=s)
+        mark("o_rope")
         linear(self.o_rows, w.wo_a, self.oa, t, group_rows=cfg.o_lora_rank, stream=s)
+        mark("wo_a")
         linear(self.oa, w.wo_b, out, t, stream=s)
+        mark("wo_b")
         n_ring = min(t, cfg.window) * cfg.head_dim
         _ring_write_kernel[grid_1d(n_ring, COPY_THREADS), COPY_THREADS, s](self.kv, st.ring, pos, t, cfg.head_dim)
+        mark("ring_write")
         if capture is not None:
             capture.update(attn_x=self._host(x, t), qr=self._host(self.qr, t), q=self._host(self.q, t),
                            kv=self._host(self.kv, t), attn_out=self._host(out, t))
@@ -395,10 +411,12 @@ class AttentionStage:
             assert st.source is not None and self.source_ws is not None
             ws = self.source_ws
             latents, groups = kv_sources.compress(cfg, role, w.source, st.source, x, start, ws, pos, t, s)
+            self._mark("compress")
             if capture is not None:  # before publish turns the latents into cache rows
                 capture["latents"] = self._host(latents, groups.count)
                 capture["groups"] = np.arange(groups.first, groups.first + groups.count, dtype=np.int64)
             kv_sources.publish(cfg, role, w.source, st.source, latents, groups, cos, sin, ws, pos, s)
+            self._mark("publish")
             shared.compressed, shared.index_keys = st.source.compressed, st.source.index_keys
         elif capture is not None:
             capture["latents"] = np.zeros((0, cfg.head_dim), np.float32)
@@ -425,17 +443,38 @@ class AttentionStage:
             # no group is complete yet: nothing to score (the reference skips its indexer too)
             n = t * cfg.index_topk
             _fill_kernel[grid_1d(n, COPY_THREADS), COPY_THREADS, s](self.selection, t, -1)
+            self._mark("select")
             return
         assert shared.index_keys is not None
         indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
+        self._mark("index_queries")
         grid_width = shared.index_keys.shape[0] if self.capturing else width  # the graph serves later widths
         indexer.index_scores(self.iq, self.hw, shared.index_keys, self.index_scale, self.score, t, pos, role.ratio,
                              grid_width, stream=s)
+        self._mark("index_scores")
         indexer.select(cfg, role, self.score, pos, self.candidates, self.selection, t, stream=s)
+        self._mark("select")
         if role.candidate_source:
             shared.candidates, shared.candidate_width = self.candidates, width
         if capture is not None:
             capture["index_score"] = from_bits(self._download(self.score, t)[:, :width])
+
+    def _mark(self, part: str) -> None:
+        if self.trace is not None:
+            self.trace(part)
+
+    def part_weights(self, layer: int) -> dict[str, list[DeviceWeight]]:
+        """The weight matrices each traced part of the layer's step streams (parts without any
+        stream none)."""
+        w = self.layers[layer]
+        parts: dict[str, list[DeviceWeight]] = {"wq_a": [w.wq_a], "wq_b": [w.wq_b], "wkv": [w.wkv],
+                                                "wo_a": [w.wo_a], "wo_b": [w.wo_b]}
+        if w.source is not None:
+            parts["compress"] = [w.source.comp_kv] + ([w.source.comp_gate] if w.source.comp_gate is not None else [])
+            parts["publish"] = [w.source.wk]
+        if w.indexer is not None:
+            parts["index_queries"] = [w.indexer.wq_b, w.indexer.proj]
+        return parts
 
     def _download(self, a: DeviceArray, rows: int) -> np.ndarray:
         """The first rows of a device array on the host (synchronises: captures only)."""

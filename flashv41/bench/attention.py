@@ -9,6 +9,12 @@
   (flashv41.graphs) and replayed, as the engine's decode runs it.
 - `attention.decode.<type>.<block type>.python`: the same steps back to back as Python issues them
   (about 25 launches a layer), what the engine gets without a graph.
+- `attention.decode.<type>.<block type>.part.<part>` (Q8_0 and BF16): the step's breakdown. The
+  stage marks each part (a product, a norm, the sparse attention, ...; AttentionStage.trace) and an
+  event recorded at each mark times the part, queued behind the sleeping kernel, the L2 evicted
+  before each step. Bytes and bound are those of the weights the part streams (none: no bound);
+  the note gives its share of the parts' sum. The events add about a microsecond a part, so the
+  parts sum to a little more than the graph row.
 
 The rows run an AttentionStage on the six-layer flash-dimension model (no engram) written once
 into the options' work directory in Q8_0, prefilled to DECODE_POSITION in chunks; the measured
@@ -48,6 +54,7 @@ X_STD = 0.025  # the normed sublayer input's scale
 MODEL: dict[str, Any] = dict(vocab=1024, engram_layers=())  # Preset overrides for write_synthetic
 HOLD_S = 0.02  # the sleeping kernel outlasts the queued steps' Python launch time
 QUEUED = 4
+BREAKDOWN_TYPES = ("Q8_0", "BF16")  # the weight types whose steps get a per-part breakdown
 
 
 def attention_model(options: BenchOptions):
@@ -76,6 +83,29 @@ def swap_dense(stage, gtype: GGMLType, stream) -> None:
             setattr(layer, name, random_like(getattr(layer, name)))
         if layer.indexer is not None:
             layer.indexer.wq_b = random_like(layer.indexer.wq_b)
+
+
+def breakdown(ctx: BenchContext, stage, step, layer: int, row: str, nbytes: int, stream) -> list[BenchRow]:
+    """`<row>.part.<part>`: each part of the step (AttentionStage.trace names them) timed by the
+    events between the marks, with the bytes of the weights it streams and its share of the sum."""
+
+    def traced(mark) -> None:
+        stage.trace = mark
+        try:
+            step()
+        finally:
+            stage.trace = None
+
+    parts, plan = ctx.parts_time(traced, nbytes, stream)
+    total = sum(parts.values())
+    weights = stage.part_weights(layer)
+    rows = []
+    for part, seconds in parts.items():
+        part_bytes = sum(w.nbytes for w in weights.get(part, []))
+        rows.append(BenchRow(f"{row}.part.{part}", seconds, ctx.memory_bound(part_bytes), bytes=part_bytes,
+                             note=f"{100 * seconds / total:.1f}% of the parts' {total * 1e6:.1f} us"
+                                  + ("" if part_bytes else "; streams no weight (no bound)"), l2=plan))
+    return rows
 
 
 def decode_case(wtype: str) -> BenchCase:
@@ -137,6 +167,8 @@ def decode_case(wtype: str) -> BenchCase:
                 median, plan = ctx.python_time(step, nbytes, stream)
                 rows.append(BenchRow(f"{row}.python", median, bound, bytes=nbytes,
                                      note="from Python, launch cost included", l2=plan))
+                if wtype in BREAKDOWN_TYPES:
+                    rows += breakdown(ctx, stage, step, role.layer, row, nbytes, stream)
             return rows
         finally:
             if state is not None:

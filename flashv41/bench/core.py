@@ -214,6 +214,13 @@ class BenchContext:
             return device_time(fn, o.reps, o.warmup, stream, n, hold_s), plan
         return evicted_time(fn, o.reps, o.warmup, stream, self.evictor.evict, n, hold_s), plan
 
+    def parts_time(self, fn: Callable[[Callable[[str], None]], None], data_bytes: int, stream
+                   ) -> tuple[dict[str, float], L2Plan]:
+        """part_times of `fn`, the L2 evicted before each call when its data fits."""
+        plan = self.plan(data_bytes)
+        evict = None if plan.mode == "hbm" else self.evictor.evict
+        return part_times(fn, self.options.reps, self.options.warmup, stream, evict), plan
+
     def python_time(self, fn: Callable[[], None], data_bytes: int, stream, n: int = 8) -> tuple[float, L2Plan]:
         """pipelined_time of `fn` (launch cost included), the L2 evicted before each call when its
         data fits."""
@@ -367,6 +374,55 @@ def evicted_time(fn: Callable[[], None], reps: int, warmup: int, stream, evict: 
         ends[-1].synchronize()
         times += [start.elapsed_time(end) / 1e3 for start, end in zip(starts, ends, strict=True)]
     return statistics.median(times)
+
+
+def part_times(fn: Callable[[Callable[[str], None]], None], reps: int, warmup: int, stream,
+               evict: Callable[[Any], None] | None, n: int = 4, hold_s: float = 0.02) -> dict[str, float]:
+    """Median GPU seconds of each named part of one call: `fn(mark)` queues its launches on `stream`
+    and calls mark(part) after each part's; an event recorded there times the part against the
+    previous mark (the first against the call's start). Each repetition queues, behind a kernel
+    that sleeps at least `hold_s`, `n` times evict(stream) (when given) and one call, so a part
+    is timed from HBM and without launch gaps. Parts keep their first-seen order; a part marked
+    more than once a call adds up."""
+    from numba import cuda
+
+    def one_call(marks: list) -> None:
+        if evict is not None:
+            evict(stream)
+        start = cuda.event()
+        start.record(stream)
+        marks.append(("", start))
+
+        def mark(part: str) -> None:
+            ev = cuda.event()
+            ev.record(stream)
+            marks.append((part, ev))
+
+        fn(mark)
+
+    def group(marks: list) -> None:
+        for _ in range(n):
+            one_call(marks)
+
+    hold_s = _warm_and_hold(lambda: group([]), warmup, lambda: fn(lambda part: None), hold_s)
+    cuda.synchronize()
+    samples: dict[str, list[float]] = {}
+    for _ in range(reps):
+        marks: list = []
+        _hold(stream, hold_s)
+        group(marks)
+        marks[-1][1].synchronize()
+        call: dict[str, float] = {}
+        for (_, before), (part, after) in zip(marks, marks[1:], strict=False):
+            if part:
+                call[part] = call.get(part, 0.0) + before.elapsed_time(after) / 1e3
+            else:
+                for name, seconds in call.items():
+                    samples.setdefault(name, []).append(seconds)
+                call = {}
+        for name, seconds in call.items():
+            samples.setdefault(name, []).append(seconds)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def pipelined_time(fn: Callable[[], None], reps: int, warmup: int, stream, n: int = 8) -> float:

@@ -1,4 +1,5 @@
-"""RMSNorm, RoPE and the two model-level quantisers on the device, each bit-exact to its oracle.
+"""RMSNorm, RoPE and the two model-level quantisers on the device, alone or fused, each bit-exact
+to its oracle.
 
 Shapes and dtypes (R rows; bf16 = uint16 bit patterns on the device). Each wrapper takes its oracle
 function's arguments in the oracle's order, then the device's own (output, row count, stream):
@@ -12,6 +13,24 @@ function's arguments in the oracle's order, then the device's own (output, row c
   host.numerics.act_quant(x).
 - `fp4_quant(x, block, e4m3_scale, n_rows)`: in place on bf16 [R, C], E2M1 blocks of 16 (E4M3
   scale) or 32 (E8M0 scale). Oracle: host.numerics.fp4_act_quant(x, block, e4m3_scale).
+- `norm_rope_quant(x, weight, eps, cos, sin, positions, inverse, quant, n_rows, heads, out)`: the
+  chain quant(rope(rms_norm(x))) in one launch, any step left out (weight None: no norm; cos None:
+  no rope; quant "none"), each step rounding to bf16 as the separate kernels do, so the result is
+  their composition bit for bit (oracles: the same functions, applied in turn). x bf16 [R, heads * D]
+  (or fp32 [R, >= D] with a norm, which needs heads == 1), out bf16 [R, heads * D], default x.
+  quant: "act" (act_quant), "fp4_e8m0_32" (fp4_quant(x, 32, False)), "fp4_e4m3_16" (fp4_quant(x, 16,
+  True)). The decode chains (one token): q_norm (1280 values), kv norm + rope + act (512), index
+  keys norm + rope + fp4_e8m0_32 (128), compressed rows rope + fp4_e4m3_16 (512), index queries
+  rope + fp4_e8m0_32 (32 heads x 128), q / o rope (64 heads x 512).
+
+How the fused kernel runs: one block per (row, head); each thread holds `vals` consecutive values of
+the head in registers (a rope pair and a quant block never straddle two threads, or a block spans an
+aligned group of lanes), so nothing goes through shared memory but the norm's one cross-warp step:
+float64 warp-shuffle sums, one barrier, and quant-block maxima by shuffles within the lane group.
+On the GPU vals is the smallest fitting count that keeps a block within 128 threads (1280 -> 10 x
+128, 512 -> 4 x 128, 128 -> 2 x 64). A rope-only call in place touches only each head's rope tail
+(q rope: 64 blocks of 32 threads per token). On the simulator a block is one thread (barriers cost
+milliseconds there); tests force the multi-thread shapes on a few rows.
 
 Why every result here equals the oracle's bit for bit (not just within an ulp):
 - RMSNorm squares in fp32 and sums the squares in float64, as the oracle does; a float64 sum of
@@ -23,7 +42,7 @@ Why every result here equals the oracle's bit for bit (not just within an ulp):
   otherwise contract one of them into an FMA), then one bf16 rounding, exactly the NumPy sequence.
 - The quantisers use only exact operations: power-of-two scales from exponent bits, IEEE division
   (Numba-CUDA without fastmath divides exactly), e4m3 / E2M1 rounding on the bits, products of a
-  few significant bits.
+  few significant bits. A block maximum is exact in any order.
 """
 
 from __future__ import annotations
@@ -37,6 +56,7 @@ from numba import cuda, float32, float64, int32, uint32
 from flashv41.host.errors import InputError
 from flashv41.stages.device import (
     SIM,
+    WARP,
     DeviceArray,
     bf16_to_f32,
     check_array,
@@ -69,6 +89,77 @@ E4M3_SUB_QUANTUM = float32(2.0**-9)
 # multi-thread variants there on a few rows.
 NORM_THREADS = 1 if SIM else 128
 ELEM_THREADS = 64 if SIM else 128
+FUSED_THREADS = 128  # the most threads norm_rope_quant gives a block by default (a GPU's)
+
+# norm_rope_quant's quantisers: name -> (code, values per block); the codes are the kernels' constants
+QUANT_NONE, QUANT_ACT, QUANT_FP4_E8M0, QUANT_FP4_E4M3 = 0, 1, 2, 3
+QUANTS = {"none": (QUANT_NONE, 0), "act": (QUANT_ACT, ACT_BLOCK), "fp4_e8m0_32": (QUANT_FP4_E8M0, 32),
+          "fp4_e4m3_16": (QUANT_FP4_E4M3, 16)}
+QUANT_BLOCK = dict(QUANTS.values())  # code -> values per block (0: none)
+
+
+def lane_mask(threads: int) -> int:
+    """The shuffle mask of a block of `threads` threads: every lane of a full warp, else the ones there are."""
+    return 0xFFFFFFFF if threads >= WARP else (1 << threads) - 1
+
+
+if SIM:
+    @cuda.jit(device=True)
+    def block_sum(v, mask, scratch):
+        """Sum of the float64 v over the block's threads, the same value to every thread (the
+        simulator has no shuffles: through `scratch`, shared float64 [threads]). Every thread must call."""
+        tid = cuda.threadIdx.x
+        scratch[tid] = v
+        cuda.syncthreads()
+        total = float64(0)
+        for i in range(cuda.blockDim.x):
+            total += scratch[i]
+        cuda.syncthreads()
+        return total
+
+    @cuda.jit(device=True)
+    def group_max(v, lanes, mask, scratch):
+        """max of the float32 v over each aligned group of `lanes` threads (a power of two up to 32),
+        to every thread of the group; through `scratch` as block_sum. Every thread must call."""
+        tid = cuda.threadIdx.x
+        scratch[tid] = v
+        cuda.syncthreads()
+        first = tid - tid % lanes
+        m = float32(scratch[first])
+        for i in range(1, lanes):
+            m = max(m, float32(scratch[first + i]))
+        cuda.syncthreads()
+        return m
+else:
+    @cuda.jit(device=True)
+    def block_sum(v, mask, scratch):
+        """Sum of the float64 v over the block's threads (a power of two up to 32, or whole warps),
+        the same value to every thread: butterfly shuffles within each warp (the two halves of
+        each step add the same two numbers, so every lane holds the same sum), then one barrier and
+        the warps' sums added in warp order by every thread. scratch: shared float64 [>= warps].
+        Every thread must call."""
+        threads = cuda.blockDim.x
+        for offset in (16, 8, 4, 2, 1):
+            if offset < threads:
+                v += cuda.shfl_xor_sync(mask, v, offset)
+        if threads > WARP:
+            tid = cuda.threadIdx.x
+            if tid % WARP == 0:
+                scratch[tid // WARP] = v
+            cuda.syncthreads()
+            v = scratch[0]
+            for w in range(1, threads // WARP):
+                v += scratch[w]
+        return v
+
+    @cuda.jit(device=True)
+    def group_max(v, lanes, mask, scratch):
+        """max of the float32 v over each aligned group of `lanes` lanes (a power of two up to 32),
+        to every lane of the group, by xor shuffles within the group. Every thread must call."""
+        for offset in (16, 8, 4, 2, 1):
+            if offset < lanes:
+                v = max(v, cuda.shfl_xor_sync(mask, v, offset))
+        return v
 
 
 @device
@@ -131,32 +222,53 @@ def block_amax(x, r, c0, n):
     return amax
 
 
+@device
+def round_bf16(v):
+    """v rounded to the nearest bf16 value, as float32 (this module's f32_to_bf16, so that a mutant of
+    it shows in the fused kernel too)."""
+    return bf16_to_f32(f32_to_bf16(v))
+
+
+@device
+def quant_scale(amax, quant):
+    """The scale of a block of max |x| = amax under quantiser `quant` (QUANT_ACT, QUANT_FP4_...);
+    the same expressions as _act_quant_kernel's and _fp4_quant_kernel's."""
+    if quant == QUANT_ACT:
+        return pow2_ceil(max(amax, ACT_AMAX_FLOOR), FP8_MAX_INV)
+    if quant == QUANT_FP4_E4M3:
+        return e4m3_round(max(amax, FP4_E4M3_FLOOR) / FP4_MAX)
+    return pow2_ceil(max(amax, FP4_E8M0_FLOOR), FP4_MAX_INV)
+
+
+@device
+def quant_value(v, s, quant):
+    """v quantised and dequantised with the block scale s, in fp32 (not yet rounded to bf16)."""
+    if quant == QUANT_ACT:
+        return mul_rn(e4m3_round(v / s), s)
+    q = min(max(v / s, -FP4_MAX), FP4_MAX)
+    return mul_rn(e2m1_round(q), s)
+
+
 @cache
 def rms_norm_kernel(x_bf16: bool, threads: int):
-    """One block of `threads` threads per row: float64 partial sums, a tree in shared memory.
-    x bf16 bits (x_bf16) or fp32 [R, width], weight fp32 [width], out bf16 [R, width]."""
-    sync = threads > 1
+    """One block of `threads` threads per row (a power of two up to 32, or whole warps): float64
+    partial sums, added by block_sum. x bf16 bits (x_bf16) or fp32 [R, width], weight fp32 [width],
+    out bf16 [R, width]."""
+    many = threads > 1
+    mask = lane_mask(threads)
 
     @jit_for(threads)
     def kernel(x, weight, out, n_rows, width, eps):
-        partial = cuda.shared.array(threads, float64)  # [threads]: each thread's sum of squares
+        scratch = cuda.shared.array(threads, float64)  # [threads]: block_sum's
         r = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         acc = float64(0)
         for c in range(tid, width, threads):
             v = load_f32(x, r, c, x_bf16)
             acc += float64(mul_rn(v, v))
-        partial[tid] = acc
-        step = threads // 2
-        while step > 0:
-            if sync:
-                cuda.syncthreads()
-            if tid < step:
-                partial[tid] += partial[tid + step]
-            step //= 2
-        if sync:
-            cuda.syncthreads()
-        mean = float32(partial[0] / float64(width))
+        if many:
+            acc = block_sum(acc, mask, scratch)
+        mean = float32(acc / float64(width))
         rs = float32(1.0 / math.sqrt(float64(mean + eps)))
         # a thread rewrites only the values it read itself, so out may be x
         for c in range(tid, width, threads):
@@ -222,6 +334,69 @@ def _fp4_quant_kernel(x, n_rows, width, block, e4m3_scale):
         x[r, c] = f32_to_bf16(mul_rn(e2m1_round(v), s))
 
 
+@cache
+def fused_kernel(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, threads: int):
+    """quant(rope(rms_norm(x))), each step optional: one block of `threads` threads per (row, head),
+    `vals` consecutive values of the head in each thread's registers, from column c_lo of the head
+    on (0, or the rope tail when nothing else changes). x bf16 bits (x_bf16) or fp32 [R, heads * D],
+    weight fp32 [D], out bf16 [R, heads * D] (may be x: a thread rewrites only what it read), cos,
+    sin fp32 [max_seq, rope_dim / 2], positions int32 [R]. Every step rounds to bf16."""
+    block = QUANT_BLOCK[quant]
+    per_block = min(vals, block)  # the values of one quant block in one thread
+    blocks = vals // per_block if block else 0  # quant blocks per thread
+    lanes = block // per_block if block else 1  # threads sharing a quant block: a power of two
+    many = threads > 1
+    mask = lane_mask(threads)
+
+    @jit_for(threads)
+    def kernel(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse):
+        v = cuda.local.array(vals, float32)  # [vals]: columns c0 .. c0 + vals - 1 of the head
+        scratch = cuda.shared.array(threads, float64)  # [threads]: block_sum's (and group_max's, simulated)
+        r = cuda.blockIdx.x // heads
+        col = (cuda.blockIdx.x % heads) * head_dim  # the head's first column in the row
+        c0 = c_lo + cuda.threadIdx.x * vals
+        active = c0 < head_dim  # a block's padding threads only join the reductions, with zeros
+        for k in range(vals):
+            v[k] = load_f32(x, r, col + c0 + k, x_bf16) if active else float32(0)
+        if norm:
+            acc = float64(0)
+            for k in range(vals):
+                acc += float64(mul_rn(v[k], v[k]))
+            if many:
+                acc = block_sum(acc, mask, scratch)
+            mean = float32(acc / float64(head_dim))
+            rs = float32(1.0 / math.sqrt(float64(mean + eps)))
+            if active:
+                for k in range(vals):
+                    v[k] = round_bf16(mul_rn(weight[c0 + k], mul_rn(v[k], rs)))
+        if rope and active:
+            pos = positions[r]
+            tail = head_dim - rope_dim
+            for k in range(0, vals, 2):
+                if c0 + k >= tail:  # pairs start at even offsets from tail, and so do the threads' values
+                    pair = (c0 + k - tail) // 2
+                    cs = cos[pos, pair]
+                    sn = -sin[pos, pair] if inverse else sin[pos, pair]
+                    a = v[k]
+                    b = v[k + 1]
+                    v[k] = round_bf16(mul_rn(a, cs) - mul_rn(b, sn))
+                    v[k + 1] = round_bf16(mul_rn(a, sn) + mul_rn(b, cs))
+        for j in range(blocks):
+            amax = float32(0)
+            for k in range(j * per_block, (j + 1) * per_block):
+                amax = max(amax, abs(v[k]))
+            if lanes > 1:
+                amax = group_max(amax, lanes, mask, scratch)
+            s = quant_scale(amax, quant)
+            for k in range(j * per_block, (j + 1) * per_block):
+                v[k] = round_bf16(quant_value(v[k], s, quant))
+        if active:
+            for k in range(vals):
+                out[r, col + c0 + k] = f32_to_bf16(v[k])
+
+    return kernel
+
+
 def rms_norm(x: DeviceArray, weight: DeviceArray, eps: float, out: DeviceArray, n_rows: int, stream=0,
              threads: int = 0) -> None:
     """out[:n_rows] = bf16(weight * (x * rsqrt(mean(x^2) + eps))) row by row (x may be out).
@@ -237,6 +412,8 @@ def rms_norm(x: DeviceArray, weight: DeviceArray, eps: float, out: DeviceArray, 
     if n_rows == 0:
         return
     nt = threads or NORM_THREADS
+    if nt & (nt - 1) and nt % WARP:
+        raise InputError(f"rms_norm: {nt} threads a block: a power of two or whole warps")
     rms_norm_kernel(bool(x.dtype == np.uint16), nt)[n_rows, nt, stream](x, weight, out, n_rows, width, np.float32(eps))
 
 
@@ -283,3 +460,106 @@ def fp4_quant(x: DeviceArray, block: int, e4m3_scale: bool, n_rows: int, stream=
     if total:
         _fp4_quant_kernel[grid_1d(total, ELEM_THREADS), ELEM_THREADS, stream](
             x, n_rows, x.shape[1], block, bool(e4m3_scale))
+
+
+def fused_shape(width: int, rope: bool, block: int, threads: int = 0) -> tuple[int, int]:
+    """(values per thread, threads per block) of norm_rope_quant over `width` values of a head: the
+    values split into equal runs of consecutive ones, even with rope (a pair stays in one thread),
+    dividing or multiple of the quant block (0: none). Default: the shortest run that needs no
+    more than FUSED_THREADS runs, their count padded to a power of two up to 32 or to whole warps
+    (the shuffles' shapes); on the simulator one thread. threads: forced (tests), one run each."""
+    def fits(vals: int) -> bool:
+        return width % vals == 0 and (not rope or vals % 2 == 0) and (not block or block % vals == 0
+                                                                      or vals % block == 0)
+
+    if threads:
+        shaped = threads > 0 and not (threads & (threads - 1) and threads % WARP)
+        if not shaped or width % threads or not fits(width // threads):
+            raise InputError(f"norm_rope_quant: {width} values do not split over {threads} threads (a power "
+                             f"of two or whole warps, runs {'even and ' if rope else ''}fitting blocks of {block})")
+        return width // threads, threads
+    if SIM:
+        return width, 1
+    vals = next(v for v in range(max(1, -(-width // FUSED_THREADS)), width + 1) if fits(v))
+    runs = width // vals
+    return vals, (1 << (runs - 1).bit_length() if runs <= WARP else -(-runs // WARP) * WARP)
+
+
+@cache
+def _placeholders() -> tuple[DeviceArray, DeviceArray, DeviceArray]:
+    """Typed stand-ins (weight fp32 [1], table fp32 [1, 1], positions int32 [1]) for the arrays of
+    a step left out, which the kernel never reads; allocated once."""
+    return (cuda.to_device(np.zeros(1, np.float32)), cuda.to_device(np.zeros((1, 1), np.float32)),
+            cuda.to_device(np.zeros(1, np.int32)))
+
+
+def norm_rope_quant(x: DeviceArray, weight: DeviceArray, eps: float | None, cos: DeviceArray, sin: DeviceArray,
+                    positions: DeviceArray, inverse: bool, quant: str, n_rows: int, heads: int = 1,
+                    out: DeviceArray = None, stream=0, threads: int = 0) -> None:
+    """out[:n_rows] = quant(rope(rms_norm(x))) in one launch, bit for bit the separate kernels'
+    chain. weight None: no norm (x must then be bf16); cos None: no rope; quant one of QUANTS.
+    x bf16 [R, heads * D] (or fp32 [R, >= D] with a norm, heads 1), weight fp32 [D], cos, sin fp32
+    [max_seq, rope_dim / 2], positions int32 [R], out bf16 [R, heads * D] (None: x, in place).
+    threads: block size (0 = the default; tests force others)."""
+    what = "norm_rope_quant"
+    check_array(x, (np.uint16, np.float32), 2, f"{what} x")
+    if quant not in QUANTS:
+        raise InputError(f"{what}: unknown quant {quant!r} (known: {', '.join(QUANTS)})")
+    norm, rope_on = weight is not None, cos is not None
+    x_bf16 = np.dtype(x.dtype) == np.uint16
+    if out is None:
+        if not x_bf16:
+            raise InputError(f"{what}: fp32 x cannot take the bf16 result in place; pass out")
+        out = x
+    check_array(out, (np.uint16,), 2, f"{what} out")
+    if not isinstance(heads, (int, np.integer)) or heads <= 0:
+        raise InputError(f"{what}: heads must be a positive integer, got {heads!r}")
+    if norm:
+        check_array(weight, (np.float32,), 1, f"{what} weight")
+        if heads != 1:
+            raise InputError(f"{what}: the norm spans the row, so heads must be 1 with a weight (got {heads})")
+        if eps is None:
+            raise InputError(f"{what}: a norm needs eps")
+        head_dim = weight.shape[0]
+        if x.shape[1] < head_dim:
+            raise InputError(f"{what}: weight of {head_dim} values, x rows of {x.shape[1]}")
+    else:
+        if not x_bf16:
+            raise InputError(f"{what}: fp32 x only with a norm (rope and the quantisers read bf16 values)")
+        if x.shape[1] % heads:
+            raise InputError(f"{what}: rows of {x.shape[1]} values do not split into {heads} heads")
+        head_dim = x.shape[1] // heads
+    if out.shape[1] < heads * head_dim:
+        raise InputError(f"{what}: out rows of {out.shape[1]} values, {heads} heads of {head_dim} to write")
+    check_rows(x, n_rows, f"{what} x")
+    check_rows(out, n_rows, f"{what} out")
+    rope_dim = 0
+    if rope_on:
+        check_array(cos, (np.float32,), 2, f"{what} cos")
+        check_array(sin, (np.float32,), 2, f"{what} sin")
+        check_array(positions, (np.int32,), 1, f"{what} positions")
+        check_rows(positions, n_rows, f"{what} positions")
+        if tuple(sin.shape) != tuple(cos.shape):
+            raise InputError(f"{what}: cos {cos.shape} and sin {sin.shape} differ")
+        rope_dim = 2 * cos.shape[1]
+        if not 0 < rope_dim <= head_dim:
+            raise InputError(f"{what}: rope over {rope_dim} values of heads of {head_dim}")
+    elif sin is not None or positions is not None:
+        raise InputError(f"{what}: sin or positions given without cos")
+    code, block = QUANTS[quant]
+    # rope alone, in place: only each head's tail changes, so only the tail is read and written
+    c_lo = head_dim - rope_dim if rope_on and not norm and code == QUANT_NONE and out is x else 0
+    width = head_dim - c_lo
+    if rope_on and width % 2:
+        raise InputError(f"{what}: heads of {head_dim} values (odd) with rope over the last {rope_dim}")
+    if block and width % block:
+        raise InputError(f"{what}: heads of {width} values are not blocks of {block} ({quant})")
+    vals, nt = fused_shape(width, rope_on, block, threads)
+    if n_rows == 0:
+        return
+    spare_weight, spare_table, spare_positions = _placeholders()
+    kernel = fused_kernel(bool(x_bf16), norm, rope_on, code, vals, nt)
+    kernel[n_rows * heads, nt, stream](
+        x, weight if norm else spare_weight, out, cos if rope_on else spare_table,
+        sin if rope_on else spare_table, positions if rope_on else spare_positions, heads, head_dim, c_lo,
+        rope_dim, np.float32(eps if norm else 0.0), bool(inverse))

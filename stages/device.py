@@ -139,6 +139,31 @@ else:
 
 
 if SIM:
+    def byte_perm(a, b, selector):
+        """prmt.b32: byte i of the result is byte (selector >> 4 i) & 7 of b:a (a bytes 0-3, b 4-7)."""
+        pool = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
+        out = 0
+        for i in range(4):
+            out |= ((pool >> (8 * ((int(selector) >> (4 * i)) & 7))) & 0xFF) << (8 * i)
+        return uint32(out)
+else:
+    @intrinsic
+    def byte_perm(typingctx, a, b, selector):
+        """`prmt.b32`: byte i of the result is byte (selector >> 4 i) & 7 of b:a (a bytes 0-3, b
+        bytes 4-7). One integer instruction that moves a byte into place inside another word,
+        where shift, mask and or take two or three."""
+        sig = types.uint32(types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            word = ir.IntType(32)
+            values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args, strict=True)]
+            asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, values)
+
+        return sig, codegen
+
+
+if SIM:
     @cuda.jit(device=True)
     def warp_sum(v, scratch):
         """Sum of v over the 32 lanes of the calling warp, returned to every lane. `scratch` is a

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
-from numba import cuda, float32, uint64
+from numba import cuda, float32, uint32, uint64
 
 from flashv41.host.gguf_model import TensorRef
 from flashv41.host.quants import FORMATS, GGMLType, quantize
@@ -197,7 +197,7 @@ def stream_walker(unit: StreamUnit, x_bf16: bool, tokens: int):
                 step(ww, wf, row, x32, xo, k, n_tokens, acc, u + U2 * step_lanes)
                 step(ww, wf, row, x32, xo, k, n_tokens, acc, u + U3 * step_lanes)
                 u += U4 * step_lanes
-        else:
+        elif in_flight == 2:
             while u + step_lanes < end:
                 step(ww, wf, row, x32, xo, k, n_tokens, acc, u)
                 step(ww, wf, row, x32, xo, k, n_tokens, acc, u + step_lanes)
@@ -219,15 +219,21 @@ def stream_split(n_rows: int) -> int:
 
 
 @cache
-def stream_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool, tokens: int):
-    """Output rows over warps, `split` warps per row (each a slice of K, summed in shared memory),
-    for up to `tokens` tokens; block = (LANES, STREAM_WARPS), rows strided over the grid."""
-    walk = stream_walker(qt.stream, x_bf16, tokens)
-    partial_shape = (STREAM_WARPS, tokens)
+def stream_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool, tokens: int, split: int):
+    """Output rows over warps, each warp the type's `rows` consecutive rows (its gemv unit),
+    `split` warps per row group (each a slice of K, summed in shared memory), for up to `tokens`
+    tokens; block = (LANES, STREAM_WARPS), row groups strided over the grid. `split` is compiled
+    in: its divisions become shifts (a 64-bit division costs more than a short row's walk)."""
+    unit = qt.gemv_unit
+    rows = unit.rows
+    walk = stream_walker(unit, x_bf16, tokens)
+    sums = rows * tokens  # a warp's accumulators: acc[i * tokens + t] for row i of its group
+    partial_shape = (STREAM_WARPS, sums)
     per_word = 2 if x_bf16 else 1  # inputs a 32-bit word of x holds
+    per_block = STREAM_WARPS // split
 
     @cuda.jit
-    def stream(x, w, y, n_tokens, k, group_rows, split):
+    def stream(x, w, y, n_tokens, k, group_rows):
         partial = cuda.shared.array(partial_shape, float32)
         ww = w.view(np.uint32)
         wf = w.view(np.float16)
@@ -235,32 +241,36 @@ def stream_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool, tokens: int):
         lane = cuda.threadIdx.x
         warp = cuda.threadIdx.y
         part = warp % split
-        per_block = STREAM_WARPS // split
-        acc = cuda.local.array(tokens, float32)
-        # a block-uniform walk over its rows, so every thread meets the same barriers
-        for first in range(cuda.blockIdx.x * per_block, w.shape[0], cuda.gridDim.x * per_block):
-            row = first + warp // split
-            for t in range(tokens):
-                acc[t] = float32(0)
-            if row < w.shape[0]:
-                walk(ww, wf, row, x32, uint64((row // group_rows) * (k // per_word)), k, n_tokens, acc, part, split,
-                     lane, LANES)
-            for t in range(tokens):
-                total = warp_sum(acc[t], acc) if LANES > 1 else acc[t]  # (shuffles: no scratch)
+        n_rows = w.shape[0]
+        n_groups = (n_rows + rows - 1) // rows
+        x_words = uint32(k) // uint32(per_word)
+        acc = cuda.local.array(sums, float32)
+        # a block-uniform walk over its row groups, so every thread meets the same barriers
+        for first in range(cuda.blockIdx.x * per_block, n_groups, cuda.gridDim.x * per_block):
+            row = (first + warp // split) * rows
+            for j in range(sums):
+                acc[j] = float32(0)
+            if row < n_rows:
+                xo = uint64((uint32(row) // uint32(group_rows)) * x_words)
+                walk(ww, wf, row, x32, xo, k, n_tokens, acc, part, split, lane, LANES)
+            for j in range(sums):
+                total = warp_sum(acc[j], acc) if LANES > 1 else acc[j]  # (shuffles: no scratch)
                 if lane == 0:
-                    partial[warp, t] = total
+                    partial[warp, j] = total
             if split > 1:
                 cuda.syncthreads()
-            if lane == 0 and part == 0 and row < w.shape[0]:
-                for t in range(tokens):
-                    if t < n_tokens:
-                        total = float32(0)
-                        for j in range(split):
-                            total += partial[warp + j, t]
-                        if out_bf16:
-                            y[t, row] = f32_to_bf16(total)
-                        else:
-                            y[t, row] = total
+            if lane == 0 and part == 0:
+                for i in range(rows):
+                    if row + i < n_rows:
+                        for t in range(tokens):
+                            if t < n_tokens:
+                                total = float32(0)
+                                for p in range(split):
+                                    total += partial[warp + p, i * tokens + t]
+                                if out_bf16:
+                                    y[t, row + i] = f32_to_bf16(total)
+                                else:
+                                    y[t, row + i] = total
             if split > 1:
                 cuda.syncthreads()
 
@@ -386,11 +396,17 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     if kernel == "tc":
         linear_tc.linear_tc(x, w, y, n_tokens, group_rows if groups > 1 else 0, stream)
     elif kernel == "stream":
-        split = stream_split(w.n)
+        qt = DEVICE_TYPES[w.gtype]
+        rows = qt.gemv_unit.rows
+        if group_rows % rows:
+            raise ValueError(f"linear {w.name}: groups of {group_rows} rows do not split into the stream kernel's "
+                             f"row groups of {rows}")
+        row_groups = (w.n + rows - 1) // rows
+        split = stream_split(row_groups)
         per_block = STREAM_WARPS // split
-        blocks = 1 if SIM else (w.n + per_block - 1) // per_block
-        stream_kernel(DEVICE_TYPES[w.gtype], x_bf16, out_bf16, gemv_token_cap(n_tokens))[
-            blocks, (LANES, STREAM_WARPS), stream](x, w.data, y, n_tokens, w.k, group_rows, split)
+        blocks = 1 if SIM else (row_groups + per_block - 1) // per_block
+        stream_kernel(qt, x_bf16, out_bf16, gemv_token_cap(n_tokens), split)[
+            blocks, (LANES, STREAM_WARPS), stream](x, w.data, y, n_tokens, w.k, group_rows)
     else:
         gemm = gemm_kernel(DEVICE_TYPES[w.gtype], x_bf16, out_bf16)
         grid = ((group_rows + TN - 1) // TN, (n_tokens + TM - 1) // TM)

@@ -53,6 +53,7 @@ from flashv41.stages.device import (
     CHUNK,
     SIM,
     bf16_to_f32,
+    byte_perm,
     device,
     f32_bits,
     f32_from_bits,
@@ -97,6 +98,8 @@ assert Q2_K_DMIN == Q2_K_D + 2 and Q2_K_QS_WORDS == 16 and Q2_K_GROUPS * 16 == Q
 # instructions per access that an unsigned index does not need
 U1, U2, U3, U4, U8 = uint64(1), uint64(2), uint64(3), uint64(4), uint64(8)
 TWO_112 = float32(2.0**112)  # fp16's exponent bias (15) against fp32's (127)
+INT8_MAGIC = uint32(0x4B000000)  # 2^23: a byte in its low mantissa bits reads as 2^23 + byte
+INT8_SELECT = uint32(0x7540)  # byte_perm selector: the magic's bytes above byte 0, which the caller picks
 
 
 # weight layouts (host side)
@@ -250,8 +253,9 @@ else:
     @device
     def int8_at(flipped, byte):
         """Byte `byte` of a 32-bit word as a signed int8 value q, in float32, given the word with every
-        byte's top bit flipped (each byte then holds q + 128)."""
-        return f32_from_bits(0x4B000000 | ((flipped >> (8 * byte)) & 0xFF)) - float32(8388736.0)  # 2^23 + 128
+        byte's top bit flipped (each byte then holds q + 128): one byte permute puts it under the
+        exponent of 2^23 (bytes 4, 5, 7 of the pair are 0x4B000000's), one subtraction."""
+        return f32_from_bits(byte_perm(flipped, INT8_MAGIC, INT8_SELECT | byte)) - float32(8388736.0)  # 2^23 + 128
 
     @device
     def f32x4(x32, t, o):
@@ -353,6 +357,70 @@ def q8_0_unit(tokens: int, x_bf16: bool):
                                + int8_dot4_f32(w2, x32, t, o + U8) + int8_dot4_f32(w3, x32, t, o + uint64(12)))
 
     return q8_0_unit_f32
+
+
+@device
+def x16_bf16(x32, t, xo, u):
+    """Sixteen bf16 inputs 16 u .. 16 u + 15: two 16-byte loads."""
+    a0, a1, a2, a3 = load_words4(x32, t, xo + U8 * u)
+    b0, b1, b2, b3 = load_words4(x32, t, xo + U8 * u + U4)
+    x0, x1 = bf16_pair(a0)
+    x2, x3 = bf16_pair(a1)
+    x4, x5 = bf16_pair(a2)
+    x6, x7 = bf16_pair(a3)
+    x8, x9 = bf16_pair(b0)
+    x10, x11 = bf16_pair(b1)
+    x12, x13 = bf16_pair(b2)
+    x14, x15 = bf16_pair(b3)
+    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@device
+def x16_f32(x32, t, xo, u):
+    """Sixteen fp32 inputs 16 u .. 16 u + 15: four 16-byte loads."""
+    o = xo + uint64(16) * u
+    x0, x1, x2, x3 = f32x4(x32, t, o)
+    x4, x5, x6, x7 = f32x4(x32, t, o + U4)
+    x8, x9, x10, x11 = f32x4(x32, t, o + U8)
+    x12, x13, x14, x15 = f32x4(x32, t, o + uint64(12))
+    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@device
+def int8_dot16(w0, w1, w2, w3, xs):
+    """The sixteen int8 quants of four words (top bits flipped) times sixteen inputs."""
+    return (int8_at(w0, 0) * xs[0] + int8_at(w0, 1) * xs[1] + int8_at(w0, 2) * xs[2] + int8_at(w0, 3) * xs[3]
+            + int8_at(w1, 0) * xs[4] + int8_at(w1, 1) * xs[5] + int8_at(w1, 2) * xs[6] + int8_at(w1, 3) * xs[7]
+            + int8_at(w2, 0) * xs[8] + int8_at(w2, 1) * xs[9] + int8_at(w2, 2) * xs[10] + int8_at(w2, 3) * xs[11]
+            + int8_at(w3, 0) * xs[12] + int8_at(w3, 1) * xs[13] + int8_at(w3, 2) * xs[14]
+            + int8_at(w3, 3) * xs[15])
+
+
+def q8_0_pair_unit(tokens: int, x_bf16: bool):
+    """Split Q8_0, two rows at once (the stream kernel's; `rows` = 2): unit u is the quants 16 u ..
+    16 u + 15 of rows `row` and `row + 1` (the second skipped past the matrix), their sums in
+    acc[t] and acc[tokens + t]. The sixteen inputs are unpacked once for both rows, which halves
+    the integer work per weight byte that bounds a one-row walk."""
+    x16 = x16_bf16 if x_bf16 else x16_f32
+
+    @device
+    def q8_0_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        second = row + 1 < ww.shape[0]
+        other = row + 1 if second else row
+        w0, w1, w2, w3 = load_words4(ww, row, U4 * u)
+        v0, v1, v2, v3 = load_words4(ww, other, U4 * u)
+        d0 = float32(wf[row, uint64(k >> 1) + (u >> U1)])
+        d1 = float32(wf[other, uint64(k >> 1) + (u >> U1)])
+        w0, w1, w2, w3 = w0 ^ 0x80808080, w1 ^ 0x80808080, w2 ^ 0x80808080, w3 ^ 0x80808080
+        v0, v1, v2, v3 = v0 ^ 0x80808080, v1 ^ 0x80808080, v2 ^ 0x80808080, v3 ^ 0x80808080
+        for t in range(tokens):
+            if t < n_tokens:
+                xs = x16(x32, t, xo, u)
+                acc[t] += d0 * int8_dot16(w0, w1, w2, w3, xs)
+                if second:
+                    acc[tokens + t] += d1 * int8_dot16(v0, v1, v2, v3, xs)
+
+    return q8_0_pair_unit
 
 
 def halves_unit(tokens: int, x_bf16: bool, pair):
@@ -594,11 +662,13 @@ def put_scales_q2_k(d_s, m_s, mins_s, r, ks, u, v):
 @dataclass(frozen=True)
 class StreamUnit:
     """The stream kernel's piece of a type: `make(tokens, x_bf16)` -> unit; a row of K values is
-    K >> shift units, a lane issuing `in_flight` of them together."""
+    K >> shift units, a lane issuing `in_flight` of them together; a unit covers `rows`
+    consecutive rows (their sums in acc[i * tokens + t])."""
 
     make: Callable
     shift: int
     in_flight: int
+    rows: int = 1
 
 
 @dataclass(frozen=True)
@@ -625,8 +695,13 @@ class DeviceType:
     layout: str
     weight_rows: Callable[[np.ndarray, int], np.ndarray]
     weight_dequant: Callable
-    stream: StreamUnit
+    stream: StreamUnit  # one row a unit: the partial-sum products (stages.hyper's mixes)
     tc: TcType | None
+    gemv: StreamUnit | None = None  # the decode GEMV's unit where it differs from `stream`
+
+    @property
+    def gemv_unit(self) -> StreamUnit:
+        return self.gemv or self.stream
 
     @property
     def gtype(self) -> GGMLType:
@@ -634,8 +709,9 @@ class DeviceType:
 
 
 def _entry(gtype: GGMLType, dequant, stream: StreamUnit, tc: TcType | None = None, layout: str = "stored",
-           weight_rows=stored_rows, weight_dequant=None) -> tuple[GGMLType, DeviceType]:
-    return gtype, DeviceType(FORMATS[gtype], dequant, layout, weight_rows, weight_dequant or dequant, stream, tc)
+           weight_rows=stored_rows, weight_dequant=None, gemv: StreamUnit | None = None) -> tuple[GGMLType, DeviceType]:
+    return gtype, DeviceType(FORMATS[gtype], dequant, layout, weight_rows, weight_dequant or dequant, stream, tc,
+                             gemv)
 
 
 DEVICE_TYPES: dict[GGMLType, DeviceType] = dict([
@@ -645,7 +721,7 @@ DEVICE_TYPES: dict[GGMLType, DeviceType] = dict([
            TcType(fetch_bf16, put_bf16, fetch_scales_none, put_scales_none, TC_STEP_WORDS, False, False)),
     _entry(GGMLType.Q8_0, dequant_q8_0, StreamUnit(q8_0_unit, 4, 2),
            TcType(fetch_q8_0, put_q8_0, fetch_scales_q8_0, put_scales_q8_0, CHUNK // WORD, True, False),
-           "split", padded_split_q8_0, dequant_q8_0_split),
+           "split", padded_split_q8_0, dequant_q8_0_split, StreamUnit(q8_0_pair_unit, 4, 1, rows=2)),
     _entry(GGMLType.Q2_K, dequant_q2_k, StreamUnit(q2_k_unit, 4, 4),
            TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, CHUNK // WORD, True, True)),
 ])

@@ -84,8 +84,8 @@ def scaled_values(dequant):
 
 
 def stream_walker_mutant(kind: str):
-    """A stages.linear.stream_walker whose walkers drop their row's unit 0 ("drop") or scale their
-    sums by 1.01 ("scale"), around the real walkers."""
+    """A stages.linear.stream_walker whose walkers drop their rows' unit 0 ("drop") or scale their
+    sums by 1.01 ("scale"), around the real walkers (every accumulator of a unit of several rows)."""
     real = stages.linear.stream_walker
 
     def dropping(walk, shift, tokens):
@@ -113,7 +113,8 @@ def stream_walker_mutant(kind: str):
     wrap = dropping if kind == "drop" else scaling
 
     def walker(unit, x_bf16: bool, tokens: int):
-        return wrap(real(unit, x_bf16, tokens), unit.shift, tokens)
+        # a unit of several rows keeps each row's sums in its own run of `tokens` accumulators
+        return wrap(real(unit, x_bf16, tokens), unit.shift, unit.rows * tokens)
 
     return walker
 

@@ -58,7 +58,7 @@ from flashv41.stages.device import SIM, DeviceArray, check_array, grid_1d
 from flashv41.stages.indexer import IndexerWeights
 from flashv41.stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
 from flashv41.stages.linear import DeviceWeight, linear
-from flashv41.stages.norm_rope_quant import act_quant, rms_norm, rope
+from flashv41.stages.norm_rope_quant import norm_rope_quant, rms_norm, rope
 from flashv41.stages.sparse_attention import build_entries, sparse_attention
 
 COPY_THREADS = 64 if SIM else 256
@@ -374,9 +374,7 @@ class AttentionStage:
         mark("q_rope")
         linear(x, w.wkv, self.kv_raw, t, stream=s)
         mark("wkv")
-        rms_norm(self.kv_raw, w.kv_norm, self.eps, self.kv, t, stream=s)
-        rope(self.kv, cos, sin, pos, False, t, stream=s)
-        act_quant(self.kv, t, stream=s)
+        norm_rope_quant(self.kv_raw, w.kv_norm, self.eps, cos, sin, pos, False, "act", t, out=self.kv, stream=s)
         mark("kv_norm_rope_quant")
 
         # a ratio-0 layer has no compressed rows: any bf16 [*, D] array stands in (no entry names it)

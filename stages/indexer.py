@@ -55,7 +55,7 @@ from flashv41.stages.device import (
     mul_rn,
 )
 from flashv41.stages.linear import DeviceWeight, linear
-from flashv41.stages.norm_rope_quant import fp4_quant, rope
+from flashv41.stages.norm_rope_quant import norm_rope_quant
 
 FP4_BLOCK = 32  # the fp4 (E8M0) block of the index queries and keys
 # Score tiles: SCORE_GROUPS groups per block, SCORE_HEAD_THREADS threads over the heads; a block
@@ -298,8 +298,7 @@ def index_queries(w: IndexerWeights, x: DeviceArray, qr: DeviceArray, cos: Devic
     """iq[:T] = fp4_32(RoPE(qr @ wq_b^T)) per head; hw[:T] = x @ proj^T (bf16, unscaled)."""
     heads = w.proj.n
     linear(qr, w.wq_b, iq, n_tokens, stream=stream)
-    rope(iq, cos, sin, positions, False, n_tokens, heads, stream=stream)
-    fp4_quant(iq, FP4_BLOCK, False, n_tokens, stream=stream)
+    norm_rope_quant(iq, None, None, cos, sin, positions, False, "fp4_e8m0_32", n_tokens, heads, stream=stream)
     linear(x, w.proj, hw, n_tokens, stream=stream)
 
 

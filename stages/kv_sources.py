@@ -37,7 +37,7 @@ from numba import cuda, float32, float64
 from flashv41.host.config import LayerRole, ModelConfig
 from flashv41.stages.device import SIM, DeviceArray, exp_f32, f32_to_bf16, grid_1d, mul_rn
 from flashv41.stages.linear import DeviceWeight, linear
-from flashv41.stages.norm_rope_quant import fp4_quant, rms_norm, rope
+from flashv41.stages.norm_rope_quant import norm_rope_quant, rms_norm
 
 POOL_THREADS = 64 if SIM else 128
 COPY_THREADS = 64 if SIM else 256
@@ -227,11 +227,9 @@ def publish(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, state: KvSour
     if n == 0:
         return
     linear(latents, w.wk, ws.key_raw, n, stream=stream)
-    rms_norm(ws.key_raw, w.k_norm, cfg.norm_eps, ws.keys, n, stream=stream)
-    rope(ws.keys, cos, sin, groups.positions, False, n, stream=stream)
-    fp4_quant(ws.keys, 32, False, n, stream=stream)
-    rope(latents, cos, sin, groups.positions, False, n, stream=stream)
-    fp4_quant(latents, 16, True, n, stream=stream)
+    norm_rope_quant(ws.key_raw, w.k_norm, cfg.norm_eps, cos, sin, groups.positions, False, "fp4_e8m0_32", n,
+                    out=ws.keys, stream=stream)
+    norm_rope_quant(latents, None, None, cos, sin, groups.positions, False, "fp4_e4m3_16", n, stream=stream)
     for src, dst in ((ws.keys, state.index_keys), (latents, state.compressed)):
         width = src.shape[1]
         _scatter_rows_kernel[grid_1d(n * width, COPY_THREADS), COPY_THREADS, stream](

@@ -32,9 +32,10 @@ call: the layers share them; skipped when they did not change). Every kernel rea
 the device (window slots, ring slot, group ids, visible counts, score width), entries and
 selections are built on the device, and nothing comes back to the host. Host decisions depend
 only on (start, T): how many groups a chunk completes, and whether a layer has any group to score.
-While a graph is captured (`capturing`), the index-score grid is sized for the cache rather than
-the width (stages.indexer.index_scores takes any width >= the real one), so that a graph captured
-at one position serves every later one with the same host decisions (flashv41.engine).
+While a graph is captured (`capturing`), the index-score launch is sized for the cache rather than
+the width (stages.indexer.index_scores takes any width >= the real one, and caps its grid at what
+fills the GPU, its blocks striding over the row), so that a graph captured at one position serves
+every later one with the same host decisions (flashv41.engine).
 
 One forward call at a time per stage: the selection and candidate mask that a SharedRuntime
 points at are the stage's workspaces.
@@ -54,7 +55,7 @@ from flashv41.host.errors import CapacityError, InputError, ModelFormatError, Se
 from flashv41.host.model import Model
 from flashv41.host.numerics import from_bits, rope_tables
 from flashv41.stages import indexer, kv_sources
-from flashv41.stages.device import SIM, DeviceArray, check_array, grid_1d
+from flashv41.stages.device import SIM, DeviceArray, check_array, fill, grid_1d
 from flashv41.stages.indexer import IndexerWeights
 from flashv41.stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
 from flashv41.stages.linear import DeviceWeight, linear
@@ -142,13 +143,15 @@ class AttentionState:
         self.reset()
 
     def reset(self) -> None:
-        """Back to an empty sequence (zero rings and caches, empty compressor groups)."""
+        """Back to an empty sequence (zero rings and caches, empty compressor groups), cleared on the
+        device on the stage's stream."""
         if self.freed:
             raise SequenceStateError("this attention state was freed")
+        stream = self.stage.stream
         for layer in self.layers:
-            layer.ring.copy_to_device(np.zeros(layer.ring.shape, np.uint16))
+            fill(layer.ring, 0, stream)
             if layer.source is not None:
-                layer.source.reset()
+                layer.source.reset(stream)
 
     def nbytes(self) -> int:
         arrays = []

@@ -233,6 +233,27 @@ def grid_1d(n: int, block: int) -> int:
     return max(1, math.ceil(n / block))
 
 
+@cuda.jit
+def _fill_kernel(flat, value):
+    """flat[:] = value, a grid-stride loop (flat: a 1-D view of a contiguous array)."""
+    for i in range(cuda.grid(1), flat.shape[0], cuda.gridsize(1)):
+        flat[i] = value
+
+
+FILL_THREADS = 64 if SIM else 256
+FILL_MAX_BLOCKS = 1 if SIM else 1024  # enough to stream the largest cache at memory speed
+
+
+def fill(a: DeviceArray, value: float, stream=0) -> None:
+    """Every element of the contiguous device array `a` set to `value` (cast to its dtype) by a
+    kernel on `stream`: clearing a cache costs a device write, not a host array of its size
+    uploaded."""
+    flat = a.reshape(a.size)
+    if a.size:
+        blocks = min(FILL_MAX_BLOCKS, grid_1d(a.size, FILL_THREADS))
+        _fill_kernel[blocks, FILL_THREADS, stream](flat, a.dtype.type(value))
+
+
 def check_array(a: DeviceArray, dtypes: tuple, ndim: int, what: str) -> None:
     """InputError unless `a` is an array of one of `dtypes` with `ndim` dimensions."""
     dtype = getattr(a, "dtype", None)

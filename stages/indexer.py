@@ -65,7 +65,9 @@ FP4_BLOCK = 32  # the fp4 (E8M0) block of the index queries and keys
 # sure of it for any size.
 SCORE_GROUPS = 1 if SIM else 16
 SCORE_HEAD_THREADS = 1 if SIM else 32
-SCORE_MAX_BLOCKS = 1 if SIM else 65535  # blocks per row (the simulator pays ~1 ms a block)
+# blocks per row: at most SCORE_BLOCKS_PER_SM a multiprocessor (the blocks stride over the row), so
+# a graph captured for the whole cache launches what fills the GPU, not a block per 16 cache rows
+SCORE_BLOCKS_PER_SM = 2
 SELECT_THREADS = 1 if SIM else 256
 RADIX_BITS = 4 if SIM else 8
 
@@ -302,6 +304,13 @@ def index_queries(w: IndexerWeights, x: DeviceArray, qr: DeviceArray, cos: Devic
     linear(x, w.proj, hw, n_tokens, stream=stream)
 
 
+@cache
+def score_block_cap() -> int:
+    """The most blocks index_scores launches per query row (1 on the simulator, which pays about a
+    millisecond a block)."""
+    return 1 if SIM else SCORE_BLOCKS_PER_SM * cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
 def index_scores(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, scale: float, score: DeviceArray,
                  n_tokens: int, positions: DeviceArray, ratio: int, width: int, stream=0,
                  tile: tuple[int, int] = (0, 0)) -> None:
@@ -327,7 +336,7 @@ def index_scores(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, scale: flo
         return
     head_threads = tile[0] or min(SCORE_HEAD_THREADS, heads)
     groups = tile[1] or SCORE_GROUPS
-    blocks = min((width + groups - 1) // groups, SCORE_MAX_BLOCKS)
+    blocks = min((width + groups - 1) // groups, score_block_cap())
     kernel = score_kernel(heads, index_dim, head_threads, groups)
     kernel[(blocks, n_tokens), (head_threads, groups), stream](
         iq, hw, keys, score, positions, n_tokens, ratio, np.float32(scale))

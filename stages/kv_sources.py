@@ -35,7 +35,7 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from flashv41.host.config import LayerRole, ModelConfig
-from flashv41.stages.device import SIM, DeviceArray, exp_f32, f32_to_bf16, grid_1d, mul_rn
+from flashv41.stages.device import SIM, DeviceArray, exp_f32, f32_to_bf16, fill, grid_1d, mul_rn
 from flashv41.stages.linear import DeviceWeight, linear
 from flashv41.stages.norm_rope_quant import norm_rope_quant, rms_norm
 
@@ -153,12 +153,13 @@ class KvSourceState:
         state.reset()
         return state
 
-    def reset(self) -> None:
-        """Back to an empty sequence: zero state and caches, scores -inf (as the oracle starts)."""
-        self.kv_state.copy_to_device(np.zeros(self.kv_state.shape, np.float32))
-        self.score_state.copy_to_device(np.full(self.score_state.shape, -np.inf, np.float32))
-        self.compressed.copy_to_device(np.zeros(self.compressed.shape, np.uint16))
-        self.index_keys.copy_to_device(np.zeros(self.index_keys.shape, np.uint16))
+    def reset(self, stream=0) -> None:
+        """Back to an empty sequence: zero state and caches, scores -inf (as the oracle starts),
+        written on the device."""
+        fill(self.kv_state, 0, stream)
+        fill(self.score_state, -np.inf, stream)
+        fill(self.compressed, 0, stream)
+        fill(self.index_keys, 0, stream)
 
 
 @dataclass

@@ -19,6 +19,8 @@ Across chunkings the outputs at each position agree with the one-shot prefill th
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
@@ -282,13 +284,25 @@ def test_model_without_engram_layers(synth_model):
 
 
 def test_bench_cases():
-    """The attention bench rows (flashv41 bench, GPU only): one case per weight type; clear refusal
-    of a type without random stored blocks."""
-    from flashv41.bench.attention import cases
+    """The attention bench rows (flashv41 bench, GPU only): one case per weight type at 1k, Q8_0 and
+    BF16 at 16k and 64k too; the bound adds the caches a step reads; clear refusal of a type
+    without random stored blocks."""
+    from flashv41.bench.attention import cache_bytes, cases
     from flashv41.bench.core import BenchOptions
+    from flashv41.host.config import LayerRole
 
-    assert [c.name for c in cases(BenchOptions(weight_types=("Q8_0", "BF16")))] == [
-        "attention.decode.Q8_0", "attention.decode.BF16"]
+    assert [c.name for c in cases(BenchOptions(weight_types=("Q8_0", "Q2_K", "BF16")))] == [
+        "attention.decode.Q8_0", "attention.decode.Q2_K", "attention.decode.BF16", "attention.decode.Q8_0.16k",
+        "attention.decode.BF16.16k", "attention.decode.Q8_0.64k", "attention.decode.BF16.64k"]
+    flash = SimpleNamespace(window=128, index_topk=512, head_dim=512, index_head_dim=128)
+    swa = LayerRole(0, 0, False, False, False, False, False)
+    index_r1 = LayerRole(3, 1, True, True, True, False, False)
+    consumer_r2 = LayerRole(2, 2, False, False, False, False, False)
+    assert cache_bytes(flash, swa, 65535) == 128 * 512 * 2
+    assert cache_bytes(flash, swa, 10) == 11 * 512 * 2  # only the positions that exist
+    assert cache_bytes(flash, consumer_r2, 65535) == (128 + 512) * 512 * 2
+    assert cache_bytes(flash, index_r1, 65535) == (128 + 512) * 512 * 2 + 65536 * 128 * 2
+
     with pytest.raises(InputError, match="no attention rows for weight type F16"):
         cases(BenchOptions(weight_types=("F16",)))
 

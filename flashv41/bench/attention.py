@@ -16,14 +16,20 @@
   the note gives its share of the parts' sum. The events add about a microsecond a part, so the
   parts sum to a little more than the graph row.
 
-The rows run an AttentionStage on the six-layer flash-dimension model (no engram) written once
-into the options' work directory in Q8_0, prefilled to DECODE_POSITION in chunks; the measured
-step is at DECODE_POSITION (odd, so the ratio-2 kv source completes a group and does its whole
-work: pooling, index keys, compressed row), with 640 attention entries (window 128 + top-512) and
-512 / 1024 groups scored. For another weight type the layer's dense projections (wq_a, wq_b, wkv,
-wo_a, wo_b, the indexer's wq_b) are swapped for random stored blocks of that type before the
-prefill; the compressor, wk and proj keep the types published files use. Memory (M1) per layer is
-in the notes: weights, and the stage's workspaces and one sequence's state for the whole stack.
+The rows run an AttentionStage sized for max_seq 131072 (MAX_SEQ: nothing in a step may cost what
+max_seq sizes) on the six-layer flash-dimension model (no engram, context 131072) written once
+into the options' work directory in Q8_0. At position 1023 (the plain `attention.decode.<type>`
+rows) the stage is prefilled to it in chunks; at 16383 and 65535 (`attention.decode.<type>.16k`,
+`.64k`, Q8_0 and BF16) its rings, compressor states and caches are filled with random rows
+instead (`synthetic_state`: prefilling 64k tokens takes a minute and the step's cost does not
+depend on the values). The positions are odd, so the ratio-2 kv source completes a group and does
+its whole work: pooling, index keys, compressed row. The bound counts the layer's weights plus
+the cache bytes the step must read (`cache_bytes`: the window and selected rows it attends, and on
+an index source every index key it scores). For another weight type the layer's dense
+projections (wq_a, wq_b, wkv, wo_a, wo_b, the indexer's wq_b) are swapped for random stored
+blocks of that type before the prefill; the compressor, wk and proj keep the types published
+files use. Memory (M1) per layer is in the notes: weights, and the stage's workspaces and one
+sequence's state for the whole stack.
 
 L2: a layer's weights are 134.5 MB and up in Q8_0 and 41.5-55 MB in Q2_K (under 4x the
 H200's 50 MB L2; a Q2_K layer about fits in it), 253 MB and up in BF16 (past 4x L2). A step
@@ -49,12 +55,15 @@ from flashv41.host.errors import InputError
 from flashv41.host.quants import GGMLType, ggml_type
 
 DECODE_POSITION = 1023
+POSITION_LABELS = {DECODE_POSITION: "1k", 16383: "16k", 65535: "64k"}  # odd: the ratio-2 source completes a group
+MAX_SEQ = 131072  # every row's stage is sized for it: a step's cost must follow the position, not this
+LONG_TYPES = ("Q8_0", "BF16")  # the weight types measured at 16k and 64k too
 PREFILL_CHUNK = 256
 X_STD = 0.025  # the normed sublayer input's scale
-MODEL: dict[str, Any] = dict(vocab=1024, engram_layers=())  # Preset overrides for write_synthetic
+MODEL: dict[str, Any] = dict(vocab=1024, engram_layers=(), context_length=131072)  # Preset overrides
 HOLD_S = 0.02  # the sleeping kernel outlasts the queued steps' Python launch time
 QUEUED = 4
-BREAKDOWN_TYPES = ("Q8_0", "BF16")  # the weight types whose steps get a per-part breakdown
+BREAKDOWNS = {("Q8_0", "1k"), ("BF16", "1k"), ("Q8_0", "64k")}  # the steps broken down per part
 
 
 def attention_model(options: BenchOptions):
@@ -62,7 +71,7 @@ def attention_model(options: BenchOptions):
     import flashv41
     from flashv41.host.synth import write_synthetic
 
-    path = options.workdir / "flash-attention-Q8_0.gguf"
+    path = options.workdir / f"flash-attention-Q8_0-ctx{MODEL['context_length']}.gguf"
     if not path.exists():
         write_synthetic(path, "flash", weight_type="Q8_0", **MODEL)
     return flashv41.load_model(path)
@@ -108,9 +117,44 @@ def breakdown(ctx: BenchContext, stage, step, layer: int, row: str, nbytes: int,
     return rows
 
 
-def decode_case(wtype: str) -> BenchCase:
+def synthetic_state(stage, state, position: int, rng: np.random.Generator) -> None:
+    """A sequence state as if `position` tokens had been decoded: every ring, compressor state and
+    cache row up to the position filled with random values of the cached kinds' scale (the step's
+    cost does not depend on them; prefilling 64k tokens through the stack would take a minute)."""
+    from flashv41.host.numerics import bf16, to_bits
+
+    for layer in state.layers:
+        layer.ring.copy_to_device(to_bits(bf16(rng.standard_normal(layer.ring.shape).astype(np.float32))),
+                                  stream=stage.stream)
+        src = layer.source
+        if src is None:
+            continue
+        ratio = src.kv_state.shape[0]
+        groups = (position + 1) // ratio
+        src.kv_state.copy_to_device(rng.standard_normal(src.kv_state.shape).astype(np.float32), stream=stage.stream)
+        src.score_state.copy_to_device(rng.standard_normal(src.score_state.shape).astype(np.float32),
+                                       stream=stage.stream)
+        for cache in (src.compressed, src.index_keys):
+            rows = to_bits(bf16(rng.standard_normal((groups, cache.shape[1])).astype(np.float32)))
+            cache[:groups].copy_to_device(rows, stream=stage.stream)
+
+
+def cache_bytes(cfg, role, position: int) -> int:
+    """The cache bytes a decode step at `position` must read besides its weights: the window rows,
+    the selected compressed rows (ratio > 0) and, on an index source, every index key it scores."""
+    rows = min(cfg.window, position + 1)
+    if role.ratio > 0:
+        rows += min(cfg.index_topk, (position + 1) // role.ratio)
+    nbytes = rows * cfg.head_dim * 2
+    if role.index_source:
+        nbytes += (position + 1) // role.ratio * cfg.index_head_dim * 2
+    return nbytes
+
+
+def decode_case(wtype: str, position: int) -> BenchCase:
     gtype = ggml_type(wtype)
-    name = f"attention.decode.{wtype}"
+    label = POSITION_LABELS[position]
+    name = f"attention.decode.{wtype}" + ("" if position == DECODE_POSITION else f".{label}")
 
     def run(ctx: BenchContext) -> list[BenchRow]:
         from numba import cuda
@@ -121,7 +165,7 @@ def decode_case(wtype: str) -> BenchCase:
         model = attention_model(ctx.options)
         cfg = model.config
         stream = cuda.stream()
-        stage = AttentionStage(model, PREFILL_CHUNK, DECODE_POSITION + 1, stream=stream)
+        stage = AttentionStage(model, PREFILL_CHUNK, MAX_SEQ, stream=stream)
         state = None
         try:
             if gtype != GGMLType.Q8_0:
@@ -131,31 +175,37 @@ def decode_case(wtype: str) -> BenchCase:
             x = cuda.to_device(to_bits(bf16((rng.standard_normal((PREFILL_CHUNK, cfg.dim)) * X_STD)
                                             .astype(np.float32))), stream=stream)
             out = cuda.device_array((PREFILL_CHUNK, cfg.dim), np.uint16, stream=stream)
-            for start in range(0, DECODE_POSITION, PREFILL_CHUNK):
-                n = min(PREFILL_CHUNK, DECODE_POSITION - start)
-                shared = stage.new_shared()
-                for role in cfg.roles:
-                    stage.forward(role.layer, x, out, state, shared, start, n)
+            if position == DECODE_POSITION:  # a real prefill to the position, in chunks
+                for start in range(0, position, PREFILL_CHUNK):
+                    n = min(PREFILL_CHUNK, position - start)
+                    shared = stage.new_shared()
+                    for role in cfg.roles:
+                        stage.forward(role.layer, x, out, state, shared, start, n)
+            else:
+                synthetic_state(stage, state, position - 1, rng)
             shared = stage.new_shared()  # the stack once at the measured position: every source published
             for role in cfg.roles:
-                stage.forward(role.layer, x, out, state, shared, DECODE_POSITION, 1)
+                stage.forward(role.layer, x, out, state, shared, position, 1)
             stream.synchronize()
             memory = (f"workspaces {stage.workspace_bytes() / 1e6:.1f} MB, sequence state "
                       f"{state.nbytes() / 1e6:.1f} MB (stack)")
+            how = "prefilled" if position == DECODE_POSITION else "synthetic caches"
             rows = []
             runner = GraphRunner()
             for role in cfg.roles:
 
                 def step(layer: int = role.layer) -> None:
-                    stage.forward(layer, x, out, state, shared, DECODE_POSITION, 1)
+                    stage.forward(layer, x, out, state, shared, position, 1)
 
-                nbytes = stage.weight_bytes(role.layer)
+                weights = stage.weight_bytes(role.layer)
+                nbytes = weights + cache_bytes(cfg, role, position)
                 bound = ctx.memory_bound(nbytes)
                 row = f"{name}.{role.block_type}"
                 median, plan = ctx.stage_time(step, nbytes, stream, n=QUEUED, hold_s=HOLD_S)
                 rows.append(BenchRow(row, median, bound, bytes=nbytes,
-                                     note=f"layer {role.layer}, position {DECODE_POSITION}, launch cost excluded; "
-                                          f"weights {nbytes / 1e6:.1f} MB; {memory}", l2=plan))
+                                     note=f"layer {role.layer}, position {position} ({how}), max_seq {MAX_SEQ}, "
+                                          f"launch cost excluded; weights {weights / 1e6:.1f} MB + caches "
+                                          f"{(nbytes - weights) / 1e6:.1f} MB; {memory}", l2=plan))
                 graph = runner.capture_stages([stage], step)
                 try:
                     median, plan = ctx.stage_time(partial(runner.launch, graph, wait=False), nbytes,
@@ -164,10 +214,11 @@ def decode_case(wtype: str) -> BenchCase:
                     graph.close()
                 rows.append(BenchRow(f"{row}.graph", median, bound, bytes=nbytes,
                                      note="the step as one CUDA graph, replayed", l2=plan))
-                median, plan = ctx.python_time(step, nbytes, stream)
-                rows.append(BenchRow(f"{row}.python", median, bound, bytes=nbytes,
-                                     note="from Python, launch cost included", l2=plan))
-                if wtype in BREAKDOWN_TYPES:
+                if position == DECODE_POSITION:
+                    median, plan = ctx.python_time(step, nbytes, stream)
+                    rows.append(BenchRow(f"{row}.python", median, bound, bytes=nbytes,
+                                         note="from Python, launch cost included", l2=plan))
+                if (wtype, label) in BREAKDOWNS:
                     rows += breakdown(ctx, stage, step, role.layer, row, nbytes, stream)
             return rows
         finally:
@@ -185,4 +236,5 @@ def cases(options: BenchOptions) -> list[BenchCase]:
         if ggml_type(wtype) not in WEIGHT_TYPES:
             raise InputError(f"bench: no attention rows for weight type {wtype} "
                              f"(have {', '.join(t.name for t in WEIGHT_TYPES)})")
-    return [decode_case(w) for w in options.weight_types]
+    return [decode_case(w, p) for p in POSITION_LABELS for w in options.weight_types
+            if p == DECODE_POSITION or w in LONG_TYPES]

@@ -5,7 +5,8 @@ Shapes (T tokens, H heads x D head_dim, W window slots, E entries per query; bf1
   q bf16 [T, H, D]; ring bf16 [W, D] (the window ring, slot = position % W); chunk_rows bf16 [Cn, D]
   (this chunk's window rows); comp_rows bf16 [G, D] (the compressed cache); entries int32 [T, E]:
   e < 0 skipped, e < W -> ring[e], e < W + Cn -> chunk_rows[e - W], else comp_rows[e - W - Cn];
-  sinks fp32 [H]; out bf16 [T, H, D]. K = V = the row (MQA).
+  sinks fp32 [H]; out bf16 [T, H, D]. K = V = the row (MQA). With a `SparseWorkspace` and
+  T <= its token capacity (SPLIT_MAX_TOKENS at most) it takes the split path below.
 - `build_entries(positions, selection, window, chunk_capacity, entries, n_tokens)`: the canonical
   list of each query at position p in that encoding: the W window positions p - W + 1 .. p oldest
   first (-1 before 0; ring slots for positions before the chunk, chunk rows from the chunk's
@@ -22,16 +23,28 @@ a row without entries gives 0 / inf = 0. What differs from the oracle is the fp3
 q . k over D and of the value products over a block (the oracle's are float64). The bound this
 implies is derived in tests/test_attention_kernels.py.
 
-One block per (head, token): warps share out the block's 64 dot products (lanes over D), then
-every thread owns D / threads output dims.
+Two paths compute that same recurrence:
+- one block per (head, token) (prefill, or no workspace): warps share out a block's 64 dot
+  products (lanes over D), then every thread owns D / threads output dims, block after block.
+- split (decode, T <= 8): a decode step has only H blocks of that kind, each walking every entry,
+  so the walk is cut into three kernels over the whole GPU, with the workspace between them.
+  Scores: a warp per (token, 4 heads, 4 entries), lanes over D (16-byte row loads, the queries in
+  registers), each block also writing its 16 entries' max per head. Values: a block per (token,
+  block b of 64 entries, heads, slice of D): the running max m_b is a prefix max, so it comes from
+  the tile maxima of blocks 0..b alone; then p, the block's float64 sum and its value sums in the
+  same order as the first path. Combine: a thread per (token, head, dim) runs the rescaling over
+  b in order and adds the sink. Only the fp32 order of q . k over D differs from the first path
+  (on the simulator, lanes of one, not even that: the two agree bit for bit).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, fields
 from functools import cache
 
 import numpy as np
-from numba import cuda, float32, float64, int32
+from numba import cuda, float32, float64, int32, uint32
 
 from flashv41.host.errors import InputError
 from flashv41.stages.device import (
@@ -44,9 +57,11 @@ from flashv41.stages.device import (
     check_rows,
     device,
     exp_f32,
+    f32_from_bits,
     f32_to_bf16,
     grid_1d,
     jit_for,
+    load_words4,
     mul_rn,
     warp_sum,
 )
@@ -63,6 +78,37 @@ NEG_INF = float32(-np.inf)
 ATTN_THREADS = 1 if SIM else 512
 LANES = 1 if SIM else WARP
 ENTRY_THREADS = 64 if SIM else 256
+
+# The split path (GPU sizes; the simulator runs lanes of one and a few threads a block).
+SPLIT_MAX_TOKENS = 8
+# Scores: a warp = SCORE_HEADS heads x SCORE_ENTRIES entries; a lane holds D / 32 dims of its heads'
+# queries (16 at D = 512: two 16-byte units a row) and loads the same dims of each entry's row. A
+# block = up to SCORE_HEAD_WARPS head groups x SCORE_ENTRY_WARPS entry groups: its head groups read the
+# same rows and its entry groups the same queries, so L1 serves the repeats (512 threads: 16 entries x
+# 16 heads; at D = 512 and 640 entries, T = 1: 40 x 4 blocks). Head groups per block halve until there
+# are SCORE_FILL blocks (about one an SM).
+SCORE_HEADS = 4
+SCORE_ENTRIES = 16 if SIM else 4
+SCORE_HEAD_WARPS = 1 if SIM else 4
+SCORE_ENTRY_WARPS = 2 if SIM else 4
+SCORE_FILL = 1 if SIM else 128
+LANE_SUMS = 16  # the dot products a warp reduces together (_lane_sums): SCORE_ENTRIES x SCORE_HEADS at most
+SCORE_TILE = SCORE_ENTRIES * SCORE_ENTRY_WARPS  # the entries of a scores block: it writes their max per head
+assert SPARSE_BLOCK % SCORE_TILE == 0, "an entry block's max must come from whole tiles"
+# Values: a block per (token, entry block, VALUE_HEADS heads at most, slice of D): VALUE_THREADS threads
+# over the slice's 32-bit words (two dims, one word a thread on the GPU) times the block's heads in
+# groups of VALUE_THREAD_HEADS, one group a thread, so a block's head groups read each row word once
+# from L2. Rows are loaded VALUE_BATCH entries at a time before they are used. Heads per block halve
+# until there are VALUE_FILL blocks (about one an SM: 132 on an H200).
+VALUE_THREADS = 1 if SIM else 64
+VALUE_HEADS = 16
+VALUE_THREAD_HEADS = 1 if SIM else 4
+VALUE_FILL = 1 if SIM else 128
+VALUE_BATCH = 8
+# Combine: a thread per (token, head, dim) on the GPU (per (token, head) on the simulator), reading
+# COMBINE_BATCH blocks' partial results before it folds them in.
+COMBINE_THREADS = 8 if SIM else 256
+COMBINE_BATCH = 16
 
 if SIM:
     def _source(ring, chunk, comp, src):
@@ -94,6 +140,150 @@ else:
     def _row_axpy(pv, p, ring, chunk, comp, src, ix, tid, threads):
         for i in range(pv.shape[0]):
             pv[i] += p * _row_value(ring, chunk, comp, src, ix, tid + i * threads)
+
+# The split path's row pieces, over 32-bit words (bf16 pairs, low half first): a lane's words are its
+# 16-byte units lane, lane + lanes, ... (4 words each); a values thread's are w0, w0 + step, ...
+if SIM:
+    def _pairs(words):
+        """The bf16 pairs in `words` as fp32 values, in dim order."""
+        w = np.asarray(words, dtype=np.uint32)
+        v = np.empty(2 * w.size, np.float32)
+        v[0::2] = _BF16_VALUES[w & 0xFFFF]
+        v[1::2] = _BF16_VALUES[w >> 16]
+        return v
+
+    def _lane_words(a, ix, lane, lanes):
+        return np.asarray(a[ix]).reshape(-1, 4)[lane::lanes].reshape(-1)
+
+    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units):
+        qv[k] = _pairs(_lane_words(q32, ix, lane, lanes))
+
+    def _load_row(rw, i, ring, chunk, comp, src, ix, lane, lanes, per_lane, units):
+        rw[i] = _lane_words(_source(ring, chunk, comp, src), ix, lane, lanes) if src >= 0 else 0
+
+    def _dot_words(qv, k, rw, i, per_lane):
+        return np.float32(np.dot(qv[k], _pairs(rw[i])))
+
+    def _load_words(words, c, ring, chunk, comp, src, ix, w0, step, per_thread):
+        words[c] = _source(ring, chunk, comp, src)[ix, w0:w0 + per_thread * step:step] if src >= 0 else 0
+
+    def _decode(vals, words, c, per_thread):
+        vals[:] = _pairs(words[c])
+
+    def _axpy(acc, k, p, vals, per_thread):
+        acc[k] += np.float32(p) * vals
+
+    def _store_pairs(pv, t, b, h, acc, k, w0, step, per_thread):
+        pv[t, b, h].reshape(-1, 2)[w0:w0 + per_thread * step:step] = acc[k].reshape(-1, 2)
+else:
+    @cuda.jit(device=True)
+    def _pair(word):
+        """The two bf16 values of a 32-bit word (low half first) as fp32."""
+        return f32_from_bits(word << 16), f32_from_bits(word & 0xFFFF0000)
+
+    @cuda.jit(device=True)
+    def _unit(ring, chunk, comp, src, ix, unit, units):
+        """16-byte unit `unit` of the row (one load), zeros past the row or for a skipped entry."""
+        w0 = w1 = w2 = w3 = uint32(0)
+        if unit < units:
+            if src == 0:
+                w0, w1, w2, w3 = load_words4(ring, ix, 4 * unit)
+            elif src == 1:
+                w0, w1, w2, w3 = load_words4(chunk, ix, 4 * unit)
+            elif src == 2:
+                w0, w1, w2, w3 = load_words4(comp, ix, 4 * unit)
+        return w0, w1, w2, w3
+
+    @cuda.jit(device=True)
+    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units):
+        for u in range(per_lane):
+            w0, w1, w2, w3 = _unit(q32, q32, q32, 0, ix, lane + u * lanes, units)
+            a, b = _pair(w0)
+            qv[k, 8 * u] = a
+            qv[k, 8 * u + 1] = b
+            a, b = _pair(w1)
+            qv[k, 8 * u + 2] = a
+            qv[k, 8 * u + 3] = b
+            a, b = _pair(w2)
+            qv[k, 8 * u + 4] = a
+            qv[k, 8 * u + 5] = b
+            a, b = _pair(w3)
+            qv[k, 8 * u + 6] = a
+            qv[k, 8 * u + 7] = b
+
+    @cuda.jit(device=True)
+    def _load_row(rw, i, ring, chunk, comp, src, ix, lane, lanes, per_lane, units):
+        for u in range(per_lane):
+            w0, w1, w2, w3 = _unit(ring, chunk, comp, src, ix, lane + u * lanes, units)
+            rw[i, 4 * u] = w0
+            rw[i, 4 * u + 1] = w1
+            rw[i, 4 * u + 2] = w2
+            rw[i, 4 * u + 3] = w3
+
+    @cuda.jit(device=True)
+    def _dot_words(qv, k, rw, i, per_lane):
+        s = float32(0)
+        for w in range(4 * per_lane):
+            a, b = _pair(rw[i, w])
+            s += qv[k, 2 * w] * a
+            s += qv[k, 2 * w + 1] * b
+        return s
+
+    @cuda.jit(device=True)
+    def _halve(v, half, offset, lane):
+        """One step of _lane_sums: lanes with the `offset` bit keep the upper `half` sums, the others the
+        lower, each adding its partner's copy of them (one shuffle a kept sum)."""
+        upper = (lane & offset) != 0
+        for i in range(half):
+            lo = v[i]
+            hi = v[i + half]
+            keep = hi if upper else lo
+            v[i] = keep + cuda.shfl_xor_sync(0xFFFFFFFF, lo if upper else hi, offset)
+
+    @cuda.jit(device=True)
+    def _lane_sums(v, lane):
+        """The 16 partial sums v [16] of each lane of a warp, reduced over the 32 lanes with 16
+        shuffles (80 one sum at a time). Returns (n, the total of sum n): lane l finishes sum
+        n = 8 b4 + 4 b3 + 2 b2 + b1 (b_i its bits), as does lane l ^ 1. Overwrites v."""
+        _halve(v, 8, 16, lane)
+        _halve(v, 4, 8, lane)
+        _halve(v, 2, 4, lane)
+        _halve(v, 1, 2, lane)
+        total = v[0] + cuda.shfl_xor_sync(0xFFFFFFFF, v[0], 1)
+        n = ((lane >> 4) & 1) * 8 + ((lane >> 3) & 1) * 4 + ((lane >> 2) & 1) * 2 + ((lane >> 1) & 1)
+        return n, total
+
+    @cuda.jit(device=True)
+    def _load_words(words, c, ring, chunk, comp, src, ix, w0, step, per_thread):
+        for i in range(per_thread):
+            w = w0 + i * step
+            word = uint32(0)
+            if src == 0:
+                word = ring[ix, w]
+            elif src == 1:
+                word = chunk[ix, w]
+            elif src == 2:
+                word = comp[ix, w]
+            words[c, i] = word
+
+    @cuda.jit(device=True)
+    def _decode(vals, words, c, per_thread):
+        for i in range(per_thread):
+            a, b = _pair(words[c, i])
+            vals[2 * i] = a
+            vals[2 * i + 1] = b
+
+    @cuda.jit(device=True)
+    def _axpy(acc, k, p, vals, per_thread):
+        for i in range(2 * per_thread):
+            acc[k, i] += p * vals[i]
+
+    @cuda.jit(device=True)
+    def _store_pairs(pv, t, b, h, acc, k, w0, step, per_thread):
+        for i in range(per_thread):
+            w = w0 + i * step
+            pv[t, b, h, 2 * w] = acc[k, 2 * i]
+            pv[t, b, h, 2 * w + 1] = acc[k, 2 * i + 1]
 
 
 @device
@@ -185,6 +375,213 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int):
     return kernel
 
 
+@cache
+def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, entry_warps: int, per_warp: int):
+    """Split path, scores: a warp of `lanes` lanes per (token, `heads` heads, `per_warp` entries);
+    a block of head_warps x entry_warps warps per (tile of per_warp x entry_warps entries, heads x
+    head_warps heads, token). q32 [T * H, D / 2] and ring32, chunk32, comp32 [*, D / 2]: the bf16
+    arrays as 32-bit words; entries int32 [T, E]; scores fp32 [>= T, H, >= E] (-inf: skipped);
+    tile_max fp32 [>= T, >= NT, H] (NT = ceil(E / tile))."""
+    units = head_dim // 8  # 16-byte units of a row
+    per_lane = -(-units // lanes)  # units a lane holds
+    q_dims = per_lane * 8  # (local array shapes must be compile-time constants)
+    row_words = per_lane * 4
+    threads = lanes * head_warps * entry_warps
+    tile = per_warp * entry_warps
+    block_heads = heads * head_warps
+    n_sums = per_warp * heads
+    if lanes > 1:  # a warp's sums are reduced together (_lane_sums), one sum for each pair of lanes
+        assert lanes == WARP and n_sums <= LANE_SUMS, "a warp reduces at most 16 sums together"
+        n_sums = LANE_SUMS
+    n_out = 1 if lanes > 1 else n_sums  # the sums each lane finishes
+
+    @jit_for(threads)
+    def kernel(q32, ring32, chunk32, comp32, entries, scores, tile_max, n_entries, n_heads, scale):
+        tile_s = cuda.shared.array((tile, block_heads), float32)  # [tile, heads]: the block's scores
+        tid = cuda.threadIdx.x
+        lane = tid % lanes
+        warp = tid // lanes
+        hw = warp % head_warps
+        ew = warp // head_warps
+        tile_i = cuda.blockIdx.x
+        hb = cuda.blockIdx.y * block_heads
+        h0 = hb + hw * heads
+        t = cuda.blockIdx.z
+        e0 = tile_i * tile + ew * per_warp
+        window = ring32.shape[0]
+        chunk_rows = chunk32.shape[0]
+        qv = cuda.local.array((heads, q_dims), float32)  # [heads, D / lanes]: the lane's query dims
+        rw = cuda.local.array((per_warp, row_words), uint32)  # [entries, D / 2 / lanes]: its row words
+        sums = cuda.local.array(n_sums, float32)  # [entries x heads (+ padding)]: the lane's partial dots
+        for k in range(heads):
+            _load_query(qv, k, q32, t * n_heads + h0 + k, lane, lanes, per_lane, units)
+        skipped = 0  # bit i: entry i skipped
+        for i in range(per_warp):  # every row load issued before the first is used
+            e = entries[t, e0 + i] if e0 + i < n_entries else -1
+            sr, ix = _resolve(e, window, chunk_rows)
+            if sr < 0:
+                skipped |= 1 << i
+            _load_row(rw, i, ring32, chunk32, comp32, sr, ix, lane, lanes, per_lane, units)
+        for n in range(n_sums):
+            sums[n] = float32(0)
+        for i in range(per_warp):
+            for k in range(heads):
+                sums[i * heads + k] = _dot_words(qv, k, rw, i, per_lane)
+        for r in range(n_out):
+            n = r
+            part = sums[r]
+            if lanes > 1:
+                n, part = _lane_sums(sums, lane)
+            i = n // heads
+            k = n % heads
+            if i < per_warp and lane % 2 == 0:
+                s = mul_rn(part, scale) if (skipped >> i) & 1 == 0 else NEG_INF
+                tile_s[ew * per_warp + i, hw * heads + k] = s
+                if e0 + i < n_entries:
+                    scores[t, h0 + k, e0 + i] = s
+        if threads > 1:
+            cuda.syncthreads()
+        for k in range(tid, block_heads, threads):
+            m = NEG_INF
+            for j in range(tile):
+                m = max(m, tile_s[j, k])
+            tile_max[t, tile_i, hb + k] = m
+
+    return kernel
+
+
+@cache
+def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_heads: int, thread_heads: int):
+    """Split path, values: a block per (entry block b, `block_heads` heads x slice of D, token), its
+    threads word_threads (over the slice's words, per_thread each) x block_heads / thread_heads (over
+    the heads, thread_heads each), so the head groups of a block read the same row words. Rows as in
+    split_score_kernel; scores and tile_max as it writes them; pv fp32 [>= T, >= NB, H, D] (NB =
+    ceil(E / 64)): sum_j bf16(p_j) row_j of block b; block_sum, block_max, rescale fp32 [>= T, >= NB, H]:
+    float32(float64 sum_j p_j), m_b and exp(m_{b-1} - m_b)."""
+    threads = word_threads * (block_heads // thread_heads)
+    span = word_threads * per_thread  # the words of a slice
+    slices = head_dim // 2 // span
+    dims = 2 * per_thread  # (local array shapes must be compile-time constants)
+    tiles = SPARSE_BLOCK // SCORE_TILE  # score tiles a block of entries
+    sync = threads > 1
+
+    @jit_for(threads)
+    def kernel(ring32, chunk32, comp32, entries, scores, tile_max, pv, block_sum, block_max, rescale, n_entries):
+        src = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: the source of each entry's row (_resolve)
+        row = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: its row there
+        # [64, heads]: p_j in fp32 and rounded to bf16, an entry's heads side by side
+        ps = cuda.shared.array((SPARSE_BLOCK, block_heads), float32)
+        pr = cuda.shared.array((SPARSE_BLOCK, block_heads), float32)
+        prev_max = cuda.shared.array(block_heads, float32)  # [heads]: m_{b-1}
+        new_max = cuda.shared.array(block_heads, float32)  # [heads]: m_b
+        tid = cuda.threadIdx.x
+        b = cuda.blockIdx.x
+        sl = cuda.blockIdx.y % slices
+        hb = cuda.blockIdx.y // slices * block_heads
+        t = cuda.blockIdx.z
+        b0 = b * SPARSE_BLOCK
+        window = ring32.shape[0]
+        chunk_rows = chunk32.shape[0]
+        n_tiles = (n_entries + SCORE_TILE - 1) // SCORE_TILE
+        for j in range(tid, SPARSE_BLOCK, threads):
+            e = entries[t, b0 + j] if b0 + j < n_entries else -1
+            sr, ix = _resolve(e, window, chunk_rows)
+            src[j] = sr
+            row[j] = ix
+        for k in range(tid, block_heads, threads):
+            m = START_MAX
+            for i in range(b * tiles):
+                m = max(m, tile_max[t, i, hb + k])
+            prev_max[k] = m
+            for i in range(b * tiles, min(n_tiles, (b + 1) * tiles)):
+                m = max(m, tile_max[t, i, hb + k])
+            new_max[k] = m
+        if sync:
+            cuda.syncthreads()
+        for i in range(tid, SPARSE_BLOCK * block_heads, threads):
+            j = i // block_heads
+            k = i % block_heads
+            s = scores[t, hb + k, b0 + j] if b0 + j < n_entries else NEG_INF
+            p = exp_f32(s - new_max[k])
+            ps[j, k] = p
+            pr[j, k] = bf16_round(p)
+        if sync:
+            cuda.syncthreads()
+        if sl == 0:
+            for k in range(tid, block_heads, threads):
+                block = float64(0)
+                for j in range(SPARSE_BLOCK):
+                    block += float64(ps[j, k])
+                block_sum[t, b, hb + k] = float32(block)
+                block_max[t, b, hb + k] = new_max[k]
+                rescale[t, b, hb + k] = exp_f32(prev_max[k] - new_max[k])
+        w0 = sl * span + tid % word_threads
+        k0 = tid // word_threads * thread_heads  # this thread's first head in the block
+        acc = cuda.local.array((thread_heads, dims), float32)  # [heads, dims]: the block's value sums
+        words = cuda.local.array((VALUE_BATCH, per_thread), uint32)  # [batch, words]: rows loaded ahead
+        vals = cuda.local.array(dims, float32)  # [dims]: one row's, fp32
+        for k in range(thread_heads):
+            for i in range(dims):
+                acc[k, i] = float32(0)
+        # a skipped entry (or one past E) reads as zeros with p = 0, adding +0 to sums that are never
+        # -0 (they start at +0), so they come out as if it were left out, as the first path does
+        for j0 in range(0, min(SPARSE_BLOCK, n_entries - b0), VALUE_BATCH):
+            for c in range(VALUE_BATCH):
+                _load_words(words, c, ring32, chunk32, comp32, src[j0 + c], row[j0 + c], w0, word_threads,
+                            per_thread)
+            for c in range(VALUE_BATCH):
+                _decode(vals, words, c, per_thread)
+                for k in range(thread_heads):
+                    _axpy(acc, k, pr[j0 + c, k0 + k], vals, per_thread)
+        for k in range(thread_heads):
+            _store_pairs(pv, t, b, hb + k0 + k, acc, k, w0, word_threads, per_thread)
+
+    return kernel
+
+
+@cache
+def split_combine_kernel(head_dim: int, per_thread: int):
+    """Split path, combine: a thread per (token, head, D / per_thread dims d, d + D / per_thread, ...):
+    the first path's rescaling over the blocks in order, then the sink. pv, block_sum, block_max,
+    rescale as split_value_kernel writes them; sinks fp32 [H]; out bf16 [T, H, D]."""
+    lanes_d = head_dim // per_thread  # threads per (token, head)
+
+    @jit_for(COMBINE_THREADS)
+    def kernel(pv, block_sum, block_max, rescale, sinks, out, n_blocks, n_tokens):
+        i = cuda.grid(1)
+        heads = out.shape[1]
+        if i >= n_tokens * heads * lanes_d:
+            return
+        d0 = i % lanes_d
+        h = i // lanes_d % heads
+        t = i // (lanes_d * heads)
+        acc = cuda.local.array(per_thread, float32)  # [dims]: the running output numerators
+        vals = cuda.local.array((COMBINE_BATCH, per_thread), float32)  # [batch, dims]: pv read ahead
+        scales = cuda.local.array(COMBINE_BATCH, float32)  # [batch]: rescale
+        sums = cuda.local.array(COMBINE_BATCH, float32)  # [batch]: block_sum
+        for k in range(per_thread):
+            acc[k] = float32(0)
+        sum_exp = float32(0)
+        for c0 in range(0, n_blocks, COMBINE_BATCH):
+            for c in range(COMBINE_BATCH):
+                if c0 + c < n_blocks:
+                    scales[c] = rescale[t, c0 + c, h]
+                    sums[c] = block_sum[t, c0 + c, h]
+                    for k in range(per_thread):
+                        vals[c, k] = pv[t, c0 + c, h, d0 + k * lanes_d]
+            for c in range(COMBINE_BATCH):
+                if c0 + c < n_blocks:
+                    sum_exp = mul_rn(sum_exp, scales[c]) + sums[c]
+                    for k in range(per_thread):
+                        acc[k] = mul_rn(acc[k], scales[c]) + vals[c, k]
+        run_max = block_max[t, n_blocks - 1, h] if n_blocks > 0 else START_MAX
+        sum_exp = sum_exp + exp_f32(sinks[h] - run_max)
+        for k in range(per_thread):
+            out[t, h, d0 + k * lanes_d] = f32_to_bf16(acc[k] / sum_exp)
+
+    return kernel
+
+
 @cuda.jit
 def _entries_kernel(positions, selection, entries, n_tokens, window, chunk_rows, n_selected):
     """One thread per (token, entry): the window entries, then the selection shifted past the ring
@@ -232,11 +629,116 @@ def build_entries(positions: DeviceArray, selection: DeviceArray | None, window:
             n_selected)
 
 
+@dataclass
+class SparseWorkspace:
+    """The split path's scratch for T <= SPLIT_MAX_TOKENS tokens, H heads x D, up to E entries
+    (NB = ceil(E / 64) blocks, NT = ceil(E / SCORE_TILE) tiles). A call uses a prefix of each."""
+
+    scores: DeviceArray  # fp32 [T, H, E]: s_j = q . row_j * scale, -inf for a skipped entry
+    tile_max: DeviceArray  # fp32 [T, NT, H]: the max of each tile's scores
+    pv: DeviceArray  # fp32 [T, NB, H, D]: each block's value sum, sum_j bf16(p_j) row_j
+    block_sum: DeviceArray  # fp32 [T, NB, H]: each block's float64 sum of p_j, rounded once
+    block_max: DeviceArray  # fp32 [T, NB, H]: m_b, the running max after block b
+    rescale: DeviceArray  # fp32 [T, NB, H]: exp(m_{b-1} - m_b), m_{-1} = START_MAX
+
+    @classmethod
+    def allocate(cls, max_tokens: int, heads: int, head_dim: int, n_entries: int) -> SparseWorkspace:
+        """For calls of up to min(max_tokens, SPLIT_MAX_TOKENS) tokens and n_entries entries (more
+        tokens take the one-block-a-head path)."""
+        if head_dim % 8 or heads < 1 or max_tokens < 1 or n_entries < 0:
+            raise InputError(f"SparseWorkspace: {max_tokens} tokens x {heads} heads x {head_dim} x {n_entries} "
+                             "entries (the split path reads rows in 16-byte units: head_dim a multiple of 8)")
+        shapes = _workspace_shapes(min(max_tokens, SPLIT_MAX_TOKENS), heads, head_dim, max(n_entries, 1))
+        return cls(**{name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()})
+
+    @property
+    def tokens(self) -> int:
+        return self.scores.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, f.name).nbytes for f in fields(self))
+
+    def check(self, heads: int, head_dim: int, n_entries: int) -> None:
+        """InputError unless every array is fp32 and holds `tokens` tokens of this call's shape."""
+        for name, need in _workspace_shapes(self.tokens, heads, head_dim, n_entries).items():
+            a = getattr(self, name)
+            check_array(a, (np.float32,), len(need), f"SparseWorkspace.{name}")
+            exact = _HEAD_AXES[name]  # H and D must match; tokens, entries and blocks may be more
+            if any(a.shape[i] != n if i in exact else a.shape[i] < n for i, n in enumerate(need)):
+                raise InputError(f"SparseWorkspace.{name}: {a.shape} for {self.tokens} tokens x {heads} heads x "
+                                 f"{head_dim} x {n_entries} entries, which need {need}")
+
+
+_HEAD_AXES = {"scores": (1,), "tile_max": (2,), "pv": (2, 3), "block_sum": (2,), "block_max": (2,), "rescale": (2,)}
+
+
+def _workspace_shapes(tokens: int, heads: int, head_dim: int, n_entries: int) -> dict[str, tuple[int, ...]]:
+    blocks = -(-n_entries // SPARSE_BLOCK)
+    per_block = (tokens, blocks, heads)
+    return {"scores": (tokens, heads, n_entries), "tile_max": (tokens, -(-n_entries // SCORE_TILE), heads),
+            "pv": (tokens, blocks, heads, head_dim), "block_sum": per_block, "block_max": per_block,
+            "rescale": per_block}
+
+
+def split_workspace_bytes(max_tokens: int, heads: int, head_dim: int, n_entries: int) -> int:
+    """Device bytes of SparseWorkspace.allocate(max_tokens, heads, head_dim, n_entries) (fp32 arrays)."""
+    shapes = _workspace_shapes(min(max_tokens, SPLIT_MAX_TOKENS), heads, head_dim, max(n_entries, 1))
+    return sum(4 * int(np.prod(shape)) for shape in shapes.values())
+
+
+def _widest(n: int, most: int) -> int:
+    """The largest power of two <= most that divides n."""
+    w = most
+    while n % w:
+        w //= 2
+    return w
+
+
+def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
+                     ws: SparseWorkspace) -> None:
+    """The split path (module docstring): scores, values and combine on `stream`, each sized for the
+    call (heads per block shrink until the grid covers the GPU)."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    n_entries = entries.shape[1]
+    n_blocks = -(-n_entries // SPARSE_BLOCK)
+    words = head_dim // 2
+    if n_entries:
+        nt = threads or math.gcd(VALUE_THREADS, words)
+        if words % nt:
+            raise InputError(f"sparse_attention: {nt} threads do not divide the {words} words of head_dim {head_dim}")
+        q32 = q.reshape(q.shape[0] * heads, head_dim).view(np.uint32)
+        rows = tuple(a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
+        hw = _widest(heads, SCORE_HEADS)
+        head_warps = _widest(heads // hw, SCORE_HEAD_WARPS)
+        n_tiles = -(-n_entries // SCORE_TILE)
+        while head_warps > 1 and n_tokens * n_tiles * (heads // (hw * head_warps)) < SCORE_FILL:
+            head_warps //= 2
+        grid = (n_tiles, heads // (hw * head_warps), n_tokens)
+        split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES)[
+            grid, LANES * head_warps * SCORE_ENTRY_WARPS, stream](
+            q32, *rows, entries, ws.scores, ws.tile_max, n_entries, heads, np.float32(scale))
+        per_thread = words // nt if SIM else 1  # the simulator's threads take all of D between them
+        slices = words // (nt * per_thread)
+        block_heads = _widest(heads, VALUE_HEADS)
+        while block_heads > 1 and n_tokens * n_blocks * slices * (heads // block_heads) < VALUE_FILL:
+            block_heads //= 2
+        thread_heads = min(VALUE_THREAD_HEADS, block_heads)
+        split_value_kernel(head_dim, nt, per_thread, block_heads, thread_heads)[
+            (n_blocks, slices * (heads // block_heads), n_tokens), nt * (block_heads // thread_heads), stream](
+            *rows, entries, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max, ws.rescale, n_entries)
+    per_thread = head_dim if SIM else 1
+    total = n_tokens * heads * (head_dim // per_thread)
+    split_combine_kernel(head_dim, per_thread)[grid_1d(total, COMBINE_THREADS), COMBINE_THREADS, stream](
+        ws.pv, ws.block_sum, ws.block_max, ws.rescale, sinks, out, n_blocks, n_tokens)
+
+
 def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray, comp_rows: DeviceArray,
                      entries: DeviceArray, sinks: DeviceArray, scale: float, out: DeviceArray, n_tokens: int,
-                     stream=0, threads: int = 0) -> None:
+                     stream=0, threads: int = 0, workspace: SparseWorkspace | None = None) -> None:
     """out[:T] = attention of q[:T] over the rows its entries name (see the module docstring).
-    threads: block size (0 = the default; tests force others)."""
+    workspace: the split path's, taken when T <= workspace.tokens. threads: the block size of the
+    one-block-a-head kernel, or of the split path's values kernel (0 = the default; tests force others)."""
     check_array(q, (np.uint16,), 3, "sparse_attention q")
     check_array(out, (np.uint16,), 3, "sparse_attention out")
     for a, what in ((ring, "ring"), (chunk_rows, "chunk_rows"), (comp_rows, "comp_rows")):
@@ -250,7 +752,15 @@ def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray,
             or any(a.shape[1] != head_dim for a in (ring, chunk_rows, comp_rows))):
         raise InputError(f"sparse_attention: q {q.shape}, out {out.shape}, sinks {sinks.shape}, ring {ring.shape}, "
                          f"chunk_rows {chunk_rows.shape}, comp_rows {comp_rows.shape} do not agree")
+    if workspace is not None:
+        if head_dim % 8:
+            raise InputError(f"sparse_attention: the split path needs head_dim a multiple of 8, not {head_dim}")
+        workspace.check(heads, head_dim, entries.shape[1])
     if n_tokens == 0:
+        return
+    if workspace is not None and n_tokens <= workspace.tokens:
+        _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
+                         workspace)
         return
     nt = threads or min(ATTN_THREADS, head_dim)
     lanes = min(LANES, nt)

@@ -14,9 +14,11 @@ What rejects each (measured on the simulator, at the CI shape and, for the `gpu`
 - sparse attention: p or the output truncated to bf16, the output 1% large: only the bit-equal share
   (SPARSE_EQUAL_MIN = 99%: the mutants keep 60% / 51% / 0% at the CI shape, 52% / 50% / 0% at the
   flash shape; the kernel 100% / 99.97%); the softmax scale 1% large, a dropped chunk row or ring
-  slot, the sink left out: sparse_bound (95-327 of 512 values out of it; 1657-87662 of 131072).
+  slot, the sink left out: sparse_bound (40-327 of 512 values out of it; 1657-87662 of 131072).
   The sink counts because attention_inputs puts each head's sink near its log-sum-exp, and a
   window row because its queries' entries are the layer's own lists (each names every window row).
+  The split path's kernels carry the same mutants (sparse_mutants) and fail the same checks: on the
+  simulator with the same numbers, since there the two paths give the same bits, mutated or not.
 - entries: the oracle's entry lists (exact).
 - index scores: exact scores (14-52 of 65 differ; 5919-11752 of 12288 at flash).
 - selection: exact selections and masks. The short visible width shows in the candidate blocks
@@ -162,24 +164,34 @@ class Mutant:
     replacements: Callable[[], dict[str, Any]]  # built inside the test, before the check runs
 
 
+def sparse_mutants(check: str, scores: str, combine: str) -> list[Mutant]:
+    """The sparse attention mutants of one path: the one-block-a-head kernel (check "sparse_attention",
+    both kernels sparse_kernel) or the split path ("sparse_split": split_score_kernel scales the dot
+    products, split_combine_kernel adds the sink). The rounding and _resolve swaps reach every kernel
+    of the path that calls them (both split kernels resolve the entries)."""
+    return [
+        Mutant(check, "p_truncated", "p rounded toward zero to bf16 before the value product", sa,
+               lambda: {"bf16_round": bf16_round_truncating}),
+        Mutant(check, "out_truncated", "the output rounded toward zero to bf16", sa,
+               lambda: {"f32_to_bf16": f32_to_bf16_truncating}),
+        Mutant(check, "out_1pct", "the output 1% large", sa,
+               lambda: {"f32_to_bf16": f32_to_bf16_one_percent_large}),
+        Mutant(check, "scale_1pct", "the softmax scale 1% large", sa,
+               lambda: {scores: edited(sa, scores, "mul_rn(part, scale)", "mul_rn(part, scale * float32(1.01))")}),
+        Mutant(check, "first_chunk_row_dropped", "entries naming the chunk's first row skipped", sa,
+               lambda: {"_resolve": resolve_skipping_first_chunk_row}),
+        Mutant(check, "ring_slot_dropped", "entries naming ring slot 0 skipped", sa,
+               lambda: {"_resolve": resolve_skipping_ring_slot_0}),
+        # a kernel that forgot the sink and then guarded the row without entries (0 / 0) on its own
+        Mutant(check, "sink_ignored", "the sink's term left out of the denominator", sa,
+               lambda: {combine: edited(sa, combine, "sum_exp = sum_exp + exp_f32(sinks[h] - run_max)",
+                                        "sum_exp = sum_exp if sum_exp > 0 else float32(np.inf)")}),
+    ]
+
+
 MUTANTS = [
-    Mutant("sparse_attention", "p_truncated", "p rounded toward zero to bf16 before the value product", sa,
-           lambda: {"bf16_round": bf16_round_truncating}),
-    Mutant("sparse_attention", "out_truncated", "the output rounded toward zero to bf16", sa,
-           lambda: {"f32_to_bf16": f32_to_bf16_truncating}),
-    Mutant("sparse_attention", "out_1pct", "the output 1% large", sa,
-           lambda: {"f32_to_bf16": f32_to_bf16_one_percent_large}),
-    Mutant("sparse_attention", "scale_1pct", "the softmax scale 1% large", sa,
-           lambda: {"sparse_kernel": edited(sa, "sparse_kernel", "mul_rn(part, scale)",
-                                            "mul_rn(part, scale * float32(1.01))")}),
-    Mutant("sparse_attention", "first_chunk_row_dropped", "entries naming the chunk's first row skipped", sa,
-           lambda: {"_resolve": resolve_skipping_first_chunk_row}),
-    Mutant("sparse_attention", "ring_slot_dropped", "entries naming ring slot 0 skipped", sa,
-           lambda: {"_resolve": resolve_skipping_ring_slot_0}),
-    # a kernel that forgot the sink and then guarded the row without entries (0 / 0) on its own
-    Mutant("sparse_attention", "sink_ignored", "the sink's term left out of the denominator", sa,
-           lambda: {"sparse_kernel": edited(sa, "sparse_kernel", "sum_exp = sum_exp + exp_f32(sinks[h] - run_max)",
-                                            "sum_exp = sum_exp if sum_exp > 0 else float32(np.inf)")}),
+    *sparse_mutants("sparse_attention", "sparse_kernel", "sparse_kernel"),
+    *sparse_mutants("sparse_split", "split_score_kernel", "split_combine_kernel"),
     Mutant("entries", "window_one_early", "window positions p - W .. p - 1 instead of p - W + 1 .. p", sa,
            lambda: {"_entries_kernel": edited(sa, "_entries_kernel", "wp = positions[t] - window + 1 + j",
                                               "wp = positions[t] - window + j")}),
@@ -241,6 +253,7 @@ def _every(check: Callable[..., Any], cases) -> None:
 
 CHECKS: dict[str, Callable[[Any], Any]] = {
     "sparse_attention": lambda cfg: check_sparse_attention(*SPARSE_CASE, "sparse attention"),
+    "sparse_split": lambda cfg: check_sparse_attention(*SPARSE_CASE, "sparse attention (split)", split=True),
     "entries": lambda cfg: _every(check_entries, ENTRY_CASES),
     "index_scores": lambda cfg: check_index_scores(cfg, 9, heads=3, dim=64, t=5, width=13, spare=3, c=32),
     "select": lambda cfg: _every(lambda case: check_select(cfg, case), [(c,) for c in SELECT_CASES]),
@@ -253,6 +266,8 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
 }
 FLASH_CHECKS: dict[str, Callable[[Any], Any]] = {
     "sparse_attention": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash)"),
+    "sparse_split": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash, split)",
+                                                       split=True),
     "index_scores": lambda cfg: check_index_scores(cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64),
     "select": lambda cfg: check_select(cfg, FLASH_SELECT_CASE, seed=13),
 }

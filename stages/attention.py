@@ -60,14 +60,14 @@ from flashv41.stages.indexer import IndexerWeights
 from flashv41.stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
 from flashv41.stages.linear import DeviceWeight, linear
 from flashv41.stages.norm_rope_quant import norm_rope_quant, rms_norm, rope
-from flashv41.stages.sparse_attention import build_entries, sparse_attention
+from flashv41.stages.sparse_attention import SparseWorkspace, build_entries, sparse_attention
 
 COPY_THREADS = 64 if SIM else 256
 ROLES = {**L.ATTENTION_ROLES, **L.OPTIONAL_ATTENTION_ROLES}  # blk.{i}.{role}.weight by weight name
 
 # The stage's device workspaces (attribute names), sized once for max_tokens.
 WORKSPACES = ("positions", "qa", "qr", "q", "kv_raw", "kv", "o", "oa", "entries_window", "entries_all", "selection",
-              "score", "candidates", "iq", "hw", "source_ws")
+              "score", "candidates", "iq", "hw", "source_ws", "sparse_ws")
 
 
 @cuda.jit
@@ -266,6 +266,9 @@ class AttentionStage:
             self.hw = bf16(cfg.index_heads)  # [T, IH]
             self.score = bf16(max(1, self.max_groups))  # [T, G]
             self.candidates = cuda.device_array((t, max(1, blocks)), np.uint8)  # [T, NB]
+        # the sparse attention's split (decode) path: scratch for its few tokens and longest entry list
+        self.sparse_ws = SparseWorkspace.allocate(t, cfg.n_heads, cfg.head_dim,
+                                                  cfg.window + (cfg.index_topk if ratios else 0))
         self.source_ws = None
         if any(r.kv_source for r in cfg.roles):
             self.source_ws = KvSourceWorkspace.allocate(t, cfg.head_dim, cfg.index_head_dim)
@@ -283,10 +286,10 @@ class AttentionStage:
         return sum(w.nbytes for w in self.layers[layer].matrices())
 
     def workspace_bytes(self) -> int:
-        arrays = [getattr(self, name) for name in WORKSPACES if name != "source_ws"]
+        arrays = [getattr(self, name) for name in WORKSPACES if name not in ("source_ws", "sparse_ws")]
         if self.source_ws is not None:
             arrays += list(vars(self.source_ws).values())
-        return sum(int(a.nbytes) for a in arrays if a is not None)
+        return sum(int(a.nbytes) for a in arrays if a is not None) + self.sparse_ws.nbytes
 
     def free(self) -> None:
         """Release weights, tables and workspaces (idempotent); numba frees what is unreferenced."""
@@ -387,7 +390,8 @@ class AttentionStage:
             entries, comp_rows = self.entries_all, shared.compressed
         build_entries(pos, selection, cfg.window, self.kv.shape[0], entries, t, stream=s)
         mark("entries")
-        sparse_attention(self.q, st.ring, self.kv, comp_rows, entries, w.sinks, self.scale, self.o, t, stream=s)
+        sparse_attention(self.q, st.ring, self.kv, comp_rows, entries, w.sinks, self.scale, self.o, t, stream=s,
+                         workspace=self.sparse_ws)
         mark("sparse_attention")
         if capture is not None:
             capture["attn_o"] = self._host(self.o, t)

@@ -10,6 +10,7 @@ import flashv41
 from flashv41.host import gguf_layout as L
 from flashv41.host.errors import InputError
 from flashv41.memory import estimate_memory, format_bytes
+from flashv41.stages import sparse_attention as sa
 
 
 def test_estimate_for_tiny(tiny_path: Path) -> None:
@@ -37,7 +38,11 @@ def test_estimate_for_tiny(tiny_path: Path) -> None:
         assert est.state_bytes_per_sequence == state
 
         t = max_tokens
-        workspace = (2 * t * cfg.hc * cfg.dim * 4 + t * cfg.n_heads * cfg.head_dim * 2 + t * max_seq * 4
+        # the sparse attention's decode scratch: scores, tile maxima, block value sums and 3 per-block rows
+        st, entries = min(t, sa.SPLIT_MAX_TOKENS), cfg.window + cfg.index_topk
+        blocks = -(-entries // sa.SPARSE_BLOCK)
+        sparse = 4 * st * cfg.n_heads * (entries + -(-entries // sa.SCORE_TILE) + blocks * cfg.head_dim + 3 * blocks)
+        workspace = (2 * t * cfg.hc * cfg.dim * 4 + t * cfg.n_heads * cfg.head_dim * 2 + sparse + t * max_seq * 4
                      + t * cfg.engram.cols * cfg.engram.head_dim * 2 + t * cfg.dim * (cfg.hc + 1) * 2)
         assert est.workspace_bytes == workspace
         assert est.total_bytes(3) == est.weight_bytes + 3 * state + workspace

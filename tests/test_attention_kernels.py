@@ -631,7 +631,7 @@ def test_sparse_workspace_capacity():
     one-block-a-head kernel (the same bits as without a workspace)."""
     assert SparseWorkspace.allocate(100, 2, 64, 140).tokens == SPLIT_MAX_TOKENS
     ws = SparseWorkspace.allocate(2, 4, 64, 28)
-    assert ws.tokens == 2 and ws.nbytes == sum(a.nbytes for a in dataclasses.astuple(ws))
+    assert ws.tokens == 2 and ws.nbytes == sum(getattr(ws, f.name).nbytes for f in dataclasses.fields(ws))
     args = sparse_inputs(*SPARSE_CASES[1])  # T = 3
     out = cuda.device_array((3, 4, 64), np.uint16)
     sparse_attention(*dev(args, fp32=(5,)), out, 3, workspace=ws)

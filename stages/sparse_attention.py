@@ -100,11 +100,11 @@ assert SPARSE_BLOCK % SCORE_TILE == 0, "an entry block's max must come from whol
 # groups of VALUE_THREAD_HEADS, one group a thread, so a block's head groups read each row word once
 # from L2. Rows are loaded VALUE_BATCH entries at a time before they are used. Heads per block halve
 # until there are VALUE_FILL blocks (about one an SM: 132 on an H200).
-VALUE_THREADS = 1 if SIM else 64
+VALUE_THREADS = 1 if SIM else 256
 VALUE_HEADS = 16
 VALUE_THREAD_HEADS = 1 if SIM else 4
 VALUE_FILL = 1 if SIM else 128
-VALUE_BATCH = 8
+VALUE_BATCH = 16
 # Combine: a thread per (token, head, dim) on the GPU (per (token, head) on the simulator), reading
 # COMBINE_BATCH blocks' partial results before it folds them in.
 COMBINE_THREADS = 8 if SIM else 256

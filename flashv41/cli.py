@@ -87,20 +87,28 @@ def add_synth_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--engram-rows", type=int, default=None, metavar="N",
                    help="about N rows per engram table (default: the preset's; at least the preset's smallest "
                         "table: a distinct prime of at least 2 rows per n-gram order and head)")
+    p.add_argument("--shards", type=at_least(1), default=1, metavar="N",
+                   help="write a split set as llama.cpp's gguf-split does: N files beside FILE.gguf, named "
+                        "from it without its .gguf suffix, NAME-00001-of-0000N.gguf ... NAME-0000N-of-0000N.gguf "
+                        "(-o m.gguf --shards 3: m-00001-of-00003.gguf to m-00003-of-00003.gguf), the metadata in "
+                        "the first; default 1: one plain file named FILE.gguf")
     p.set_defaults(handler=synth_command)
 
 
 def synth_command(args: argparse.Namespace) -> int:
-    from flashv41.host.synth import PRESETS, progress_bar, write_synthetic
+    from flashv41.host.synth import PRESETS, progress_bar, shard_paths, write_synthetic
 
     overrides = {} if args.engram_rows is None else {"engram_rows": args.engram_rows}
     table_type = args.table_type or PRESETS[args.preset].default_table_type
     start = time.monotonic()
     with progress_bar(f"writing {args.output.name}") as progress:
         path = write_synthetic(args.output, args.preset, weight_type=args.weight_type, table_type=table_type,
-                               seed=args.seed, progress=progress, **overrides)
+                               seed=args.seed, progress=progress, shards=args.shards, **overrides)
     elapsed = time.monotonic() - start
-    print(f"wrote {path} ({format_bytes(path.stat().st_size)}) in {elapsed:.2f} s: preset {args.preset}, "
+    files = shard_paths(args.output, args.shards)
+    written = str(path) if len(files) == 1 else f"{path} .. {files[-1].name} ({len(files)} shards)"
+    size = sum(f.stat().st_size for f in files)
+    print(f"wrote {written} ({format_bytes(size)}) in {elapsed:.2f} s: preset {args.preset}, "
           f"weights {args.weight_type}, engram tables {table_type}, seed {args.seed}")
     return 0
 
@@ -166,11 +174,21 @@ def _value(v: object) -> str:
 
 
 def describe_config(model: Model) -> str:
-    """The file, then every ModelConfig field by topic, then the engram geometry."""
+    """The file (or the shards of a split set), then every ModelConfig field by topic, then the
+    engram geometry."""
     cfg = model.config
-    size = model.path.stat().st_size
+    files = model.weights.files
+    size = sum(f.path.stat().st_size for f in files)
     lines = [f"{model.path.name}: {format_bytes(size)}, {len(model.weights.names())} tensors, "
              f"architecture {cfg.name} (llama.cpp layout)"]
+    if len(files) == 1:
+        lines.append(f"  {'files:':<12} 1 file")
+    else:
+        lines.append(f"  {'files:':<12} {len(files)} shards (split set)")
+        width = max(len(f.path.name) for f in files)
+        for f in files:
+            lines.append(f"  {'':<12} {f.path.name:<{width}}  {f.n_tensors} tensors, "
+                         f"{format_bytes(f.path.stat().st_size)}")
     names = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in CONFIG_SHOWN_ELSEWHERE]
     grouped = {n for group in CONFIG_GROUPS.values() for n in group}
     groups = dict(CONFIG_GROUPS)

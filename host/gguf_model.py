@@ -1,15 +1,18 @@
 """Reading a V4.1 GGUF file (llama.cpp layout): metadata -> `ModelConfig`, tensors -> `WeightStore`.
 
 The file is memory-mapped through gguf-py's `GGUFReader`; a tensor's bytes are touched only when
-someone asks for that tensor. Everything the engine relies on is validated here, once: each
-failure is a `ModelFormatError` (or `UnsupportedError`) naming the key or tensor, what was
-expected and what was found.
+someone asks for that tensor. A split set (llama.cpp gguf-split: `NAME-00001-of-00003.gguf` ...)
+is opened from any of its shards: each shard is its own complete GGUF, mapped by its own reader,
+the model metadata comes from the first, and each tensor is served from the shard that holds it.
+Everything the engine relies on is validated here, once: each failure is a `ModelFormatError` (or
+`UnsupportedError`) naming the key or tensor, what was expected and what was found.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,23 +52,44 @@ class TensorRef:
         return dequantize(self.raw(), self.ggml_type, self.shape[-1]).reshape(self.shape)
 
 
-class WeightStore:
-    """The tensors of one GGUF file by name, layer and role; reads nothing until asked."""
+@dataclass(frozen=True)
+class ModelFile:
+    """One file of a model as opened: its path and how many tensors its own table lists (a split
+    set has one per shard, in shard order; a plain GGUF has one)."""
 
-    def __init__(self, path: Path, reader: GGUFReader, tensors: dict[str, TensorRef]):
-        self.path = path
-        self._reader = reader
+    path: Path
+    n_tensors: int
+
+
+class WeightStore:
+    """The tensors of one GGUF file (or of every shard of a split set) by name, layer and role;
+    reads nothing until asked."""
+
+    def __init__(self, path: Path, readers: list[GGUFReader], tensors: dict[str, TensorRef],
+                 files: tuple[ModelFile, ...] = (), where: dict[str, Path] | None = None):
+        self.path = path  # the file holding the metadata: the first shard of a split set
+        self.files = files or (ModelFile(path, len(tensors)),)
+        self._readers = readers
         self._tensors = tensors
+        self._where = where or {}
+
+    @property
+    def split(self) -> bool:
+        return len(self.files) > 1
 
     def names(self) -> list[str]:
         return list(self._tensors)
+
+    def file_of(self, name: str) -> Path:
+        """The file (shard) whose table lists tensor `name`."""
+        return self._where.get(name, self.path)
 
     def has(self, layer: int | None, role: str) -> bool:
         return L.tensor_name(layer, role) in self._tensors
 
     def get(self, layer: int | None, role: str) -> TensorRef:
         name = L.tensor_name(layer, role)
-        if self._reader is None:
+        if not self._readers:
             raise SequenceStateError(f"{self.path.name}: this model was closed (tensor {name} asked for)")
         try:
             return self._tensors[name]
@@ -76,13 +100,13 @@ class WeightStore:
         return iter(self._tensors.values())
 
     def close(self) -> None:
-        """Drop this store's hold on the memory map (the store is unusable afterwards).
+        """Drop this store's hold on the memory maps (the store is unusable afterwards).
 
-        The map is released when the last array viewing it is freed. Unmapping it here would leave
+        A map is released when the last array viewing it is freed. Unmapping it here would leave
         every TensorRef still held elsewhere pointing at unmapped memory: a segfault on next use.
         """
         self._tensors = {}
-        self._reader = None  # type: ignore[assignment]
+        self._readers = []
 
 
 class _Reader(GGUFReader):
@@ -162,6 +186,111 @@ def open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFReader, Path]:
         raise ModelFormatError(f"{p.name}: damaged or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
 
 
+# llama.cpp gguf-split: shard i (0-based) of n is NAME-{i+1:05d}-of-{n:05d}.gguf, and every shard
+# carries these three keys (u16, u16, i32); only the first carries the model's metadata
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+_SHARD_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>[0-9]{5})-of-(?P<count>[0-9]{5})\.gguf$")
+_INT_TYPES = (GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+              GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64)
+
+
+def shard_name(stem: str, no: int, count: int) -> str:
+    """The file name of shard `no` (0-based) of `count`: `shard_name("m", 0, 3)` is m-00001-of-00003.gguf."""
+    return f"{stem}-{no + 1:05d}-of-{count:05d}.gguf"
+
+
+def parse_shard_name(name: str) -> tuple[str, int, int] | None:
+    """(stem, shard number 0-based, shard count) of a gguf-split file name, or None if it is not one."""
+    m = _SHARD_NAME.match(name)
+    if m is None:
+        return None
+    return m["stem"], int(m["no"]) - 1, int(m["count"])
+
+
+def _split_keys(reader: GGUFReader, fname: str) -> tuple[int, int, int] | None:
+    """(split.no, split.count, split.tensors.count) of one file, or None if it has none of them."""
+    fields = _Fields(reader, fname)
+    keys = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS)
+    present = [k for k in keys if fields.has(k)]
+    if not present:
+        return None
+    if len(present) < len(keys):
+        missing = next(k for k in keys if k not in present)
+        raise ModelFormatError(f"{fname}: metadata key {missing} is missing (the file has {present[0]}: a split shard)")
+    no, count, total = (int(fields.scalar(k, _INT_TYPES)) for k in keys)
+    return no, count, total
+
+
+def open_gguf_set(path: str | os.PathLike[str]) -> list[tuple[GGUFReader, Path]]:
+    """Every file of the model at `path`, in shard order: [(reader, path)] for a plain GGUF, each
+    shard of a split set whichever of them `path` names (the others are found beside it by name).
+
+    The set must be whole and one: every shard present, each one's split.no and split.count those
+    of its name, the same split.tensors.count in all, no tensor in two shards, and as many tensors
+    in all as split.tensors.count says.
+    """
+    reader, p = open_gguf(path)
+    named = parse_shard_name(p.name)
+    keys = _split_keys(reader, p.name)
+    if named is None:
+        if keys is None or keys[:2] == (0, 1):
+            return [(reader, p)]
+        raise ModelFormatError(
+            f"{p.name}: {SPLIT_COUNT} = {keys[1]} makes it a shard of a split set, but its name does not end in "
+            "-NNNNN-of-NNNNN.gguf, the names its other shards are found by"
+        )
+    stem, no, count = named
+    if not 0 <= no < count:
+        raise ModelFormatError(f"{p.name}: shard number {no + 1} in the name is outside 1..{count}")
+    _check_shard(p, keys, no, count)  # the file named first, before looking for the others
+    readers: list[tuple[GGUFReader, Path]] = []
+    totals: list[int] = []
+    for i in range(count):
+        if i == no:
+            shard, sp, skeys = reader, p, keys
+        else:
+            sp = p.with_name(shard_name(stem, i, count))
+            if not sp.is_file():
+                raise ModelFormatError(f"{sp.name} is missing: shard {i + 1} of the {count}-shard set of {p.name} "
+                                       f"(looked in {p.parent})")
+            shard, sp = open_gguf(sp)
+            skeys = _split_keys(shard, sp.name)
+        totals.append(_check_shard(sp, skeys, i, count))
+        readers.append((shard, sp))
+    first, total = readers[0][1], totals[0]
+    for (_, sp), says in zip(readers, totals, strict=True):
+        if says != total:
+            raise ModelFormatError(f"{sp.name}: {SPLIT_TENSORS} = {says}, but the first shard {first.name} says "
+                                   f"{total}: a shard of another set")
+    seen: dict[str, Path] = {}
+    for shard, sp in readers:
+        for t in shard.tensors:
+            if t.name in seen:
+                raise ModelFormatError(f"{sp.name}: tensor {t.name} is also in {seen[t.name].name} "
+                                       "(shards of two different sets?)")
+            seen[t.name] = sp
+    if len(seen) != total:
+        raise ModelFormatError(
+            f"{first.name}: the {count} shards hold {len(seen)} tensors, but {SPLIT_TENSORS} = {total} "
+            "(a shard of another set, or a shard rewritten)"
+        )
+    return readers
+
+
+def _check_shard(sp: Path, keys: tuple[int, int, int] | None, i: int, count: int) -> int:
+    """One shard's split keys against its place in the set (its name); returns its split.tensors.count."""
+    if keys is None:
+        raise ModelFormatError(f"{sp.name}: named like shard {i + 1} of {count} of a split set, but it has no "
+                               f"split keys ({SPLIT_NO}, {SPLIT_COUNT}, {SPLIT_TENSORS})")
+    no, n, total = keys
+    if n != count:
+        raise ModelFormatError(f"{sp.name}: {SPLIT_COUNT} = {n}, but the set (its name) has {count} shards")
+    if no != i:
+        raise ModelFormatError(f"{sp.name}: {SPLIT_NO} = {no} (shard {no + 1}), but its name makes it shard {i + 1} "
+                               f"({SPLIT_NO} = {i})")
+    return total
+
+
 class _Fields:
     """Typed access to the metadata of one reader, with errors that name the key."""
 
@@ -236,7 +365,7 @@ def _detect_layout(fields: _Fields) -> None:
             )
 
 
-def _read_tensors(reader: GGUFReader, path: Path) -> dict[str, TensorRef]:
+def _read_tensors(reader: GGUFReader) -> dict[str, TensorRef]:
     out: dict[str, TensorRef] = {}
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed([int(d) for d in t.shape]))
@@ -264,20 +393,21 @@ def _type_name(t: object) -> str:
 
 def _check_tensor(store: WeightStore, layer: int | None, role: str, shape: tuple[int, ...]) -> TensorRef:
     ref = store.get(layer, role)
+    fname = store.file_of(ref.name).name
     if not isinstance(ref.ggml_type, GGMLType):
         supported = ", ".join(t.name for t in GGMLType)
         raise UnsupportedError(
-            f"{store.path.name}: tensor {ref.name} has type {_type_name(ref.ggml_type)}, "
+            f"{fname}: tensor {ref.name} has type {_type_name(ref.ggml_type)}, "
             f"which flashv41 cannot read (supported: {supported})"
         )
     if ref.shape != shape:
         raise ModelFormatError(
-            f"{store.path.name}: tensor {ref.name} has shape {list(ref.shape)} (NumPy order), "
+            f"{fname}: tensor {ref.name} has shape {list(ref.shape)} (NumPy order), "
             f"expected {list(shape)} from the metadata"
         )
     if ref.shape[-1] % FORMATS[ref.ggml_type].block_values:
         raise ModelFormatError(
-            f"{store.path.name}: tensor {ref.name} rows of {ref.shape[-1]} values do not hold whole "
+            f"{fname}: tensor {ref.name} rows of {ref.shape[-1]} values do not hold whole "
             f"{ref.ggml_type.name} blocks"
         )
     return ref
@@ -420,11 +550,21 @@ def _roles(cfg_values: dict, store: WeightStore, engram_layers: tuple[int, ...],
 
 
 def read_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, WeightStore]:
-    """Open and validate a V4.1 GGUF; returns its config and a lazily reading weight store."""
-    reader, p = open_gguf(path)
+    """Open and validate a V4.1 GGUF (a plain file, or any shard of a split set); returns its config
+    and a lazily reading weight store."""
+    shards = open_gguf_set(path)
+    reader, p = shards[0]  # a split set's metadata is in its first shard only
     fields = _Fields(reader, p.name)
     _detect_layout(fields)
-    store = WeightStore(p, reader, _read_tensors(reader, p))
+    tensors: dict[str, TensorRef] = {}
+    where: dict[str, Path] = {}
+    files = []
+    for shard, sp in shards:
+        own = _read_tensors(shard)
+        tensors.update(own)
+        where.update(dict.fromkeys(own, sp))
+        files.append(ModelFile(sp, len(own)))
+    store = WeightStore(p, [r for r, _ in shards], tensors, tuple(files), where)
     values: dict = {name: fields.u32(L.key(k)) for name, k in L.U32_KEYS.items()}
     values.update({name: fields.f32(L.key(k)) for name, k in L.F32_KEYS.items()})
     for name, (k, default) in L.OPTIONAL_U32_KEYS.items():

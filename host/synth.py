@@ -15,12 +15,17 @@ Presets:
 
 Files are written tensor by tensor (never the whole model in memory), with progress callbacks,
 under a temporary name that becomes the file's only when the last byte is written: a failed or
-interrupted write leaves nothing behind.
+interrupted write leaves nothing behind. `shards=N` writes a split set as llama.cpp's gguf-split
+does (`NAME-00001-of-0000N.gguf` ...: the model metadata in the first shard, the split keys in
+every shard, the tensors in file order over the shards in runs of about equal bytes), into a
+temporary folder beside the target whose shards move into place once all are written.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -32,6 +37,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from flashv41.host import gguf_layout as L
 from flashv41.host.engram_tables import MAX_PRIME, engram_multipliers, engram_offsets, engram_primes, stub_token_map
 from flashv41.host.errors import InputError, UnsupportedError
+from flashv41.host.gguf_model import shard_name
 from flashv41.host.numerics import bf16
 from flashv41.host.progress import Progress
 from flashv41.host.quants import FORMATS, GGMLType, ggml_type, quantize
@@ -326,14 +332,42 @@ def _chunks(t: PlannedTensor, rng: np.random.Generator, max_values: int) -> Iter
         yield t.make(rng, (min(rows_per, t.shape[0] - start), *t.shape[1:]))
 
 
+def shard_paths(path: str | os.PathLike[str], shards: int) -> list[Path]:
+    """The files `write_synthetic(path, shards=shards)` writes: `path` itself for one shard; else
+    NAME-00001-of-0000N.gguf ... beside it, NAME being `path`'s name without its last suffix
+    (-o model.gguf --shards 3: model-00001-of-00003.gguf, model-00002-of-00003.gguf, model-00003-of-00003.gguf)."""
+    out = Path(path)
+    if shards == 1:
+        return [out]
+    return [out.with_name(shard_name(out.stem, i, shards)) for i in range(shards)]
+
+
+def split_plan(sizes: list[int], shards: int) -> list[int]:
+    """The shard of each tensor (given their bytes, in file order): runs in order, of about equal
+    bytes, none empty. A tensor goes to the shard its middle byte falls in."""
+    total = max(sum(sizes), 1)
+    out: list[int] = []
+    before = 0
+    for i, n in enumerate(sizes):
+        want = (2 * before + n) * shards // (2 * total)
+        last = out[-1] if out else 0
+        # never skip a shard (at most one past the last), never leave fewer tensors than shards to fill
+        low = max(last, shards - (len(sizes) - i))
+        out.append(0 if not out else min(max(want, low), last + 1))
+        before += n
+    return out
+
+
 def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", weight_type: str = "Q8_0",
                     table_type: str | None = None, seed: int = 0, progress: ProgressFn | None = None,
-                    **overrides) -> Path:
-    """Write a complete synthetic V4.1 model; returns its path.
+                    shards: int = 1, **overrides) -> Path:
+    """Write a complete synthetic V4.1 model; returns its path (the first shard's for a split set).
 
     weight_type: type of the dense attention matrices, the engram projection and the embedding
     (BF16, Q8_0 or Q2_K; a matrix whose rows do not hold whole blocks falls back to Q8_0, then BF16).
     table_type: the engram tables' type (default: the preset's, Q2_K where rows are 256 wide).
+    shards: 1 writes one plain GGUF at `path`; N > 1 a gguf-split set of N files named as
+    `shard_paths` says.
     overrides: any Preset field, or `engram_rows`.
     """
     p = preset(preset_name, **overrides)
@@ -356,6 +390,9 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     pad_id = int(token_map[p.engram_pad_token])
     table_rows = [int(primes[i].sum()) for i in range(n_e)]
     plan = plan_tensors(p, wt, tt, table_rows)
+    if not isinstance(shards, int) or not 1 <= shards <= min(len(plan), 99999):
+        raise InputError(f"shards {shards!r}: preset {preset_name!r} has {len(plan)} tensors, so 1 to "
+                         f"{min(len(plan), 99999)} shards (at least one tensor in each)")
 
     out = Path(path)
     if out.is_dir():
@@ -363,23 +400,35 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     if not out.parent.is_dir():
         missing = "is not a directory" if out.parent.exists() else "does not exist"
         raise InputError(f"cannot write {out}: the folder {out.parent} {missing}")
-    tmp = out.with_name(out.name + ".partial")
+    targets = shard_paths(out, shards)
+    if shards == 1:
+        tmp_dir = None
+        tmp = out.with_name(out.name + ".partial")
+    else:
+        # gguf-py's writer names the shards itself (stem-00001-of-0000N.gguf, as shard_paths does):
+        # written in a folder of their own, they move into place only once all are complete
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        tmp = tmp_dir / out.name
     writer = GGUFWriter(tmp, L.ARCH)
     try:
         writer.add_name(f"flashv41 synthetic {preset_name}")
         _write_metadata(writer, p, primes, offsets, multipliers, token_map, pad_id)
-        for planned in plan:
+        placed = split_plan([planned.nbytes for planned in plan], shards)
+        for planned, shard in zip(plan, placed, strict=True):
+            if shard == len(writer.tensors):
+                writer.tensors.append({})  # what GGUFWriter does itself on reaching a split limit
             shape, dtype = _byte_shape(planned)
             writer.add_tensor_info(planned.name, shape, dtype, planned.nbytes, raw_dtype=_raw_dtype(planned.gtype))
-        writer.write_header_to_file()
+        assert len(writer.tensors) == shards
+        writer.write_header_to_file()  # with several shards, also the split keys of each
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         total = sum(planned.nbytes for planned in plan)
         done = 0
         rng = np.random.default_rng(seed)
         assert writer.fout is not None
-        fout = writer.fout[0]
-        for planned in plan:
+        for planned, shard in zip(plan, placed, strict=True):
+            fout = writer.fout[shard]
             first = True
             for chunk in _chunks(planned, rng, max_values=1 << 24):
                 if first:
@@ -390,14 +439,21 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
                 if progress is not None:
                     progress(planned.name, done, total)
             writer.write_padding(fout, planned.nbytes)
-            writer.tensors[0].pop(planned.name)
+            writer.tensors[shard].pop(planned.name)
         writer.close()
-        os.replace(tmp, out)
+        if tmp_dir is None:
+            os.replace(tmp, out)
+        else:
+            for target in targets:
+                os.replace(tmp_dir / target.name, target)
     except BaseException:
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
-    return out
+    finally:
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    return targets[0]
 
 
 def binary_unit(nbytes: int) -> tuple[str, int]:

@@ -1,17 +1,29 @@
 """GGUF tensor codecs in NumPy: the block layouts flashv41 reads, dequantisation to float32, and the
 quantisers the synthetic-model writer uses.
 
-Supported types: F32, F16, BF16, Q8_0 and Q2_K, each declared once in the table `FORMATS` (its
-block layout a NumPy structured dtype whose size is asserted, values a block, dequantiser and
-quantiser); stages.quant_types adds each type's device pieces. Every dequantised value is exact
-in float32 (a Q2_K value is an fp16 scale times a 4-bit sub-scale times a 2-bit level, at most 17
-significant bits), so the GPU kernels can reproduce these results bit for bit whatever their
-operation order. Dequantisation agrees bit for bit with gguf-py's
-`gguf.quants.dequantize` (tests/test_quants.py holds it to that).
+Supported types: F32, F16, BF16, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4, each declared once in
+the table `FORMATS` (its block layout a NumPy structured dtype whose size is asserted, values a
+block, dequantiser and quantiser); stages.quant_types adds each type's device pieces.
+Dequantisation agrees bit for bit with gguf-py's `gguf.quants.dequantize` (tests/test_quants.py,
+tests/test_quants_more.py hold it to that).
+
+Every product in a dequantiser is exact in float32, so the GPU kernels reproduce these results bit
+for bit whatever their operation order (and with or without fused multiply-adds):
+- Q8_0, Q3_K, Q6_K: the value is one exact product: an fp16 scale (11 significant bits) times
+  integers of at most 8 + 2 (Q8_0's int8 level; Q3_K's 6-bit scale less 32 times a level in -4..3:
+  5 + 2) or 7 + 5 bits (Q6_K's int8 scale times a level in -32..31), so at most 23 bits;
+- Q2_K, Q4_K, Q5_K: y = (d * sc) * q - dmin * m, both terms exact (11 + 4 + 2, 11 + 6 + 5 bits at
+  most), the value the one fp32 rounding of their difference (the same rounding wherever it runs);
+- MXFP4: a power of two 2^(e - 128) (an fp32 subnormal for e < 2) times a doubled E2M1 value
+  (0..12: at most 2 bits), exact, except that e >= 254 with the largest codes overflows to inf,
+  as gguf-py's does.
+K-quant scales read as fp16 may be subnormal; fp32 holds them as normal numbers.
 
 The Q2_K quantiser follows the idea of ggml's reference quantiser: per 16-value sub-block a
 weighted least-squares fit of a scale and a minimum over a small grid of trial scales, then the
-sub-scales and sub-minimums quantised to 4 bits against the block's fp16 `d` and `dmin`.
+sub-scales and sub-minimums quantised to 4 bits against the block's fp16 `d` and `dmin`. MXFP4's
+is gguf-py's. Q3_K .. Q6_K have no quantiser (neither has gguf-py): theirs raise UnsupportedError,
+and `random_blocks` makes random valid stored rows of any type for tests and synthetic files.
 """
 
 from __future__ import annotations
@@ -32,7 +44,12 @@ class GGMLType(IntEnum):
     F16 = 1
     Q8_0 = 8
     Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
     BF16 = 30
+    MXFP4 = 39
 
 
 # The block layouts, each declared here once (ggml-common.h); the loader, the oracle and the device
@@ -44,8 +61,22 @@ BF16_BLOCK = np.dtype([("v", "<u2")])  # the bf16 bit pattern
 Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
 # Q2_K: 16 bytes of (min << 4 | scale) nibbles, 64 bytes of 2-bit levels, fp16 d, dmin.
 Q2_K_BLOCK = np.dtype([("scales", "u1", (16,)), ("qs", "u1", (64,)), ("d", "<f2"), ("dmin", "<f2")])
+# Q3_K: 32 bytes of high bits (one per value, 8 per byte), 64 bytes of 2-bit low bits, 12 bytes of
+# sixteen 6-bit scales (stored + 32), fp16 d.
+Q3_K_BLOCK = np.dtype([("hmask", "u1", (32,)), ("qs", "u1", (64,)), ("scales", "u1", (12,)), ("d", "<f2")])
+# Q4_K: fp16 d, dmin, 12 bytes of eight 6-bit scales and eight 6-bit mins, 128 bytes of 4-bit levels.
+Q4_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))])
+# Q5_K: Q4_K's fields with 32 bytes of fifth bits (one per value) before the 4-bit levels.
+Q5_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qh", "u1", (32,)),
+                       ("qs", "u1", (128,))])
+# Q6_K: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, sixteen int8 scales, fp16 d.
+Q6_K_BLOCK = np.dtype([("ql", "u1", (128,)), ("qh", "u1", (64,)), ("scales", "i1", (16,)), ("d", "<f2")])
+# MXFP4: an E8M0 exponent byte and 32 E2M1 codes, two a byte (value j low nibble of qs[j], j + 16 high).
+MXFP4_BLOCK = np.dtype([("e", "u1"), ("qs", "u1", (16,))])
 assert (F32_BLOCK.itemsize, F16_BLOCK.itemsize, BF16_BLOCK.itemsize, Q8_0_BLOCK.itemsize, Q2_K_BLOCK.itemsize) \
     == (4, 2, 2, 34, 84)
+assert (Q3_K_BLOCK.itemsize, Q4_K_BLOCK.itemsize, Q5_K_BLOCK.itemsize, Q6_K_BLOCK.itemsize, MXFP4_BLOCK.itemsize) \
+    == (110, 144, 176, 210, 17)
 
 
 def field_offset(block: np.dtype, name: str) -> int:
@@ -120,6 +151,110 @@ def dequantize_q2_k(raw: np.ndarray) -> np.ndarray:
     """Q2_K bytes [..., whole blocks] -> float32 [..., 256 a block] (q2_k_terms: y = d sc q - dmin m)."""
     scaled, minimum = q2_k_terms(raw)
     return scaled - minimum
+
+
+
+def _bits(raw_bytes: np.ndarray, count: int, width: int) -> np.ndarray:
+    """Fields `width` bits wide of every byte, low first: uint8 [..., n] -> [..., count, n], field j
+    of byte i at [..., j, i] (count * width <= 8)."""
+    shifts = (np.arange(count, dtype=np.uint8) * np.uint8(width)).reshape(count, 1)
+    return (raw_bytes[..., None, :] >> shifts) & np.uint8((1 << width) - 1)
+
+
+def dequantize_q3_k(raw: np.ndarray) -> np.ndarray:
+    """Q3_K bytes [..., whole blocks] -> float32 [..., 256 a block]: y = (d * (sc - 32)) * q.
+
+    Value e = 32 c + i (c < 8, i < 32): low bits (qs[32 (c // 4) + i] >> 2 (c % 4)) & 3, high bit
+    (hmask[i] >> c) & 1, level q = low - 4 (1 - high) in -4..3. Sub-block j = e // 16: its 6-bit
+    scale is (scales[j % 8] >> 4 (j // 8)) & 15 with bits 4-5 (scales[8 + j % 4] >> 2 (j // 4)) & 3.
+    """
+    blocks = _blocks(raw, Q3_K_BLOCK)
+    nb = blocks.shape[0]
+    s = blocks["scales"]
+    low_sc = _bits(s[:, :8], 2, 4).reshape(nb, 16)
+    high_sc = _bits(s[:, 8:], 4, 2).reshape(nb, 16)
+    sc = ((low_sc | (high_sc << np.uint8(4))).astype(np.int32) - 32).astype(np.float32)
+    low = _bits(blocks["qs"].reshape(nb, 2, 32), 4, 2).reshape(nb, 16, 16).astype(np.int32)
+    high = _bits(blocks["hmask"], 8, 1).reshape(nb, 16, 16).astype(np.int32)
+    q = (low - 4 * (1 - high)).astype(np.float32)
+    scale = (blocks["d"].astype(np.float32)[:, None] * sc)[:, :, None]
+    return (scale * q).reshape(*raw.shape[:-1], -1)
+
+
+def k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the 12 scale bytes [nb, 12] -> the 6-bit scales and mins, uint8 [nb, 8] each.
+    Sub-block j < 4: scales[j] & 63, scales[j + 4] & 63; j >= 4: the low nibble (scale) and high
+    nibble (min) of scales[j + 4], their top two bits the top bits of scales[j - 4] and scales[j]."""
+    s = scales
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 2) & 48)], axis=1)
+    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 2) & 48)], axis=1)
+    return sc, mn
+
+
+def _k_minus_min(blocks: np.ndarray, q: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Q4_K / Q5_K: (d * sc) * q - dmin * m for levels q [nb, 8, 32] of 32-value sub-blocks."""
+    sc, mn = k_scale_min(blocks["scales"])
+    d = blocks["d"].astype(np.float32)[:, None]
+    dmin = blocks["dmin"].astype(np.float32)[:, None]
+    scale = (d * sc.astype(np.float32))[:, :, None]
+    minimum = (dmin * mn.astype(np.float32))[:, :, None]
+    return (scale * q.astype(np.float32) - minimum).reshape(shape)
+
+
+def dequantize_q4_k(raw: np.ndarray) -> np.ndarray:
+    """Q4_K bytes [..., whole blocks] -> float32 [..., 256 a block]: y = (d * sc) * q - dmin * m.
+    Value e = 32 j + i: level (qs[32 (j // 2) + i] >> 4 (j % 2)) & 15, sub-block j (k_scale_min)."""
+    blocks = _blocks(raw, Q4_K_BLOCK)
+    nb = blocks.shape[0]
+    q = _bits(blocks["qs"].reshape(nb, 4, 32), 2, 4).reshape(nb, 8, 32)
+    return _k_minus_min(blocks, q, (*raw.shape[:-1], -1))
+
+
+def dequantize_q5_k(raw: np.ndarray) -> np.ndarray:
+    """Q5_K bytes [..., whole blocks] -> float32 [..., 256 a block]: Q4_K's, the level's fifth bit
+    being (qh[i] >> j) & 1 for value e = 32 j + i."""
+    blocks = _blocks(raw, Q5_K_BLOCK)
+    nb = blocks.shape[0]
+    low = _bits(blocks["qs"].reshape(nb, 4, 32), 2, 4).reshape(nb, 8, 32)
+    high = _bits(blocks["qh"], 8, 1)
+    return _k_minus_min(blocks, low | (high << np.uint8(4)), (*raw.shape[:-1], -1))
+
+
+def dequantize_q6_k(raw: np.ndarray) -> np.ndarray:
+    """Q6_K bytes [..., whole blocks] -> float32 [..., 256 a block]: y = (d * sc) * (q - 32).
+
+    Value e = 32 c + i (c < 8): low nibble (ql[64 (c // 4) + 32 (c % 2) + i] >> 4 ((c % 4) // 2))
+    & 15, high pair (qh[32 (c // 4) + i] >> 2 (c % 4)) & 3, q their 6-bit join; scale sc =
+    scales[e // 16] (int8).
+    """
+    blocks = _blocks(raw, Q6_K_BLOCK)
+    nb = blocks.shape[0]
+    low = _bits(blocks["ql"].reshape(nb, 2, 64), 2, 4).reshape(nb, 8, 32)
+    high = _bits(blocks["qh"].reshape(nb, 2, 32), 4, 2).reshape(nb, 8, 32)
+    q = ((low | (high << np.uint8(4))).astype(np.int32) - 32).astype(np.float32).reshape(nb, 16, 16)
+    scale = (blocks["d"].astype(np.float32)[:, None] * blocks["scales"].astype(np.float32))[:, :, None]
+    return (scale * q).reshape(*raw.shape[:-1], -1)
+
+
+# E2M1 codes as twice their value (ggml's kvalues_mxfp4): the E8M0 scale is taken at half its value
+MXFP4_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """E8M0 exponent bytes -> 2^(e - 128) as float32 (ggml_e8m0_to_fp32_half): fp32 subnormals for
+    e = 0, 1, never inf or NaN (e = 255 gives 2^127)."""
+    e = np.asarray(e, dtype=np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def dequantize_mxfp4(raw: np.ndarray) -> np.ndarray:
+    """MXFP4 bytes [..., whole blocks] -> float32 [..., 32 a block]: y = 2^(e - 128) * (2 * E2M1
+    value); value j < 16 has code qs[j] & 15, value j + 16 code qs[j] >> 4."""
+    blocks = _blocks(raw, MXFP4_BLOCK)
+    codes = np.concatenate([blocks["qs"] & 15, blocks["qs"] >> 4], axis=1)
+    with np.errstate(over="ignore"):  # e >= 254 with the largest codes: inf, as in gguf-py and on the GPU
+        return (e8m0_half(blocks["e"])[:, None] * MXFP4_DOUBLED[codes]).reshape(*raw.shape[:-1], -1)
 
 
 def _round_half_even(x: np.ndarray) -> np.ndarray:
@@ -227,6 +362,37 @@ def quantize_q2_k(x: np.ndarray) -> np.ndarray:
     return blocks.view(np.uint8).reshape(rows, -1)
 
 
+
+def quantize_mxfp4(x: np.ndarray) -> np.ndarray:
+    """float32 [rows, k] -> MXFP4 bytes [rows, row_bytes], as gguf-py's quantiser: e =
+    floor(log2(amax)) + 125 (0 for a zero block; clipped to a byte), each code the nearest of the
+    doubled E2M1 values times 2^(e - 128), the first on a tie."""
+    rows, k = x.shape
+    groups = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, MXFP4_BLOCK["qs"].shape[0] * 2)
+    amax = np.abs(groups).max(axis=1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0)
+    e = np.clip(e, 0, 255).astype(np.uint8)
+    errs = np.abs(e8m0_half(e)[:, None, None] * MXFP4_DOUBLED - groups[:, :, None])
+    codes = np.argmin(errs, axis=-1).astype(np.uint8)
+    half = codes.shape[1] // 2
+    blocks = np.zeros(groups.shape[0], dtype=MXFP4_BLOCK)
+    blocks["e"] = e
+    blocks["qs"] = codes[:, :half] | (codes[:, half:] << np.uint8(4))
+    return blocks.view(np.uint8).reshape(rows, -1)
+
+
+def no_quantizer(gtype_name: str) -> Callable[[np.ndarray], np.ndarray]:
+    """The quantiser of a type flashv41 only reads: it raises UnsupportedError."""
+    def quantize_unsupported(x: np.ndarray) -> np.ndarray:
+        raise UnsupportedError(
+            f"flashv41 does not quantise to {gtype_name} (it reads {gtype_name} weights; gguf-py has no "
+            f"{gtype_name} quantiser either): take stored rows from a GGUF file, or random valid ones "
+            f"from host.quants.random_blocks")
+
+    return quantize_unsupported
+
+
 def quantize_f32(x: np.ndarray) -> np.ndarray:
     return x.copy()
 
@@ -274,6 +440,12 @@ FORMATS: dict[GGMLType, QuantFormat] = {
     GGMLType.Q8_0: QuantFormat(GGMLType.Q8_0, Q8_0_BLOCK, Q8_0_BLOCK["qs"].shape[0], dequantize_q8_0,
                                quantize_q8_0),
     GGMLType.Q2_K: QuantFormat(GGMLType.Q2_K, Q2_K_BLOCK, 256, dequantize_q2_k, quantize_q2_k),
+    GGMLType.Q3_K: QuantFormat(GGMLType.Q3_K, Q3_K_BLOCK, 256, dequantize_q3_k, no_quantizer("Q3_K")),
+    GGMLType.Q4_K: QuantFormat(GGMLType.Q4_K, Q4_K_BLOCK, 256, dequantize_q4_k, no_quantizer("Q4_K")),
+    GGMLType.Q5_K: QuantFormat(GGMLType.Q5_K, Q5_K_BLOCK, 256, dequantize_q5_k, no_quantizer("Q5_K")),
+    GGMLType.Q6_K: QuantFormat(GGMLType.Q6_K, Q6_K_BLOCK, 256, dequantize_q6_k, no_quantizer("Q6_K")),
+    GGMLType.MXFP4: QuantFormat(GGMLType.MXFP4, MXFP4_BLOCK, MXFP4_BLOCK["qs"].shape[0] * 2, dequantize_mxfp4,
+                                quantize_mxfp4),
 }
 
 
@@ -327,3 +499,27 @@ def quantize(x: np.ndarray, qtype: int | str | GGMLType) -> np.ndarray:
         x = x[None, :]
     fmt.row_bytes(x.shape[1])
     return fmt.quantize(x)
+
+
+def random_blocks(qtype: int | str | GGMLType, n_rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid stored rows of `qtype`, uint8 [n_rows, row_bytes] (tests, synthetic files).
+
+    Block types: every level, sub-scale, min and high-bit byte uniformly random over its whole
+    range; the fp16 scales d and dmin positive with magnitudes log-uniform in 1e-3 .. 1e-2; an
+    MXFP4 exponent in 116 .. 123 (values up to 12 * 2^-5 = 0.375). F32 / F16 / BF16: Gaussian values
+    of RMS k**-0.5, stored.
+    """
+    fmt = quant_format(qtype)
+    row_bytes = fmt.row_bytes(k)
+    fields = fmt.block.fields or {}
+    if "v" in fields:
+        values = (rng.standard_normal((n_rows, k)) * k**-0.5).astype(np.float32)
+        return np.ascontiguousarray(fmt.quantize(values)).view(np.uint8).reshape(n_rows, row_bytes)
+    raw = rng.integers(0, 256, (n_rows, row_bytes), dtype=np.uint8)
+    blocks = raw.view(fmt.block)  # [n_rows, blocks a row]
+    for name in ("d", "dmin"):
+        if name in fields:
+            blocks[name] = (10.0 ** rng.uniform(-3, -2, blocks.shape)).astype(np.float16)
+    if "e" in fields:
+        blocks["e"] = rng.integers(116, 124, blocks.shape)
+    return raw

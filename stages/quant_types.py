@@ -15,16 +15,20 @@ A record (`DeviceType`) holds, with one signature per piece:
   Every type keeps its stored bytes, except Q8_0: "split", the row's K int8 quants first, then its
   K/32 fp16 scales, zero-padded to whole 16-byte pieces (the stream kernel's loads are 16 bytes
   and aligned; a stored block starts on a 2-byte boundary). The padding is under one block, so a
-  row's K still reads off its width.
+  row's K still reads off its width. Q3_K .. Q6_K and MXFP4 rows ("stored") are zero-padded so too
+  where their bytes are not whole 16-byte pieces (`padded_stored`: the kernels view rows as words).
 - `stream`: the decode GEMV's unit (stages.linear's stream kernels). `make(tokens, x_bf16)` builds
   unit(ww, wf, row, x32, xo, k, n_tokens, acc, u), which adds the dot products of unit u of the
   row with the inputs to acc[t] for t < n_tokens (<= tokens): ww / wf the weight rows as 32-bit
   words / fp16, x32 the inputs as 32-bit words [T, K_total / 2] (bf16 pairs) or [T, K_total]
   (fp32), this row's K-wide slice at word xo. A row is K >> shift units, each one 16-byte load
   (Q2_K: a 32-bit quant word, its blocks being whole words, not whole 16-byte pieces); a lane issues
-  `in_flight` of them together. Integers become floats by an exponent trick (`small_int`,
+  `in_flight` of them together. Q3_K .. Q6_K and MXFP4 take the generic `chunk_unit` (any type with
+  a chunk dequantiser): unit u is chunk u, dequantised by `dequant` and dotted with the inputs,
+  correct but not tuned (their bytes read one at a time). Integers become floats by an exponent trick (`small_int`,
   `int8_at`), not by conversions.
-- `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc).
+- `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc). None for Q3_K
+  .. Q6_K and MXFP4: their prefill takes stages.linear's gemm kernel (weight_dequant).
 
 Oracle: host.quants.dequantize holds the dequantisers (tests/test_engram_stages.py's rows, bit for bit);
 the units and tc pieces are held through the products (tests/test_linear.py, test_linear_tc.py).
@@ -36,14 +40,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from numba import float32, int32, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from flashv41.host.quants import (
     BF16_BLOCK,
     F16_BLOCK,
     F32_BLOCK,
     FORMATS,
+    MXFP4_BLOCK,
     Q2_K_BLOCK,
+    Q3_K_BLOCK,
+    Q4_K_BLOCK,
+    Q5_K_BLOCK,
+    Q6_K_BLOCK,
     Q8_0_BLOCK,
     GGMLType,
     QuantFormat,
@@ -94,6 +103,37 @@ assert Q8_0_VALUES == CHUNK  # a Q8_0 block is one chunk
 assert Q2_K_BYTES % WORD == 0 and Q2_K_SCALES % WORD == 0 and Q2_K_QS % WORD == 0 and Q2_K_D % WORD == 0
 assert Q2_K_DMIN == Q2_K_D + 2 and Q2_K_QS_WORDS == 16 and Q2_K_GROUPS * 16 == Q2_K_VALUES
 
+# The K-quants Q3_K .. Q6_K and MXFP4 (chunk dequantisers, the generic chunk stream unit). A
+# K-quant block is K_CHUNKS chunks, each two 16-value (Q3_K, Q6_K) or one 32-value (Q4_K, Q5_K)
+# sub-blocks; the bytes are read one at a time (the 110- and 210-byte blocks are not whole words).
+K_VALUES = FORMATS[GGMLType.Q4_K].block_values
+K_CHUNKS = K_VALUES // CHUNK
+Q3_K_BYTES = Q3_K_BLOCK.itemsize
+Q3_K_HMASK, Q3_K_QS = field_offset(Q3_K_BLOCK, "hmask"), field_offset(Q3_K_BLOCK, "qs")
+Q3_K_SCALES, Q3_K_D = field_offset(Q3_K_BLOCK, "scales"), field_offset(Q3_K_BLOCK, "d")
+Q3_K_HALF_QS = Q3_K_BLOCK["qs"].shape[0] // 2  # 2-bit level bytes of each 128-value half
+Q3_K_LOW_SCALES = 8  # scale bytes 0..7 hold the low nibbles, 8..11 the high pairs
+Q4_K_BYTES = Q4_K_BLOCK.itemsize
+Q4_K_D, Q4_K_DMIN = field_offset(Q4_K_BLOCK, "d"), field_offset(Q4_K_BLOCK, "dmin")
+Q4_K_SCALES, Q4_K_QS = field_offset(Q4_K_BLOCK, "scales"), field_offset(Q4_K_BLOCK, "qs")
+Q5_K_BYTES = Q5_K_BLOCK.itemsize
+Q5_K_D, Q5_K_DMIN = field_offset(Q5_K_BLOCK, "d"), field_offset(Q5_K_BLOCK, "dmin")
+Q5_K_SCALES, Q5_K_QH = field_offset(Q5_K_BLOCK, "scales"), field_offset(Q5_K_BLOCK, "qh")
+Q5_K_QS = field_offset(Q5_K_BLOCK, "qs")
+Q6_K_BYTES = Q6_K_BLOCK.itemsize
+Q6_K_QL, Q6_K_QH = field_offset(Q6_K_BLOCK, "ql"), field_offset(Q6_K_BLOCK, "qh")
+Q6_K_SCALES, Q6_K_D = field_offset(Q6_K_BLOCK, "scales"), field_offset(Q6_K_BLOCK, "d")
+Q6_K_HALF_QL, Q6_K_HALF_QH = Q6_K_BLOCK["ql"].shape[0] // 2, Q6_K_BLOCK["qh"].shape[0] // 2
+MXFP4_BYTES = MXFP4_BLOCK.itemsize
+MXFP4_E, MXFP4_QS = field_offset(MXFP4_BLOCK, "e"), field_offset(MXFP4_BLOCK, "qs")
+MXFP4_PAIRS = MXFP4_BLOCK["qs"].shape[0]  # code bytes: value j low nibble, j + MXFP4_PAIRS high
+
+assert all(FORMATS[t].block_values == K_VALUES for t in (GGMLType.Q3_K, GGMLType.Q5_K, GGMLType.Q6_K))
+assert Q3_K_BLOCK["hmask"].shape[0] == CHUNK and Q3_K_HALF_QS == CHUNK  # one byte per lane of a chunk
+assert Q4_K_BLOCK["qs"].shape[0] == 4 * CHUNK and Q5_K_BLOCK["qh"].shape[0] == CHUNK
+assert Q6_K_HALF_QH == CHUNK and Q6_K_HALF_QL == 2 * CHUNK and Q6_K_BLOCK["scales"].shape[0] * 16 == K_VALUES
+assert FORMATS[GGMLType.MXFP4].block_values == CHUNK == 2 * MXFP4_PAIRS  # an MXFP4 block is one chunk
+
 # uint64 indices: Numba wraps negative signed indices and floors signed divisions, a few
 # instructions per access that an unsigned index does not need
 U1, U2, U3, U4, U8 = uint64(1), uint64(2), uint64(3), uint64(4), uint64(8)
@@ -125,6 +165,14 @@ def padded_split_q8_0(stored: np.ndarray, k: int) -> np.ndarray:
 
 def stored_rows(stored: np.ndarray, k: int) -> np.ndarray:
     return stored
+
+
+def padded_stored(stored: np.ndarray, k: int) -> np.ndarray:
+    """Stored rows, zero-padded to whole ROW_ALIGN-byte pieces where they are not (Q3_K, Q6_K and
+    MXFP4 rows of some K): the stream kernels view a row as 32-bit words and fp16 halves. The
+    blocks keep their offsets, so the chunk dequantisers read these rows as the stored ones."""
+    pad = -stored.shape[1] % ROW_ALIGN
+    return np.pad(stored, ((0, 0), (0, pad))) if pad else stored
 
 
 # chunk dequantisers
@@ -190,6 +238,110 @@ def dequant_f32(w, row, chunk, out):
         o = base + F32_BYTES * i
         u = read_u16(w, row, o) | (read_u16(w, row, o + 2) << 16)
         out[i] = f32_from_bits(u)
+
+
+
+@device
+def dequant_q3_k(w, row, chunk, out):
+    """Q3_K chunk c of a block: levels (qs[32 (c // 4) + i] >> 2 (c % 4)) & 3, less 4 where bit c
+    of hmask[i] is clear; sub-blocks 2 c and 2 c + 1, each scale 6 bits, stored + 32."""
+    base = (chunk // K_CHUNKS) * Q3_K_BYTES
+    c = chunk % K_CHUNKS
+    d = fp16_to_f32(read_u16(w, row, base + Q3_K_D))
+    qs = base + Q3_K_QS + (c // 4) * Q3_K_HALF_QS
+    shift = 2 * (c % 4)
+    for g in range(2):
+        j = 2 * c + g
+        lo = (uint32(w[row, base + Q3_K_SCALES + j % Q3_K_LOW_SCALES]) >> (4 * (j // Q3_K_LOW_SCALES))) & 15
+        hi = (uint32(w[row, base + Q3_K_SCALES + Q3_K_LOW_SCALES + j % 4]) >> (2 * (j // 4))) & 3
+        scale = d * float32(int32(lo | (hi << 4)) - 32)
+        for i in range(16 * g, 16 * g + 16):
+            low = int32((uint32(w[row, qs + i]) >> shift) & 3)
+            high = int32((uint32(w[row, base + Q3_K_HMASK + i]) >> c) & 1)
+            out[i] = scale * float32(low - 4 + 4 * high)
+
+
+@device
+def k_scale_min(w, row, s, j):
+    """Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 scale bytes at s
+    (host.quants.k_scale_min)."""
+    if j < 4:
+        return uint32(w[row, s + j]) & 63, uint32(w[row, s + j + 4]) & 63
+    packed = uint32(w[row, s + j + 4])
+    return ((packed & 15) | ((uint32(w[row, s + j - 4]) >> 2) & 48),
+            (packed >> 4) | ((uint32(w[row, s + j]) >> 2) & 48))
+
+
+@device
+def dequant_q4_k(w, row, chunk, out):
+    """Q4_K chunk j of a block (one sub-block): levels (qs[32 (j // 2) + i] >> 4 (j % 2)) & 15."""
+    base = (chunk // K_CHUNKS) * Q4_K_BYTES
+    j = chunk % K_CHUNKS
+    sc, mn = k_scale_min(w, row, base + Q4_K_SCALES, j)
+    scale = fp16_to_f32(read_u16(w, row, base + Q4_K_D)) * float32(sc)
+    minimum = fp16_to_f32(read_u16(w, row, base + Q4_K_DMIN)) * float32(mn)
+    qs = base + Q4_K_QS + (j // 2) * CHUNK
+    shift = 4 * (j % 2)
+    for i in range(CHUNK):
+        out[i] = scale * float32((uint32(w[row, qs + i]) >> shift) & 15) - minimum
+
+
+@device
+def dequant_q5_k(w, row, chunk, out):
+    """Q5_K chunk j of a block: Q4_K's levels with fifth bit (qh[i] >> j) & 1."""
+    base = (chunk // K_CHUNKS) * Q5_K_BYTES
+    j = chunk % K_CHUNKS
+    sc, mn = k_scale_min(w, row, base + Q5_K_SCALES, j)
+    scale = fp16_to_f32(read_u16(w, row, base + Q5_K_D)) * float32(sc)
+    minimum = fp16_to_f32(read_u16(w, row, base + Q5_K_DMIN)) * float32(mn)
+    qs = base + Q5_K_QS + (j // 2) * CHUNK
+    shift = 4 * (j % 2)
+    for i in range(CHUNK):
+        q = ((uint32(w[row, qs + i]) >> shift) & 15) | (((uint32(w[row, base + Q5_K_QH + i]) >> j) & 1) << 4)
+        out[i] = scale * float32(q) - minimum
+
+
+@device
+def dequant_q6_k(w, row, chunk, out):
+    """Q6_K chunk c of a block: low nibbles (ql[64 (c // 4) + 32 (c % 2) + i] >> 4 ((c % 4) // 2)),
+    high pairs (qh[32 (c // 4) + i] >> 2 (c % 4)) & 3, less 32; int8 scales 2 c and 2 c + 1."""
+    base = (chunk // K_CHUNKS) * Q6_K_BYTES
+    c = chunk % K_CHUNKS
+    d = fp16_to_f32(read_u16(w, row, base + Q6_K_D))
+    ql = base + Q6_K_QL + (c // 4) * Q6_K_HALF_QL + (c % 2) * CHUNK
+    qh = base + Q6_K_QH + (c // 4) * Q6_K_HALF_QH
+    shift_l = 4 * ((c % 4) // 2)
+    shift_h = 2 * (c % 4)
+    for g in range(2):
+        sc = int32(w[row, base + Q6_K_SCALES + 2 * c + g])
+        if sc >= 128:
+            sc -= 256
+        scale = d * float32(sc)
+        for i in range(16 * g, 16 * g + 16):
+            q = ((uint32(w[row, ql + i]) >> shift_l) & 15) | (((uint32(w[row, qh + i]) >> shift_h) & 3) << 4)
+            out[i] = scale * float32(int32(q) - 32)
+
+
+@device
+def e2m1_doubled(code):
+    """Twice the value of E2M1 code (4 bits): magnitudes 0, 1, 2, 3, 4, 6, 8, 12, the sign bit 8
+    (code 8 is +0, as ggml's table has it)."""
+    m = int32(code & 7)
+    mag = m if m < 4 else (2 + (m & 1)) << ((m >> 1) - 1)
+    return float32(-mag) if code & 8 else float32(mag)
+
+
+@device
+def dequant_mxfp4(w, row, chunk, out):
+    """MXFP4 block `chunk`: 2^(e - 128) (host.quants.e8m0_half: subnormal for e < 2) times the
+    doubled E2M1 values, value j of byte j's low nibble, value j + 16 of its high one."""
+    base = chunk * MXFP4_BYTES
+    e = uint32(w[row, base + MXFP4_E])
+    d = f32_from_bits((uint32(0x00200000) << e) if e < 2 else ((e - 1) << 23))
+    for j in range(MXFP4_PAIRS):
+        b = uint32(w[row, base + MXFP4_QS + j])
+        out[j] = d * e2m1_doubled(b & 15)
+        out[j + MXFP4_PAIRS] = d * e2m1_doubled(b >> 4)
 
 
 # stream-unit helpers
@@ -550,6 +702,48 @@ def q2_k_unit(tokens: int, x_bf16: bool):
     return q2_k_unit_f32
 
 
+
+def chunk_unit(dequant):
+    """The generic stream unit of a type with a chunk dequantiser (StreamUnit shift 5, one in
+    flight): unit u is chunk u of the row, dequantised into a local array, then dotted with each
+    token's 32 inputs (8 at a time: one 16-byte load of bf16, two of fp32). Correct for any type;
+    a type's own unit (Q8_0, Q2_K) is what makes it fast."""
+    def make(tokens: int, x_bf16: bool):
+        x8 = x8_bf16 if x_bf16 else x8_f32
+
+        @device
+        def dot_chunk(vals, x32, xo, v, n_tokens, acc):
+            for t in range(tokens):
+                if t < n_tokens:
+                    total = float32(0)
+                    for j in range(CHUNK // 8):
+                        x0, x1, x2, x3, x4, x5, x6, x7 = x8(x32, t, xo, v + uint64(8 * j))
+                        o = 8 * j
+                        total += (vals[o] * x0 + vals[o + 1] * x1 + vals[o + 2] * x2 + vals[o + 3] * x3
+                                  + vals[o + 4] * x4 + vals[o + 5] * x5 + vals[o + 6] * x6 + vals[o + 7] * x7)
+                    acc[t] += total
+
+        if SIM:  # (the simulator's local arrays exist in kernels' own modules only)
+            def chunk_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+                vals = np.empty(CHUNK, np.float32)
+                dequant(ww.view(np.uint8), row, int64(u), vals)
+                dot_chunk(vals, x32, xo, u * uint64(CHUNK), n_tokens, acc)
+        else:
+            @device
+            def chunk_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+                vals = cuda.local.array(CHUNK, float32)  # (32,) chunk u's values
+                dequant(ww.view(np.uint8), row, int64(u), vals)
+                dot_chunk(vals, x32, xo, u * uint64(CHUNK), n_tokens, acc)
+
+        return chunk_unit
+
+    return make
+
+
+def chunk_stream(dequant) -> StreamUnit:
+    return StreamUnit(chunk_unit(dequant), CHUNK.bit_length() - 1, 1)
+
+
 # tensor-core pieces
 # Per weight type two pairs of helpers with one signature each; `ks` is the K step (CHUNK
 # values), w32 / w16 the weight rows viewed as 32- / 16-bit words [N, row words]:
@@ -724,5 +918,9 @@ DEVICE_TYPES: dict[GGMLType, DeviceType] = dict([
            "split", padded_split_q8_0, dequant_q8_0_split, StreamUnit(q8_0_pair_unit, 4, 1, rows=2)),
     _entry(GGMLType.Q2_K, dequant_q2_k, StreamUnit(q2_k_unit, 4, 4),
            TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, CHUNK // WORD, True, True)),
+    # the generic chunk unit, no tensor-core pieces (prefill takes the gemm kernel) for these yet
+    *[_entry(gtype, dequant, chunk_stream(dequant), weight_rows=padded_stored) for gtype, dequant in (
+        (GGMLType.Q3_K, dequant_q3_k), (GGMLType.Q4_K, dequant_q4_k), (GGMLType.Q5_K, dequant_q5_k),
+        (GGMLType.Q6_K, dequant_q6_k), (GGMLType.MXFP4, dequant_mxfp4))],
 ])
 assert set(DEVICE_TYPES) == set(FORMATS)

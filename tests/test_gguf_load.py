@@ -218,11 +218,11 @@ def test_wrong_shape(tiny_path: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["blk.0.engram_wkv.weight", "blk.1.engram_embd.weight"])
 def test_unsupported_type(tiny_path: Path, tmp_path: Path, name: str) -> None:
-    # rows of whole 256-value blocks (cols * 256, 256) stored as Q4_K: 144 bytes a block
+    # the rows stored as Q4_1 (20 bytes a block of 32 values), a type flashv41 does not read
     _, (rows, cols) = _tensor(tiny_path, name)
-    as_q4_k = np.zeros((rows, cols // 256 * 144), np.uint8)
-    path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", replace_tensors={name: (as_q4_k, GQ.Q4_K)})
-    _expect(path, UnsupportedError, name, "Q4_K")
+    as_q4_1 = np.zeros((rows, cols // 32 * 20), np.uint8)
+    path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", replace_tensors={name: (as_q4_1, GQ.Q4_1)})
+    _expect(path, UnsupportedError, name, "Q4_1")
 
 
 def test_truncated_file(tiny_path: Path, tmp_path: Path) -> None:

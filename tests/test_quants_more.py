@@ -1,0 +1,237 @@
+"""Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 everywhere the engine reads weights: the host dequantisers
+against gguf-py bit for bit (random valid blocks, corner blocks), MXFP4 quantisation byte for byte,
+the device chunk dequantisers against the host bit for bit (every chunk of a few rows), and the
+products (stages.linear's stream and gemm kernels, stream_partials) against the oracle through
+test_linear's checks and tests/bounds.py's rules, with mutants that those checks must reject."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GQ
+from numba import cuda, float32  # noqa: E402  (after conftest chose the backend)
+
+from flashv41 import stages
+from flashv41.host.errors import UnsupportedError
+from flashv41.host.quants import FORMATS, GGMLType, dequantize, quantize, random_blocks
+from flashv41.stages.device import CHUNK, device
+from flashv41.stages.linear import DeviceWeight, stream_partials
+from flashv41.stages.quant_types import DEVICE_TYPES, chunk_stream
+from tests.bounds import assert_f32_product
+from tests.mutants import mutant
+from tests.test_linear import check_linear
+from tests.test_mutants_products import SCALE, rejected, run_mutant
+
+NEW = [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.MXFP4]
+K_QUANTS = NEW[:4]
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """float32 values as their bit patterns (array_equal of these: bit for bit, inf and -0 included)."""
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def gguf_values(raw: np.ndarray, gtype: GGMLType) -> np.ndarray:
+    with np.errstate(over="ignore"):  # MXFP4's largest exponents: inf
+        return np.asarray(gguf.quants.dequantize(raw, GQ(int(gtype))), dtype=np.float32)
+
+
+def corner_rows(gtype: GGMLType) -> np.ndarray:
+    """Stored rows, one corner a row: zero scales, the largest fp16 scales with every scale bit set,
+    all-ones and all-zeros levels, negative and subnormal fp16 scales; for MXFP4 the exponents 0,
+    1, 2, 127, 253, 254 and 255 (2^127 times 12 overflows to inf in gguf-py as in float32) over
+    every code."""
+    fmt = FORMATS[gtype]
+    fields = fmt.block.fields
+    if gtype == GGMLType.MXFP4:
+        exps = [0, 1, 2, 127, 253, 254, 255]
+        blocks = np.zeros((len(exps), 2), fmt.block)
+        blocks["e"] = np.array(exps)[:, None]
+        blocks["qs"] = np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4)
+        blocks["qs"][:, 1] = 0xFF
+        return blocks.view(np.uint8).reshape(len(exps), -1)
+    cases = []
+    for scale, fill in [(0.0, 0xFF), (65504.0, 0xFF), (65504.0, 0x00), (1e-3, 0xFF), (1e-3, 0x00),
+                        (-2.0**-24, 0xFF), (-0.0, 0x5A)]:
+        block = np.frombuffer(bytes([fill]) * fmt.block_bytes, fmt.block).copy()
+        for name in ("d", "dmin"):
+            if name in fields:
+                block[name] = scale
+        cases.append(block)
+    return np.concatenate(cases).view(np.uint8).reshape(len(cases), -1)
+
+
+@pytest.mark.parametrize("gtype", NEW, ids=lambda t: t.name)
+def test_host_matches_gguf_py_bit_for_bit(gtype):
+    """Random valid rows, rows of wholly random bytes under finite scales of every size and sign,
+    and the corner rows: host.quants.dequantize == gguf.quants.dequantize, every bit."""
+    rng = np.random.default_rng(int(gtype))
+    fmt = FORMATS[gtype]
+    rows = [random_blocks(gtype, 6, 512, rng), corner_rows(gtype)]
+    wild = rng.integers(0, 256, (4, fmt.row_bytes(512)), dtype=np.uint8)
+    view = wild.view(fmt.block)
+    for name in ("d", "dmin"):
+        if name in fmt.block.fields:
+            view[name] = (rng.standard_normal(view.shape) * 10.0 ** rng.uniform(-7, 4, view.shape)).clip(-6e4, 6e4)
+    rows.append(wild)  # (MXFP4: every exponent byte)
+    for raw in rows:
+        want = gguf_values(raw, gtype)
+        got = dequantize(raw, gtype, raw.shape[1] // fmt.block_bytes * fmt.block_values)
+        assert got.shape == want.shape and np.array_equal(bits(got), bits(want)), \
+            f"{gtype.name}: {int((bits(got) != bits(want)).sum())} values differ"
+
+
+def test_random_blocks_are_realistic():
+    rng = np.random.default_rng(5)
+    for gtype in NEW:
+        raw = random_blocks(gtype, 3, 256, rng)
+        assert raw.dtype == np.uint8 and raw.shape == (3, FORMATS[gtype].row_bytes(256))
+        values = dequantize(raw, gtype, 256)
+        assert np.isfinite(values).all() and 1e-3 < np.abs(values).max() < 100
+        for name in ("d", "dmin"):
+            if name in FORMATS[gtype].block.fields:
+                d = raw.view(FORMATS[gtype].block)[name].astype(np.float32)
+                assert ((d >= 9e-4) & (d <= 1.01e-2)).all()
+
+
+def test_mxfp4_quantize_matches_gguf_py():
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((8, 256)) * 10.0 ** rng.uniform(-4, 3, (8, 1))).astype(np.float32)
+    x[0, :32] = 0  # a zero block
+    assert np.array_equal(quantize(x, GGMLType.MXFP4), gguf.quants.quantize(x, GQ.MXFP4))
+
+
+@pytest.mark.parametrize("gtype", K_QUANTS, ids=lambda t: t.name)
+def test_k_quants_refuse_to_quantise(gtype):
+    with pytest.raises(UnsupportedError, match=f"{gtype.name}.*random_blocks"):
+        quantize(np.zeros((1, 256), np.float32), gtype)
+
+
+# ----------------------------------------------------------------- device chunk dequantisers
+
+
+def chunks_kernel(dequant):
+    @cuda.jit
+    def chunks(w, out, n_chunks):
+        buf = cuda.local.array(CHUNK, float32)
+        i = cuda.grid(1)
+        if i < w.shape[0] * n_chunks:
+            r = i // n_chunks
+            c = i % n_chunks
+            dequant(w, r, c, buf)
+            for j in range(CHUNK):
+                out[r, c * CHUNK + j] = buf[j]
+
+    return chunks
+
+
+def device_values(dequant, raw: np.ndarray, k: int) -> np.ndarray:
+    out = cuda.device_array((raw.shape[0], k), np.float32)
+    n_chunks = k // CHUNK
+    total = raw.shape[0] * n_chunks
+    chunks_kernel(dequant)[(total + 31) // 32, 32](cuda.to_device(raw), out, n_chunks)
+    return out.copy_to_host()
+
+
+def assert_device_dequant(dequant, gtype: GGMLType, raw: np.ndarray) -> None:
+    fmt = FORMATS[gtype]
+    k = raw.shape[1] // fmt.block_bytes * fmt.block_values
+    want = dequantize(raw, gtype, k)
+    got = device_values(dequant, raw, k)
+    bad = np.flatnonzero(bits(got) != bits(want))
+    assert not bad.size, (f"{gtype.name}: {bad.size} values differ, first at {bad[0]}: "
+                          f"{got.flat[bad[0]]!r} != {want.flat[bad[0]]!r}")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the simulator's MXFP4 inf (corner rows)
+@pytest.mark.parametrize("gtype", NEW, ids=lambda t: t.name)
+def test_device_dequant_bit_exact(gtype):
+    """Every chunk of random rows (stored and in the device layout) and of the corner rows."""
+    rng = np.random.default_rng(int(gtype) + 1)
+    qt = DEVICE_TYPES[gtype]
+    raw = random_blocks(gtype, 3, 512, rng)
+    assert_device_dequant(qt.dequant, gtype, raw)
+    assert_device_dequant(qt.dequant, gtype, corner_rows(gtype))
+    padded = qt.weight_rows(random_blocks(gtype, 2, 256, rng), 256)
+    assert padded.shape[1] % 16 == 0
+    k_bytes = FORMATS[gtype].row_bytes(256)
+    got = device_values(qt.weight_dequant, np.ascontiguousarray(padded), 256)
+    assert np.array_equal(bits(got), bits(dequantize(np.ascontiguousarray(padded[:, :k_bytes]), gtype, 256)))
+
+
+def test_device_dequant_check_rejects_a_scale_error():
+    """The bit-for-bit check fails for a dequantiser 1% off."""
+    real = DEVICE_TYPES[GGMLType.Q5_K].dequant
+
+    @device
+    def scaled(w, row, chunk, out):
+        real(w, row, chunk, out)
+        for i in range(CHUNK):
+            out[i] *= SCALE
+
+    raw = random_blocks(GGMLType.Q5_K, 1, 256, np.random.default_rng(2))
+    with pytest.raises(AssertionError, match="values differ"):
+        assert_device_dequant(scaled, GGMLType.Q5_K, raw)
+
+
+# ------------------------------------------------------------------------------ the products
+
+
+def random_weight(gtype: GGMLType, n: int, k: int, seed: int):
+    stored = random_blocks(gtype, n, k, np.random.default_rng(seed))
+    return DeviceWeight.from_stored("w", gtype, stored, k), dequantize(stored, gtype, k)
+
+
+@pytest.mark.parametrize("gtype", NEW, ids=lambda t: t.name)
+@pytest.mark.parametrize("kernel,tokens", [("stream", 1), ("stream", 3), ("gemm", 9)])
+def test_linear(gtype, kernel, tokens):
+    """bf16 x and out, 24 outputs of K = 256 (Q3_K, Q6_K and MXFP4 rows padded on the device)."""
+    w, wq = random_weight(gtype, 24, 256, int(gtype) * 10 + tokens)
+    check_linear(w, wq, tokens, kernel, seed=tokens)
+
+
+def test_stream_partials():
+    """Q6_K through the hc mixes' product: 3 slices of K, fp32 x, against the fp32 product bound."""
+    w, wq = random_weight(GGMLType.Q6_K, 5, 512, 3)
+    tokens, slices = 3, 3
+    x = np.random.default_rng(4).standard_normal((tokens, w.k)).astype(np.float32)
+    partial = cuda.device_array((tokens, w.n + 1, slices), np.float32)
+    stream_partials(cuda.to_device(x), w, partial, tokens)
+    got = partial.copy_to_host().astype(np.float64).sum(axis=2)
+    assert_f32_product(got[:, :w.n], x, wq, f"Q6_K stream_partials T={tokens}")
+    squares = (x.astype(np.float64) ** 2).sum(axis=1)
+    assert np.allclose(got[:, w.n], squares, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ mutants
+
+
+def scaled_chunk_types(gtype: GGMLType) -> dict:
+    """The table with `gtype`'s chunk stream unit built on a dequantiser 1% large."""
+    qt = DEVICE_TYPES[gtype]
+
+    @device
+    def scaled(w, row, chunk, out):
+        qt.dequant(w, row, chunk, out)
+        for i in range(CHUNK):
+            out[i] *= SCALE
+
+    return {**DEVICE_TYPES, gtype: dataclasses.replace(qt, stream=chunk_stream(scaled))}
+
+
+def test_stream_mutant_scaled_dequant():
+    """A 1%-scaled Q4_K dequantiser inside the chunk unit: the stream check rejects it."""
+    w, wq = random_weight(GGMLType.Q4_K, 24, 256, 8)
+    with mutant(stages.linear, DEVICE_TYPES=scaled_chunk_types(GGMLType.Q4_K)):
+        rejected(check_linear, w, wq, 3, "stream", seed=1)
+    check_linear(w, wq, 3, "stream", seed=1)
+
+
+@pytest.mark.parametrize("kernel,tokens,kind", [("stream", 3, "drop"), ("gemm", 9, "drop")])
+def test_product_mutants(kernel, tokens, kind):
+    """test_mutants_products' mutants (a unit or a value dropped from every row) on Q3_K rows."""
+    w, wq = random_weight(GGMLType.Q3_K, 24, 256, 9)
+    run_mutant(kernel, kind, check_linear, w, wq, tokens, kernel, seed=2)

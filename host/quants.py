@@ -28,9 +28,10 @@ and `random_blocks` makes random valid stored rows of any type for tests and syn
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 
@@ -511,7 +512,7 @@ def random_blocks(qtype: int | str | GGMLType, n_rows: int, k: int, rng: np.rand
     """
     fmt = quant_format(qtype)
     row_bytes = fmt.row_bytes(k)
-    fields = fmt.block.fields or {}
+    fields: Mapping[str, Any] = fmt.block.fields or {}
     if "v" in fields:
         values = (rng.standard_normal((n_rows, k)) * k**-0.5).astype(np.float32)
         return np.ascontiguousarray(fmt.quantize(values)).view(np.uint8).reshape(n_rows, row_bytes)

@@ -26,6 +26,7 @@ import numpy as np
 from flashv41 import __version__
 from flashv41.host.config import ModelConfig
 from flashv41.host.errors import FlashError
+from flashv41.host.gguf_layout import LAYOUTS
 from flashv41.host.model import Model
 from flashv41.memory import DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES, estimate_memory, format_bytes
 
@@ -72,8 +73,8 @@ def add_synth_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
 
     p = subparsers.add_parser(
         "synth", help="write a synthetic V4.1 model (random weights, real layout) to a GGUF file",
-        description="Write a complete synthetic DeepSeek-V4.1 model in the llama.cpp GGUF layout, with "
-                    "seeded random weights of realistic statistics.",
+        description="Write a complete synthetic DeepSeek-V4.1 model in the llama.cpp (or mxxm-t) GGUF layout, "
+                    "with seeded random weights of realistic statistics.",
     )
     p.add_argument("--preset", choices=list(PRESETS), default="tiny",
                    help="model sizes: tiny (simulator-sized), small (the reference tests' sizes), "
@@ -84,6 +85,9 @@ def add_synth_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--table-type", choices=WRITABLE_TABLE_TYPES, default=None,
                    help="type of the engram tables (default: the preset's, Q2_K where rows are 256 wide)")
     p.add_argument("--seed", type=at_least(0), default=0, help="random seed of the weights (default 0)")
+    p.add_argument("--layout", choices=LAYOUTS, default=LAYOUTS[0],
+                   help="the GGUF layout's keys and tensor names: llama.cpp (default) or mxxm-t (explicit source "
+                        "lists, raw pad id, its engram names); the same seed gives the same tensors in both")
     p.add_argument("--engram-rows", type=int, default=None, metavar="N",
                    help="about N rows per engram table (default: the preset's; at least the preset's smallest "
                         "table: a distinct prime of at least 2 rows per n-gram order and head)")
@@ -103,20 +107,21 @@ def synth_command(args: argparse.Namespace) -> int:
     start = time.monotonic()
     with progress_bar(f"writing {args.output.name}") as progress:
         path = write_synthetic(args.output, args.preset, weight_type=args.weight_type, table_type=table_type,
-                               seed=args.seed, progress=progress, shards=args.shards, **overrides)
+                               seed=args.seed, progress=progress, shards=args.shards, layout=args.layout,
+                               **overrides)
     elapsed = time.monotonic() - start
     files = shard_paths(args.output, args.shards)
     written = str(path) if len(files) == 1 else f"{path} .. {files[-1].name} ({len(files)} shards)"
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {written} ({format_bytes(size)}) in {elapsed:.2f} s: preset {args.preset}, "
-          f"weights {args.weight_type}, engram tables {table_type}, seed {args.seed}")
+          f"weights {args.weight_type}, engram tables {table_type}, seed {args.seed}, layout {args.layout}")
     return 0
 
 
 def add_info_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
     p = subparsers.add_parser(
         "info", help="show a GGUF model's configuration, layer roles, tensors and memory estimate",
-        description="Load and validate a DeepSeek-V4.1 GGUF (llama.cpp layout) and describe it.",
+        description="Load and validate a DeepSeek-V4.1 GGUF (llama.cpp or mxxm-t layout) and describe it.",
     )
     p.add_argument("model", type=Path, metavar="FILE.gguf")
     p.add_argument("--max-seq", type=at_least(1), default=None, metavar="N",
@@ -162,7 +167,7 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
     "rope": ("rope_theta", "compress_rope_theta", "rope_factor", "rope_original_ctx", "beta_fast",
              "beta_slow"),
 }
-CONFIG_SHOWN_ELSEWHERE = ("roles", "engram", "name")
+CONFIG_SHOWN_ELSEWHERE = ("roles", "engram", "name", "layout")
 
 
 def _value(v: object) -> str:
@@ -180,7 +185,8 @@ def describe_config(model: Model) -> str:
     files = model.weights.files
     size = sum(f.path.stat().st_size for f in files)
     lines = [f"{model.path.name}: {format_bytes(size)}, {len(model.weights.names())} tensors, "
-             f"architecture {cfg.name} (llama.cpp layout)"]
+             f"architecture {cfg.name} ({cfg.layout} layout)"]
+    lines.append(f"  {'layout:':<12} {cfg.layout}")
     if len(files) == 1:
         lines.append(f"  {'files:':<12} 1 file")
     else:
@@ -256,12 +262,13 @@ def describe_tensors(model: Model) -> str:
     from flashv41.host import gguf_layout as L
 
     cfg = model.config
-    used = {L.tensor_name(None, L.TOKEN_EMBD)}
+    name_of = model.weights.name_of  # the role's name in the file's layout
+    used = {name_of(None, L.TOKEN_EMBD)}
     for r in cfg.roles:
-        used.update(L.tensor_name(r.layer, s.role)
+        used.update(name_of(r.layer, s.role)
                     for s in L.layer_tensor_specs(r.ratio, r.kv_source, r.index_source, r.engram))
         if r.engram:
-            used.add(L.tensor_name(r.layer, L.ENGRAM_TABLE))
+            used.add(name_of(r.layer, L.ENGRAM_TABLE))
     by_layer: dict[int | None, list[tuple[str, str, str, int, bool]]] = {}
     for t in model.weights:
         layer, role = _split_name(t.name)

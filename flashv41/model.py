@@ -10,7 +10,7 @@ from flashv41.host.model import Model
 
 
 def load_model(path: str | os.PathLike[str]) -> Model:
-    """Open a DeepSeek-V4.1 GGUF (llama.cpp layout) and validate it: one file, or any shard of a
+    """Open a DeepSeek-V4.1 GGUF (llama.cpp or mxxm-t layout) and validate it: one file, or any shard of a
     split set (llama.cpp gguf-split, `NAME-00001-of-00003.gguf` ...), whose other shards are found
     beside it by name.
 

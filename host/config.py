@@ -113,6 +113,7 @@ class ModelConfig:
     roles: tuple[LayerRole, ...]
     engram: EngramConfig | None = None
     name: str = field(default="deepseek41")
+    layout: str = field(default="llama.cpp")  # the GGUF layout it was read from: "llama.cpp" or "mxxm-t"
 
     @property
     def mix_hc(self) -> int:

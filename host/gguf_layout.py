@@ -1,8 +1,11 @@
-"""The llama.cpp layout of a DeepSeek-V4.1 GGUF file: key and tensor names, shapes, roles.
+"""The V4.1 GGUF layouts flashv41 reads (llama.cpp and mxxm-t): key and tensor names, shapes, roles.
 
 Shared by the reader (`host.gguf_model`) and the synthetic writer (`host.synth`), so the two can
-never disagree. Names follow llama.cpp's V4.1 converter and loader; shapes here are in
-NumPy order ([out, in]: the reverse of the ggml dims the file lists).
+never disagree. A tensor's role is its name in llama.cpp's V4.1 converter and loader (the engine
+asks for tensors by role); `TENSOR_NAMES` says what each layout calls it in the file. The mxxm-t
+layout (HF mxxm-t/DeepSeek-V4.1-Flash-GGUF, for mxxm-t/mx-llama.cpp) keeps llama.cpp's keys, adds
+explicit kv / index source lists and names its engram keys and three tensors differently. Shapes
+here are in NumPy order ([out, in]: the reverse of the ggml dims the file lists).
 """
 
 from __future__ import annotations
@@ -11,6 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 ARCH = "deepseek41"
+LLAMA_CPP = "llama.cpp"
+MXXM_T = "mxxm-t"
+LAYOUTS = (LLAMA_CPP, MXXM_T)
+# Architecture of the DSpark speculative-decoding draft published beside V4.1 models (refused).
+DRAFT_ARCH = "dflash"
 
 # Defaults of the optional candidate keys (the published llama.cpp files carry none).
 DEFAULT_CANDIDATE_SOURCE = 20
@@ -66,11 +74,38 @@ ENGRAM_KEYS = {
     "token_map": "engram.token_map",
     "pad_id": "engram.pad_id",
 }
+# mxxm-t's engram keys: the same quantities under other names, a RAW pad token id (compressed through
+# the token map on reading), and two sizes to check against (the compressed vocabulary, table rows).
+MXXM_ENGRAM_KEYS = {
+    "layer_ids": "engram.layer_ids",
+    "n_heads": "engram.n_heads",
+    "head_dim": "engram.head_dim",
+    "max_ngram": "engram.max_ngram_size",
+    "multipliers": "engram.multipliers",
+    "primes": "engram.primes",
+    "offsets": "engram.offsets",
+    "token_map": "engram.token_map",
+    "pad_token_id": "engram.pad_token_id",
+    "compressed_vocab": "engram.compressed_vocab_size",
+    "num_embeddings": "engram.num_embeddings",
+}
+# mxxm-t's explicit source lists (u32 arrays of layer ids); llama.cpp files have none and a layer's
+# role follows from its tensors.
+KEY_KV_SOURCES = "attention.kv_source_layer_ids"
+KEY_INDEX_SOURCES = "attention.index_source_layer_ids"
 
-# Markers of the two other published V4.1 layouts (detected and refused).
-MXXM_MARKERS = ("attention.kv_source_layer_ids", "attention.index_source_layer_ids", "engram.pad_token_id",
-                "engram.compressed_vocab_size")
+# Markers of the layouts besides llama.cpp's: mxxm-t (read), ds4 (detected and refused).
+MXXM_MARKERS = (KEY_KV_SOURCES, KEY_INDEX_SOURCES, "engram.pad_token_id", "engram.compressed_vocab_size",
+                "engram.num_embeddings")
 DS4_MARKERS = ("hidden_size", "engram.encoding", "num_hidden_layers")
+# Files converted before 2026-09-11 carry their engram keys under this prefix, not `deepseek41.`.
+OLD_ENGRAM_PREFIX = "deepseek4.engram."
+OLD_ENGRAM_REPAIR = "fix_gguf_engram_kv.py"
+
+
+def engram_keys(layout: str) -> dict[str, str]:
+    """The arch-relative engram key names of a layout."""
+    return MXXM_ENGRAM_KEYS if layout == MXXM_T else ENGRAM_KEYS
 
 
 def key(name: str) -> str:
@@ -160,9 +195,30 @@ OPTIONAL_ATTENTION_ROLES = {
 }
 
 
-def tensor_name(layer: int | None, role: str) -> str:
-    """`blk.{layer}.{role}.weight`, or `{role}.weight` for a model-level tensor."""
-    return f"{role}.weight" if layer is None else f"blk.{layer}.{role}.weight"
+# What each layout calls a role in the file (between `blk.{i}.` and `.weight`): one table per
+# layout, complete over the roles the engine reads. Tensors the engine ignores (FFN, MoE, output)
+# keep their names in both.
+ALL_ROLES = tuple(dict.fromkeys(
+    [TOKEN_EMBD, ENGRAM_TABLE]
+    + [s.role for s in (*ATTENTION_TENSORS, *KV_SOURCE_TENSORS, COMPRESSOR_GATE, *INDEX_SOURCE_TENSORS,
+                        *ENGRAM_TENSORS)]
+))
+TENSOR_NAMES: dict[str, dict[str, str]] = {
+    LLAMA_CPP: {role: role for role in ALL_ROLES},
+    MXXM_T: {
+        **{role: role for role in ALL_ROLES},
+        ENGRAM_TABLE: "engram_embed",
+        "indexer.attn_k": "indexer_compressor_kv",
+        "indexer.k_norm": "indexer_compressor_norm",
+    },
+}
+
+
+def tensor_name(layer: int | None, role: str, layout: str = LLAMA_CPP) -> str:
+    """The file name of a role in a layout: `blk.{layer}.{name}.weight`, or `{name}.weight` for a
+    model-level tensor (a role outside the table keeps its own name)."""
+    name = TENSOR_NAMES[layout].get(role, role)
+    return f"{name}.weight" if layer is None else f"blk.{layer}.{name}.weight"
 
 
 def layer_tensor_specs(ratio: int, kv_source: bool, index_source: bool, engram: bool) -> list[TensorSpec]:

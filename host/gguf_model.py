@@ -1,4 +1,8 @@
-"""Reading a V4.1 GGUF file (llama.cpp layout): metadata -> `ModelConfig`, tensors -> `WeightStore`.
+"""Reading a V4.1 GGUF file (llama.cpp or mxxm-t layout): metadata -> `ModelConfig`, tensors -> `WeightStore`.
+
+The layout is told by the keys (`_detect_layout`): mxxm-t files carry explicit kv / index source
+lists and their own engram key names; both map to the same `ModelConfig` (its `layout` says which
+was read), and the store serves each tensor by its role whatever the layout calls it.
 
 The file is memory-mapped through gguf-py's `GGUFReader`; a tensor's bytes are touched only when
 someone asks for that tensor. A split set (llama.cpp gguf-split: `NAME-00001-of-00003.gguf` ...)
@@ -66,8 +70,10 @@ class WeightStore:
     reads nothing until asked."""
 
     def __init__(self, path: Path, readers: list[GGUFReader], tensors: dict[str, TensorRef],
-                 files: tuple[ModelFile, ...] = (), where: dict[str, Path] | None = None):
+                 files: tuple[ModelFile, ...] = (), where: dict[str, Path] | None = None,
+                 layout: str = L.LLAMA_CPP):
         self.path = path  # the file holding the metadata: the first shard of a split set
+        self.layout = layout  # whose names the roles are looked up under (gguf_layout.TENSOR_NAMES)
         self.files = files or (ModelFile(path, len(tensors)),)
         self._readers = readers
         self._tensors = tensors
@@ -84,11 +90,15 @@ class WeightStore:
         """The file (shard) whose table lists tensor `name`."""
         return self._where.get(name, self.path)
 
+    def name_of(self, layer: int | None, role: str) -> str:
+        """The file name of a role in this store's layout."""
+        return L.tensor_name(layer, role, self.layout)
+
     def has(self, layer: int | None, role: str) -> bool:
-        return L.tensor_name(layer, role) in self._tensors
+        return self.name_of(layer, role) in self._tensors
 
     def get(self, layer: int | None, role: str) -> TensorRef:
-        name = L.tensor_name(layer, role)
+        name = self.name_of(layer, role)
         if not self._readers:
             raise SequenceStateError(f"{self.path.name}: this model was closed (tensor {name} asked for)")
         try:
@@ -297,6 +307,7 @@ class _Fields:
     def __init__(self, reader: GGUFReader, fname: str):
         self.reader = reader
         self.fname = fname
+        self.note = ""  # appended to a missing key's message (the layout the file was read as)
 
     def has(self, name: str) -> bool:
         return self.reader.get_field(name) is not None
@@ -304,7 +315,7 @@ class _Fields:
     def _field(self, name: str):
         field = self.reader.get_field(name)
         if field is None:
-            raise ModelFormatError(f"{self.fname}: metadata key {name} is missing")
+            raise ModelFormatError(f"{self.fname}: metadata key {name} is missing{self.note}")
         return field
 
     def scalar(self, name: str, kinds: tuple[GGUFValueType, ...]) -> int | float | str:
@@ -321,8 +332,8 @@ class _Fields:
         return field.parts[field.data[0]][0].item()
 
     def u32(self, name: str) -> int:
-        ints = (GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64)
-        return int(self.scalar(name, ints))
+        """An integer of any integer type (third parties record sizes as u32, i32, u64 ...)."""
+        return int(self.scalar(name, _INT_TYPES))
 
     def f32(self, name: str) -> float:
         return float(self.scalar(name, (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64)))
@@ -330,39 +341,69 @@ class _Fields:
     def string(self, name: str) -> str:
         return str(self.scalar(name, (GGUFValueType.STRING,)))
 
-    def array(self, name: str) -> np.ndarray:
-        """An integer array as int64 (parts concatenated: fast even for a 129k-entry token map)."""
+    def array(self, name: str, unsigned_max_unmapped: bool = False) -> np.ndarray:
+        """An integer array, of any integer element type, as int64 (parts concatenated: fast even for
+        a 129k-entry token map). unsigned_max_unmapped: an unsigned type's largest value reads as -1
+        (how a u32 token map marks an unmapped id)."""
         field = self._field(name)
         if not field.types or field.types[0] != GGUFValueType.ARRAY:
-            raise ModelFormatError(f"{self.fname}: metadata key {name} should be an array")
+            found = field.types[0].name if field.types else "nothing"
+            raise ModelFormatError(f"{self.fname}: metadata key {name} should be an integer array, found {found}")
+        if len(field.types) != 2 or field.types[1] not in _INT_TYPES:
+            found = " of ".join(t.name for t in field.types)
+            raise ModelFormatError(f"{self.fname}: metadata key {name} should be an integer array, found {found}")
         parts = [field.parts[i] for i in field.data]
         if not parts:
             return np.zeros(0, dtype=np.int64)
         values = np.concatenate([np.asarray(p).reshape(-1) for p in parts])
+        unmapped = None
+        if unsigned_max_unmapped and values.dtype.kind == "u":
+            unmapped = values == np.iinfo(values.dtype).max
+            values = np.where(unmapped, 0, values)
         if values.dtype == np.uint64 and values.size and values.max() > np.iinfo(np.int64).max:
             raise ModelFormatError(f"{self.fname}: metadata key {name} holds values past int64")
-        return values.astype(np.int64)
+        out = values.astype(np.int64)
+        if unmapped is not None:
+            out[unmapped] = -1
+        return out
 
 
-def _detect_layout(fields: _Fields) -> None:
-    """Refuse the other V4.1 layouts and other architectures with a clear message."""
+def _detect_layout(fields: _Fields) -> str:
+    """The layout of a V4.1 file, told by its keys: "llama.cpp" or "mxxm-t". Other architectures, the
+    DSpark draft, files with the pre-2026-09-11 engram keys and the ds4 layout are refused, each with
+    a message saying what the file is and what to do."""
     if not fields.has("general.architecture"):
         raise ModelFormatError(f"{fields.fname}: metadata key general.architecture is missing")
     arch = fields.string("general.architecture")
+    if arch == L.DRAFT_ARCH:
+        raise UnsupportedError(
+            f"{fields.fname}: architecture {arch!r} is a DSpark speculative-decoding draft model (the sidecar "
+            f"published beside a V4.1 model), not the model itself; open the {L.ARCH!r} model file "
+            "(the first shard of its set) instead"
+        )
     if arch != L.ARCH:
         raise UnsupportedError(
             f"{fields.fname}: architecture {arch!r} is not supported (flashv41 runs {L.ARCH!r}, "
-            "DeepSeek-V4.1 in the llama.cpp layout)"
+            "DeepSeek-V4.1 in the llama.cpp or mxxm-t layout)"
         )
-    layouts = (("mxxm-t", L.MXXM_MARKERS, "kv/index source lists, MXFP4 quants"),
-               ("antirez ds4", L.DS4_MARKERS, "HF-style keys, e4m3 engram rows"))
-    for layout, markers, traits in layouts:
-        found = [L.key(m) for m in markers if fields.has(L.key(m))]
-        if found:
-            raise UnsupportedError(
-                f"{fields.fname}: metadata key {found[0]} marks the {layout} V4.1 layout ({traits}); "
-                "only the llama.cpp layout is supported so far"
-            )
+    ds4 = [L.key(m) for m in L.DS4_MARKERS if fields.has(L.key(m))]
+    if ds4:
+        raise UnsupportedError(
+            f"{fields.fname}: metadata key {ds4[0]} marks the antirez ds4 V4.1 layout (HF-style keys, e4m3 "
+            "engram rows), which flashv41 does not read (it reads the llama.cpp and mxxm-t layouts)"
+        )
+    old = sorted(name for name in fields.reader.fields if name.startswith(L.OLD_ENGRAM_PREFIX))
+    if old and not fields.has(L.key(L.ENGRAM_KEYS["layer_ids"])):
+        raise UnsupportedError(
+            f"{fields.fname}: metadata key {old[0]} marks a file converted before 2026-09-11, whose engram "
+            f"keys are incomplete and under the old {L.OLD_ENGRAM_PREFIX}* prefix; add the "
+            f"{L.key('engram.*')} keys with {L.OLD_ENGRAM_REPAIR} (the vcruz305 recipe) and load the repaired file"
+        )
+    mxxm = [L.key(m) for m in L.MXXM_MARKERS if fields.has(L.key(m))]
+    if mxxm:
+        fields.note = f" (the file is read as the {L.MXXM_T} layout: it has {mxxm[0]})"
+        return L.MXXM_T
+    return L.LLAMA_CPP
 
 
 def _read_tensors(reader: GGUFReader) -> dict[str, TensorRef]:
@@ -413,11 +454,12 @@ def _check_tensor(store: WeightStore, layer: int | None, role: str, shape: tuple
     return ref
 
 
-def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: int) -> EngramConfig | None:
-    if not fields.has(L.key(L.ENGRAM_KEYS["layer_ids"])):
+def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: int,
+                   layout: str = L.LLAMA_CPP) -> EngramConfig | None:
+    k = {name: L.key(v) for name, v in L.engram_keys(layout).items()}
+    if not fields.has(k["layer_ids"]):
         return None
     fname = fields.fname
-    k = {name: L.key(v) for name, v in L.ENGRAM_KEYS.items()}
     layer_ids = tuple(int(v) for v in fields.array(k["layer_ids"]))
     if not layer_ids:
         return None
@@ -429,8 +471,9 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
     heads, head_dim, max_ngram = fields.u32(k["n_heads"]), fields.u32(k["head_dim"]), fields.u32(k["max_ngram"])
     if heads < 1 or head_dim < 1 or max_ngram < 2:
         raise ModelFormatError(
-            f"{fname}: engram geometry heads={heads}, key_length={head_dim}, max_ngram_size={max_ngram} "
-            "(need heads >= 1, key_length >= 1, max_ngram_size >= 2)"
+            f"{fname}: engram geometry heads={heads}, head_dim={head_dim}, max_ngram_size={max_ngram} "
+            f"({k['n_heads']}, {k['head_dim']}, {k['max_ngram']}; need heads >= 1, head_dim >= 1, "
+            "max_ngram_size >= 2)"
         )
     n = len(layer_ids)
     cols = (max_ngram - 1) * heads
@@ -442,8 +485,7 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
         if arr.size != want:
             raise ModelFormatError(f"{fname}: {name} has {arr.size} entries, expected {want} "
                                    f"({n} layers x {want // n})")
-    token_map = fields.array(k["token_map"])
-    pad_id = fields.u32(k["pad_id"])
+    token_map = fields.array(k["token_map"], unsigned_max_unmapped=True)
     primes2 = primes.reshape(n, cols)
     offsets2 = offsets.reshape(n, cols)
     if (primes2 < 2).any():
@@ -460,6 +502,10 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
         raise ModelFormatError(f"{fname}: {k['token_map']} must be non-empty, with ids >= 0 or -1 (unmapped)")
     if token_map.size < vocab:
         token_map = np.concatenate([token_map, np.full(vocab - token_map.size, -1, np.int64)])
+    if layout == L.MXXM_T:
+        pad_id = _mxxm_pad_id(fields, k, token_map)
+    else:
+        pad_id = fields.u32(k["pad_id"])
     max_id = max(int(token_map.max()), pad_id)
     limit = np.iinfo(np.int64).max // max(max_id, 1)
     if (multipliers < 0).any() or (multipliers > limit).any():
@@ -483,6 +529,8 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
                 f"reaches row {int(needed[i]) - 1} (sum of its primes)"
             )
         table_rows.append(int(table.shape[0]))
+    if layout == L.MXXM_T:
+        _check_mxxm_engram_sizes(fields, k, token_map, table_rows)
     return EngramConfig(
         layer_ids=layer_ids,
         n_heads=heads,
@@ -497,16 +545,80 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
     )
 
 
-def _roles(cfg_values: dict, store: WeightStore, engram_layers: tuple[int, ...], fname: str) -> tuple[LayerRole, ...]:
+def _mxxm_pad_id(fields: _Fields, k: dict[str, str], token_map: np.ndarray) -> int:
+    """mxxm-t records the RAW pad token id: its compressed id is the token map's entry for it."""
+    raw = fields.u32(k["pad_token_id"])
+    if not 0 <= raw < token_map.size:
+        raise ModelFormatError(f"{fields.fname}: {k['pad_token_id']} = {raw} is outside the vocabulary "
+                               f"(token ids 0..{token_map.size - 1})")
+    pad_id = int(token_map[raw])
+    if pad_id < 0:
+        raise ModelFormatError(
+            f"{fields.fname}: {k['pad_token_id']} = {raw} is a raw token id that {k['token_map']} leaves unmapped, "
+            "so it has no compressed id to pad n-grams with"
+        )
+    return pad_id
+
+
+def _check_mxxm_engram_sizes(fields: _Fields, k: dict[str, str], token_map: np.ndarray,
+                             table_rows: list[int]) -> None:
+    """mxxm-t's two recorded sizes against what they describe: the compressed vocabulary against the
+    token map, the table rows (an array: one per engram layer) against the tables."""
+    compressed = fields.u32(k["compressed_vocab"])
+    top = int(token_map.max())
+    if compressed != top + 1:
+        raise ModelFormatError(
+            f"{fields.fname}: {k['compressed_vocab']} = {compressed}, but {k['token_map']} maps onto compressed "
+            f"ids 0..{top} ({top + 1} of them)"
+        )
+    name = k["num_embeddings"]
+    field = fields.reader.get_field(name)
+    if field is not None and field.types and field.types[0] == GGUFValueType.ARRAY:
+        rows = fields.array(name)
+        if rows.tolist() != table_rows:
+            raise ModelFormatError(f"{fields.fname}: {name} = {rows.tolist()}, but the engram tables have "
+                                   f"{table_rows} rows")
+    elif fields.u32(name) < 1:  # a single number: what it counts is not recorded, only its range is checked
+        raise ModelFormatError(f"{fields.fname}: {name} = {fields.u32(name)}, expected a row count >= 1")
+
+
+def _source_layers(fields: _Fields, store: WeightStore, n: int) -> tuple[list[bool], list[bool]]:
+    """Which layers are kv sources and which index sources: told by their tensors (llama.cpp), or
+    listed (mxxm-t), and then the lists must agree with the tensors present, both ways."""
+    kv_roles = ("attn_compressor_kv", "indexer.attn_k")  # a kv source's compressor and index keys
+    idx_roles = ("indexer.attn_q_b",)
+    if store.layout != L.MXXM_T:
+        return ([store.has(i, kv_roles[0]) for i in range(n)], [store.has(i, idx_roles[0]) for i in range(n)])
+    out = []
+    for list_key, roles, what in ((L.KEY_KV_SOURCES, kv_roles, "kv source"),
+                                  (L.KEY_INDEX_SOURCES, idx_roles, "index source")):
+        name = L.key(list_key)
+        listed = [int(v) for v in fields.array(name)]
+        if listed != sorted(set(listed)) or (listed and (listed[0] < 0 or listed[-1] >= n)):
+            raise ModelFormatError(f"{fields.fname}: {name} = {listed} must be distinct, increasing layer ids "
+                                   f"below block_count {n}")
+        for i in range(n):
+            present = [store.name_of(i, r) for r in roles if store.has(i, r)]
+            if i in listed and len(present) < len(roles):
+                missing = next(store.name_of(i, r) for r in roles if not store.has(i, r))
+                raise ModelFormatError(f"{fields.fname}: layer {i} is listed in {name} (a {what}), but tensor "
+                                       f"{missing} is missing")
+            if i not in listed and present:
+                raise ModelFormatError(f"{fields.fname}: layer {i} has tensor {present[0]} (a {what}'s), but is not "
+                                       f"listed in {name} = {listed}")
+        out.append([i in listed for i in range(n)])
+    return out[0], out[1]
+
+
+def _roles(cfg_values: dict, store: WeightStore, engram_layers: tuple[int, ...], fname: str,
+           kv: list[bool], idx: list[bool]) -> tuple[LayerRole, ...]:
     n = cfg_values["n_layers"]
     ratios = cfg_values["compress_ratios"]
     cand = cfg_values["candidate_source"]
-    kv = [store.has(i, "attn_compressor_kv") for i in range(n)]
-    idx = [store.has(i, "indexer.attn_q_b") for i in range(n)]
     if 0 <= cand < n and not idx[cand]:
         raise ModelFormatError(
             f"{fname}: candidate source layer {cand} has no indexer (tensor "
-            f"{L.tensor_name(cand, 'indexer.attn_q_b')} is missing)"
+            f"{store.name_of(cand, 'indexer.attn_q_b')} is missing)"
         )
     roles = []
     last_kv = last_idx = None
@@ -521,7 +633,7 @@ def _roles(cfg_values: dict, store: WeightStore, engram_layers: tuple[int, ...],
             # without one would publish a compressed cache with no index keys behind it
             raise ModelFormatError(
                 f"{fname}: layer {i} is a kv source (attn_compressor_kv) without an indexer "
-                f"({L.tensor_name(i, 'indexer.attn_q_b')} is missing)"
+                f"({store.name_of(i, 'indexer.attn_q_b')} is missing)"
             )
         if kv[i]:
             last_kv = i
@@ -555,7 +667,7 @@ def read_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, WeightStore]:
     shards = open_gguf_set(path)
     reader, p = shards[0]  # a split set's metadata is in its first shard only
     fields = _Fields(reader, p.name)
-    _detect_layout(fields)
+    layout = _detect_layout(fields)
     tensors: dict[str, TensorRef] = {}
     where: dict[str, Path] = {}
     files = []
@@ -564,7 +676,7 @@ def read_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, WeightStore]:
         tensors.update(own)
         where.update(dict.fromkeys(own, sp))
         files.append(ModelFile(sp, len(own)))
-    store = WeightStore(p, [r for r, _ in shards], tensors, tuple(files), where)
+    store = WeightStore(p, [r for r, _ in shards], tensors, tuple(files), where, layout)
     values: dict = {name: fields.u32(L.key(k)) for name, k in L.U32_KEYS.items()}
     values.update({name: fields.f32(L.key(k)) for name, k in L.F32_KEYS.items()})
     for name, (k, default) in L.OPTIONAL_U32_KEYS.items():
@@ -591,9 +703,10 @@ def read_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, WeightStore]:
                 f"{p.name}: {L.key(kv_key)} = {fields.u32(L.key(kv_key))}, V4.1 attention needs {want}"
             )
     _check_geometry(values, p.name)
-    engram = _engram_config(fields, store, n, values["vocab_size"])
-    values["roles"] = _roles(values, store, engram.layer_ids if engram else (), p.name)
-    cfg = ModelConfig(engram=engram, **values)
+    engram = _engram_config(fields, store, n, values["vocab_size"], layout)
+    kv, idx = _source_layers(fields, store, n)
+    values["roles"] = _roles(values, store, engram.layer_ids if engram else (), p.name, kv, idx)
+    cfg = ModelConfig(engram=engram, layout=layout, **values)
     validate_tensors(cfg, store)
     return cfg, store
 

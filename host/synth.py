@@ -1,4 +1,4 @@
-"""Synthetic V4.1 models: complete GGUF files in the llama.cpp layout with seeded random weights.
+"""Synthetic V4.1 models: complete GGUF files in the llama.cpp or mxxm-t layout with seeded random weights.
 
 The weights follow the released checkpoint's statistics as the reference tests measure them:
 embedding RMS 0.12, norm weights around a per-norm mean with 10% spread, projections
@@ -12,6 +12,10 @@ Presets:
   wrap and many compressor groups; engram rows of 256 so Q2_K tables are real.
 - `small`: the reference tests' sizes (`testing.py`).
 - `flash`: V4.1-Flash dimensions on the six-layer schedule, engram tables of `engram_rows` rows.
+
+The layout changes only keys and names (mxxm-t: source lists, its engram keys with the raw pad
+id and a u32 token map, its three tensor names): the same preset and seed give the same tensors,
+byte for byte, in either layout.
 
 Files are written tensor by tensor (never the whole model in memory), with progress callbacks,
 under a temporary name that becomes the file's only when the last byte is written: a failed or
@@ -205,8 +209,9 @@ def _q2k_table(rows: int, width: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.view(np.uint8).reshape(rows, -1)
 
 
-def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType, table_rows: list[int]) -> list[PlannedTensor]:
-    """Every tensor of the model, in file order, with how to make it."""
+def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType, table_rows: list[int],
+                 layout: str = L.LLAMA_CPP) -> list[PlannedTensor]:
+    """Every tensor of the model, in file order, with how to make it (named as `layout` names it)."""
     dims = L.Dims(vocab=p.vocab, dim=p.dim, n_heads=p.n_heads, head_dim=p.head_dim, q_lora=p.q_lora_rank,
                   o_groups=p.o_groups, o_lora=p.o_lora_rank, hc=p.hc, index_heads=p.index_heads,
                   index_head_dim=p.index_head_dim, engram_head_dim=p.engram_head_dim,
@@ -214,7 +219,7 @@ def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType, table_r
     out: list[PlannedTensor] = []
 
     def add(layer: int | None, role: str, shape: tuple[int, ...], matrix: bool) -> None:
-        name = L.tensor_name(layer, role)
+        name = L.tensor_name(layer, role, layout)
         if not matrix:
             mean = NORM_MEAN.get(role)
             make: MakeFn
@@ -265,12 +270,13 @@ def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType, table_r
                 def make_stored(rng, s, tt=t):
                     return _stored(_gaussian(s, 1.0, rng), tt)
                 make_table = make_stored
-            out.append(PlannedTensor(L.tensor_name(layer, L.ENGRAM_TABLE), shape, t, make_table))
+            out.append(PlannedTensor(L.tensor_name(layer, L.ENGRAM_TABLE, layout), shape, t, make_table))
     return out
 
 
 def _write_metadata(w: GGUFWriter, p: Preset, primes: np.ndarray, offsets: np.ndarray,
-                    multipliers: np.ndarray, token_map: np.ndarray, pad_id: int) -> None:
+                    multipliers: np.ndarray, token_map: np.ndarray, pad_id: int, table_rows: list[int],
+                    layout: str = L.LLAMA_CPP) -> None:
     u32 = {"n_layers": p.n_layers, "context_length": p.context_length, "dim": p.dim, "n_heads": p.n_heads,
            "head_dim": p.head_dim, "rope_dim": p.rope_dim, "q_lora_rank": p.q_lora_rank, "window": p.window,
            "index_heads": p.index_heads, "index_head_dim": p.index_head_dim, "index_topk": p.index_topk,
@@ -292,7 +298,9 @@ def _write_metadata(w: GGUFWriter, p: Preset, primes: np.ndarray, offsets: np.nd
             "candidate_topk_blocks": p.candidate_topk_blocks}
     for name, (k, _default) in L.OPTIONAL_U32_KEYS.items():
         w.add_uint32(L.key(k), int(cand[name]))
-    if p.engram_layers:
+    if layout == L.MXXM_T:
+        _write_mxxm_metadata(w, p, primes, offsets, multipliers, token_map, table_rows)
+    elif p.engram_layers:
         E = {name: L.key(v) for name, v in L.ENGRAM_KEYS.items()}
         w.add_array(E["layer_ids"], [int(i) for i in p.engram_layers])
         w.add_uint32(E["n_heads"], p.engram_heads)
@@ -304,6 +312,31 @@ def _write_metadata(w: GGUFWriter, p: Preset, primes: np.ndarray, offsets: np.nd
         w.add_key_value(E["token_map"], [int(v) for v in token_map], GGUFValueType.ARRAY,
                         sub_type=GGUFValueType.INT32)
         w.add_uint32(E["pad_id"], int(pad_id))
+
+
+def _write_mxxm_metadata(w: GGUFWriter, p: Preset, primes: np.ndarray, offsets: np.ndarray,
+                         multipliers: np.ndarray, token_map: np.ndarray, table_rows: list[int]) -> None:
+    """mxxm-t's own keys: the source lists, and the engram keys under its names, with the RAW pad
+    token id and a u32 token map (unmapped ids as 0xFFFFFFFF)."""
+    def array(name: str, values, sub_type: GGUFValueType) -> None:
+        w.add_key_value(L.key(name), [int(v) for v in values], GGUFValueType.ARRAY, sub_type=sub_type)
+
+    array(L.KEY_KV_SOURCES, p.kv_sources, GGUFValueType.UINT32)
+    array(L.KEY_INDEX_SOURCES, p.index_sources, GGUFValueType.UINT32)
+    if not p.engram_layers:
+        return
+    E = {name: L.key(v) for name, v in L.MXXM_ENGRAM_KEYS.items()}
+    array("engram.layer_ids", p.engram_layers, GGUFValueType.UINT32)
+    w.add_uint32(E["n_heads"], p.engram_heads)
+    w.add_uint32(E["head_dim"], p.engram_head_dim)
+    w.add_uint32(E["max_ngram"], p.max_ngram)
+    w.add_uint32(E["pad_token_id"], p.engram_pad_token)
+    w.add_uint32(E["compressed_vocab"], int(token_map.max()) + 1)
+    array("engram.num_embeddings", table_rows, GGUFValueType.UINT64)
+    for name in ("primes", "offsets"):
+        array(f"engram.{name}", (primes if name == "primes" else offsets).reshape(-1), GGUFValueType.UINT64)
+    array("engram.multipliers", multipliers.reshape(-1), GGUFValueType.INT64)
+    array("engram.token_map", np.where(token_map < 0, np.iinfo(np.uint32).max, token_map), GGUFValueType.UINT32)
 
 
 ProgressFn = Callable[[str, int, int], None]
@@ -360,7 +393,7 @@ def split_plan(sizes: list[int], shards: int) -> list[int]:
 
 def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", weight_type: str = "Q8_0",
                     table_type: str | None = None, seed: int = 0, progress: ProgressFn | None = None,
-                    shards: int = 1, **overrides) -> Path:
+                    shards: int = 1, layout: str = L.LLAMA_CPP, **overrides) -> Path:
     """Write a complete synthetic V4.1 model; returns its path (the first shard's for a split set).
 
     weight_type: type of the dense attention matrices, the engram projection and the embedding
@@ -368,8 +401,11 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     table_type: the engram tables' type (default: the preset's, Q2_K where rows are 256 wide).
     shards: 1 writes one plain GGUF at `path`; N > 1 a gguf-split set of N files named as
     `shard_paths` says.
+    layout: "llama.cpp" (default) or "mxxm-t": the keys and tensor names written (same tensors).
     overrides: any Preset field, or `engram_rows`.
     """
+    if layout not in L.LAYOUTS:
+        raise InputError(f"unknown layout {layout!r} (known: {', '.join(L.LAYOUTS)})")
     p = preset(preset_name, **overrides)
     wt = ggml_type(weight_type)
     tt = ggml_type(table_type or p.default_table_type)
@@ -389,7 +425,7 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     multipliers = engram_multipliers(p.engram_layers, p.max_ngram, compressed)
     pad_id = int(token_map[p.engram_pad_token])
     table_rows = [int(primes[i].sum()) for i in range(n_e)]
-    plan = plan_tensors(p, wt, tt, table_rows)
+    plan = plan_tensors(p, wt, tt, table_rows, layout)
     if not isinstance(shards, int) or not 1 <= shards <= min(len(plan), 99999):
         raise InputError(f"shards {shards!r}: preset {preset_name!r} has {len(plan)} tensors, so 1 to "
                          f"{min(len(plan), 99999)} shards (at least one tensor in each)")
@@ -412,7 +448,7 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     writer = GGUFWriter(tmp, L.ARCH)
     try:
         writer.add_name(f"flashv41 synthetic {preset_name}")
-        _write_metadata(writer, p, primes, offsets, multipliers, token_map, pad_id)
+        _write_metadata(writer, p, primes, offsets, multipliers, token_map, pad_id, table_rows, layout)
         placed = split_plan([planned.nbytes for planned in plan], shards)
         for planned, shard in zip(plan, placed, strict=True):
             if shard == len(writer.tensors):

@@ -236,10 +236,15 @@ def test_truncated_file(tiny_path: Path, tmp_path: Path) -> None:
     _expect(path, ModelFormatError, cut, "truncated", str(size))
 
 
-def test_mxxm_layout(tiny_path: Path, tmp_path: Path) -> None:
+def test_mxxm_layout(synth_model, tiny_path: Path, tmp_path: Path) -> None:
+    """An mxxm-t file loads (tests/test_gguf_layouts.py holds it to the llama.cpp one); one mxxm-t key
+    is enough to read a file as that layout, whose own keys it must then have."""
+    model = flashv41.load_model(synth_model("tiny", layout="mxxm-t"))
+    assert model.config.layout == "mxxm-t" and model.config.engram is not None
+    model.close()
     key = _key("engram.pad_token_id")
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", set_keys={key: (2, GGUFValueType.UINT32, None)})
-    _expect(path, UnsupportedError, key, "mxxm-t")
+    _expect(path, ModelFormatError, _key("engram.n_heads"), "missing", "mxxm-t", key)
 
 
 def test_ds4_layout(tiny_path: Path, tmp_path: Path) -> None:

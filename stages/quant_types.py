@@ -273,32 +273,33 @@ def k_scale_min(w, row, s, j):
 
 
 @device
-def dequant_q4_k(w, row, chunk, out):
-    """Q4_K chunk j of a block (one sub-block): levels (qs[32 (j // 2) + i] >> 4 (j % 2)) & 15."""
-    base = (chunk // K_CHUNKS) * Q4_K_BYTES
+def k_scaled_nibbles(w, row, chunk, out, block_bytes, d, dmin, scales, qs, qh):
+    """Q4_K / Q5_K chunk j of a block (one sub-block): levels (qs[32 (j // 2) + i] >> 4 (j % 2)) & 15,
+    with Q5_K's fifth bit (qh[i] >> j) & 1 (qh < 0: none), times the sub-block's scale, less its min."""
+    base = (chunk // K_CHUNKS) * block_bytes
     j = chunk % K_CHUNKS
-    sc, mn = k_scale_min(w, row, base + Q4_K_SCALES, j)
-    scale = fp16_to_f32(read_u16(w, row, base + Q4_K_D)) * float32(sc)
-    minimum = fp16_to_f32(read_u16(w, row, base + Q4_K_DMIN)) * float32(mn)
-    qs = base + Q4_K_QS + (j // 2) * CHUNK
+    sc, mn = k_scale_min(w, row, base + scales, j)
+    scale = fp16_to_f32(read_u16(w, row, base + d)) * float32(sc)
+    minimum = fp16_to_f32(read_u16(w, row, base + dmin)) * float32(mn)
+    q0 = base + qs + (j // 2) * CHUNK
     shift = 4 * (j % 2)
     for i in range(CHUNK):
-        out[i] = scale * float32((uint32(w[row, qs + i]) >> shift) & 15) - minimum
+        q = (uint32(w[row, q0 + i]) >> shift) & 15
+        if qh >= 0:
+            q |= ((uint32(w[row, base + qh + i]) >> j) & 1) << 4
+        out[i] = scale * float32(q) - minimum
+
+
+@device
+def dequant_q4_k(w, row, chunk, out):
+    """Q4_K chunk `chunk` of a row: 4-bit levels."""
+    k_scaled_nibbles(w, row, chunk, out, Q4_K_BYTES, Q4_K_D, Q4_K_DMIN, Q4_K_SCALES, Q4_K_QS, -1)
 
 
 @device
 def dequant_q5_k(w, row, chunk, out):
-    """Q5_K chunk j of a block: Q4_K's levels with fifth bit (qh[i] >> j) & 1."""
-    base = (chunk // K_CHUNKS) * Q5_K_BYTES
-    j = chunk % K_CHUNKS
-    sc, mn = k_scale_min(w, row, base + Q5_K_SCALES, j)
-    scale = fp16_to_f32(read_u16(w, row, base + Q5_K_D)) * float32(sc)
-    minimum = fp16_to_f32(read_u16(w, row, base + Q5_K_DMIN)) * float32(mn)
-    qs = base + Q5_K_QS + (j // 2) * CHUNK
-    shift = 4 * (j % 2)
-    for i in range(CHUNK):
-        q = ((uint32(w[row, qs + i]) >> shift) & 15) | (((uint32(w[row, base + Q5_K_QH + i]) >> j) & 1) << 4)
-        out[i] = scale * float32(q) - minimum
+    """Q5_K chunk `chunk` of a row: Q4_K's levels with a fifth bit."""
+    k_scaled_nibbles(w, row, chunk, out, Q5_K_BYTES, Q5_K_D, Q5_K_DMIN, Q5_K_SCALES, Q5_K_QS, Q5_K_QH)
 
 
 @device

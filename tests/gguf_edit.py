@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.gguf_reader import ReaderField
 
@@ -71,3 +72,14 @@ def rewrite_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def expect_load_error(path: Path, error: type[Exception], *fragments: str) -> None:
+    """load_model(path) raises `error` with every fragment in its message."""
+    import flashv41
+
+    with pytest.raises(error) as caught:
+        flashv41.load_model(path)
+    message = str(caught.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"

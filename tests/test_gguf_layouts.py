@@ -20,7 +20,7 @@ from flashv41.host.config import EngramConfig, ModelConfig
 from flashv41.host.errors import ModelFormatError, UnsupportedError
 from flashv41.host.oracle import Oracle
 from flashv41.host.synth import preset
-from tests.gguf_edit import field_value, rewrite_gguf
+from tests.gguf_edit import expect_load_error, field_value, rewrite_gguf
 
 TINY = preset("tiny")
 U32, I32, I64, U64 = GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.INT64, GGUFValueType.UINT64
@@ -35,14 +35,6 @@ def llama_path(synth_model) -> Path:
 @pytest.fixture(scope="module")
 def mxxm_path(synth_model) -> Path:
     return synth_model("tiny", seed=7, layout=L.MXXM_T)
-
-
-def _expect(path: Path, error: type[Exception], *fragments: str) -> None:
-    with pytest.raises(error) as caught:
-        flashv41.load_model(path)
-    message = str(caught.value)
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
 
 
 def _key_value(path: Path, name: str):
@@ -180,58 +172,58 @@ def test_any_integer_array_type(mxxm_path: Path, tmp_path: Path, name: str, sub_
 def test_kv_source_listed_without_tensors(mxxm_path: Path, tmp_path: Path) -> None:
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf",
                         set_keys={L.key(L.KEY_KV_SOURCES): ([1, 2, 3], ARRAY, U32)})
-    _expect(path, ModelFormatError, "layer 2", L.key(L.KEY_KV_SOURCES), "blk.2.attn_compressor_kv.weight",
+    expect_load_error(path, ModelFormatError, "layer 2", L.key(L.KEY_KV_SOURCES), "blk.2.attn_compressor_kv.weight",
             "missing")
 
 
 def test_index_source_listed_without_tensors(mxxm_path: Path, tmp_path: Path) -> None:
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf",
                         set_keys={L.key(L.KEY_INDEX_SOURCES): ([1, 3, 4, 5], ARRAY, U32)})
-    _expect(path, ModelFormatError, "layer 4", L.key(L.KEY_INDEX_SOURCES), "blk.4.indexer.attn_q_b.weight")
+    expect_load_error(path, ModelFormatError, "layer 4", L.key(L.KEY_INDEX_SOURCES), "blk.4.indexer.attn_q_b.weight")
 
 
 def test_kv_source_without_its_index_keys(mxxm_path: Path, tmp_path: Path) -> None:
     name = "blk.3.indexer_compressor_kv.weight"
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf", drop_tensors=[name])
-    _expect(path, ModelFormatError, "layer 3", L.key(L.KEY_KV_SOURCES), name, "missing")
+    expect_load_error(path, ModelFormatError, "layer 3", L.key(L.KEY_KV_SOURCES), name, "missing")
 
 
 def test_compressor_layer_missing_from_the_list(mxxm_path: Path, tmp_path: Path) -> None:
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf",
                         set_keys={L.key(L.KEY_KV_SOURCES): ([1], ARRAY, U32)})
-    _expect(path, ModelFormatError, "layer 3", "blk.3.attn_compressor_kv.weight", "not listed",
+    expect_load_error(path, ModelFormatError, "layer 3", "blk.3.attn_compressor_kv.weight", "not listed",
             L.key(L.KEY_KV_SOURCES))
 
 
 def test_indexer_layer_missing_from_the_list(mxxm_path: Path, tmp_path: Path) -> None:
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf",
                         set_keys={L.key(L.KEY_INDEX_SOURCES): ([1, 3], ARRAY, U32)})
-    _expect(path, ModelFormatError, "layer 5", "blk.5.indexer.attn_q_b.weight", "not listed")
+    expect_load_error(path, ModelFormatError, "layer 5", "blk.5.indexer.attn_q_b.weight", "not listed")
 
 
 def test_source_list_out_of_range(mxxm_path: Path, tmp_path: Path) -> None:
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf",
                         set_keys={L.key(L.KEY_KV_SOURCES): ([1, 3, 9], ARRAY, U32)})
-    _expect(path, ModelFormatError, L.key(L.KEY_KV_SOURCES), "[1, 3, 9]", "below block_count 6")
+    expect_load_error(path, ModelFormatError, L.key(L.KEY_KV_SOURCES), "[1, 3, 9]", "below block_count 6")
 
 
 def test_missing_source_list(mxxm_path: Path, tmp_path: Path) -> None:
     key = L.key(L.KEY_INDEX_SOURCES)
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf", drop_keys=[key])
-    _expect(path, ModelFormatError, key, "missing", "mxxm-t")
+    expect_load_error(path, ModelFormatError, key, "missing", "mxxm-t")
 
 
 def test_unmapped_raw_pad_id(mxxm_path: Path, tmp_path: Path) -> None:
     key = L.key("engram.pad_token_id")
     raw = TINY.vocab - 1  # the stub map's unmapped tail
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf", set_keys={key: (raw, U32, None)})
-    _expect(path, ModelFormatError, key, f"= {raw}", "unmapped")
+    expect_load_error(path, ModelFormatError, key, f"= {raw}", "unmapped")
 
 
 def test_raw_pad_id_outside_the_vocabulary(mxxm_path: Path, tmp_path: Path) -> None:
     key = L.key("engram.pad_token_id")
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf", set_keys={key: (TINY.vocab + 5, U32, None)})
-    _expect(path, ModelFormatError, key, "outside the vocabulary")
+    expect_load_error(path, ModelFormatError, key, "outside the vocabulary")
 
 
 @pytest.mark.parametrize(("name", "value", "found"), [
@@ -242,13 +234,13 @@ def test_raw_pad_id_outside_the_vocabulary(mxxm_path: Path, tmp_path: Path) -> N
 ])
 def test_key_of_wrong_type(mxxm_path: Path, tmp_path: Path, name: str, value, found: str) -> None:
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf", set_keys={L.key(name): value})
-    _expect(path, ModelFormatError, L.key(name), "should be", found)
+    expect_load_error(path, ModelFormatError, L.key(name), "should be", found)
 
 
 def test_negative_entry_in_a_signed_array(mxxm_path: Path, tmp_path: Path) -> None:
     key = L.key("engram.layer_ids")
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf", set_keys={key: ([-1, 1], ARRAY, I32)})
-    _expect(path, ModelFormatError, key, "[-1, 1]")
+    expect_load_error(path, ModelFormatError, key, "[-1, 1]")
 
 
 def test_offsets_not_running_sums(mxxm_path: Path, tmp_path: Path) -> None:
@@ -256,28 +248,28 @@ def test_offsets_not_running_sums(mxxm_path: Path, tmp_path: Path) -> None:
     offsets, _, sub = _key_value(mxxm_path, key)
     offsets[1] += 1
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf", set_keys={key: (offsets, ARRAY, sub)})
-    _expect(path, ModelFormatError, key, "running sums")
+    expect_load_error(path, ModelFormatError, key, "running sums")
 
 
 def test_compressed_vocab_size_disagrees(mxxm_path: Path, tmp_path: Path) -> None:
     key = L.key("engram.compressed_vocab_size")
     value, _, _ = _key_value(mxxm_path, key)
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf", set_keys={key: (value + 1, U32, None)})
-    _expect(path, ModelFormatError, key, f"= {value + 1}", "token_map")
+    expect_load_error(path, ModelFormatError, key, f"= {value + 1}", "token_map")
 
 
 def test_num_embeddings_disagrees(mxxm_path: Path, tmp_path: Path) -> None:
     key = L.key("engram.num_embeddings")
     rows, _, sub = _key_value(mxxm_path, key)
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf", set_keys={key: ([rows[0], rows[1] + 1], ARRAY, sub)})
-    _expect(path, ModelFormatError, key, "engram tables")
+    expect_load_error(path, ModelFormatError, key, "engram tables")
 
 
 # --- files that are not a V4.1 model in a layout flashv41 reads: refused, saying what they are ---
 
 def test_dspark_draft_is_refused(llama_path: Path, tmp_path: Path) -> None:
     path = rewrite_gguf(llama_path, tmp_path / "x.gguf", arch=L.DRAFT_ARCH)
-    _expect(path, UnsupportedError, "'dflash'", "DSpark", "draft", "deepseek41")
+    expect_load_error(path, UnsupportedError, "'dflash'", "DSpark", "draft", "deepseek41")
 
 
 def test_old_engram_keys_are_refused(llama_path: Path, tmp_path: Path) -> None:
@@ -285,7 +277,7 @@ def test_old_engram_keys_are_refused(llama_path: Path, tmp_path: Path) -> None:
     old = {name.replace(L.key("engram."), L.OLD_ENGRAM_PREFIX): _key_value(llama_path, name)
            for name in engram if name.endswith(("layer_ids", "head_count", "key_length", "max_ngram_size"))}
     path = rewrite_gguf(llama_path, tmp_path / "x.gguf", drop_keys=engram, set_keys=old)
-    _expect(path, UnsupportedError, "deepseek4.engram.", "before 2026-09-11", L.OLD_ENGRAM_REPAIR)
+    expect_load_error(path, UnsupportedError, "deepseek4.engram.", "before 2026-09-11", L.OLD_ENGRAM_REPAIR)
 
 
 # --- the command line ---

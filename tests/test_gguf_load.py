@@ -19,7 +19,7 @@ from flashv41.host.errors import ModelFormatError, UnsupportedError
 from flashv41.host.gguf_model import TensorRef
 from flashv41.host.quants import FORMATS, GGMLType, dequantize, ggml_type
 from flashv41.host.synth import BF16_TYPED, EMBED_STD, GAIN, NORM_MEAN, WEIGHT_TYPED, Preset, preset
-from tests.gguf_edit import rewrite_gguf
+from tests.gguf_edit import expect_load_error, rewrite_gguf
 
 WEIGHT_TYPES = ("BF16", "Q8_0", "Q2_K")
 # small's engram rows are 32 values wide: no Q2_K tables there
@@ -188,24 +188,16 @@ def _tensor(path: Path, name: str) -> tuple[np.ndarray, tuple[int, ...]]:
     return np.asarray(t.data), tuple(int(n) for n in reversed(t.shape.tolist()))
 
 
-def _expect(path: Path, error: type[Exception], *fragments: str) -> None:
-    with pytest.raises(error) as caught:
-        flashv41.load_model(path)
-    message = str(caught.value)
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-
-
 def test_missing_tensor(tiny_path: Path, tmp_path: Path) -> None:
     name = "blk.2.attn_q_b.weight"
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", drop_tensors=[name])
-    _expect(path, ModelFormatError, name, "missing")
+    expect_load_error(path, ModelFormatError, name, "missing")
 
 
 def test_missing_embedding(tiny_path: Path, tmp_path: Path) -> None:
     name = "token_embd.weight"
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", drop_tensors=[name])
-    _expect(path, ModelFormatError, name, "missing")
+    expect_load_error(path, ModelFormatError, name, "missing")
 
 
 def test_wrong_shape(tiny_path: Path, tmp_path: Path) -> None:
@@ -213,7 +205,7 @@ def test_wrong_shape(tiny_path: Path, tmp_path: Path) -> None:
     data, (rows, cols) = _tensor(tiny_path, name)
     wider = np.zeros((rows, data.shape[1] + FORMATS[GGMLType.Q8_0].block_bytes), np.uint8)
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", replace_tensors={name: (wider, GQ.Q8_0)})
-    _expect(path, ModelFormatError, name, f"[{rows}, {cols + 32}]", f"[{rows}, {cols}]")
+    expect_load_error(path, ModelFormatError, name, f"[{rows}, {cols + 32}]", f"[{rows}, {cols}]")
 
 
 @pytest.mark.parametrize("name", ["blk.0.engram_wkv.weight", "blk.1.engram_embd.weight"])
@@ -222,7 +214,7 @@ def test_unsupported_type(tiny_path: Path, tmp_path: Path, name: str) -> None:
     _, (rows, cols) = _tensor(tiny_path, name)
     as_q4_1 = np.zeros((rows, cols // 32 * 20), np.uint8)
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", replace_tensors={name: (as_q4_1, GQ.Q4_1)})
-    _expect(path, UnsupportedError, name, "Q4_1")
+    expect_load_error(path, UnsupportedError, name, "Q4_1")
 
 
 def test_truncated_file(tiny_path: Path, tmp_path: Path) -> None:
@@ -233,7 +225,7 @@ def test_truncated_file(tiny_path: Path, tmp_path: Path) -> None:
         f.truncate(size)
     # the first tensor, in file order, whose data no longer fits
     cut = next(t.name for t in GGUFReader(tiny_path).tensors if int(t.data_offset) + int(t.n_bytes) > size)
-    _expect(path, ModelFormatError, cut, "truncated", str(size))
+    expect_load_error(path, ModelFormatError, cut, "truncated", str(size))
 
 
 def test_mxxm_layout(synth_model, tiny_path: Path, tmp_path: Path) -> None:
@@ -244,40 +236,40 @@ def test_mxxm_layout(synth_model, tiny_path: Path, tmp_path: Path) -> None:
     model.close()
     key = _key("engram.pad_token_id")
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", set_keys={key: (2, GGUFValueType.UINT32, None)})
-    _expect(path, ModelFormatError, _key("engram.n_heads"), "missing", "mxxm-t", key)
+    expect_load_error(path, ModelFormatError, _key("engram.n_heads"), "missing", "mxxm-t", key)
 
 
 def test_ds4_layout(tiny_path: Path, tmp_path: Path) -> None:
     key = _key("hidden_size")
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", set_keys={key: (64, GGUFValueType.UINT32, None)})
-    _expect(path, UnsupportedError, key, "ds4")
+    expect_load_error(path, UnsupportedError, key, "ds4")
 
 
 def test_other_architecture(tiny_path: Path, tmp_path: Path) -> None:
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", arch="llama")
-    _expect(path, UnsupportedError, "architecture", "'llama'")
+    expect_load_error(path, UnsupportedError, "architecture", "'llama'")
 
 
 def test_no_architecture(tiny_path: Path, tmp_path: Path) -> None:
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", drop_keys=["general.architecture"])
-    _expect(path, ModelFormatError, "general.architecture", "missing")
+    expect_load_error(path, ModelFormatError, "general.architecture", "missing")
 
 
 def test_not_a_gguf(tmp_path: Path) -> None:
     path = tmp_path / "x.gguf"
     path.write_bytes(b"PK\x03\x04" + bytes(100))
-    _expect(path, ModelFormatError, "x.gguf", "not a GGUF file")
+    expect_load_error(path, ModelFormatError, "x.gguf", "not a GGUF file")
 
 
 def test_missing_key(tiny_path: Path, tmp_path: Path) -> None:
     key = _key("attention.sliding_window")
-    _expect(rewrite_gguf(tiny_path, tmp_path / "x.gguf", drop_keys=[key]), ModelFormatError, key, "missing")
+    expect_load_error(rewrite_gguf(tiny_path, tmp_path / "x.gguf", drop_keys=[key]), ModelFormatError, key, "missing")
 
 
 def test_key_of_wrong_type(tiny_path: Path, tmp_path: Path) -> None:
     key = _key("attention.sliding_window")
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", set_keys={key: ("8", GGUFValueType.STRING, None)})
-    _expect(path, ModelFormatError, key, "STRING")
+    expect_load_error(path, ModelFormatError, key, "STRING")
 
 
 def test_inconsistent_engram_offsets(tiny_path: Path, tmp_path: Path) -> None:
@@ -289,7 +281,7 @@ def test_inconsistent_engram_offsets(tiny_path: Path, tmp_path: Path) -> None:
     offsets[1] += 1
     changed = ([int(v) for v in offsets], GGUFValueType.ARRAY, GGUFValueType.UINT64)
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", set_keys={key: changed})
-    _expect(path, ModelFormatError, key, "running sums")
+    expect_load_error(path, ModelFormatError, key, "running sums")
 
 
 def test_table_with_too_few_rows(tiny_path: Path, tmp_path: Path) -> None:
@@ -297,14 +289,14 @@ def test_table_with_too_few_rows(tiny_path: Path, tmp_path: Path) -> None:
     name = "blk.0.engram_embd.weight"
     data, (rows, _) = _tensor(tiny_path, name)
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", replace_tensors={name: (data[:-1], GQ.Q2_K)})
-    _expect(path, ModelFormatError, name, f"{rows - 1} rows", f"reaches row {rows - 1}")
+    expect_load_error(path, ModelFormatError, name, f"{rows - 1} rows", f"reaches row {rows - 1}")
 
 
 def test_compress_ratios_shorter_than_block_count(tiny_path: Path, tmp_path: Path) -> None:
     key = _key(L.KEY_COMPRESS_RATIOS)
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf",
                         set_keys={key: ([0, 2, 2], GGUFValueType.ARRAY, GGUFValueType.INT32)})
-    _expect(path, ModelFormatError, key, "3 entries", f"block_count is {preset('tiny').n_layers}")
+    expect_load_error(path, ModelFormatError, key, "3 entries", f"block_count is {preset('tiny').n_layers}")
 
 
 def test_consumer_without_kv_source(tiny_path: Path, tmp_path: Path) -> None:
@@ -313,13 +305,13 @@ def test_consumer_without_kv_source(tiny_path: Path, tmp_path: Path) -> None:
     ratios = [1, *preset("tiny").compress_ratios[1:]]
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf",
                         set_keys={key: (ratios, GGUFValueType.ARRAY, GGUFValueType.INT32)})
-    _expect(path, ModelFormatError, "layer 0", "no kv source", "attn_compressor_kv")
+    expect_load_error(path, ModelFormatError, "layer 0", "no kv source", "attn_compressor_kv")
 
 
 def test_kv_source_without_indexer(tiny_path: Path, tmp_path: Path) -> None:
     name = "blk.1.indexer.attn_q_b.weight"
     path = rewrite_gguf(tiny_path, tmp_path / "x.gguf", drop_tensors=[name])
-    _expect(path, ModelFormatError, name, "layer 1")
+    expect_load_error(path, ModelFormatError, name, "layer 1")
 
 
 def test_unedited_rewrite_loads(tiny_path: Path, tmp_path: Path) -> None:

@@ -73,7 +73,7 @@ def add_synth_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
 
     p = subparsers.add_parser(
         "synth", help="write a synthetic V4.1 model (random weights, real layout) to a GGUF file",
-        description="Write a complete synthetic DeepSeek-V4.1 model in the llama.cpp (or mxxm-t) GGUF layout, "
+        description="Write a complete synthetic DeepSeek-V4.1 model in the llama.cpp (or mxxm-t, or ds4) GGUF layout, "
                     "with seeded random weights of realistic statistics.",
     )
     p.add_argument("--preset", choices=list(PRESETS), default="tiny",
@@ -86,8 +86,9 @@ def add_synth_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
                    help="type of the engram tables (default: the preset's, Q2_K where rows are 256 wide)")
     p.add_argument("--seed", type=at_least(0), default=0, help="random seed of the weights (default 0)")
     p.add_argument("--layout", choices=LAYOUTS, default=LAYOUTS[0],
-                   help="the GGUF layout's keys and tensor names: llama.cpp (default) or mxxm-t (explicit source "
-                        "lists, raw pad id, its engram names); the same seed gives the same tensors in both")
+                   help="the GGUF layout's keys and tensor names: llama.cpp (default), mxxm-t (explicit source "
+                        "lists, raw pad id, its engram names) or ds4 (HF-named keys, E4M3 engram rows stored as I8, "
+                        "no --table-type); the same seed gives the same tensors in all (ds4: but the tables)")
     p.add_argument("--engram-rows", type=int, default=None, metavar="N",
                    help="about N rows per engram table (default: the preset's; at least the preset's smallest "
                         "table: a distinct prime of at least 2 rows per n-gram order and head)")
@@ -103,7 +104,14 @@ def synth_command(args: argparse.Namespace) -> int:
     from flashv41.host.synth import PRESETS, progress_bar, shard_paths, write_synthetic
 
     overrides = {} if args.engram_rows is None else {"engram_rows": args.engram_rows}
-    table_type = args.table_type or PRESETS[args.preset].default_table_type
+    if args.layout == "ds4":
+        if args.table_type is not None:
+            print(f"flashv41 synth: error: --table-type {args.table_type}: the ds4 layout's engram tables are "
+                  "E4M3 rows (E4M3_ROW264) only", file=sys.stderr)
+            return 2
+        table_type = "E4M3_ROW264"
+    else:
+        table_type = args.table_type or PRESETS[args.preset].default_table_type
     start = time.monotonic()
     with progress_bar(f"writing {args.output.name}") as progress:
         path = write_synthetic(args.output, args.preset, weight_type=args.weight_type, table_type=table_type,
@@ -121,7 +129,7 @@ def synth_command(args: argparse.Namespace) -> int:
 def add_info_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
     p = subparsers.add_parser(
         "info", help="show a GGUF model's configuration, layer roles, tensors and memory estimate",
-        description="Load and validate a DeepSeek-V4.1 GGUF (llama.cpp or mxxm-t layout) and describe it.",
+        description="Load and validate a DeepSeek-V4.1 GGUF (llama.cpp, mxxm-t or ds4 layout) and describe it.",
     )
     p.add_argument("model", type=Path, metavar="FILE.gguf")
     p.add_argument("--max-seq", type=at_least(1), default=None, metavar="N",

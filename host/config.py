@@ -113,7 +113,7 @@ class ModelConfig:
     roles: tuple[LayerRole, ...]
     engram: EngramConfig | None = None
     name: str = field(default="deepseek41")
-    layout: str = field(default="llama.cpp")  # the GGUF layout it was read from: "llama.cpp" or "mxxm-t"
+    layout: str = field(default="llama.cpp")  # the GGUF layout it was read from: "llama.cpp", "mxxm-t" or "ds4"
 
     @property
     def mix_hc(self) -> int:

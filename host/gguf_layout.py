@@ -1,10 +1,14 @@
-"""The V4.1 GGUF layouts flashv41 reads (llama.cpp and mxxm-t): key and tensor names, shapes, roles.
+"""The V4.1 GGUF layouts flashv41 reads (llama.cpp, mxxm-t and ds4): key and tensor names, shapes, roles.
 
 Shared by the reader (`host.gguf_model`) and the synthetic writer (`host.synth`), so the two can
 never disagree. A tensor's role is its name in llama.cpp's V4.1 converter and loader (the engine
 asks for tensors by role); `TENSOR_NAMES` says what each layout calls it in the file. The mxxm-t
 layout (HF mxxm-t/DeepSeek-V4.1-Flash-GGUF, for mxxm-t/mx-llama.cpp) keeps llama.cpp's keys, adds
-explicit kv / index source lists and names its engram keys and three tensors differently. Shapes
+explicit kv / index source lists and names its engram keys and three tensors differently. The ds4
+layout (antirez/ds4) names every key as HF's config.json does (`DS4_*` below), lists its sources,
+computes its engram offsets and head count from the primes, stores its engram tables as I8 rows
+of 264 bytes (the E4M3_ROW264 table format of host.quants) and renames the engram projection and
+gate weights. Shapes
 here are in NumPy order ([out, in]: the reverse of the ggml dims the file lists).
 """
 
@@ -16,7 +20,8 @@ from dataclasses import dataclass
 ARCH = "deepseek41"
 LLAMA_CPP = "llama.cpp"
 MXXM_T = "mxxm-t"
-LAYOUTS = (LLAMA_CPP, MXXM_T)
+DS4 = "ds4"
+LAYOUTS = (LLAMA_CPP, MXXM_T, DS4)
 # Architecture of the DSpark speculative-decoding draft published beside V4.1 models (refused).
 DRAFT_ARCH = "dflash"
 
@@ -94,7 +99,57 @@ MXXM_ENGRAM_KEYS = {
 KEY_KV_SOURCES = "attention.kv_source_layer_ids"
 KEY_INDEX_SOURCES = "attention.index_source_layer_ids"
 
-# Markers of the layouts besides llama.cpp's: mxxm-t (read), ds4 (detected and refused).
+# ds4's keys (antirez/ds4 gguf-tools/deepseek41_metadata.py): HF config.json names, `deepseek41.` + name.
+# u32 sizes; rope_theta / compress_rope_theta are u32 in the file, floats in the config; the f32
+# original_max_position_embeddings is an integer in the config.
+DS4_U32_KEYS = {
+    "n_layers": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "dim": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "head_dim": "head_dim",
+    "rope_dim": "qk_rope_head_dim",
+    "q_lora_rank": "q_lora_rank",
+    "window": "sliding_window",
+    "index_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk",
+    "o_groups": "o_groups",
+    "o_lora_rank": "o_lora_rank",
+    "hc": "hc_mult",
+    "sinkhorn_iters": "hc_sinkhorn_iters",
+    "candidate_source": "candidate_source_layer_id",
+    "candidate_block_size": "candidate_block_size",
+    "candidate_topk_blocks": "candidate_topk_blocks",
+}
+DS4_U32_FLOAT_KEYS = {"rope_theta": "rope_theta", "compress_rope_theta": "compress_rope_theta"}
+DS4_F32_KEYS = {
+    "norm_eps": "rms_norm_eps",
+    "hc_eps": "hc_eps",
+    "rope_factor": "rope_scaling.factor",
+    "beta_fast": "rope_scaling.beta_fast",
+    "beta_slow": "rope_scaling.beta_slow",
+}
+DS4_F32_INT_KEYS = {"rope_original_ctx": "rope_scaling.original_max_position_embeddings"}
+DS4_KEY_HEAD_COUNT_KV = "num_key_value_heads"
+DS4_KEY_COMPRESS_RATIOS = "compress_ratios"
+DS4_KV_SOURCES = "kv_source_layer_ids"
+DS4_INDEX_SOURCES = "index_source_layer_ids"
+DS4_KEY_CONFIG = "config"  # the whole config.json as a string (cross-checked against the keys)
+DS4_ENGRAM_KEYS = {
+    "encoding": "engram.encoding",
+    "layer_ids": "engram.layer_ids",
+    "rows": "engram.rows",
+    "compressed_vocab": "engram.compressed_vocab_size",
+    "pad_id": "engram.pad_id",
+    "token_map": "engram.token_map",
+    "primes": "engram.primes",
+    "multipliers": "engram.multipliers",
+}
+DS4_ENCODING = "e4m3_e8m0_32_row264"  # the one engram table encoding ds4 writes
+DS4_ALIGNMENT = 16384  # ds4 files' general.alignment
+
+# Markers of the layouts besides llama.cpp's: mxxm-t, ds4.
 MXXM_MARKERS = (KEY_KV_SOURCES, KEY_INDEX_SOURCES, "engram.pad_token_id", "engram.compressed_vocab_size",
                 "engram.num_embeddings")
 DS4_MARKERS = ("hidden_size", "engram.encoding", "num_hidden_layers")
@@ -105,7 +160,13 @@ OLD_ENGRAM_REPAIR = "fix_gguf_engram_kv.py"
 
 def engram_keys(layout: str) -> dict[str, str]:
     """The arch-relative engram key names of a layout."""
-    return MXXM_ENGRAM_KEYS if layout == MXXM_T else ENGRAM_KEYS
+    return {MXXM_T: MXXM_ENGRAM_KEYS, DS4: DS4_ENGRAM_KEYS}.get(layout, ENGRAM_KEYS)
+
+
+def source_list_keys(layout: str) -> tuple[str, str] | None:
+    """The arch-relative keys of a layout's kv-source and index-source lists; None for llama.cpp,
+    whose layers' roles follow from their tensors."""
+    return {MXXM_T: (KEY_KV_SOURCES, KEY_INDEX_SOURCES), DS4: (DS4_KV_SOURCES, DS4_INDEX_SOURCES)}.get(layout)
 
 
 def key(name: str) -> str:
@@ -210,6 +271,12 @@ TENSOR_NAMES: dict[str, dict[str, str]] = {
         ENGRAM_TABLE: "engram_embed",
         "indexer.attn_k": "indexer_compressor_kv",
         "indexer.k_norm": "indexer_compressor_norm",
+    },
+    DS4: {
+        **{role: role for role in ALL_ROLES},
+        "engram_wkv": "engram_kv",
+        "engram_q": "engram_q_norm",
+        "engram_k": "engram_k_norm",
     },
 }
 

@@ -1,8 +1,16 @@
-"""Reading a V4.1 GGUF file (llama.cpp or mxxm-t layout): metadata -> `ModelConfig`, tensors -> `WeightStore`.
+"""Reading a V4.1 GGUF file (llama.cpp, mxxm-t or ds4 layout): metadata -> `ModelConfig`, tensors -> `WeightStore`.
 
 The layout is told by the keys (`_detect_layout`): mxxm-t files carry explicit kv / index source
-lists and their own engram key names; both map to the same `ModelConfig` (its `layout` says which
-was read), and the store serves each tensor by its role whatever the layout calls it.
+lists and their own engram key names; ds4 files HF-named keys, source lists, engram keys without
+offsets or geometry (computed from the primes) and I8 engram tables, served as the E4M3_ROW264
+table format (host.quants). All map to the same `ModelConfig` (its `layout` says which was read),
+and the store serves each tensor by its role whatever the layout calls it.
+
+ds4 tables hold E4M3 codes and E8M0 scales that ds4 refuses when NaN. Every row is checked at load
+when a table is at most `E4M3_FULL_CHECK_BYTES`; a larger one (384M rows at flash size) only on a
+sample of `E4M3_SAMPLE_ROWS` rows spread over it, since reading it all would take minutes. The host
+dequantiser (the oracle, host-residency reads) checks every row it reads; the device row gather
+cannot raise and yields NaN for such a row (stages.quant_types.dequant_e4m3_row264).
 
 The file is memory-mapped through gguf-py's `GGUFReader`; a tensor's bytes are touched only when
 someone asks for that tensor. A split set (llama.cpp gguf-split: `NAME-00001-of-00003.gguf` ...)
@@ -14,6 +22,7 @@ Everything the engine relies on is validated here, once: each failure is a `Mode
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -25,8 +34,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 
 from flashv41.host import gguf_layout as L
 from flashv41.host.config import EngramConfig, LayerRole, ModelConfig
+from flashv41.host.engram_tables import engram_offsets
 from flashv41.host.errors import FlashError, ModelFormatError, SequenceStateError, UnsupportedError
-from flashv41.host.quants import FORMATS, GGMLType, dequantize
+from flashv41.host.quants import FORMATS, GGML_I8, GGMLType, RowType, check_e4m3_row264, dequantize
 
 
 @dataclass(frozen=True)
@@ -36,7 +46,7 @@ class TensorRef:
     F32 / F16)."""
 
     name: str
-    ggml_type: GGMLType
+    ggml_type: GGMLType | RowType
     shape: tuple[int, ...]
     data: np.ndarray
 
@@ -369,9 +379,9 @@ class _Fields:
 
 
 def _detect_layout(fields: _Fields) -> str:
-    """The layout of a V4.1 file, told by its keys: "llama.cpp" or "mxxm-t". Other architectures, the
-    DSpark draft, files with the pre-2026-09-11 engram keys and the ds4 layout are refused, each with
-    a message saying what the file is and what to do."""
+    """The layout of a V4.1 file, told by its keys: "llama.cpp", "mxxm-t" or "ds4". Other architectures,
+    the DSpark draft and files with the pre-2026-09-11 engram keys are refused, each with a message
+    saying what the file is and what to do."""
     if not fields.has("general.architecture"):
         raise ModelFormatError(f"{fields.fname}: metadata key general.architecture is missing")
     arch = fields.string("general.architecture")
@@ -384,14 +394,12 @@ def _detect_layout(fields: _Fields) -> str:
     if arch != L.ARCH:
         raise UnsupportedError(
             f"{fields.fname}: architecture {arch!r} is not supported (flashv41 runs {L.ARCH!r}, "
-            "DeepSeek-V4.1 in the llama.cpp or mxxm-t layout)"
+            "DeepSeek-V4.1 in the llama.cpp, mxxm-t or ds4 layout)"
         )
     ds4 = [L.key(m) for m in L.DS4_MARKERS if fields.has(L.key(m))]
     if ds4:
-        raise UnsupportedError(
-            f"{fields.fname}: metadata key {ds4[0]} marks the antirez ds4 V4.1 layout (HF-style keys, e4m3 "
-            "engram rows), which flashv41 does not read (it reads the llama.cpp and mxxm-t layouts)"
-        )
+        fields.note = f" (the file is read as the {L.DS4} layout: it has {ds4[0]})"
+        return L.DS4
     old = sorted(name for name in fields.reader.fields if name.startswith(L.OLD_ENGRAM_PREFIX))
     if old and not fields.has(L.key(L.ENGRAM_KEYS["layer_ids"])):
         raise UnsupportedError(
@@ -435,7 +443,12 @@ def _type_name(t: object) -> str:
 def _check_tensor(store: WeightStore, layer: int | None, role: str, shape: tuple[int, ...]) -> TensorRef:
     ref = store.get(layer, role)
     fname = store.file_of(ref.name).name
-    if not isinstance(ref.ggml_type, GGMLType):
+    if isinstance(ref.ggml_type, RowType) and role != L.ENGRAM_TABLE:
+        raise UnsupportedError(
+            f"{fname}: tensor {ref.name} has the table format {ref.ggml_type.name}, which only engram tables "
+            f"({L.ENGRAM_TABLE}) may use; a matrix the engine multiplies by must be a ggml type"
+        )
+    if not isinstance(ref.ggml_type, (GGMLType, RowType)):
         supported = ", ".join(t.name for t in GGMLType)
         raise UnsupportedError(
             f"{fname}: tensor {ref.name} has type {_type_name(ref.ggml_type)}, "
@@ -468,23 +481,29 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
             f"{fname}: {k['layer_ids']} = {list(layer_ids)} must be distinct, increasing layer ids "
             f"below block_count {n_layers}"
         )
-    heads, head_dim, max_ngram = fields.u32(k["n_heads"]), fields.u32(k["head_dim"]), fields.u32(k["max_ngram"])
-    if heads < 1 or head_dim < 1 or max_ngram < 2:
-        raise ModelFormatError(
-            f"{fname}: engram geometry heads={heads}, head_dim={head_dim}, max_ngram_size={max_ngram} "
-            f"({k['n_heads']}, {k['head_dim']}, {k['max_ngram']}; need heads >= 1, head_dim >= 1, "
-            "max_ngram_size >= 2)"
-        )
     n = len(layer_ids)
-    cols = (max_ngram - 1) * heads
-    multipliers = fields.array(k["multipliers"])
-    primes = fields.array(k["primes"])
-    offsets = fields.array(k["offsets"])
-    for name, arr, want in ((k["multipliers"], multipliers, n * max_ngram), (k["primes"], primes, n * cols),
-                            (k["offsets"], offsets, n * cols)):
-        if arr.size != want:
-            raise ModelFormatError(f"{fname}: {name} has {arr.size} entries, expected {want} "
-                                   f"({n} layers x {want // n})")
+    ds4_rows = None
+    if layout == L.DS4:
+        heads, head_dim, max_ngram, multipliers, primes, offsets, ds4_rows = _ds4_engram_geometry(
+            fields, k, store, layer_ids)
+        cols = (max_ngram - 1) * heads
+    else:
+        heads, head_dim, max_ngram = fields.u32(k["n_heads"]), fields.u32(k["head_dim"]), fields.u32(k["max_ngram"])
+        if heads < 1 or head_dim < 1 or max_ngram < 2:
+            raise ModelFormatError(
+                f"{fname}: engram geometry heads={heads}, head_dim={head_dim}, max_ngram_size={max_ngram} "
+                f"({k['n_heads']}, {k['head_dim']}, {k['max_ngram']}; need heads >= 1, head_dim >= 1, "
+                "max_ngram_size >= 2)"
+            )
+        cols = (max_ngram - 1) * heads
+        multipliers = fields.array(k["multipliers"])
+        primes = fields.array(k["primes"])
+        offsets = fields.array(k["offsets"])
+        for name, arr, want in ((k["multipliers"], multipliers, n * max_ngram), (k["primes"], primes, n * cols),
+                                (k["offsets"], offsets, n * cols)):
+            if arr.size != want:
+                raise ModelFormatError(f"{fname}: {name} has {arr.size} entries, expected {want} "
+                                       f"({n} layers x {want // n})")
     token_map = fields.array(k["token_map"], unsigned_max_unmapped=True)
     primes2 = primes.reshape(n, cols)
     offsets2 = offsets.reshape(n, cols)
@@ -520,7 +539,7 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
         if len(table.shape) != 2 or table.shape[1] != head_dim:
             raise ModelFormatError(
                 f"{fname}: tensor {table.name} has shape {list(table.shape)}, expected [rows, {head_dim}] "
-                f"({k['head_dim']} = {head_dim})"
+                f"({k.get('head_dim', 'the first table width')} = {head_dim})"
             )
         _check_tensor(store, layer, L.ENGRAM_TABLE, table.shape)
         if table.shape[0] < needed[i]:
@@ -528,9 +547,16 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
                 f"{fname}: tensor {table.name} has {table.shape[0]} rows, but the hash of layer {layer} "
                 f"reaches row {int(needed[i]) - 1} (sum of its primes)"
             )
+        if ds4_rows is not None and table.shape[0] != ds4_rows[i]:
+            raise ModelFormatError(f"{fname}: tensor {table.name} has {table.shape[0]} rows, but {k['rows']}[{i}] "
+                                   f"= {int(ds4_rows[i])}")
+        if table.ggml_type == RowType.E4M3_ROW264:
+            _check_e4m3_table(table, store.file_of(table.name).name)
         table_rows.append(int(table.shape[0]))
     if layout == L.MXXM_T:
         _check_mxxm_engram_sizes(fields, k, token_map, table_rows)
+    elif layout == L.DS4:
+        _check_compressed_vocab(fields, k, token_map)
     return EngramConfig(
         layer_ids=layer_ids,
         n_heads=heads,
@@ -543,6 +569,79 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
         pad_id=pad_id,
         table_rows=tuple(table_rows),
     )
+
+
+# ds4 tables are checked for NaN codes and scales in full up to this size, else on a sample
+E4M3_FULL_CHECK_BYTES = 64 << 20
+E4M3_SAMPLE_ROWS = 4096
+_DS4_TABLE = re.compile(r"^blk\.[0-9]+\." + re.escape(L.TENSOR_NAMES[L.DS4][L.ENGRAM_TABLE]) + r"\.weight$")
+
+
+def _ds4_tables(tensors: dict[str, TensorRef], where: dict[str, Path]) -> None:
+    """ds4's engram tables, I8 [rows, 264] in the file, served as E4M3_ROW264 [rows, 256] (in place)."""
+    fmt = FORMATS[RowType.E4M3_ROW264]
+    for name, ref in list(tensors.items()):
+        if not _DS4_TABLE.match(name) or isinstance(ref.ggml_type, GGMLType) or int(ref.ggml_type) != GGML_I8:
+            continue
+        if len(ref.shape) != 2 or ref.shape[1] != fmt.block_bytes:
+            raise ModelFormatError(
+                f"{where[name].name}: tensor {name} is I8 {list(ref.shape)} (NumPy order), but a ds4 engram table "
+                f"({L.DS4_ENCODING}) is I8 [rows, {fmt.block_bytes}]: rows of {fmt.block_bytes} bytes"
+            )
+        tensors[name] = TensorRef(name, RowType.E4M3_ROW264, (ref.shape[0], fmt.block_values), ref.data)
+
+
+def _check_e4m3_table(table: TensorRef, fname: str) -> None:
+    """No NaN code or scale in an E4M3_ROW264 table: every row of a table up to E4M3_FULL_CHECK_BYTES,
+    else E4M3_SAMPLE_ROWS rows spread evenly over it, the first and last among them (module docstring)."""
+    raw = table.raw()
+    rows = None
+    if table.nbytes > E4M3_FULL_CHECK_BYTES:
+        rows = np.unique(np.linspace(0, raw.shape[0] - 1, E4M3_SAMPLE_ROWS).astype(np.int64))
+        raw = raw[rows]
+    try:
+        check_e4m3_row264(raw, rows=rows)
+    except ModelFormatError as exc:
+        raise ModelFormatError(f"{fname}: tensor {table.name}: {exc}") from None
+
+
+def _ds4_engram_geometry(fields: _Fields, k: dict[str, str], store: WeightStore, layer_ids: tuple[int, ...]):
+    """ds4 records no engram heads, n-gram size, head width or offsets: max_ngram is the multipliers
+    per layer, heads the primes per layer / (max_ngram - 1), the width the tables', the offsets the
+    running sums of each layer's primes, which must sum to its `engram.rows`. Returns (heads,
+    head_dim, max_ngram, multipliers, primes, offsets, rows), the arrays flat int64."""
+    fname = fields.fname
+    encoding = fields.string(k["encoding"])
+    if encoding != L.DS4_ENCODING:
+        raise UnsupportedError(f"{fname}: {k['encoding']} = {encoding!r}; flashv41 reads ds4 engram tables "
+                               f"encoded {L.DS4_ENCODING!r}")
+    n = len(layer_ids)
+    multipliers = fields.array(k["multipliers"])
+    primes = fields.array(k["primes"])
+    rows = fields.array(k["rows"])
+    if multipliers.size % n or multipliers.size // n < 2:
+        raise ModelFormatError(f"{fname}: {k['multipliers']} has {multipliers.size} entries, expected max_ngram_size "
+                               f"(>= 2) of them for each of the {n} engram layers")
+    max_ngram = multipliers.size // n
+    per_layer = primes.size // n
+    if primes.size == 0 or primes.size % n or per_layer % (max_ngram - 1):
+        raise ModelFormatError(f"{fname}: {k['primes']} has {primes.size} entries, expected heads x {max_ngram - 1} "
+                               f"(n-gram orders: {k['multipliers']} gives max_ngram_size {max_ngram}) for each of "
+                               f"the {n} engram layers")
+    heads = per_layer // (max_ngram - 1)
+    if rows.size != n:
+        raise ModelFormatError(f"{fname}: {k['rows']} has {rows.size} entries, expected one per engram layer ({n})")
+    sums = primes.reshape(n, per_layer).sum(axis=1)
+    bad = np.flatnonzero(sums != rows)
+    if bad.size:
+        i = int(bad[0])
+        raise ModelFormatError(
+            f"{fname}: the primes of engram layer {layer_ids[i]} ({k['primes']}) sum to {int(sums[i])}, but "
+            f"{k['rows']}[{i}] = {int(rows[i])} (each layer's primes must sum to its table rows)"
+        )
+    offsets = engram_offsets(primes.reshape(n, max_ngram - 1, heads)).reshape(-1)
+    head_dim = int(store.get(layer_ids[0], L.ENGRAM_TABLE).shape[-1])
+    return heads, head_dim, max_ngram, multipliers, primes, offsets, rows
 
 
 def _mxxm_pad_id(fields: _Fields, k: dict[str, str], token_map: np.ndarray) -> int:
@@ -564,13 +663,7 @@ def _check_mxxm_engram_sizes(fields: _Fields, k: dict[str, str], token_map: np.n
                              table_rows: list[int]) -> None:
     """mxxm-t's two recorded sizes against what they describe: the compressed vocabulary against the
     token map, the table rows (an array: one per engram layer) against the tables."""
-    compressed = fields.u32(k["compressed_vocab"])
-    top = int(token_map.max())
-    if compressed != top + 1:
-        raise ModelFormatError(
-            f"{fields.fname}: {k['compressed_vocab']} = {compressed}, but {k['token_map']} maps onto compressed "
-            f"ids 0..{top} ({top + 1} of them)"
-        )
+    _check_compressed_vocab(fields, k, token_map)
     name = k["num_embeddings"]
     field = fields.reader.get_field(name)
     if field is not None and field.types and field.types[0] == GGUFValueType.ARRAY:
@@ -582,16 +675,27 @@ def _check_mxxm_engram_sizes(fields: _Fields, k: dict[str, str], token_map: np.n
         raise ModelFormatError(f"{fields.fname}: {name} = {fields.u32(name)}, expected a row count >= 1")
 
 
+def _check_compressed_vocab(fields: _Fields, k: dict[str, str], token_map: np.ndarray) -> None:
+    """The recorded compressed vocabulary size (mxxm-t, ds4) against the token map it counts."""
+    compressed = fields.u32(k["compressed_vocab"])
+    top = int(token_map.max())
+    if compressed != top + 1:
+        raise ModelFormatError(
+            f"{fields.fname}: {k['compressed_vocab']} = {compressed}, but {k['token_map']} maps onto compressed "
+            f"ids 0..{top} ({top + 1} of them)"
+        )
+
+
 def _source_layers(fields: _Fields, store: WeightStore, n: int) -> tuple[list[bool], list[bool]]:
     """Which layers are kv sources and which index sources: told by their tensors (llama.cpp), or
-    listed (mxxm-t), and then the lists must agree with the tensors present, both ways."""
+    listed (mxxm-t, ds4), and then the lists must agree with the tensors present, both ways."""
     kv_roles = ("attn_compressor_kv", "indexer.attn_k")  # a kv source's compressor and index keys
     idx_roles = ("indexer.attn_q_b",)
-    if store.layout != L.MXXM_T:
+    lists = L.source_list_keys(store.layout)
+    if lists is None:
         return ([store.has(i, kv_roles[0]) for i in range(n)], [store.has(i, idx_roles[0]) for i in range(n)])
     out = []
-    for list_key, roles, what in ((L.KEY_KV_SOURCES, kv_roles, "kv source"),
-                                  (L.KEY_INDEX_SOURCES, idx_roles, "index source")):
+    for list_key, roles, what in ((lists[0], kv_roles, "kv source"), (lists[1], idx_roles, "index source")):
         name = L.key(list_key)
         listed = [int(v) for v in fields.array(name)]
         if listed != sorted(set(listed)) or (listed and (listed[0] < 0 or listed[-1] >= n)):
@@ -676,11 +780,10 @@ def read_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, WeightStore]:
         tensors.update(own)
         where.update(dict.fromkeys(own, sp))
         files.append(ModelFile(sp, len(own)))
+    if layout == L.DS4:
+        _ds4_tables(tensors, where)
     store = WeightStore(p, [r for r, _ in shards], tensors, tuple(files), where, layout)
-    values: dict = {name: fields.u32(L.key(k)) for name, k in L.U32_KEYS.items()}
-    values.update({name: fields.f32(L.key(k)) for name, k in L.F32_KEYS.items()})
-    for name, (k, default) in L.OPTIONAL_U32_KEYS.items():
-        values[name] = fields.u32(L.key(k)) if fields.has(L.key(k)) else default
+    values, ratios_key, float_keys = _ds4_values(fields) if layout == L.DS4 else _llama_values(fields)
     embd = store.get(None, L.TOKEN_EMBD)
     values["vocab_size"] = fields.u32(L.key(L.KEY_VOCAB)) if fields.has(L.key(L.KEY_VOCAB)) else embd.shape[0]
     # before the engram tables, whose token map is padded out to the vocabulary: a damaged
@@ -691,18 +794,21 @@ def read_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, WeightStore]:
             f"{L.key(L.KEY_VOCAB)} is {values['vocab_size']}"
         )
     n = values["n_layers"]
-    ratios = fields.array(L.key(L.KEY_COMPRESS_RATIOS))
+    ratios = fields.array(L.key(ratios_key))
     if ratios.size < n:
         raise ModelFormatError(
-            f"{p.name}: {L.key(L.KEY_COMPRESS_RATIOS)} has {ratios.size} entries, block_count is {n}"
+            f"{p.name}: {L.key(ratios_key)} has {ratios.size} entries, "
+            f"{'num_hidden_layers' if layout == L.DS4 else 'block_count'} is {n}"
         )
     values["compress_ratios"] = tuple(int(r) for r in ratios[:n])
-    for kv_key, want in ((L.KEY_HEAD_COUNT_KV, 1), (L.KEY_VALUE_LENGTH, values["head_dim"])):
+    kv_keys = ((L.DS4_KEY_HEAD_COUNT_KV, 1),) if layout == L.DS4 else (
+        (L.KEY_HEAD_COUNT_KV, 1), (L.KEY_VALUE_LENGTH, values["head_dim"]))
+    for kv_key, want in kv_keys:
         if fields.has(L.key(kv_key)) and fields.u32(L.key(kv_key)) != want:
             raise UnsupportedError(
                 f"{p.name}: {L.key(kv_key)} = {fields.u32(L.key(kv_key))}, V4.1 attention needs {want}"
             )
-    _check_geometry(values, p.name)
+    _check_geometry(values, p.name, float_keys)
     engram = _engram_config(fields, store, n, values["vocab_size"], layout)
     kv, idx = _source_layers(fields, store, n)
     values["roles"] = _roles(values, store, engram.layer_ids if engram else (), p.name, kv, idx)
@@ -711,10 +817,55 @@ def read_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, WeightStore]:
     return cfg, store
 
 
+def _llama_values(fields: _Fields) -> tuple[dict, str, dict[str, str]]:
+    """The config values of a llama.cpp or mxxm-t file's keys; with the compress-ratio key and the
+    float keys (name -> key) that _check_geometry names."""
+    values: dict = {name: fields.u32(L.key(k)) for name, k in L.U32_KEYS.items()}
+    values.update({name: fields.f32(L.key(k)) for name, k in L.F32_KEYS.items()})
+    for name, (k, default) in L.OPTIONAL_U32_KEYS.items():
+        values[name] = fields.u32(L.key(k)) if fields.has(L.key(k)) else default
+    return values, L.KEY_COMPRESS_RATIOS, L.F32_KEYS
+
+
+def _ds4_values(fields: _Fields) -> tuple[dict, str, dict[str, str]]:
+    """The config values of a ds4 file's HF-named keys (gguf_layout.DS4_*), cross-checked against
+    the config.json string it carries where both say a number."""
+    values: dict = {name: fields.u32(L.key(k)) for name, k in L.DS4_U32_KEYS.items()}
+    values.update({name: float(fields.u32(L.key(k))) for name, k in L.DS4_U32_FLOAT_KEYS.items()})
+    values.update({name: fields.f32(L.key(k)) for name, k in L.DS4_F32_KEYS.items()})
+    for name, k in L.DS4_F32_INT_KEYS.items():
+        v = fields.f32(L.key(k))
+        if not (math.isfinite(v) and v == int(v) and v >= 1):
+            raise ModelFormatError(f"{fields.fname}: metadata key {L.key(k)} = {v!r}, expected a whole number >= 1")
+        values[name] = int(v)
+    _cross_check_ds4_config(fields, values)
+    floats = {**L.DS4_U32_FLOAT_KEYS, **L.DS4_F32_KEYS}
+    return values, L.DS4_KEY_COMPRESS_RATIOS, floats
+
+
+def _cross_check_ds4_config(fields: _Fields, values: dict) -> None:
+    """`deepseek41.config`, ds4's copy of config.json (optional): valid JSON, and every integer size
+    it shares with the keys equal to the key's."""
+    name = L.key(L.DS4_KEY_CONFIG)
+    if not fields.has(name):
+        return
+    try:
+        config = json.loads(fields.string(name))
+    except json.JSONDecodeError as exc:
+        raise ModelFormatError(f"{fields.fname}: metadata key {name} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ModelFormatError(f"{fields.fname}: metadata key {name} should hold a JSON object (config.json)")
+    for field, k in L.DS4_U32_KEYS.items():
+        said = config.get(k)
+        if isinstance(said, int) and not isinstance(said, bool) and said != values[field]:
+            raise ModelFormatError(f"{fields.fname}: {name} says {k} = {said}, but metadata key {L.key(k)} = "
+                                   f"{values[field]}")
+
+
 MAX_SINKHORN_ITERS = 1000
 
 
-def _check_geometry(v: dict, fname: str) -> None:
+def _check_geometry(v: dict, fname: str, float_keys: dict[str, str] = L.F32_KEYS) -> None:
     """Size relations the math relies on (RoPE pairs, quantiser blocks, output groups)."""
     rules = [
         (v["n_layers"] >= 1, "block_count must be at least 1"),
@@ -741,7 +892,7 @@ def _check_geometry(v: dict, fname: str) -> None:
     for ok, message in rules:
         if not ok:
             raise ModelFormatError(f"{fname}: {message}")
-    for name, k in L.F32_KEYS.items():
+    for name, k in float_keys.items():
         # every one is a positive scale (epsilons, RoPE bases, YaRN factor and betas); a NaN, an
         # infinity or a sign flip would only surface later as NaN highways
         if not (math.isfinite(v[name]) and v[name] > 0):

@@ -1,7 +1,8 @@
 """GGUF tensor codecs in NumPy: the block layouts flashv41 reads, dequantisation to float32, and the
 quantisers the synthetic-model writer uses.
 
-Supported types: F32, F16, BF16, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4, each declared once in
+Supported types: F32, F16, BF16, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4, and one table format
+no ggml type id names, E4M3_ROW264 (ds4's engram rows, stored in the file as I8), each declared once in
 the table `FORMATS` (its block layout a NumPy structured dtype whose size is asserted, values a
 block, dequantiser and quantiser); stages.quant_types adds each type's device pieces.
 Dequantisation agrees bit for bit with gguf-py's `gguf.quants.dequantize` (tests/test_quants.py,
@@ -17,6 +18,9 @@ for bit whatever their operation order (and with or without fused multiply-adds)
 - MXFP4: a power of two 2^(e - 128) (an fp32 subnormal for e < 2) times a doubled E2M1 value
   (0..12: at most 2 bits), exact, except that e >= 254 with the largest codes overflows to inf,
   as gguf-py's does.
+- E4M3_ROW264: an E4M3FN value (4 significant bits, magnitudes 2^-9 .. 448) times 2^(s - 127),
+  exact in fp32 (the smallest, 2^-136, is far above fp32's 2^-149) or inf past 2^128; then the one
+  rounding to bf16 that ds4 applies (exact but for values under bf16's normal range, 2^-126).
 K-quant scales read as fp16 may be subnormal; fp32 holds them as normal numbers.
 
 The Q2_K quantiser follows the idea of ggml's reference quantiser: per 16-value sub-block a
@@ -35,7 +39,17 @@ from typing import Any
 
 import numpy as np
 
-from flashv41.host.errors import UnsupportedError
+from flashv41.host.errors import ModelFormatError, UnsupportedError
+
+
+class RowType(IntEnum):
+    """Table formats that no ggml type id names: the file records them under another type (ds4's
+    engram rows are I8 tensors of 264 bytes a row); ids far from ggml's so the two never meet."""
+
+    E4M3_ROW264 = 1 << 16
+
+
+GGML_I8 = 24  # ggml's I8 type id: what a ds4 file records its E4M3_ROW264 tables as
 
 
 class GGMLType(IntEnum):
@@ -74,6 +88,10 @@ Q5_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), (
 Q6_K_BLOCK = np.dtype([("ql", "u1", (128,)), ("qh", "u1", (64,)), ("scales", "i1", (16,)), ("d", "<f2")])
 # MXFP4: an E8M0 exponent byte and 32 E2M1 codes, two a byte (value j low nibble of qs[j], j + 16 high).
 MXFP4_BLOCK = np.dtype([("e", "u1"), ("qs", "u1", (16,))])
+# E4M3_ROW264 (ds4's engram rows): 256 E4M3FN codes (bias 7, exponent 0 subnormal m * 2^-9, codes
+# with (code & 127) == 127 NaN), then 8 E8M0 scales, scale k for values 32 k .. 32 k + 31.
+E4M3_ROW264_BLOCK = np.dtype([("qs", "u1", (256,)), ("e", "u1", (8,))])
+assert E4M3_ROW264_BLOCK.itemsize == 264
 assert (F32_BLOCK.itemsize, F16_BLOCK.itemsize, BF16_BLOCK.itemsize, Q8_0_BLOCK.itemsize, Q2_K_BLOCK.itemsize) \
     == (4, 2, 2, 34, 84)
 assert (Q3_K_BLOCK.itemsize, Q4_K_BLOCK.itemsize, Q5_K_BLOCK.itemsize, Q6_K_BLOCK.itemsize, MXFP4_BLOCK.itemsize) \
@@ -258,6 +276,82 @@ def dequantize_mxfp4(raw: np.ndarray) -> np.ndarray:
         return (e8m0_half(blocks["e"])[:, None] * MXFP4_DOUBLED[codes]).reshape(*raw.shape[:-1], -1)
 
 
+def e4m3_value(code: np.ndarray) -> np.ndarray:
+    """E4M3FN codes (uint8) -> float32, exactly: (8 + m) * 2^(e - 10) for exponent e >= 1, m * 2^-9
+    for e = 0, the sign bit 128; NaN where (code & 127) == 127."""
+    c = np.asarray(code, dtype=np.uint32)
+    e, m = (c >> 3) & 15, c & 7
+    normal = ((e + np.uint32(120)) << np.uint32(23)) | (m << np.uint32(20))
+    mag = np.where(e == 0, m.astype(np.float32) * np.float32(2.0**-9), normal.astype(np.uint32).view(np.float32))
+    mag = np.where((c & 127) == 127, np.float32(np.nan), mag).astype(np.float32)
+    return np.where(c & 128, -mag, mag).astype(np.float32)
+
+
+E4M3_VALUES = e4m3_value(np.arange(256, dtype=np.uint8))  # float32 [256], by code
+E4M3_NAN = 127  # (code & 127) == 127: NaN
+E8M0_NAN = 255
+
+
+def e8m0_value(e: np.ndarray) -> np.ndarray:
+    """E8M0 scale bytes -> 2^(e - 127) as float32 (e = 0: the fp32 subnormal 2^-127; 255 is NaN
+    and refused before this is asked)."""
+    e = np.asarray(e, dtype=np.uint32)
+    return np.where(e == 0, np.uint32(0x00400000), e << np.uint32(23)).astype(np.uint32).view(np.float32)
+
+
+def check_e4m3_row264(raw: np.ndarray, first_row: int = 0, rows: np.ndarray | None = None) -> None:
+    """ModelFormatError naming the first bad row of E4M3_ROW264 bytes [..., whole rows] (a NaN code,
+    (code & 127) == 127, or a NaN scale, 255: ds4 refuses both). Row numbers are `rows[i]` when
+    given (the rows a sample took), else first_row + i."""
+    blocks = _blocks(raw, E4M3_ROW264_BLOCK)
+    for field, bad_of, what in (("qs", lambda b: (b & 127) == E4M3_NAN, "an E4M3 NaN code"),
+                                ("e", lambda b: b == E8M0_NAN, "an E8M0 NaN scale")):
+        bad = np.argwhere(bad_of(blocks[field]))
+        if bad.size:
+            i, j = (int(v) for v in bad[0])
+            row = int(rows[i]) if rows is not None else first_row + i
+            byte = j + field_offset(E4M3_ROW264_BLOCK, field)
+            raise ModelFormatError(
+                f"E4M3_ROW264 row {row}: byte {byte} = {int(blocks[field][i, j])} is {what} "
+                "(ds4 refuses codes with (code & 127) == 127 and scales of 255)")
+
+
+def dequantize_e4m3_row264(raw: np.ndarray) -> np.ndarray:
+    """E4M3_ROW264 bytes [..., whole rows] -> float32 [..., 256 a row]: e4m3(code) * 2^(scale - 127),
+    rounded to bf16 as ds4 does. A NaN code or scale raises ModelFormatError (check_e4m3_row264)."""
+    check_e4m3_row264(raw)
+    blocks = _blocks(raw, E4M3_ROW264_BLOCK)
+    groups = blocks["e"].shape[1]
+    codes = blocks["qs"].reshape(blocks.shape[0], groups, -1)
+    with np.errstate(over="ignore"):  # scales near 254 with the largest codes: inf, as on the GPU
+        v = E4M3_VALUES[codes] * e8m0_value(blocks["e"])[:, :, None]
+    return bf16_bits_to_f32(f32_to_bf16_bits(v)).reshape(*raw.shape[:-1], -1)
+
+
+def quantize_e4m3_row264(x: np.ndarray) -> np.ndarray:
+    """float32 [rows, k] -> E4M3_ROW264 bytes [rows, k / 256 * 264] (synthetic ds4 tables): per 32
+    values the smallest E8M0 scale s with amax / 2^(s - 127) <= 448 (127 for an all-zero group),
+    each code the nearest E4M3 value of x / 2^(s - 127), ties to even, clipped at +-448."""
+    rows, k = x.shape
+    per = E4M3_ROW264_BLOCK["qs"].shape[0] // E4M3_ROW264_BLOCK["e"].shape[0]
+    g = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, per).astype(np.float64)
+    amax = np.abs(g).max(axis=1)
+    with np.errstate(divide="ignore"):
+        s = np.where(amax > 0, np.ceil(np.log2(amax / 448.0)) + 127, 127)
+    s = np.clip(s, 0, 254).astype(np.int64)
+    v = np.abs(g) / np.exp2(s - 127.0)[:, None]
+    _, ex = np.frexp(np.where(v > 0, v, 1.0))
+    step = np.exp2(np.maximum(ex - 1, -6) - 3.0)  # the spacing of E4M3 values at v's binade
+    q = np.minimum(np.rint(v / step) * step, 448.0)
+    positive = E4M3_VALUES[:E4M3_NAN].astype(np.float64)  # codes 0..126, increasing
+    codes = np.searchsorted(positive, q).astype(np.uint8)
+    codes |= np.where((g < 0) & (codes > 0), np.uint8(128), np.uint8(0))
+    blocks = np.zeros(rows * k // E4M3_ROW264_BLOCK["qs"].shape[0], dtype=E4M3_ROW264_BLOCK)
+    blocks["qs"] = codes.reshape(blocks.shape[0], -1)
+    blocks["e"] = s.astype(np.uint8).reshape(blocks.shape[0], -1)
+    return blocks.view(np.uint8).reshape(rows, -1)
+
+
 def _round_half_even(x: np.ndarray) -> np.ndarray:
     return np.rint(x).astype(np.int32)
 
@@ -412,11 +506,12 @@ class QuantFormat:
     dequantiser of stored bytes [..., whole blocks] -> float32 [..., values] and the quantiser of
     float32 [rows, k] -> the stored form (typed rows for F32 / F16, else bytes [rows, row_bytes])."""
 
-    ggml_type: GGMLType
+    ggml_type: GGMLType | RowType
     block: np.dtype
     block_values: int
     dequantize: Callable[[np.ndarray], np.ndarray]
     quantize: Callable[[np.ndarray], np.ndarray]
+    table_only: bool = False  # a table format (RowType): engram tables may use it, matrices not
 
     @property
     def block_bytes(self) -> int:
@@ -434,7 +529,7 @@ class QuantFormat:
 
 # The table of quant types: adding a type is adding its block dtype above and a row here (and its
 # device pieces in stages.quant_types).
-FORMATS: dict[GGMLType, QuantFormat] = {
+FORMATS: dict[GGMLType | RowType, QuantFormat] = {
     GGMLType.F32: QuantFormat(GGMLType.F32, F32_BLOCK, 1, dequantize_f32, quantize_f32),
     GGMLType.F16: QuantFormat(GGMLType.F16, F16_BLOCK, 1, dequantize_f16, quantize_f16),
     GGMLType.BF16: QuantFormat(GGMLType.BF16, BF16_BLOCK, 1, dequantize_bf16, quantize_bf16),
@@ -447,6 +542,8 @@ FORMATS: dict[GGMLType, QuantFormat] = {
     GGMLType.Q6_K: QuantFormat(GGMLType.Q6_K, Q6_K_BLOCK, 256, dequantize_q6_k, no_quantizer("Q6_K")),
     GGMLType.MXFP4: QuantFormat(GGMLType.MXFP4, MXFP4_BLOCK, MXFP4_BLOCK["qs"].shape[0] * 2, dequantize_mxfp4,
                                 quantize_mxfp4),
+    RowType.E4M3_ROW264: QuantFormat(RowType.E4M3_ROW264, E4M3_ROW264_BLOCK, E4M3_ROW264_BLOCK["qs"].shape[0],
+                                     dequantize_e4m3_row264, quantize_e4m3_row264, table_only=True),
 }
 
 
@@ -461,11 +558,16 @@ def ggml_type(value: int | str | GGMLType) -> GGMLType:
         raise UnsupportedError(f"ggml type {value!r} is not supported (supported: {names})") from None
 
 
-def quant_format(value: int | str | GGMLType) -> QuantFormat:
+def quant_format(value: int | str | GGMLType | RowType) -> QuantFormat:
+    """The table row of a ggml type (id, name or GGMLType) or of a table format (a RowType or its name)."""
+    if isinstance(value, RowType):
+        return FORMATS[value]
+    if isinstance(value, str) and value.upper() in RowType.__members__:
+        return FORMATS[RowType[value.upper()]]
     return FORMATS[ggml_type(value)]
 
 
-def dequantize(data: np.ndarray, qtype: int | str | GGMLType, n_values: int | None = None) -> np.ndarray:
+def dequantize(data: np.ndarray, qtype: int | str | GGMLType | RowType, n_values: int | None = None) -> np.ndarray:
     """Any supported tensor's stored form -> float32.
 
     `data` is what the file holds: raw bytes (uint8, the last axis one or more whole rows) or a
@@ -492,7 +594,7 @@ def dequantize(data: np.ndarray, qtype: int | str | GGMLType, n_values: int | No
     return fmt.dequantize(raw).reshape(shape)
 
 
-def quantize(x: np.ndarray, qtype: int | str | GGMLType) -> np.ndarray:
+def quantize(x: np.ndarray, qtype: int | str | GGMLType | RowType) -> np.ndarray:
     """float32 [rows, k] -> the stored form of `qtype`: typed array (F32, F16) or bytes [rows, bytes]."""
     fmt = quant_format(qtype)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -522,5 +624,7 @@ def random_blocks(qtype: int | str | GGMLType, n_rows: int, k: int, rng: np.rand
         if name in fields:
             blocks[name] = (10.0 ** rng.uniform(-3, -2, blocks.shape)).astype(np.float16)
     if "e" in fields:
-        blocks["e"] = rng.integers(116, 124, blocks.shape)
+        blocks["e"] = rng.integers(116, 124, blocks["e"].shape)
+    if fmt.ggml_type == RowType.E4M3_ROW264:  # no NaN codes (code & 127 == 127): 126 instead
+        blocks["qs"] = np.where((blocks["qs"] & 127) == E4M3_NAN, blocks["qs"] ^ 1, blocks["qs"])
     return raw

@@ -1,4 +1,4 @@
-"""Synthetic V4.1 models: complete GGUF files in the llama.cpp or mxxm-t layout with seeded random weights.
+"""Synthetic V4.1 models: complete GGUF files in the llama.cpp, mxxm-t or ds4 layout with seeded random weights.
 
 The weights follow the released checkpoint's statistics as the reference tests measure them:
 embedding RMS 0.12, norm weights around a per-norm mean with 10% spread, projections
@@ -15,7 +15,12 @@ Presets:
 
 The layout changes only keys and names (mxxm-t: source lists, its engram keys with the raw pad
 id and a u32 token map, its three tensor names): the same preset and seed give the same tensors,
-byte for byte, in either layout.
+byte for byte, in either layout. ds4 (HF-named keys, general.alignment 16384, source lists, engram
+rows / compressed vocabulary instead of offsets and geometry, its three tensor names) stores its
+tables as I8 rows of E4M3 codes and E8M0 scales (host.quants E4M3_ROW264): the Gaussian values a
+Q8_0 or BF16 table of the same seed holds, quantised, so every other tensor is byte for byte that of
+the llama.cpp file with `table_type="BF16"` (or Q8_0). Its other tensors keep the llama.cpp
+writer's types (real ds4 files have an F16 engram_kv: any readable type loads the same way).
 
 Files are written tensor by tensor (never the whole model in memory), with progress callbacks,
 under a temporary name that becomes the file's only when the last byte is written: a failed or
@@ -27,6 +32,7 @@ temporary folder beside the target whose shards move into place once all are wri
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -44,7 +50,7 @@ from flashv41.host.errors import InputError, UnsupportedError
 from flashv41.host.gguf_model import shard_name
 from flashv41.host.numerics import bf16
 from flashv41.host.progress import Progress
-from flashv41.host.quants import FORMATS, GGMLType, ggml_type, quantize
+from flashv41.host.quants import FORMATS, GGMLType, RowType, ggml_type, quantize
 
 # Per-norm mean of the weights, and per-projection gain over fan_in^-0.5 (the reference's testing.py).
 NORM_MEAN = {
@@ -167,7 +173,7 @@ MakeFn = Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]  # (rng, s
 class PlannedTensor:
     name: str
     shape: tuple[int, ...]  # NumPy order
-    gtype: GGMLType
+    gtype: GGMLType | RowType
     make: MakeFn
 
     @property
@@ -177,7 +183,7 @@ class PlannedTensor:
         return rows * fmt.row_bytes(self.shape[-1])
 
 
-def _fit_type(want: GGMLType, inner: int) -> GGMLType:
+def _fit_type(want: GGMLType | RowType, inner: int) -> GGMLType | RowType:
     """The requested type, or the next one down whose blocks divide the row (as llama-quantize does)."""
     for t in (want, GGMLType.Q8_0, GGMLType.BF16):
         if inner % FORMATS[t].block_values == 0:
@@ -209,7 +215,7 @@ def _q2k_table(rows: int, width: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.view(np.uint8).reshape(rows, -1)
 
 
-def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType, table_rows: list[int],
+def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType | RowType, table_rows: list[int],
                  layout: str = L.LLAMA_CPP) -> list[PlannedTensor]:
     """Every tensor of the model, in file order, with how to make it (named as `layout` names it)."""
     dims = L.Dims(vocab=p.vocab, dim=p.dim, n_heads=p.n_heads, head_dim=p.head_dim, q_lora=p.q_lora_rank,
@@ -277,6 +283,9 @@ def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType, table_r
 def _write_metadata(w: GGUFWriter, p: Preset, primes: np.ndarray, offsets: np.ndarray,
                     multipliers: np.ndarray, token_map: np.ndarray, pad_id: int, table_rows: list[int],
                     layout: str = L.LLAMA_CPP) -> None:
+    if layout == L.DS4:
+        _write_ds4_metadata(w, p, primes, multipliers, token_map, pad_id, table_rows)
+        return
     u32 = {"n_layers": p.n_layers, "context_length": p.context_length, "dim": p.dim, "n_heads": p.n_heads,
            "head_dim": p.head_dim, "rope_dim": p.rope_dim, "q_lora_rank": p.q_lora_rank, "window": p.window,
            "index_heads": p.index_heads, "index_head_dim": p.index_head_dim, "index_topk": p.index_topk,
@@ -339,10 +348,62 @@ def _write_mxxm_metadata(w: GGUFWriter, p: Preset, primes: np.ndarray, offsets: 
     array("engram.token_map", np.where(token_map < 0, np.iinfo(np.uint32).max, token_map), GGUFValueType.UINT32)
 
 
+def _write_ds4_metadata(w: GGUFWriter, p: Preset, primes: np.ndarray, multipliers: np.ndarray,
+                        token_map: np.ndarray, pad_id: int, table_rows: list[int]) -> None:
+    """ds4's keys (gguf_layout.DS4_*): HF config names, u32 rope thetas, an f32 original context, u32
+    arrays without the `attention.` prefix, and config.json as a string."""
+    u32 = {"n_layers": p.n_layers, "context_length": p.context_length, "dim": p.dim, "n_heads": p.n_heads,
+           "head_dim": p.head_dim, "rope_dim": p.rope_dim, "q_lora_rank": p.q_lora_rank, "window": p.window,
+           "index_heads": p.index_heads, "index_head_dim": p.index_head_dim, "index_topk": p.index_topk,
+           "o_groups": p.o_groups, "o_lora_rank": p.o_lora_rank, "hc": p.hc, "sinkhorn_iters": p.sinkhorn_iters,
+           "candidate_source": p.candidate_source, "candidate_block_size": p.candidate_block_size,
+           "candidate_topk_blocks": p.candidate_topk_blocks}
+    config: dict = {"architectures": ["DeepseekV41ForCausalLM"], "vocab_size": p.vocab}
+    w.add_uint32(L.key(L.KEY_VOCAB), p.vocab)
+    for name, k in L.DS4_U32_KEYS.items():
+        w.add_uint32(L.key(k), int(u32[name]))
+        config[k] = int(u32[name])
+    for name, k in L.DS4_U32_FLOAT_KEYS.items():
+        value = getattr(p, name)
+        if value != int(value):
+            raise InputError(f"{name} = {value}: the ds4 layout stores it as an integer ({L.key(k)}, u32)")
+        w.add_uint32(L.key(k), int(value))
+        config[k] = float(value)
+    for name, k in {**L.DS4_F32_KEYS, **L.DS4_F32_INT_KEYS}.items():
+        w.add_float32(L.key(k), float(getattr(p, name)))
+        config[k] = getattr(p, name)
+    w.add_uint32(L.key(L.DS4_KEY_HEAD_COUNT_KV), 1)
+    config[L.DS4_KEY_HEAD_COUNT_KV] = 1
+
+    def array(name: str, values, sub_type: GGUFValueType = GGUFValueType.UINT32) -> None:
+        w.add_key_value(L.key(name), [int(v) for v in values], GGUFValueType.ARRAY, sub_type=sub_type)
+
+    array(L.DS4_KEY_COMPRESS_RATIOS, [*p.compress_ratios, 0])  # with the MTP layer's entry, as published
+    array(L.DS4_KV_SOURCES, p.kv_sources)
+    array(L.DS4_INDEX_SOURCES, p.index_sources)
+    config[L.DS4_KEY_COMPRESS_RATIOS] = [*p.compress_ratios, 0]
+    w.add_string(L.key(L.DS4_KEY_CONFIG), json.dumps(config))
+    if not p.engram_layers:
+        return
+    if primes.size and int(primes.max()) > np.iinfo(np.uint32).max:
+        raise InputError("the ds4 layout stores engram primes as u32: these tables are too large for it")
+    E = {name: L.key(v) for name, v in L.DS4_ENGRAM_KEYS.items()}
+    w.add_string(E["encoding"], L.DS4_ENCODING)
+    array("engram.layer_ids", p.engram_layers)
+    array("engram.rows", table_rows)
+    w.add_uint32(E["compressed_vocab"], int(token_map.max()) + 1)
+    w.add_uint32(E["pad_id"], int(pad_id))
+    array("engram.token_map", np.where(token_map < 0, np.iinfo(np.uint32).max, token_map))
+    array("engram.primes", primes.reshape(-1))
+    array("engram.multipliers", multipliers.reshape(-1), GGUFValueType.UINT64)
+
+
 ProgressFn = Callable[[str, int, int], None]
 
 
-def _raw_dtype(gtype: GGMLType) -> GGMLQuantizationType | None:
+def _raw_dtype(gtype: GGMLType | RowType) -> GGMLQuantizationType | None:
+    if gtype == RowType.E4M3_ROW264:
+        return GGMLQuantizationType.I8  # ds4 tables: I8 [rows, 264] in the file
     return None if gtype in (GGMLType.F32, GGMLType.F16) else GGMLQuantizationType(int(gtype))
 
 
@@ -401,14 +462,25 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     table_type: the engram tables' type (default: the preset's, Q2_K where rows are 256 wide).
     shards: 1 writes one plain GGUF at `path`; N > 1 a gguf-split set of N files named as
     `shard_paths` says.
-    layout: "llama.cpp" (default) or "mxxm-t": the keys and tensor names written (same tensors).
+    layout: "llama.cpp" (default), "mxxm-t" or "ds4": the keys and tensor names written (same tensors;
+    ds4's tables E4M3_ROW264, table_type None or "E4M3_ROW264", rows of 256 values).
     overrides: any Preset field, or `engram_rows`.
     """
     if layout not in L.LAYOUTS:
         raise InputError(f"unknown layout {layout!r} (known: {', '.join(L.LAYOUTS)})")
     p = preset(preset_name, **overrides)
     wt = ggml_type(weight_type)
-    tt = ggml_type(table_type or p.default_table_type)
+    if layout == L.DS4:
+        table_rows_format = FORMATS[RowType.E4M3_ROW264]
+        if table_type is not None and str(table_type).upper() != RowType.E4M3_ROW264.name:
+            raise InputError(f"table type {table_type}: the ds4 layout's engram tables are "
+                             f"{RowType.E4M3_ROW264.name} ({L.DS4_ENCODING}) only")
+        if p.engram_layers and p.engram_head_dim != table_rows_format.block_values:
+            raise UnsupportedError(f"preset {preset_name!r} has engram rows of {p.engram_head_dim} values; the ds4 "
+                                   f"layout's rows hold {table_rows_format.block_values}")
+        tt: GGMLType | RowType = RowType.E4M3_ROW264
+    else:
+        tt = ggml_type(table_type or p.default_table_type)
     for t, what in ((wt, "weight type"), (tt, "table type")):
         if t not in FORMATS:
             raise UnsupportedError(f"{what} {t.name} cannot be written")
@@ -446,6 +518,8 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
         tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
         tmp = tmp_dir / out.name
     writer = GGUFWriter(tmp, L.ARCH)
+    if layout == L.DS4:
+        writer.add_custom_alignment(L.DS4_ALIGNMENT)
     try:
         writer.add_name(f"flashv41 synthetic {preset_name}")
         _write_metadata(writer, p, primes, offsets, multipliers, token_map, pad_id, table_rows, layout)

@@ -44,6 +44,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from flashv41.host.quants import (
     BF16_BLOCK,
+    E4M3_ROW264_BLOCK,
     F16_BLOCK,
     F32_BLOCK,
     FORMATS,
@@ -56,11 +57,13 @@ from flashv41.host.quants import (
     Q8_0_BLOCK,
     GGMLType,
     QuantFormat,
+    RowType,
     field_offset,
 )
 from flashv41.stages.device import (
     CHUNK,
     SIM,
+    bf16_round,
     bf16_to_f32,
     byte_perm,
     device,
@@ -133,6 +136,19 @@ assert Q3_K_BLOCK["hmask"].shape[0] == CHUNK and Q3_K_HALF_QS == CHUNK  # one by
 assert Q4_K_BLOCK["qs"].shape[0] == 4 * CHUNK and Q5_K_BLOCK["qh"].shape[0] == CHUNK
 assert Q6_K_HALF_QH == CHUNK and Q6_K_HALF_QL == 2 * CHUNK and Q6_K_BLOCK["scales"].shape[0] * 16 == K_VALUES
 assert FORMATS[GGMLType.MXFP4].block_values == CHUNK == 2 * MXFP4_PAIRS  # an MXFP4 block is one chunk
+
+# E4M3_ROW264, the ds4 engram-table format (a table format, no ggml type): a block is a row of
+# E4M3_CHUNKS chunks of E4M3 codes, then one E8M0 scale byte per chunk.
+E4M3_BYTES = E4M3_ROW264_BLOCK.itemsize
+E4M3_QS, E4M3_E = field_offset(E4M3_ROW264_BLOCK, "qs"), field_offset(E4M3_ROW264_BLOCK, "e")
+E4M3_CHUNKS = FORMATS[RowType.E4M3_ROW264].block_values // CHUNK
+assert E4M3_ROW264_BLOCK["e"].shape[0] == E4M3_CHUNKS  # one scale a chunk
+E4M3_NAN_MAG = uint32(127)  # (code & 127) == 127: NaN (E4M3FN has no infinities)
+E8M0_NAN = uint32(255)
+F32_NAN = uint32(0x7FC00000)
+E8M0_SUBNORMAL = uint32(0x00400000)  # 2^-127, the fp32 pattern of E8M0 scale 0
+TWO_M9 = float32(2.0**-9)  # E4M3's subnormal step
+E4M3_TO_F32_BIAS = uint32(127 - 7)  # fp32's exponent bias less E4M3's
 
 # uint64 indices: Numba wraps negative signed indices and floors signed divisions, a few
 # instructions per access that an unsigned index does not need
@@ -343,6 +359,41 @@ def dequant_mxfp4(w, row, chunk, out):
         b = uint32(w[row, base + MXFP4_QS + j])
         out[j] = d * e2m1_doubled(b & 15)
         out[j + MXFP4_PAIRS] = d * e2m1_doubled(b >> 4)
+
+
+@device
+def e4m3_value(code):
+    """An E4M3FN code (8 bits) as float32, exactly (host.quants.e4m3_value): (8 + m) 2^(e - 10) placed
+    as an fp32 pattern for exponent e >= 1, m * 2^-9 for e = 0 (an exact product), NaN for
+    (code & 127) == 127, the sign bit 128."""
+    if (code & E4M3_NAN_MAG) == E4M3_NAN_MAG:
+        return f32_from_bits(F32_NAN)
+    e = (code >> 3) & 15
+    m = code & 7
+    if e == 0:
+        mag = float32(m) * TWO_M9
+    else:
+        mag = f32_from_bits(((e + E4M3_TO_F32_BIAS) << 23) | (m << 20))
+    return -mag if code & 128 else mag
+
+
+@device
+def dequant_e4m3_row264(w, row, chunk, out):
+    """E4M3_ROW264 chunk c of a row: e4m3(code) * 2^(scale c - 127) (an exact fp32 product, or inf past
+    2^128), rounded to bf16 as host.quants.dequantize_e4m3_row264. The host refuses NaN codes and
+    scales of 255; here they give NaN (a kernel cannot raise)."""
+    base = (chunk // E4M3_CHUNKS) * E4M3_BYTES
+    c = chunk % E4M3_CHUNKS
+    s = uint32(w[row, base + E4M3_E + c])
+    if s == E8M0_NAN:
+        scale = f32_from_bits(F32_NAN)
+    elif s == 0:
+        scale = f32_from_bits(E8M0_SUBNORMAL)
+    else:
+        scale = f32_from_bits(s << 23)
+    q0 = base + E4M3_QS + c * CHUNK
+    for i in range(CHUNK):
+        out[i] = bf16_round(e4m3_value(uint32(w[row, q0 + i])) * scale)
 
 
 # stream-unit helpers
@@ -899,17 +950,18 @@ class DeviceType:
         return self.gemv or self.stream
 
     @property
-    def gtype(self) -> GGMLType:
+    def gtype(self) -> GGMLType | RowType:
         return self.host.ggml_type
 
 
-def _entry(gtype: GGMLType, dequant, stream: StreamUnit, tc: TcType | None = None, layout: str = "stored",
-           weight_rows=stored_rows, weight_dequant=None, gemv: StreamUnit | None = None) -> tuple[GGMLType, DeviceType]:
+def _entry(gtype: GGMLType | RowType, dequant, stream: StreamUnit, tc: TcType | None = None, layout: str = "stored",
+           weight_rows=stored_rows, weight_dequant=None,
+           gemv: StreamUnit | None = None) -> tuple[GGMLType | RowType, DeviceType]:
     return gtype, DeviceType(FORMATS[gtype], dequant, layout, weight_rows, weight_dequant or dequant, stream, tc,
                              gemv)
 
 
-DEVICE_TYPES: dict[GGMLType, DeviceType] = dict([
+DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
     _entry(GGMLType.F32, dequant_f32, StreamUnit(f32_unit, 2, 2)),
     _entry(GGMLType.F16, dequant_f16, StreamUnit(f16_unit, 3, 2)),
     _entry(GGMLType.BF16, dequant_bf16, StreamUnit(bf16_unit, 3, 2),
@@ -923,5 +975,8 @@ DEVICE_TYPES: dict[GGMLType, DeviceType] = dict([
     *[_entry(gtype, dequant, chunk_stream(dequant), weight_rows=padded_stored) for gtype, dequant in (
         (GGMLType.Q3_K, dequant_q3_k), (GGMLType.Q4_K, dequant_q4_k), (GGMLType.Q5_K, dequant_q5_k),
         (GGMLType.Q6_K, dequant_q6_k), (GGMLType.MXFP4, dequant_mxfp4))],
+    # a table format: the engram row gather reads it (dequant); the loader refuses it for matrices,
+    # the generic chunk unit being there for completeness
+    _entry(RowType.E4M3_ROW264, dequant_e4m3_row264, chunk_stream(dequant_e4m3_row264), weight_rows=padded_stored),
 ])
 assert set(DEVICE_TYPES) == set(FORMATS)

@@ -43,14 +43,27 @@ def _key_value(path: Path, name: str):
     return field_value(field)
 
 
-def _roles_of(cfg: ModelConfig) -> list[tuple[int | None, str]]:
-    """(layer, role) of every tensor the engine reads from a model of this config."""
+def roles_of(cfg: ModelConfig, tables: bool = True) -> list[tuple[int | None, str]]:
+    """(layer, role) of every tensor the engine reads from a model of this config (the engram
+    tables too unless `tables` is False)."""
     out: list[tuple[int | None, str]] = [(None, L.TOKEN_EMBD)]
     for r in cfg.roles:
         out += [(r.layer, s.role) for s in L.layer_tensor_specs(r.ratio, r.kv_source, r.index_source, r.engram)]
-        if r.engram:
+        if r.engram and tables:
             out.append((r.layer, L.ENGRAM_TABLE))
     return out
+
+
+def same_tensors_by_role(a, b, roles: list[tuple[int | None, str]]) -> int:
+    """Asserts the two models hold the same type, shape and bytes under each role; returns how many
+    of those tensors have another name in b."""
+    renamed = 0
+    for layer, role in roles:
+        ta, tb = a.tensor(layer, role), b.tensor(layer, role)
+        assert (ta.ggml_type, ta.shape) == (tb.ggml_type, tb.shape), (layer, role)
+        assert np.array_equal(ta.raw(), tb.raw()), (layer, role)
+        renamed += ta.name != tb.name
+    return renamed
 
 
 # --- the same model in both layouts ---
@@ -77,20 +90,27 @@ def test_layout_is_read_from_the_keys(llama_path: Path, mxxm_path: Path) -> None
     assert not any(L.key(m) in llama_keys for m in L.MXXM_MARKERS)
 
 
+def assert_same_config(a: ModelConfig, b: ModelConfig) -> None:
+    """Two configs equal field by field (engram arrays by dtype and value), the layout aside."""
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in ("layout", "engram"):
+            assert getattr(a, f.name) == getattr(b, f.name), f.name
+    ea, eb = a.engram, b.engram
+    assert ea is not None and eb is not None
+    for f in dataclasses.fields(EngramConfig):
+        va, vb = getattr(ea, f.name), getattr(eb, f.name)
+        if isinstance(va, np.ndarray):
+            assert va.dtype == vb.dtype and np.array_equal(va, vb), f.name
+        else:
+            assert va == vb, f.name
+
+
 def test_same_config(llama_path: Path, mxxm_path: Path) -> None:
     a, b = flashv41.load_model(llama_path), flashv41.load_model(mxxm_path)
     try:
-        for f in dataclasses.fields(ModelConfig):
-            if f.name not in ("layout", "engram"):
-                assert getattr(a.config, f.name) == getattr(b.config, f.name), f.name
-        ea, eb = a.config.engram, b.config.engram
-        assert ea is not None and eb is not None
-        for f in dataclasses.fields(EngramConfig):
-            va, vb = getattr(ea, f.name), getattr(eb, f.name)
-            if isinstance(va, np.ndarray):
-                assert va.dtype == vb.dtype and np.array_equal(va, vb), f.name
-            else:
-                assert va == vb, f.name
+        assert_same_config(a.config, b.config)
+        eb = b.config.engram
+        assert eb is not None
         # mxxm-t's raw pad token id, compressed through the token map, is llama.cpp's pad_id
         assert eb.pad_id == int(eb.token_map[TINY.engram_pad_token])
     finally:
@@ -102,12 +122,7 @@ def test_same_tensors_by_role(llama_path: Path, mxxm_path: Path) -> None:
     a, b = flashv41.load_model(llama_path), flashv41.load_model(mxxm_path)
     try:
         assert len(a.weights.names()) == len(b.weights.names())
-        renamed = 0
-        for layer, role in _roles_of(a.config):
-            ta, tb = a.tensor(layer, role), b.tensor(layer, role)
-            assert (ta.ggml_type, ta.shape) == (tb.ggml_type, tb.shape), (layer, role)
-            assert np.array_equal(ta.raw(), tb.raw()), (layer, role)
-            renamed += ta.name != tb.name
+        renamed = same_tensors_by_role(a, b, roles_of(a.config))
         # engram_embed on 2 layers, indexer_compressor_kv and _norm on 2 kv sources
         assert renamed == len(TINY.engram_layers) + 2 * len(TINY.kv_sources)
     finally:
@@ -115,13 +130,15 @@ def test_same_tensors_by_role(llama_path: Path, mxxm_path: Path) -> None:
         b.close()
 
 
-def test_same_oracle_outputs(llama_path: Path, mxxm_path: Path) -> None:
+def assert_same_oracle_outputs(a: Path, b: Path) -> None:
+    """The two tiny models give bit-identical oracle outputs: an 8-token prefill (a pad token and
+    unmapped tokens in it), then 3 decodes."""
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, TINY.vocab, size=11)
     tokens[[2, 6]] = TINY.vocab - 1  # unmapped by the stub map: cuts the engram look-back
     tokens[4] = TINY.engram_pad_token
     outs = []
-    for path in (llama_path, mxxm_path):
+    for path in (a, b):
         model = flashv41.load_model(path)
         try:
             seq = Oracle(model).new_sequence()
@@ -131,6 +148,10 @@ def test_same_oracle_outputs(llama_path: Path, mxxm_path: Path) -> None:
             model.close()
     assert outs[0].dtype == np.float32 and np.isfinite(outs[0]).all()
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
+def test_same_oracle_outputs(llama_path: Path, mxxm_path: Path) -> None:
+    assert_same_oracle_outputs(llama_path, mxxm_path)
 
 
 def test_mxxm_split_set_loads(synth_model) -> None:
@@ -303,6 +324,6 @@ def test_info_shows_the_llama_layout(llama_path: Path, capsys: pytest.CaptureFix
 
 
 def test_synth_refuses_an_unknown_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["synth", "--layout", "ds4", "-o", str(tmp_path / "m.gguf")]) == 2
+    assert main(["synth", "--layout", "ds9", "-o", str(tmp_path / "m.gguf")]) == 2
     assert "--layout" in capsys.readouterr().err
     assert not (tmp_path / "m.gguf").exists()

@@ -41,6 +41,7 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
+from flashv41.host.errors import UnsupportedError
 from flashv41.host.gguf_model import TensorRef
 from flashv41.host.quants import FORMATS, GGMLType, quantize
 from flashv41.stages import linear_tc
@@ -101,8 +102,11 @@ class DeviceWeight:
 
     @classmethod
     def from_ref(cls, ref: TensorRef, stream=0) -> DeviceWeight:
+        gtype = ref.ggml_type
+        if not isinstance(gtype, GGMLType):  # the loader already refuses a matrix in a table format
+            raise UnsupportedError(f"{ref.name}: {gtype.name} is a table format, not a weight matrix type")
         n = int(np.prod(ref.shape[:-1])) if len(ref.shape) > 1 else 1
-        return cls.from_stored(ref.name, ref.ggml_type, ref.raw().reshape(n, -1), ref.shape[-1], stream)
+        return cls.from_stored(ref.name, gtype, ref.raw().reshape(n, -1), ref.shape[-1], stream)
 
     @classmethod
     def from_values(cls, name: str, values: np.ndarray, gtype: GGMLType | str) -> DeviceWeight:

@@ -696,48 +696,20 @@ def q2_k_unit(tokens: int, x_bf16: bool):
     h = i // 8), which holds values 128 h + 32 s + 4 (i % 8) + b in bits 8 b + 2 s, for s, b < 4;
     the value's (scale, min) byte is in the block's scale word 2 h + s // 2. The min is folded in as
     dmin * m * sum(x) per 4 values."""
-    half = uint64(Q2_K_VALUES // 2)
-    if x_bf16:
-        @device
-        def q2_k_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
-            blk = u >> uint64(4)
-            i = u & uint64(15)
-            h = i >> U3
-            word = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_QS_WORD) + i]
-            sc_lo = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_SCALES_WORD) + U2 * h]  # scale bytes 8 h ..
-            sc_hi = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_SCALES_WORD) + U2 * h + U1]  # 8 h + 4 ..
-            d = float32(wf[row, uint64(Q2_K_HALVES) * blk + uint64(Q2_K_D_HALF)])
-            dmin = float32(wf[row, uint64(Q2_K_HALVES) * blk + uint64(Q2_K_DMIN_HALF)])
-            pair = (i & uint64(7)) >> U2  # which 16-value scale group of the 32 values of an s
-            x_word = xo + half * blk + uint64(64) * h + U2 * (i & uint64(7))
-            for s in range(4):
-                sc = ((sc_lo if s < 2 else sc_hi) >> (uint64(16 * (s % 2)) + uint64(8) * pair)) & 0xFF
-                scale = d * float32(sc & 15)
-                minimum = dmin * float32(sc >> 4)
-                q0 = small_int((word >> (2 * s)) & 3)
-                q1 = small_int((word >> (8 + 2 * s)) & 3)
-                q2 = small_int((word >> (16 + 2 * s)) & 3)
-                q3 = small_int((word >> (24 + 2 * s)) & 3)
-                for t in range(tokens):
-                    if t < n_tokens:
-                        x0, x1 = bf16_pair(x32[t, x_word + uint64(16 * s)])
-                        x2, x3 = bf16_pair(x32[t, x_word + uint64(16 * s) + U1])
-                        acc[t] += scale * (q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3) - minimum * (x0 + x1 + x2 + x3)
-
-        return q2_k_unit
+    x4 = x4_bf16 if x_bf16 else x4_f32
 
     @device
-    def q2_k_unit_f32(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+    def q2_k_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
         blk = u >> uint64(4)
         i = u & uint64(15)
         h = i >> U3
         word = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_QS_WORD) + i]
-        sc_lo = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_SCALES_WORD) + U2 * h]
-        sc_hi = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_SCALES_WORD) + U2 * h + U1]
+        sc_lo = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_SCALES_WORD) + U2 * h]  # scale bytes 8 h ..
+        sc_hi = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_SCALES_WORD) + U2 * h + U1]  # 8 h + 4 ..
         d = float32(wf[row, uint64(Q2_K_HALVES) * blk + uint64(Q2_K_D_HALF)])
         dmin = float32(wf[row, uint64(Q2_K_HALVES) * blk + uint64(Q2_K_DMIN_HALF)])
-        pair = (i & uint64(7)) >> U2
-        x_word = xo + uint64(Q2_K_VALUES) * blk + half * h + U4 * (i & uint64(7))
+        pair = (i & uint64(7)) >> U2  # which 16-value scale group of the 32 values of an s
+        v = uint64(Q2_K_VALUES) * blk + uint64(Q2_K_VALUES // 2) * h + U4 * (i & uint64(7))  # value 0 of s = 0
         for s in range(4):
             sc = ((sc_lo if s < 2 else sc_hi) >> (uint64(16 * (s % 2)) + uint64(8) * pair)) & 0xFF
             scale = d * float32(sc & 15)
@@ -748,10 +720,10 @@ def q2_k_unit(tokens: int, x_bf16: bool):
             q3 = small_int((word >> (24 + 2 * s)) & 3)
             for t in range(tokens):
                 if t < n_tokens:
-                    x0, x1, x2, x3 = f32x4(x32, t, x_word + uint64(32 * s))
+                    x0, x1, x2, x3 = x4(x32, t, xo, v + uint64(32 * s))
                     acc[t] += scale * (q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3) - minimum * (x0 + x1 + x2 + x3)
 
-    return q2_k_unit_f32
+    return q2_k_unit
 
 
 

@@ -84,14 +84,6 @@ def _ring_write_kernel(kv, ring, positions, n_tokens, width):
     ring[positions[r] % window, c] = kv[r, c]
 
 
-@cuda.jit
-def _fill_kernel(a, n_rows, value):
-    """a[:n_rows] = value, one thread per element (a [>= n_rows, N])."""
-    i = cuda.grid(1)
-    if i < n_rows * a.shape[1]:
-        a[i // a.shape[1], i % a.shape[1]] = value
-
-
 @dataclass
 class LayerWeights:
     """One layer's attention weights on the device ([out, in] matrices in their stored type)."""
@@ -136,11 +128,13 @@ class AttentionState:
         self.layers: list[LayerState] = []
         for role in cfg.roles:
             source = None
-            if role.kv_source:
-                source = KvSourceState.allocate(role.ratio, cfg.head_dim, cfg.index_head_dim, stage.max_seq)
-            self.layers.append(LayerState(cuda.device_array((cfg.window, cfg.head_dim), np.uint16), source))
+            if role.kv_source:  # allocated empty (KvSourceState.reset)
+                source = KvSourceState.allocate(role.ratio, cfg.head_dim, cfg.index_head_dim, stage.max_seq,
+                                                stage.stream)
+            ring = cuda.device_array((cfg.window, cfg.head_dim), np.uint16)
+            fill(ring, 0, stage.stream)
+            self.layers.append(LayerState(ring, source))
         self.freed = False
-        self.reset()
 
     def reset(self) -> None:
         """Back to an empty sequence (zero rings and caches, empty compressor groups), cleared on the
@@ -446,8 +440,7 @@ class AttentionStage:
         shared.selection = self.selection
         if width == 0:
             # no group is complete yet: nothing to score (the reference skips its indexer too)
-            n = t * cfg.index_topk
-            _fill_kernel[grid_1d(n, COPY_THREADS), COPY_THREADS, s](self.selection, t, -1)
+            fill(self.selection[:t], -1, s)
             self._mark("select")
             return
         assert shared.index_keys is not None

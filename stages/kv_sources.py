@@ -144,13 +144,14 @@ class KvSourceState:
     index_keys: DeviceArray  # bf16 [max_seq // ratio, ID]: index keys after RoPE + fp4
 
     @classmethod
-    def allocate(cls, ratio: int, head_dim: int, index_head_dim: int, max_seq: int) -> KvSourceState:
+    def allocate(cls, ratio: int, head_dim: int, index_head_dim: int, max_seq: int, stream=0) -> KvSourceState:
+        """An empty state (reset on `stream`)."""
         groups = max(1, max_seq // ratio)
         state = cls(cuda.device_array((ratio, head_dim), np.float32),
                     cuda.device_array((ratio, head_dim), np.float32),
                     cuda.device_array((groups, head_dim), np.uint16),
                     cuda.device_array((groups, index_head_dim), np.uint16))
-        state.reset()
+        state.reset(stream)
         return state
 
     def reset(self, stream=0) -> None:

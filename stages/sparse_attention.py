@@ -463,6 +463,7 @@ def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_
     slices = head_dim // 2 // span
     dims = 2 * per_thread  # (local array shapes must be compile-time constants)
     tiles = SPARSE_BLOCK // SCORE_TILE  # score tiles a block of entries
+    head_threads = max(1, threads // block_heads)  # threads reading one head's tile maxima
     sync = threads > 1
 
     @jit_for(threads)
@@ -472,6 +473,8 @@ def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_
         # [64, heads]: p_j in fp32 and rounded to bf16, an entry's heads side by side
         ps = cuda.shared.array((SPARSE_BLOCK, block_heads), float32)
         pr = cuda.shared.array((SPARSE_BLOCK, block_heads), float32)
+        tile_prev = cuda.shared.array(head_threads * block_heads, float32)  # [threads]: partial m_{b-1}
+        tile_new = cuda.shared.array(head_threads * block_heads, float32)  # [threads]: block b's partial maxima
         prev_max = cuda.shared.array(block_heads, float32)  # [heads]: m_{b-1}
         new_max = cuda.shared.array(block_heads, float32)  # [heads]: m_b
         tid = cuda.threadIdx.x
@@ -488,14 +491,29 @@ def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_
             sr, ix = _resolve(e, window, chunk_rows)
             src[j] = sr
             row[j] = ix
-        for k in range(tid, block_heads, threads):
-            m = START_MAX
-            for i in range(b * tiles):
-                m = max(m, tile_max[t, i, hb + k])
-            prev_max[k] = m
-            for i in range(b * tiles, min(n_tiles, (b + 1) * tiles)):
-                m = max(m, tile_max[t, i, hb + k])
-            new_max[k] = m
+        # the tile maxima of blocks 0 .. b, read by head_threads threads a head at once (a one-thread
+        # walk waits on each read in turn: about a microsecond per ten tiles), then reduced per head
+        last = min(n_tiles, (b + 1) * tiles)
+        k = tid % block_heads
+        m_prev = START_MAX
+        m_new = START_MAX
+        if tid < block_heads * head_threads:
+            for i in range(tid // block_heads, last, head_threads):
+                v = tile_max[t, i, hb + k]
+                if i < b * tiles:
+                    m_prev = max(m_prev, v)
+                else:
+                    m_new = max(m_new, v)
+            tile_prev[tid] = m_prev
+            tile_new[tid] = m_new
+        if sync:
+            cuda.syncthreads()
+        if tid < block_heads:
+            for j in range(1, head_threads):
+                m_prev = max(m_prev, tile_prev[j * block_heads + tid])
+                m_new = max(m_new, tile_new[j * block_heads + tid])
+            prev_max[tid] = m_prev
+            new_max[tid] = max(m_prev, m_new)
         if sync:
             cuda.syncthreads()
         for i in range(tid, SPARSE_BLOCK * block_heads, threads):

@@ -212,10 +212,11 @@ def test_stream_partials():
 def scaled_chunk_types(gtype: GGMLType) -> dict:
     """The table with `gtype`'s chunk stream unit built on a dequantiser 1% large."""
     qt = DEVICE_TYPES[gtype]
+    dequant = qt.dequant  # a kernel reads a closure's functions, not a dataclass's attributes
 
     @device
     def scaled(w, row, chunk, out):
-        qt.dequant(w, row, chunk, out)
+        dequant(w, row, chunk, out)
         for i in range(CHUNK):
             out[i] *= SCALE
 

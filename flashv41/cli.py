@@ -78,7 +78,8 @@ def add_synth_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
     )
     p.add_argument("--preset", choices=list(PRESETS), default="tiny",
                    help="model sizes: tiny (simulator-sized), small (the reference tests' sizes), "
-                        "flash (V4.1-Flash dimensions, 6 layers); default tiny")
+                        "flash (V4.1-Flash dimensions, 6 layers), flash40 (V4.1-Flash dimensions on its real "
+                        "40-layer schedule, 7.2 GB in Q8_0); default tiny")
     p.add_argument("-o", "--output", required=True, type=Path, metavar="FILE.gguf", help="where to write")
     p.add_argument("--weight-type", choices=WRITABLE_WEIGHT_TYPES, default="Q8_0",
                    help="type of the dense matrices and the embedding (default Q8_0)")

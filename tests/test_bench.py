@@ -112,6 +112,23 @@ def test_every_case_still_listed() -> None:
     assert "prefill.gemm.engram.wkv.Q8_0" in names and "engram.hash.64k" in names
 
 
+def test_the_40_layer_stack_is_a_row_of_its_own() -> None:
+    """`--rows stack.decode.40` picks the real 40-layer schedule alone, `stack.decode` the six-layer
+    stack alone, `stack.*` both; each has its own cached model file and its own row names."""
+    from flashv41.bench import stack
+    from flashv41.host.synth import preset
+
+    cases = bench.all_cases(BenchOptions(weight_types=("Q8_0",)))
+    assert [c.name for c in bench.select_cases(cases, ["stack.decode.40"])] == ["stack.decode.40"]
+    assert [c.name for c in bench.select_cases(cases, ["stack.decode"])] == ["stack.decode"]
+    assert [c.name for c in bench.select_cases(cases, ["stack.*"])] == ["stack.decode", "stack.decode.40"]
+    real = next(s for s in stack.STACKS if s.case == "stack.decode.40")
+    assert real.preset == "flash40" and preset(real.preset).n_layers == 40 and real.suffix == ".40"
+    assert len({s.filename for s in stack.STACKS}) == len(stack.STACKS), "each stack caches its own file"
+    assert stack.STACKS[0] == stack.Stack("stack.decode", "flash", "", "flash-stack-Q8_0.gguf"), \
+        "the six-layer rows keep their names and their cached file"
+
+
 # ------------------------------------------------------------------- the queue of the timed calls
 
 

@@ -1,45 +1,76 @@
 """Benchmark rows of the whole stack's decode step (docs/performance.md P4, M1) at V4.1-Flash dimensions.
 
-The flash preset (its six-layer schedule, two engram layers, Q8_0 weights, a Q2_K engram table),
-written once into the options' work directory, runs in an Engine: a prompt of PROMPT tokens, a
-few decode steps so that every graph key has its graph, then:
-- `stack.decode.graph` (P4): the device time of one decode step's graph, replayed (launch cost
-  excluded). Bound = the bytes a step must stream (every layer's attention weights, the engram
-  wkv and the token's table rows, the hc mixes' weights) / the copy bandwidth.
-- `stack.decode.python` (P4): whole `Sequence.decode` calls as a user makes them (hash, uploads,
-  the graph, the highway download), wall clock, the median of --reps calls made after the
-  memory check's steps; the note gives tokens per second.
+Two stacks, each a case of its own, each written once into the options' work directory (Q8_0
+weights, Q2_K engram tables of TABLE_ROWS rows) and run in an Engine: a prompt of PROMPT tokens,
+a few decode steps so that every graph key has its graph, then the rows below.
+- `stack.decode` (rows `stack.decode.graph`, `stack.decode.python`, `stack.memory`): the flash
+  preset, its six-layer schedule (every block type) with two engram layers (2.4 GB of file).
+- `stack.decode.40` (rows `stack.decode.40.graph`, `stack.decode.40.python`, `stack.memory.40`):
+  the flash40 preset, V4.1-Flash's real 40-layer schedule (2 window layers, ratio-2 and ratio-1
+  blocks, 4 kv sources, 8 index sources, the candidate source, engram before layers 1 and 14;
+  host.synth.FLASH40_SCHEDULE): 7.2 GB of file, drawn in the stored format (49 s to write on two
+  cores), about 6 GB a step streams.
+`--rows stack.decode` picks the six-layer stack, `--rows stack.decode.40` the 40-layer one,
+`--rows 'stack.*'` both.
+
+The rows of each:
+- `.graph` (P4): the device time of one decode step's graph, replayed (launch cost excluded).
+  Bound = the bytes a step must stream (every layer's attention weights, the engram wkv and the
+  token's table rows, the hc mixes' weights) / the copy bandwidth. The note gives tokens per
+  second (one token a step).
+- `.python` (P4): whole `Sequence.decode` calls as a user makes them (hash, uploads, the graph,
+  the highway download), wall clock, the median of --reps calls made after the memory check's
+  steps; the note gives tokens per second.
 - `stack.memory` (M1): device memory per part (weights per layer, workspaces, one sequence's
   state) in the note, and the driver's free-memory figure across DECODE_STEPS graph-replayed
   steps: the bytes the steps allocated (`bytes`; 0 is the target). Not a timing: no ratio.
 
-L2: a step of this model streams about 1.1 GB (six layers' Q8_0 weights, two engram wkv),
-far past 4x the H200's 50 MB L2, so both timings run as they are and their JSON `l2` says
-"read from HBM". Should a step's bytes ever fall under 4x L2 (a smaller model), the graph row
-evicts the L2 between replays (each replay timed alone with its own events) and the python row
-evicts it, untimed, before each call; the JSON says so.
+L2: a step streams about 1.1 GB (six layers) or 6 GB (40 layers), far past 4x the H200's L2,
+so both timings run as they are and their JSON `l2` says "read from HBM". Should a step's bytes
+ever fall under 4x L2 (a smaller model), the graph row evicts the L2 between replays (each replay
+timed alone with its own events) and the python row evicts it, untimed, before each call; the
+JSON says so.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from flashv41.bench.core import BenchCase, BenchContext, BenchOptions, BenchRow
 from flashv41.memory import device_free_bytes
 
-PROMPT = 512
+PROMPT = 512  # prefill tokens before the steps: two chunks of 256, quick on 40 layers too
 DECODE_STEPS = 32
 TABLE_ROWS = 3_000_000
 
 
-def stack_model(options: BenchOptions):
+@dataclass(frozen=True)
+class Stack:
+    """One stack the rows run: its case name, the synthetic preset, the suffix its row names take
+    (`stack.decode{suffix}.graph`, `stack.memory{suffix}`) and its model file in the work directory."""
+
+    case: str
+    preset: str
+    suffix: str
+    filename: str
+
+
+STACKS = (
+    Stack("stack.decode", "flash", "", "flash-stack-Q8_0.gguf"),
+    Stack("stack.decode.40", "flash40", ".40", "flash40-stack-Q8_0.gguf"),
+)
+
+
+def stack_model(options: BenchOptions, stack: Stack = STACKS[0]):
     import flashv41
     from flashv41.host.synth import write_synthetic
 
-    path = options.workdir / "flash-stack-Q8_0.gguf"
+    path = options.workdir / stack.filename
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_synthetic(path, "flash", weight_type="Q8_0", engram_rows=TABLE_ROWS)
+        write_synthetic(path, stack.preset, weight_type="Q8_0", engram_rows=TABLE_ROWS)
     return flashv41.load_model(path)
 
 
@@ -54,52 +85,61 @@ def step_bytes(engine) -> int:
     return total
 
 
-def stack_case() -> BenchCase:
+def stack_case(stack: Stack = STACKS[0]) -> BenchCase:
     def run(ctx: BenchContext) -> list[BenchRow]:
         import flashv41
 
-        model = stack_model(ctx.options)
+        model = stack_model(ctx.options, stack)
         o = ctx.options
         steps = 8 + DECODE_STEPS + o.warmup + o.reps  # every decode call below
-        with flashv41.Engine(model, max_seq=PROMPT + max(256, steps + 8), max_tokens=256) as engine:
-            if not engine.graphs:
-                raise RuntimeError("bench: CUDA graphs are unavailable on this machine")
-            seq = engine.new_sequence()
-            tokens = np.random.default_rng(6).integers(0, model.config.vocab_size, PROMPT + steps)
-            seq.prefill(tokens[:PROMPT])
-            ids = iter(tokens[PROMPT:])
-            for _ in range(8):  # every key seen twice: its graph is captured
-                seq.decode(int(next(ids)))
-            before = device_free_bytes()
-            for _ in range(DECODE_STEPS):
-                seq.decode(int(next(ids)))
-            allocated = before - device_free_bytes()
-            nbytes = step_bytes(engine)
-            bound = ctx.memory_bound(nbytes)
-            per_token, python_plan = ctx.wall_time(lambda: seq.decode(int(next(ids))), nbytes)
-            graph = seq.graphs[engine.graph_key(seq.position, False)]
-            runner = engine._runner
-            assert runner is not None
-            median, plan = ctx.stage_time(lambda: runner.launch(graph, wait=False), nbytes, runner.numba_stream,
-                                          n=4, hold_s=0.05)
-            layers = len(model.config.roles)
-            weights = ", ".join(f"{r.layer}:{engine.attention.weight_bytes(r.layer) / 1e6:.0f}"
-                                for r in model.config.roles)
-            engram = engine.engram.device_bytes if engine.engram is not None else 0
-            memory = (f"attention weights MB by layer {weights}; engram (tables, wkv, workspaces) "
-                      f"{engram / 1e6:.0f} MB; attention workspaces {engine.attention.workspace_bytes() / 1e6:.1f} "
-                      f"MB; sequence state {seq.state.nbytes() / 1e6:.1f} MB")
-            seq.release()
-        return [BenchRow("stack.decode.graph", median, bound, bytes=nbytes,
-                         note=f"{layers} layers + engram, one step's graph replayed; {1 / median:.0f} steps/s",
-                         l2=plan),
-                BenchRow("stack.decode.python", per_token, bound, bytes=nbytes,
-                         note=f"Sequence.decode wall clock: {1 / per_token:.0f} tokens/s", l2=python_plan),
-                BenchRow("stack.memory", 0.0, 0.0, bytes=allocated,
+        try:
+            with flashv41.Engine(model, max_seq=PROMPT + max(256, steps + 8), max_tokens=256) as engine:
+                rows = measure(ctx, model, engine, steps)
+        finally:
+            model.close()
+        return rows
+
+    def measure(ctx: BenchContext, model, engine, steps: int) -> list[BenchRow]:
+        if not engine.graphs:
+            raise RuntimeError("bench: CUDA graphs are unavailable on this machine")
+        seq = engine.new_sequence()
+        tokens = np.random.default_rng(6).integers(0, model.config.vocab_size, PROMPT + steps)
+        seq.prefill(tokens[:PROMPT])
+        ids = iter(tokens[PROMPT:])
+        for _ in range(8):  # every key seen twice: its graph is captured
+            seq.decode(int(next(ids)))
+        before = device_free_bytes()
+        for _ in range(DECODE_STEPS):
+            seq.decode(int(next(ids)))
+        allocated = before - device_free_bytes()
+        nbytes = step_bytes(engine)
+        bound = ctx.memory_bound(nbytes)
+        per_token, python_plan = ctx.wall_time(lambda: seq.decode(int(next(ids))), nbytes)
+        graph = seq.graphs[engine.graph_key(seq.position, False)]
+        runner = engine._runner
+        assert runner is not None
+        median, plan = ctx.stage_time(lambda: runner.launch(graph, wait=False), nbytes, runner.numba_stream,
+                                      n=4, hold_s=0.05)
+        layers = len(model.config.roles)
+        weights = ", ".join(f"{r.layer}:{engine.attention.weight_bytes(r.layer) / 1e6:.0f}"
+                            for r in model.config.roles)
+        engram = engine.engram.device_bytes if engine.engram is not None else 0
+        memory = (f"attention weights MB by layer {weights}; engram (tables, wkv, workspaces) "
+                  f"{engram / 1e6:.0f} MB; attention workspaces {engine.attention.workspace_bytes() / 1e6:.1f} "
+                  f"MB; sequence state {seq.state.nbytes() / 1e6:.1f} MB")
+        seq.release()
+        s = stack.suffix
+        return [BenchRow(f"stack.decode{s}.graph", median, bound, bytes=nbytes,
+                         note=f"{layers} layers + engram, one step's graph replayed: {1 / median:.0f} tokens/s "
+                              f"(one token a step)", l2=plan),
+                BenchRow(f"stack.decode{s}.python", per_token, bound, bytes=nbytes,
+                         note=f"{layers} layers, Sequence.decode wall clock: {1 / per_token:.0f} tokens/s",
+                         l2=python_plan),
+                BenchRow(f"stack.memory{s}", 0.0, 0.0, bytes=allocated,
                          note=f"{allocated} bytes allocated over {DECODE_STEPS} decode steps; {memory}")]
 
-    return BenchCase("stack.decode", run)
+    return BenchCase(stack.case, run)
 
 
 def cases(options: BenchOptions) -> list[BenchCase]:
-    return [stack_case()]
+    return [stack_case(stack) for stack in STACKS]

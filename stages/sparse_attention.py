@@ -464,6 +464,7 @@ def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_
     dims = 2 * per_thread  # (local array shapes must be compile-time constants)
     tiles = SPARSE_BLOCK // SCORE_TILE  # score tiles a block of entries
     head_threads = max(1, threads // block_heads)  # threads reading one head's tile maxima
+    tile_reads = head_threads * block_heads  # (shared array shapes must be compile-time constants)
     sync = threads > 1
 
     @jit_for(threads)
@@ -473,8 +474,8 @@ def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_
         # [64, heads]: p_j in fp32 and rounded to bf16, an entry's heads side by side
         ps = cuda.shared.array((SPARSE_BLOCK, block_heads), float32)
         pr = cuda.shared.array((SPARSE_BLOCK, block_heads), float32)
-        tile_prev = cuda.shared.array(head_threads * block_heads, float32)  # [threads]: partial m_{b-1}
-        tile_new = cuda.shared.array(head_threads * block_heads, float32)  # [threads]: block b's partial maxima
+        tile_prev = cuda.shared.array(tile_reads, float32)  # [threads]: partial m_{b-1}
+        tile_new = cuda.shared.array(tile_reads, float32)  # [threads]: block b's partial maxima
         prev_max = cuda.shared.array(block_heads, float32)  # [heads]: m_{b-1}
         new_max = cuda.shared.array(block_heads, float32)  # [heads]: m_b
         tid = cuda.threadIdx.x
@@ -497,7 +498,7 @@ def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_
         k = tid % block_heads
         m_prev = START_MAX
         m_new = START_MAX
-        if tid < block_heads * head_threads:
+        if tid < tile_reads:
             for i in range(tid // block_heads, last, head_threads):
                 v = tile_max[t, i, hb + k]
                 if i < b * tiles:

@@ -31,7 +31,7 @@ from flashv41.stages.linear import DeviceWeight, stream_partials
 MAX_HC = 4
 MAX_MIX = (2 + MAX_HC) * MAX_HC
 MIX_ROWS = MAX_MIX + 1  # the mixes and the highway's square sum
-BLOCK = 4 if SIM else 256  # threads per token block (a power of two: the reduction halves it)
+PRE_NORM_THREADS = 4 if SIM else 1024  # threads per token of pre_norm (a power of two: the reduction halves it)
 LANES = 1 if SIM else WARP
 COMB_CELLS = MAX_HC * MAX_HC
 MIX_SLICE_CHUNKS = 8  # chunks of the flattened highway per partial sum (a slice of the product)
@@ -73,96 +73,117 @@ def _sigmoid(x):
     return float32(1) / (float32(1) + math.exp(-x))
 
 
-@cuda.jit
-def _mixes_kernel(partial, scale, base, pre, post, comb, n_slices, width, hc, iters, norm_eps, hc_eps):
-    """One block per token: the slices' partial products summed (one warp per row), then the split
-    and Sinkhorn, its row and column sums shared by the block's threads."""
-    raw = cuda.shared.array(MIX_ROWS, float32)
-    m = cuda.shared.array(COMB_CELLS, float32)
-    sums = cuda.shared.array(MAX_HC, float32)
-    scratch = cuda.shared.array(SINKHORN_THREADS, float32)
-    t = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    lane = tid % LANES
-    warp = tid // LANES
-    warps = cuda.blockDim.x // LANES
+@cache
+def mixes_kernel(hc: int):
+    """One block of SINKHORN_THREADS threads per token: the slices' partial products summed (one
+    warp per row), then the split and Sinkhorn, its row and column sums shared by the block's
+    threads. hc and the block size are compiled in: a loop over a run-time stride, or an index
+    divided by a run-time hc, costs a 64-bit division each (about a hundred instructions), and the
+    Sinkhorn loop is made of little else."""
     n_mix = (2 + hc) * hc
-    for first in range(0, n_mix + 1, warps):  # a uniform walk: every thread meets warp_sum's barriers
-        row = first + warp
-        v = float32(0)
-        if row <= n_mix:
-            for s in range(lane, n_slices, LANES):
-                v += partial[t, row, s]
-        total = warp_sum(v, scratch) if LANES > 1 else v
-        if row <= n_mix and lane == 0:
-            raw[row] = total
-    _sync()
-    r = float32(1) / math.sqrt(raw[n_mix] / float32(width) + norm_eps)
     cells = hc * hc
-    for c in range(tid, hc, cuda.blockDim.x):
-        pre[t, c] = _sigmoid(raw[c] * r * scale[0] + base[c]) + hc_eps
-        post[t, c] = float32(2) * _sigmoid(raw[hc + c] * r * scale[1] + base[hc + c])
-    for cell in range(tid, cells, cuda.blockDim.x):
-        m[cell] = raw[2 * hc + cell] * r * scale[2] + base[2 * hc + cell]
-    _sync()
-    for k in range(tid, hc, cuda.blockDim.x):  # row softmax
-        row_max = float32(-math.inf)
-        for c in range(hc):
-            row_max = max(row_max, m[k * hc + c])
-        row_sum = float32(0)
-        for c in range(hc):
-            e = math.exp(m[k * hc + c] - row_max)
-            m[k * hc + c] = e
-            row_sum += e
-        for c in range(hc):
-            m[k * hc + c] = m[k * hc + c] / row_sum + hc_eps
-    _sync()
-    for it in range(iters):
-        if it > 0:
-            _normalise(m, sums, hc, hc, 1, hc_eps)  # rows
-        _normalise(m, sums, hc, 1, hc, hc_eps)  # columns
-    for cell in range(tid, cells, cuda.blockDim.x):
-        comb[t, cell // hc, cell % hc] = m[cell]
+    threads = SINKHORN_THREADS
+    warps = threads // LANES
+
+    @cuda.jit(device=True)
+    def normalise(m, sums, rows, eps):
+        """m[line, j] /= (sum_j m[line, j] + eps) for each of the hc rows (rows) or columns; the
+        sums in j order, one thread a line."""
+        tid = cuda.threadIdx.x
+        for line in range(tid, hc, threads):
+            s = float32(0)
+            for j in range(hc):
+                s += m[line * hc + j] if rows else m[j * hc + line]
+            sums[line] = s + eps
+        _sync()
+        for cell in range(tid, cells, threads):
+            m[cell] = m[cell] / sums[cell // hc if rows else cell % hc]
+        _sync()
+
+    @cuda.jit
+    def kernel(partial, scale, base, pre, post, comb, n_slices, width, iters, norm_eps, hc_eps):
+        raw = cuda.shared.array(MIX_ROWS, float32)
+        m = cuda.shared.array(COMB_CELLS, float32)
+        sums = cuda.shared.array(MAX_HC, float32)
+        scratch = cuda.shared.array(SINKHORN_THREADS, float32)
+        t = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        lane = tid % LANES
+        warp = tid // LANES
+        for first in range(0, n_mix + 1, warps):  # a uniform walk: every thread meets warp_sum's barriers
+            row = first + warp
+            v = float32(0)
+            if row <= n_mix:
+                for s in range(lane, n_slices, LANES):
+                    v += partial[t, row, s]
+            total = warp_sum(v, scratch) if LANES > 1 else v
+            if row <= n_mix and lane == 0:
+                raw[row] = total
+        _sync()
+        r = float32(1) / math.sqrt(raw[n_mix] / float32(width) + norm_eps)
+        for c in range(tid, hc, threads):
+            pre[t, c] = _sigmoid(raw[c] * r * scale[0] + base[c]) + hc_eps
+            post[t, c] = float32(2) * _sigmoid(raw[hc + c] * r * scale[1] + base[hc + c])
+        for cell in range(tid, cells, threads):
+            m[cell] = raw[2 * hc + cell] * r * scale[2] + base[2 * hc + cell]
+        _sync()
+        for k in range(tid, hc, threads):  # row softmax
+            row_max = float32(-math.inf)
+            for c in range(hc):
+                row_max = max(row_max, m[k * hc + c])
+            row_sum = float32(0)
+            for c in range(hc):
+                e = math.exp(m[k * hc + c] - row_max)
+                m[k * hc + c] = e
+                row_sum += e
+            for c in range(hc):
+                m[k * hc + c] = m[k * hc + c] / row_sum + hc_eps
+        _sync()
+        for it in range(iters):
+            if it > 0:
+                normalise(m, sums, True, hc_eps)
+            normalise(m, sums, False, hc_eps)
+        for cell in range(tid, cells, threads):
+            comb[t, cell // hc, cell % hc] = m[cell]
+
+    return kernel
 
 
-@cuda.jit(device=True)
-def _normalise(m, sums, hc, line_stride, step, eps):
-    """m[line, j] /= (sum_j m[line, j] + eps) for each of hc lines, cell = line * line_stride + j *
-    step: rows with (hc, 1), columns with (1, hc). Sums run in j order, one thread per line."""
-    tid = cuda.threadIdx.x
-    for line in range(tid, hc, cuda.blockDim.x):
-        s = float32(0)
-        for j in range(hc):
-            s += m[line * line_stride + j * step]
-        sums[line] = s + eps
-    _sync()
-    for cell in range(tid, hc * hc, cuda.blockDim.x):
-        line = cell // hc if line_stride == hc else cell % hc
-        m[cell] = m[cell] / sums[line]
-    _sync()
+@cache
+def pre_norm_kernel(hc: int, per_thread: int):
+    """One block of PRE_NORM_THREADS threads per token, per_thread values of the row each (their
+    loads issued together, the mixed values kept for the second pass): y = bf16(sum_c pre[c] h[c]);
+    out = bf16(w * (y * rsqrt(mean(y^2) + eps))). A walk that loads, adds and loads again waits on
+    each load in turn: that cost a one-token step about 20 us here."""
+    threads = PRE_NORM_THREADS
 
+    @cuda.jit
+    def kernel(h, pre, weight, out, dim, eps):
+        scratch = cuda.shared.array(PRE_NORM_THREADS, float32)
+        t = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        mix = cuda.local.array(hc, float32)
+        ys = cuda.local.array(per_thread, float32)
+        for c in range(hc):
+            mix[c] = pre[t, c]
+        ss = float32(0)
+        for i in range(per_thread):
+            d = tid + i * threads
+            y = float32(0)
+            if d < dim:
+                for c in range(hc):
+                    y += mix[c] * h[t, c, d]
+                y = bf16_round(y)
+            ys[i] = y
+            ss += y * y
+        total = _block_sum(ss, scratch)
+        r = float32(1) / math.sqrt(total / float32(dim) + eps)
+        for i in range(per_thread):
+            d = tid + i * threads
+            if d < dim:
+                out[t, d] = f32_to_bf16(weight[d] * (ys[i] * r))
 
-@cuda.jit
-def _pre_norm_kernel(h, pre, weight, out, hc, dim, eps):
-    """One block per token: y = bf16(sum_c pre[c] h[c]); out = bf16(w * (y * rsqrt(mean(y^2) + eps)))."""
-    scratch = cuda.shared.array(BLOCK, float32)
-    t = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    ss = float32(0)
-    for d in range(tid, dim, cuda.blockDim.x):
-        y = float32(0)
-        for c in range(hc):
-            y += pre[t, c] * h[t, c, d]
-        y = bf16_round(y)
-        ss += y * y
-    total = _block_sum(ss, scratch)
-    r = float32(1) / math.sqrt(total / float32(dim) + eps)
-    for d in range(tid, dim, cuda.blockDim.x):
-        y = float32(0)
-        for c in range(hc):
-            y += pre[t, c] * h[t, c, d]
-        y = bf16_round(y)
-        out[t, d] = f32_to_bf16(weight[d] * (y * r))
+    return kernel
 
 
 @cuda.jit
@@ -259,15 +280,16 @@ class HyperStage:
         cfg = self.cfg
         width = cfg.hc * cfg.dim
         stream_partials(h.reshape(h.shape[0], width), fn, self.partial, n_tokens, self.stream)
-        _mixes_kernel[n_tokens, SINKHORN_THREADS, self.stream](
-            self.partial, scale, base, pre, self.post, self.comb, self.n_slices, width, cfg.hc,
-            cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))
+        mixes_kernel(cfg.hc)[n_tokens, SINKHORN_THREADS, self.stream](
+            self.partial, scale, base, pre, self.post, self.comb, self.n_slices, width, cfg.sinkhorn_iters,
+            np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))
 
     def pre_norm(self, layer: int, h, pre, x, n_tokens: int) -> None:
         """x [T, C] bf16 = attn_norm(hc_pre(h, pre))."""
         cfg = self.cfg
-        _pre_norm_kernel[n_tokens, BLOCK, self.stream](
-            h, pre, self.layers[layer]["attn_norm"], x, cfg.hc, cfg.dim, np.float32(cfg.norm_eps))
+        per_thread = -(-cfg.dim // PRE_NORM_THREADS)
+        pre_norm_kernel(cfg.hc, per_thread)[n_tokens, PRE_NORM_THREADS, self.stream](
+            h, pre, self.layers[layer]["attn_norm"], x, cfg.dim, np.float32(cfg.norm_eps))
 
     def post_mix(self, h, a, n_tokens: int) -> None:
         """h = hc_post(a, h, self.post, self.comb) in place; a None is a zero sublayer output."""

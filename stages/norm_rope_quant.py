@@ -87,7 +87,7 @@ E4M3_SUB_QUANTUM = float32(2.0**-9)
 # Threads per block. The simulator runs every thread as a Python thread and a barrier costs about
 # 5 ms, so there reductions run one thread per block (no barrier at all); tests also run the
 # multi-thread variants there on a few rows.
-NORM_THREADS = 1 if SIM else 128
+NORM_THREADS = 1 if SIM else 512
 ELEM_THREADS = 64 if SIM else 128
 FUSED_THREADS = 128  # the most threads norm_rope_quant gives a block by default (a GPU's)
 
@@ -250,29 +250,36 @@ def quant_value(v, s, quant):
 
 
 @cache
-def rms_norm_kernel(x_bf16: bool, threads: int):
-    """One block of `threads` threads per row (a power of two up to 32, or whole warps): float64
-    partial sums, added by block_sum. x bf16 bits (x_bf16) or fp32 [R, width], weight fp32 [width],
-    out bf16 [R, width]."""
+def rms_norm_kernel(x_bf16: bool, threads: int, per_thread: int):
+    """One block of `threads` threads per row (a power of two up to 32, or whole warps), each
+    `per_thread` values of it, loaded together and kept for the second pass (a walk that loads,
+    adds and loads again waits on each load in turn: 10 us for a 1280-wide row at 128 threads):
+    float64 partial sums, added by block_sum. x bf16 bits (x_bf16) or fp32 [R, width], weight fp32
+    [width], out bf16 [R, width]."""
     many = threads > 1
     mask = lane_mask(threads)
 
     @jit_for(threads)
     def kernel(x, weight, out, n_rows, width, eps):
         scratch = cuda.shared.array(threads, float64)  # [threads]: block_sum's
+        vals = cuda.local.array(per_thread, float32)  # [per_thread]: this thread's values of the row
         r = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         acc = float64(0)
-        for c in range(tid, width, threads):
-            v = load_f32(x, r, c, x_bf16)
+        for i in range(per_thread):
+            c = tid + i * threads
+            v = load_f32(x, r, c, x_bf16) if c < width else float32(0)
+            vals[i] = v
             acc += float64(mul_rn(v, v))
         if many:
             acc = block_sum(acc, mask, scratch)
         mean = float32(acc / float64(width))
         rs = float32(1.0 / math.sqrt(float64(mean + eps)))
         # a thread rewrites only the values it read itself, so out may be x
-        for c in range(tid, width, threads):
-            out[r, c] = f32_to_bf16(mul_rn(weight[c], mul_rn(load_f32(x, r, c, x_bf16), rs)))
+        for i in range(per_thread):
+            c = tid + i * threads
+            if c < width:
+                out[r, c] = f32_to_bf16(mul_rn(weight[c], mul_rn(vals[i], rs)))
 
     return kernel
 
@@ -414,7 +421,8 @@ def rms_norm(x: DeviceArray, weight: DeviceArray, eps: float, out: DeviceArray, 
     nt = threads or NORM_THREADS
     if nt & (nt - 1) and nt % WARP:
         raise InputError(f"rms_norm: {nt} threads a block: a power of two or whole warps")
-    rms_norm_kernel(bool(x.dtype == np.uint16), nt)[n_rows, nt, stream](x, weight, out, n_rows, width, np.float32(eps))
+    rms_norm_kernel(bool(x.dtype == np.uint16), nt, -(-width // nt))[n_rows, nt, stream](
+        x, weight, out, n_rows, width, np.float32(eps))
 
 
 def rope(x: DeviceArray, cos: DeviceArray, sin: DeviceArray, positions: DeviceArray, inverse: bool, n_rows: int,

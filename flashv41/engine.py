@@ -40,7 +40,7 @@ from flashv41.graphs import GraphRunner, graphs_available
 from flashv41.host.errors import CapacityError, InputError, SequenceStateError
 from flashv41.host.model import Model
 from flashv41.host.tokens import check_tokens
-from flashv41.memory import DEFAULT_MAX_SEQ, DEFAULT_MAX_TOKENS
+from flashv41.memory import DEFAULT_MAX_SEQ, DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES
 from flashv41.plan import (
     HASHER,
     IDS,
@@ -72,13 +72,14 @@ class Engine:
     max_seq: positions a sequence may hold (sizes the per-sequence caches and RoPE tables); by
     default 4096, or the model's context length where that is shorter.
     max_tokens: tokens per forward call (sizes the workspaces; longer prompts are chunked).
-    table_residency: "device" (engram tables uploaded once) or "host" (rows read from the
-    memory-mapped file per call and uploaded).
+    table_residency: "device" (engram tables uploaded once), "pinned" (copied once into page-locked
+    host memory that the row kernel reads over the host link: no table bytes on the device) or
+    "host" (rows read from the memory-mapped file per call and uploaded).
     profile: synchronise around every step and add its wall time to `stage_seconds` under the
     step's name (flashv41.plan.StageTimer; slower; for timing tables; steps then run eagerly).
     graphs: replay one-token steps as CUDA graphs (flashv41.graphs), per sequence and per step
-    kind (`graph_key`); ignored on the simulator and with host-resident tables, whose rows are
-    uploaded data rather than ids. Results are the same either way.
+    kind (`graph_key`); ignored on the simulator and with "host" tables, whose rows are uploaded
+    data rather than ids. Results are the same either way.
     progress: called with a line of text at each step of the (possibly long) set-up.
     """
 
@@ -95,8 +96,9 @@ class Engine:
             raise InputError(f"max_tokens ({max_tokens}) and max_seq ({max_seq}) must be at least 1")
         if max_seq > cfg.context_length:
             raise CapacityError(f"max_seq {max_seq} exceeds the model's context length {cfg.context_length}")
-        if table_residency not in ("device", "host"):
-            raise InputError(f"table_residency must be 'device' or 'host', got {table_residency!r}")
+        if table_residency not in TABLE_RESIDENCIES:
+            raise InputError(f"table_residency must be one of {', '.join(TABLE_RESIDENCIES)}, "
+                             f"got {table_residency!r}")
         # importing flashv41.stages chooses the backend, before numba.cuda is first imported
         from flashv41.stages.backend import select_backend
 
@@ -137,7 +139,7 @@ class Engine:
         self._timer = StageTimer(cuda.synchronize, self.stage_seconds)
         self.plan = self._build_plan()
         self._ratios = sorted({role.ratio for role in cfg.roles if role.ratio > 0})
-        self.graphs = graphs and graphs_available() and table_residency == "device"
+        self.graphs = graphs and graphs_available() and table_residency != "host"
         self._runner = GraphRunner() if self.graphs else None
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self.closed = False

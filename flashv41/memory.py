@@ -2,7 +2,7 @@
 
 - weights: the stored bytes of every tensor the engine uses (the engine uploads them as stored,
   quantised); the engram tables count on the device, or on the host with
-  `table_residency="host"`;
+  `table_residency="pinned"` (page-locked host memory) or `"host"` (the file's pages);
 - per-sequence state, for sequences of up to `max_seq` positions: each layer's window ring, each
   kv source's compressed cache, index-key cache and compressor partial-group state, and the
   engram hash cache of compressed ids;
@@ -22,7 +22,7 @@ from flashv41.host.config import LayerRole, ModelConfig
 from flashv41.host.errors import CapacityError, InputError
 from flashv41.host.gguf_model import WeightStore
 
-TABLE_RESIDENCIES = ("device", "host")
+TABLE_RESIDENCIES = ("device", "pinned", "host")
 # tokens per forward chunk where the caller does not say: the Engine's, `flashv41 run`'s and `info`'s
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_SEQ = 4096  # an Engine's positions when not given (or the model's context, if shorter)
@@ -82,16 +82,17 @@ class MemoryEstimate:
 
     def table(self) -> str:
         """A readable multi-line table of the estimate."""
-        where = "device" if self.table_residency == "device" else "host"
+        where = {"device": "on the device", "pinned": "in pinned host memory",
+                 "host": "on the host"}[self.table_residency]
         lines = [
             f"device memory estimate (max_seq {self.max_seq}, max_tokens {self.max_tokens}, "
-            f"engram tables on the {where})",
+            f"engram tables {where})",
             f"  {'layer':>5}  {'block type':<28} {'weights':>10} {'engram table':>16} {'state/seq':>10}",
         ]
         for m in self.layers:
             table = "-"
             if m.table_bytes:
-                table = format_bytes(m.table_bytes) + ("" if m.table_on_device else " (host)")
+                table = format_bytes(m.table_bytes) + ("" if m.table_on_device else f" ({self.table_residency})")
             lines.append(f"  {m.layer:>5}  {m.block_type:<28} {format_bytes(m.weight_bytes):>10} {table:>16} "
                          f"{format_bytes(m.state_bytes):>10}")
         lines.append(f"  {'':>5}  {'token_embd':<28} {format_bytes(self.embedding_bytes):>10}")
@@ -105,7 +106,8 @@ class MemoryEstimate:
             f"  weights on the device        {format_bytes(self.weight_bytes):>10}",
         ]
         if self.host_table_bytes:
-            lines.append(f"  engram tables on the host    {format_bytes(self.host_table_bytes):>10}")
+            label = "engram tables, pinned host" if self.table_residency == "pinned" else "engram tables on the host"
+            lines.append(f"  {label:<29}{format_bytes(self.host_table_bytes):>10}")
         lines += [
             f"  state per sequence           {format_bytes(self.state_bytes_per_sequence):>10}",
             f"  workspaces (estimate)        {format_bytes(self.workspace_bytes):>10}",

@@ -45,15 +45,16 @@ class EngramLayerWeights:
     layer: int
     wkv: DeviceWeight  # stored [C * (hc + 1), L * E]
     qk: DeviceArray  # float32 [hc, C]
-    table: TableRows  # [rows, E], on the device or read from the host
-    workspace: RowWorkspace  # this layer's uploaded row ids (device tables) or rows (host tables)
+    table: TableRows  # [rows, E], on the device, in pinned host memory, or read from the file
+    workspace: RowWorkspace  # this layer's uploaded row ids (device, pinned tables) or rows (host tables)
 
 
 class EngramStage:
     """Every engram layer of a model, with workspaces for chunks of up to `max_tokens` tokens.
 
-    table_residency: "device" (tables uploaded once) or "host" (rows read from the mapped file per
-    call). stream: the CUDA stream every copy and kernel of the stage runs on.
+    table_residency: "device" (tables uploaded once), "pinned" (copied once into mapped page-locked
+    host memory the row kernel reads) or "host" (rows read from the mapped file per call). stream:
+    the CUDA stream every copy and kernel of the stage runs on.
     """
 
     def __init__(self, model: Model, max_tokens: int, table_residency: str = "device", stream=0):
@@ -106,6 +107,11 @@ class EngramStage:
             table=rows,
             workspace=RowWorkspace(self.max_tokens, self.cols, rows.row_bytes, self.table_residency),
         )
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory held by pinned tables."""
+        return sum(w.table.pinned_bytes for w in self.layers.values())
 
     @property
     def device_bytes(self) -> int:

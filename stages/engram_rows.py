@@ -4,9 +4,16 @@ Shapes: T tokens, L = cols row ids per token, E = the table's row width (head_di
 Row ids int64 [T, L] (from the hasher, on the host) -> rows bf16 bits uint16 [T, L * E], i.e. the
 [T * L, E] rows back to back, each token's L rows in column order.
 
-A table lives in one of two places, chosen per model (`RESIDENCIES`):
+A table lives in one of three places, chosen per model (`RESIDENCIES`):
 - `device`: the table's stored bytes (uint8 [rows, row_bytes]) are uploaded once; the ids are
   uploaded and one kernel gathers the rows by id and dequantises them.
+- `pinned`: the stored bytes are copied once into page-locked host memory mapped into the device's
+  address space (`cuda.mapped_array`), and the same gather kernel reads each requested row straight
+  from there over the host link: no table byte on the device, and the step is what `device` runs
+  (ids uploaded, one kernel), so it can be captured in a CUDA graph. A copy rather than registering
+  the file's read-only mapping: the copy cannot be evicted by page-cache pressure, and a read-only
+  file mapping is not something every driver lets a device map. The host must have the table's
+  bytes free (refused up front, naming the table, otherwise).
 - `host`: the table stays in the memory-mapped file; the rows are read by id on the host
   (host.engram_rows.EngramRowReader), uploaded into a preallocated device byte buffer, and the
   same kernel dequantises them in place of a gather.
@@ -28,21 +35,23 @@ import numpy as np
 from numba import cuda, float32
 
 from flashv41.host.engram_rows import EngramRowReader
-from flashv41.host.errors import InputError, UnsupportedError
+from flashv41.host.errors import CapacityError, InputError, UnsupportedError
 from flashv41.host.gguf_model import TensorRef
 from flashv41.host.quants import FORMATS
 from flashv41.stages.device import CHUNK, SIM, f32_to_bf16, grid_1d
 from flashv41.stages.quant_types import DEVICE_TYPES, DeviceType
 
-RESIDENCIES = ("device", "host")
+RESIDENCIES = ("device", "pinned", "host")
+GATHERED = ("device", "pinned")  # residencies whose kernel gathers rows by id from the whole table
+PIN_CHUNK_BYTES = 1 << 26  # the copy into pinned memory goes in pieces of about this many bytes
 # threads per block: one thread per 32-value chunk; the simulator runs each thread as a Python thread
 ROWS_THREADS = 8 if SIM else 128
 
 
 @cache
 def rows_kernel(qt: DeviceType, gathered: bool):
-    """The row kernel for one table type. gathered: rows come from the whole table by id (device
-    residency); otherwise row r of the source is already the r-th requested row (host residency)."""
+    """The row kernel for one table type. gathered: rows come from the whole table by id (device and
+    pinned residency); otherwise row r of the source is already the r-th requested row (host)."""
     dequant = qt.dequant
 
     @cuda.jit
@@ -84,10 +93,47 @@ def check_row_ids(row_ids: np.ndarray, n_tokens: int, cols: int, table_rows: int
     return np.ascontiguousarray(ids, dtype=np.int64)
 
 
+def host_available_bytes() -> int | None:
+    """The host memory the kernel says is available now (Linux MemAvailable), or None where it
+    cannot tell."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def pin_table(table: TensorRef, rows: int, row_bytes: int):
+    """The table's stored bytes copied into mapped page-locked host memory (uint8 [rows, row_bytes],
+    readable by kernels as a device array). Refused with a CapacityError naming the table where the
+    host has fewer bytes available than the table holds, or where the driver refuses to pin them;
+    nothing stays pinned after a refusal or a failed copy."""
+    nbytes = rows * row_bytes
+    available = host_available_bytes()
+    if available is not None and nbytes > available:
+        raise CapacityError(f"{table.name}: pinning the engram table needs {nbytes / 2**30:.1f} GiB of host "
+                            f"memory, only {available / 2**30:.1f} GiB is available "
+                            f"(table_residency='host' reads its rows from the file instead)")
+    try:
+        pinned = cuda.mapped_array((rows, row_bytes), np.uint8)
+    except Exception as e:  # the driver's refusal (CudaAPIError, an out-of-memory error)
+        raise CapacityError(f"{table.name}: the driver refused to pin {nbytes / 2**30:.1f} GiB of host memory "
+                            f"for the engram table ({e}); table_residency='host' reads its rows from the file "
+                            f"instead") from e
+    source = table.raw()
+    step = max(1, PIN_CHUNK_BYTES // row_bytes)
+    for r in range(0, rows, step):
+        pinned[r:r + step] = source[r:r + step]
+    return pinned
+
+
 class RowWorkspace:
     """The buffers that row loads share, allocated once for up to `max_tokens` tokens.
 
-    ids int64 [max_tokens, L] on the device (device residency) and its pinned staging copy;
+    ids int64 [max_tokens, L] on the device (device and pinned residency) and its pinned staging copy;
     raw uint8 [max_tokens * L, row_bytes] on the device (host residency) and its pinned staging copy.
     """
 
@@ -128,16 +174,23 @@ class TableRows:
         self.residency = residency
         self.rows, self.head_dim = (int(n) for n in table.shape)
         self.row_bytes = FORMATS[self.gtype].row_bytes(self.head_dim)
+        self.data = None
+        self.reader = None
         if residency == "device":
             self.data = cuda.to_device(table.raw(), stream=stream)  # uint8 [rows, row_bytes]
-            self.reader = None
+        elif residency == "pinned":
+            self.data = pin_table(table, self.rows, self.row_bytes)  # uint8 [rows, row_bytes], host
         else:
-            self.data = None
             self.reader = EngramRowReader(table)
 
     @property
     def device_bytes(self) -> int:
-        return self.rows * self.row_bytes if self.data is not None else 0
+        return self.rows * self.row_bytes if self.residency == "device" and self.data is not None else 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory held (pinned residency)."""
+        return self.rows * self.row_bytes if self.residency == "pinned" and self.data is not None else 0
 
     def load(self, row_ids: np.ndarray, n_tokens: int, ws: RowWorkspace, out, stream=0) -> None:
         """out[:n_tokens] = the bf16 rows of row_ids (int [n_tokens, L]); out uint16 [>= T, L * E]."""
@@ -146,13 +199,13 @@ class TableRows:
 
     def upload(self, row_ids: np.ndarray, n_tokens: int, ws: RowWorkspace, stream=0) -> None:
         """Validate row_ids int [n_tokens, L] and put what the kernel reads on the device: the ids
-        (device residency) or the rows' stored bytes (host residency)."""
+        (device and pinned residency) or the rows' stored bytes (host residency)."""
         if n_tokens > ws.max_tokens:
             raise InputError(f"{self.name}: {n_tokens} tokens exceed the workspace's {ws.max_tokens}")
         ids = check_row_ids(row_ids, n_tokens, ws.cols, self.rows, self.name)
         n = n_tokens * ws.cols
         ws.uploaded.synchronize()
-        if self.residency == "device":
+        if self.residency in GATHERED:
             ws.ids_host[:n_tokens] = ids
             ws.ids[:n_tokens].copy_to_device(ws.ids_host[:n_tokens], stream=stream)
         else:
@@ -170,7 +223,7 @@ class TableRows:
         if out.dtype != np.uint16 or out.shape[0] < n_tokens or out.shape[1] != cols * self.head_dim:
             raise InputError(f"{self.name}: rows output must be uint16 [>= {n_tokens}, {cols * self.head_dim}], "
                              f"got {out.dtype} {tuple(out.shape)}")
-        gathered = self.residency == "device"
+        gathered = self.residency in GATHERED
         source = self.data if gathered else ws.raw
         chunks = self.head_dim // CHUNK
         grid = grid_1d(n_tokens * cols * chunks, ROWS_THREADS)

@@ -75,12 +75,12 @@ def _run_sequence(table_type, model, oracle, residency: str, chunks: tuple[int, 
         st.free()
 
 
-@pytest.mark.parametrize("residency", ["device", "host"])
+@pytest.mark.parametrize("residency", ["device", "pinned", "host"])
 def test_small(small, residency: str) -> None:
     _run_sequence(*small, residency, (64, 11, 5, 1, 1, 8))
 
 
-@pytest.mark.parametrize("residency", ["device", "host"])
+@pytest.mark.parametrize("residency", ["device", "pinned", "host"])
 def test_flash_dimensions(flash, residency: str) -> None:
     table_type, model, _ = flash
     e = model.config.engram

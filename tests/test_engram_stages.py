@@ -183,7 +183,7 @@ def _ids(rng: np.random.Generator, table_rows: int, t: int, cols: int) -> np.nda
     return ids
 
 
-@pytest.mark.parametrize("residency", ["device", "host"])
+@pytest.mark.parametrize("residency", ["device", "pinned", "host"])
 @pytest.mark.parametrize("table_type", ["Q2_K", "Q8_0", "BF16"])
 def test_rows_bit_exact(synth_model, table_type: str, residency: str) -> None:
     model = flashv41.load_model(synth_model("tiny", table_type=table_type))

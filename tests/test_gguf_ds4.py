@@ -182,7 +182,7 @@ def test_corner_rows_dequantise_exactly() -> None:
             assert np.array_equal(chunk.view(np.uint32), host[r, 32 * c:32 * c + 32].view(np.uint32)), (r, c)
 
 
-@pytest.mark.parametrize("residency", ["device", "host"])
+@pytest.mark.parametrize("residency", ["device", "pinned", "host"])
 def test_device_row_gather(ds4_path: Path, residency: str) -> None:
     model = flashv41.load_model(ds4_path)
     try:

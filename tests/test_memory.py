@@ -52,6 +52,10 @@ def test_estimate_for_tiny(tiny_path: Path) -> None:
         assert on_host.host_table_bytes == tables and est.host_table_bytes == 0
         text = on_host.table()
         assert "(host)" in text and format_bytes(on_host.total_bytes(1)) in text
+        pinned = estimate_memory(cfg, weights, max_seq, max_tokens, table_residency="pinned")
+        assert pinned.weight_bytes == on_host.weight_bytes and pinned.host_table_bytes == tables
+        text = pinned.table()
+        assert "(pinned)" in text and "engram tables, pinned host" in text and "in pinned host memory" in text
     finally:
         model.close()
 

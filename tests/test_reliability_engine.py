@@ -186,14 +186,43 @@ def test_bad_calls_change_nothing(setup, monkeypatch: pytest.MonkeyPatch) -> Non
     c.release()
 
 
-def test_host_tables_agree(setup) -> None:
+@pytest.mark.parametrize("residency", ["host", "pinned"])
+def test_host_tables_agree(setup, residency: str) -> None:
+    """Tables read from the file, or from pinned host memory, give the device tables' results bit
+    for bit (and the oracle's, within its bounds)."""
     model, engine, oracle = setup
-    with flashv41.Engine(model, max_seq=MAX_SEQ, max_tokens=MAX_TOKENS, table_residency="host") as host:
-        seq = host.new_sequence()
-        got = assert_agrees(seq, oracle.new_sequence(), 0, "host tables")
+    with flashv41.Engine(model, max_seq=MAX_SEQ, max_tokens=MAX_TOKENS, table_residency=residency) as other:
+        seq = other.new_sequence()
+        got = assert_agrees(seq, oracle.new_sequence(), 0, f"{residency} tables")
+        assert other.engram is not None and other.engram.pinned_bytes == (
+            sum(w.table.rows * w.table.row_bytes for w in other.engram.layers.values()) if residency == "pinned" else 0)
     device = engine.new_sequence()
     assert np.array_equal(run(device, 0).view(np.uint32), got.view(np.uint32))
     device.release()
+
+
+def test_pinned_tables_refused(setup, monkeypatch) -> None:
+    """Pinning that the host cannot hold, or that the driver refuses, is one CapacityError naming
+    the table, before anything is pinned; the engine already built stays usable."""
+    from numba import cuda
+
+    from flashv41.stages import engram_rows
+
+    model, engine, _ = setup
+    monkeypatch.setattr(engram_rows, "host_available_bytes", lambda: 1024)
+    with pytest.raises(CapacityError, match=r"engram_embd.*pinning the engram table needs .* GiB of host memory"):
+        flashv41.Engine(model, max_seq=MAX_SEQ, max_tokens=MAX_TOKENS, table_residency="pinned")
+    monkeypatch.setattr(engram_rows, "host_available_bytes", lambda: None)
+
+    def refuse(*args, **kwargs):
+        raise MemoryError("no pinned memory")
+
+    monkeypatch.setattr(cuda, "mapped_array", refuse)
+    with pytest.raises(CapacityError, match=r"engram_embd.*the driver refused to pin .*no pinned memory"):
+        flashv41.Engine(model, max_seq=MAX_SEQ, max_tokens=MAX_TOKENS, table_residency="pinned")
+    seq = engine.new_sequence()
+    run(seq, 0)
+    seq.release()
 
 
 def test_unmapped_blocks_like_a_mask_in_the_oracle(setup) -> None:

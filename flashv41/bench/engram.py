@@ -3,9 +3,11 @@
 - `engram.wkv_gemv.<type>` (P1): the engram projection for one token, [dim * (hc + 1), cols * 256]
   = [25600, 6144] (157.3 M weights) read from its stored blocks; bound = stored bytes / copy
   bandwidth. The weights are random stored blocks: a GEMV's time does not depend on the values.
-- `engram.step.<type>.device` (P3): one decode step's device work (rows kernel, wkv GEMV, gate)
-  queued behind a sleeping kernel so that Python's launch cost is excluded, as in a replayed
-  graph; bound = (wkv bytes + the token's row bytes) / copy bandwidth.
+- `engram.step.<type>.device` and `.pinned` (P3): one decode step's device work (rows kernel, wkv
+  GEMV, gate) queued behind a sleeping kernel so that Python's launch cost is excluded, as in a
+  replayed graph, the table on the device or in pinned host memory; bound = (wkv bytes + the
+  token's row bytes) / copy bandwidth (the pinned rows cross the host link; its own bandwidth is
+  not measured yet).
 - `engram.step.<type>.<residency>.python` (P3): whole steps as Python issues them back to back
   (hash, row upload, the three kernels), launch cost included: what the engine gets without a
   graph.
@@ -182,7 +184,7 @@ def step_case(wtype: str, residency: str) -> BenchCase:
                 ids = hasher.hash(token, 16)[:, 0]
                 stage.apply(layer, h, ids, 1)
 
-            if residency == "device":
+            if residency in ("device", "pinned"):
                 stage.upload_rows(layer, hasher.hash(token, 16)[:, 0], 1)
 
                 def device_step() -> None:
@@ -191,9 +193,10 @@ def step_case(wtype: str, residency: str) -> BenchCase:
                     stage.gate(layer, h, 1)
 
                 median, plan = ctx.stage_time(device_step, nbytes, stream)
+                where = "" if residency == "device" else ", the rows read from pinned host memory"
                 rows.append(BenchRow(name, median, ctx.memory_bound(nbytes), bytes=nbytes,
-                                     note=f"rows + wkv {wtype} + gate, 1 token, launch cost excluded", l2=plan))
-                if gtype == GGMLType.Q8_0:  # the two small stages once (they do not depend on the wkv type)
+                                     note=f"rows + wkv {wtype} + gate, 1 token, launch cost excluded{where}", l2=plan))
+                if gtype == GGMLType.Q8_0 and residency == "device":  # the two small stages once (any wkv type)
                     # rows: the token's table rows read, 256 bf16 values each written
                     moved = row_bytes + cfg.engram.cols * cfg.engram.head_dim * 2
                     median, plan = ctx.stage_time(lambda: stage.dequantize_rows(layer, 1), moved, stream)
@@ -240,6 +243,6 @@ def cases(options: BenchOptions) -> list[BenchCase]:
             raise InputError(f"bench: no engram rows for weight type {wtype} "
                              f"(have {', '.join(t.name for t in WEIGHT_TYPES)})")
     out = [gemv_case(w) for w in options.weight_types]
-    out += [step_case(w, r) for w in options.weight_types for r in ("device", "host")]
+    out += [step_case(w, r) for w in options.weight_types for r in ("device", "pinned", "host")]
     out.append(hash_case())
     return out

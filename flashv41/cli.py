@@ -25,13 +25,15 @@ import numpy as np
 
 from flashv41 import __version__
 from flashv41.host.config import ModelConfig
-from flashv41.host.errors import FlashError
+from flashv41.host.errors import FlashError, InputError
 from flashv41.host.gguf_layout import LAYOUTS
 from flashv41.host.model import Model
 from flashv41.memory import DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES, estimate_memory, format_bytes
 
 WRITABLE_WEIGHT_TYPES = ("BF16", "Q8_0", "Q2_K")
 WRITABLE_TABLE_TYPES = ("Q2_K", "Q8_0", "BF16")
+# what `synth` writes: every type flashv41 reads (Q3_K .. Q6_K drawn as random valid super-blocks)
+SYNTH_TYPES = ("BF16", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16", "F32")
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
 
 
@@ -68,8 +70,18 @@ def token_list(text: str) -> np.ndarray:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def type_map_items(text: str) -> dict[str, str]:
+    """An argparse type: --type-map's `role=TYPE,role=TYPE` (flashv41.host.synth.parse_type_map)."""
+    from flashv41.host.synth import parse_type_map
+
+    try:
+        return parse_type_map(text)
+    except FlashError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_synth_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
-    from flashv41.host.synth import PRESETS
+    from flashv41.host.synth import PRESETS, TYPE_MAP_ROLES
 
     p = subparsers.add_parser(
         "synth", help="write a synthetic V4.1 model (random weights, real layout) to a GGUF file",
@@ -77,14 +89,24 @@ def add_synth_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
                     "with seeded random weights of realistic statistics.",
     )
     p.add_argument("--preset", choices=list(PRESETS), default="tiny",
-                   help="model sizes: tiny (simulator-sized), small (the reference tests' sizes), "
+                   help="model sizes: tiny (simulator-sized), small (the reference tests' sizes), tiny256 (tiny "
+                        "with rows 256 wide, so every matrix but the index keys' holds K-quant blocks), "
                         "flash (V4.1-Flash dimensions, 6 layers), flash40 (V4.1-Flash dimensions on its real "
                         "40-layer schedule, 7.2 GB in Q8_0); default tiny")
     p.add_argument("-o", "--output", required=True, type=Path, metavar="FILE.gguf", help="where to write")
-    p.add_argument("--weight-type", choices=WRITABLE_WEIGHT_TYPES, default="Q8_0",
-                   help="type of the dense matrices and the embedding (default Q8_0)")
-    p.add_argument("--table-type", choices=WRITABLE_TABLE_TYPES, default=None,
+    p.add_argument("--weight-type", choices=SYNTH_TYPES, default="Q8_0",
+                   help="type of the dense attention matrices, the engram projection and the embedding "
+                        "(default Q8_0; a matrix whose rows do not hold whole blocks takes Q8_0, then BF16; "
+                        "Q3_K to Q6_K are drawn as random valid super-blocks)")
+    p.add_argument("--table-type", choices=SYNTH_TYPES, default=None,
                    help="type of the engram tables (default: the preset's, Q2_K where rows are 256 wide)")
+    p.add_argument("--type-map", type=type_map_items, action="append", default=None, metavar="ROLE=TYPE,...",
+                   help="types by tensor role, over --weight-type and --table-type: ROLE is a tensor's name "
+                        f"without blk.N. and .weight as llama.cpp names it ({', '.join(TYPE_MAP_ROLES)}) or as "
+                        "the layout names it, TYPE one of "
+                        f"{', '.join(SYNTH_TYPES)}; every tensor of the role takes it, and one whose rows do "
+                        "not hold whole blocks of it is an error (e.g. attn_q_b=Q4_K,engram_embd=Q8_0; "
+                        "may be given more than once)")
     p.add_argument("--seed", type=at_least(0), default=0, help="random seed of the weights (default 0)")
     p.add_argument("--layout", choices=LAYOUTS, default=LAYOUTS[0],
                    help="the GGUF layout's keys and tensor names: llama.cpp (default), mxxm-t (explicit source "
@@ -102,9 +124,17 @@ def add_synth_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
 
 
 def synth_command(args: argparse.Namespace) -> int:
-    from flashv41.host.synth import PRESETS, progress_bar, shard_paths, write_synthetic
+    from flashv41.host.gguf_layout import ENGRAM_TABLE
+    from flashv41.host.synth import PRESETS, progress_bar, resolve_type_map, shard_paths, write_synthetic
 
     overrides = {} if args.engram_rows is None else {"engram_rows": args.engram_rows}
+    type_map: dict[str, str] = {}
+    for items in args.type_map or ():
+        for role, type_name in items.items():
+            if role in type_map:
+                raise InputError(f"--type-map: role {role!r} is given twice ({role}={type_map[role]}, "
+                                 f"{role}={type_name})")
+            type_map[role] = type_name
     if args.layout == "ds4":
         if args.table_type is not None:
             print(f"flashv41 synth: error: --table-type {args.table_type}: the ds4 layout's engram tables are "
@@ -117,13 +147,16 @@ def synth_command(args: argparse.Namespace) -> int:
     with progress_bar(f"writing {args.output.name}") as progress:
         path = write_synthetic(args.output, args.preset, weight_type=args.weight_type, table_type=table_type,
                                seed=args.seed, progress=progress, shards=args.shards, layout=args.layout,
-                               **overrides)
+                               type_map=type_map, **overrides)
     elapsed = time.monotonic() - start
     files = shard_paths(args.output, args.shards)
     written = str(path) if len(files) == 1 else f"{path} .. {files[-1].name} ({len(files)} shards)"
     size = sum(f.stat().st_size for f in files)
+    mapped = resolve_type_map(type_map, args.layout)
+    tables = mapped[ENGRAM_TABLE].name if ENGRAM_TABLE in mapped else table_type
+    by_role = "".join(f", {role} {t.name}" for role, t in mapped.items() if role != ENGRAM_TABLE)
     print(f"wrote {written} ({format_bytes(size)}) in {elapsed:.2f} s: preset {args.preset}, "
-          f"weights {args.weight_type}, engram tables {table_type}, seed {args.seed}, layout {args.layout}")
+          f"weights {args.weight_type}{by_role}, engram tables {tables}, seed {args.seed}, layout {args.layout}")
     return 0
 
 

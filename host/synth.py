@@ -14,13 +14,23 @@ level of +-127 in each block, the others from the truncated normal given amax), 
 bf16 codes of those values. Same statistics, other bytes than the quantised path: flash40's 7.2 GB
 took 49 s to write on two cores (7 s a GB, the file writes included), against about 75 s a GB for
 quantising alone. Every other preset's bytes are those of the quantised path. Other weight types
-(Q2_K's matrices) are quantised as before, stored_draw or not: slow at flash40's size.
+(Q2_K's matrices, MXFP4) are quantised as before, stored_draw or not: slow at flash40's size.
+
+Types: the weight type (`weight_type`) goes to the attention matrices, the engram projection and
+the embedding, the table type to the engram tables; any ggml type flashv41 reads may be either. A
+type map (`type_map={role: type}`, `flashv41 synth --type-map role=TYPE,...`) sets any matrix role
+or the table (TYPE_MAP_ROLES) to any type, strictly: rows that do not hold whole blocks are an
+error, where the weight type falls back to Q8_0, then BF16. Q3_K, Q4_K, Q5_K and Q6_K have no
+quantiser: their tensors are drawn as random valid super-blocks of the intended RMS
+(`draw_k_quant`), whatever the preset.
 
 Presets:
 - `tiny`: simulator-sized, the reference's six-layer schedule (every block type), engram on a
   window-only layer and a kv source, window 8 and ratio 2 so a few dozen tokens cross the window
   wrap and many compressor groups; engram rows of 256 so Q2_K tables are real.
 - `small`: the reference tests' sizes (`testing.py`).
+- `tiny256`: tiny with dim, q_lora_rank, the heads' values per output group and the output lora 256
+  wide, so that every matrix but the index keys' holds K-quant super-blocks (`--weight-type Q4_K`).
 - `flash`: V4.1-Flash dimensions on the six-layer schedule, engram tables of `engram_rows` rows.
 - `flash40`: the flash dimensions on V4.1-Flash's own 40-layer schedule (FLASH40_SCHEDULE: 2
   window-only layers, ratio 2 for layers 2-19 and 1 for 20-39, kv sources 2, 8, 14, 20, index
@@ -50,13 +60,14 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
@@ -67,7 +78,7 @@ from flashv41.host.errors import InputError, UnsupportedError
 from flashv41.host.gguf_model import shard_name
 from flashv41.host.numerics import bf16
 from flashv41.host.progress import Progress
-from flashv41.host.quants import FORMATS, GGMLType, RowType, dequantize, ggml_type, quantize
+from flashv41.host.quants import FORMATS, GGMLType, RowType, dequantize, ggml_type, quantize, random_blocks
 
 # Per-norm mean of the weights, and per-projection gain over fan_in^-0.5 (the reference's testing.py).
 NORM_MEAN = {
@@ -160,10 +171,14 @@ PRESETS: dict[str, Preset] = {
         engram_vocab_size=125_000, rope_factor=16.0, rope_original_ctx=65536, context_length=65536,
     ),
 }
+# tiny with every streamed matrix's rows 256 values wide (dim, q_lora_rank, the heads' values per output
+# group, the output lora): the smallest model whose matrices all hold K-quant super-blocks but the
+# index keys' (indexer.attn_k, rows of head_dim 64)
+PRESETS["tiny256"] = replace(PRESETS["tiny"], dim=256, q_lora_rank=256, n_heads=4, o_groups=1, o_lora_rank=256)
 # V4.1-Flash's own 40-layer schedule (docs/performance.md): 2 window-only layers, ratio 2 for
 # layers 2-19 and ratio 1 for 20-39, kv sources 2, 8, 14, 20, index sources 2, 8, ..., 36 (every
 # kv source, then every fourth layer), candidate source 20, engram before layers 1 and 14
-FLASH40_SCHEDULE = {
+FLASH40_SCHEDULE: dict[str, Any] = {
     "compress_ratios": (0,) * 2 + (2,) * 18 + (1,) * 20,
     "kv_sources": (2, 8, 14, 20),
     "index_sources": (2, 8, 14, 20, 24, 28, 32, 36),
@@ -385,9 +400,95 @@ DRAWERS: dict[GGMLType | RowType, Callable[[np.random.Generator, tuple[int, ...]
 }
 
 
+# The K-quants flashv41 reads but cannot quantise (Q3_K .. Q6_K: no quantiser here or in gguf-py)
+# are drawn as random valid super-blocks: host.quants.random_blocks' uniform levels and high bits,
+# the sub-scales then drawn in the upper half of their range (a random sign where the type's scales
+# are signed), the mins of Q4_K / Q5_K equal to their scales with dmin = d * the levels' middle (each
+# sub-block centred, as a fitted minimum centres it), and d set so that the values' mean square is
+# std^2: E[y^2] = d^2 E[scale^2] E[(level - middle)^2], the three independent.
+# type: (smallest, largest |sub-scale| drawn, levels' range after the centring dmin takes off)
+K_DRAWN: dict[GGMLType, tuple[int, int, tuple[float, float]]] = {
+    GGMLType.Q3_K: (16, 31, (-4, 3)),  # y = d (sc - 32) q, q in -4..3, sc - 32 in -32..31
+    GGMLType.Q4_K: (32, 63, (-7.5, 7.5)),  # y = (d sc) q - dmin m, q in 0..15, sc and m in 0..63
+    GGMLType.Q5_K: (32, 63, (-15.5, 15.5)),  # Q4_K's with q in 0..31
+    GGMLType.Q6_K: (64, 127, (-32, 31)),  # y = (d sc) (q - 32), q in 0..63, sc an int8
+}
+
+
+def _k_unit(gtype: GGMLType) -> float:
+    """E[scale^2] E[level^2] of what draw_k_quant draws, d = 1 (both uniform over integer steps)."""
+    lo, hi, (first, last) = K_DRAWN[gtype]
+    scales = np.arange(lo, hi + 1, dtype=np.float64)
+    levels = np.arange(first, last + 1, dtype=np.float64)
+    return float(np.mean(scales**2) * np.mean(levels**2))
+
+
+def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K: eight 6-bit scales and mins [..., 8] each -> the 12 scale bytes [..., 12] that
+    host.quants.k_scale_min reads back: bytes 0-3 and 4-7 the low six bits of scales and mins 0-3
+    with the top two of those 4-7, bytes 8-11 the low nibbles of scales and mins 4-7."""
+    out = np.empty((*sc.shape[:-1], 12), np.uint8)
+    out[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    out[..., 4:8] = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    return out
+
+
+def _pack_q3_k_scales(u: np.ndarray) -> np.ndarray:
+    """Q3_K: sixteen 6-bit stored scales [..., 16] (scale + 32) -> the 12 scale bytes [..., 12]:
+    bytes 0-7 the low nibbles of scales 0-7 and (high nibble) 8-15, byte 8 + i the top two bits of
+    scales i, i + 4, i + 8, i + 12 from its low bits up (host.quants.dequantize_q3_k's reading)."""
+    out = np.empty((*u.shape[:-1], 12), np.uint8)
+    out[..., 0:8] = (u[..., :8] & 15) | ((u[..., 8:] & 15) << 4)
+    top = (u >> 4) & 3
+    out[..., 8:12] = top[..., 0:4] | (top[..., 4:8] << 2) | (top[..., 8:12] << 4) | (top[..., 12:16] << 6)
+    return out
+
+
+def draw_k_quant(gtype: GGMLType, rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """Random valid Q3_K / Q4_K / Q5_K / Q6_K bytes [rows, row_bytes] of a tensor of `shape` whose
+    values have mean about 0 and RMS about `std` (K_DRAWN above says how)."""
+    fmt = FORMATS[gtype]
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    raw = random_blocks(gtype, rows, shape[-1], rng)
+    blocks = raw.view(fmt.block)  # [rows, blocks a row]
+    lo, hi, (first, _) = K_DRAWN[gtype]
+    sub = fmt.block_values // (32 if gtype in (GGMLType.Q4_K, GGMLType.Q5_K) else 16)
+    magnitude = rng.integers(lo, hi + 1, (*blocks.shape, sub))
+    d = np.float16(std / np.sqrt(_k_unit(gtype)))
+    if gtype == GGMLType.Q3_K:
+        signed = np.where(rng.integers(0, 2, magnitude.shape) == 1, magnitude, -magnitude)
+        blocks["scales"] = _pack_q3_k_scales((signed + 32).astype(np.uint8))
+    elif gtype == GGMLType.Q6_K:
+        blocks["scales"] = np.where(rng.integers(0, 2, magnitude.shape) == 1, magnitude, -magnitude)
+    else:
+        sc = magnitude.astype(np.uint8)
+        blocks["scales"] = _pack_k_scales(sc, sc)
+        blocks["dmin"] = np.float16(-first * np.float32(d))
+    blocks["d"] = d
+    return raw
+
+
+DRAWN_ONLY = tuple(K_DRAWN)  # types written only by drawing (their quantisers raise UnsupportedError)
+
+
+def _typed(role: str, name: str, shape: tuple[int, ...], gtype: GGMLType | RowType) -> GGMLType | RowType:
+    """A type map's type for tensor `name` of `role`, once its rows are known to hold whole blocks."""
+    values = FORMATS[gtype].block_values
+    if shape[-1] % values:
+        raise UnsupportedError(
+            f"type map {role}={gtype.name}: tensor {name} {list(shape)} has rows of {shape[-1]} values, which do "
+            f"not hold whole {gtype.name} blocks of {values} values (no file written)")
+    return gtype
+
+
 def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType | RowType, table_rows: list[int],
-                 layout: str = L.LLAMA_CPP) -> list[PlannedTensor]:
-    """Every tensor of the model, in file order, with how to make it (named as `layout` names it)."""
+                 layout: str = L.LLAMA_CPP,
+                 type_map: Mapping[str, GGMLType | RowType] | None = None) -> list[PlannedTensor]:
+    """Every tensor of the model, in file order, with how to make it (named as `layout` names it).
+    type_map: role -> type (resolve_type_map's), over weight_type / table_type and the fixed types;
+    a tensor of a mapped role whose rows do not hold whole blocks of its type is an UnsupportedError."""
+    type_map = type_map or {}
     dims = L.Dims(vocab=p.vocab, dim=p.dim, n_heads=p.n_heads, head_dim=p.head_dim, q_lora=p.q_lora_rank,
                   o_groups=p.o_groups, o_lora=p.o_lora_rank, hc=p.hc, index_heads=p.index_heads,
                   index_head_dim=p.index_head_dim, engram_head_dim=p.engram_head_dim,
@@ -413,13 +514,19 @@ def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType | RowTyp
             std = EMBED_STD
         else:
             std = GAIN.get(role, 1.0) / np.sqrt(shape[-1])
-        if role in WEIGHT_TYPED:
+        gtype: GGMLType | RowType
+        if role in type_map:
+            gtype = _typed(role, name, shape, type_map[role])
+        elif role in WEIGHT_TYPED:
             gtype = _fit_type(weight_type, shape[-1])
         elif role in BF16_TYPED:
             gtype = GGMLType.BF16
         else:
             gtype = GGMLType.F32
-        if role in BF16_VALUED:
+        if gtype in DRAWN_ONLY:
+            def make_matrix(rng, s, sd=std, t=gtype):
+                return draw_k_quant(t, rng, s, sd)
+        elif role in BF16_VALUED:
             def make_matrix(rng, s, sd=std, t=gtype):
                 return _stored(bf16(_gaussian(s, sd, rng)), t)
         elif p.stored_draw and gtype in DRAWERS:
@@ -439,9 +546,17 @@ def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType | RowTyp
         if engram:
             rows = table_rows[p.engram_layers.index(layer)]
             shape = (rows, p.engram_head_dim)
-            t = _fit_type(table_type, p.engram_head_dim)
+            name = L.tensor_name(layer, L.ENGRAM_TABLE, layout)
+            if L.ENGRAM_TABLE in type_map:
+                t = _typed(L.ENGRAM_TABLE, name, shape, type_map[L.ENGRAM_TABLE])
+            else:
+                t = _fit_type(table_type, p.engram_head_dim)
             make_table: MakeFn
-            if t == GGMLType.Q2_K:
+            if t in DRAWN_ONLY:
+                def make_drawn_k(rng, s, tt=t):
+                    return draw_k_quant(tt, rng, s, 1.0)
+                make_table = make_drawn_k
+            elif t == GGMLType.Q2_K:
                 def make_q2k(rng, s):
                     return _q2k_table(s[0], s[1], rng)
                 make_table = make_q2k
@@ -459,7 +574,7 @@ def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType | RowTyp
                 def make_stored(rng, s, tt=t):
                     return _stored(_gaussian(s, 1.0, rng), tt)
                 make_table = make_stored
-            out.append(PlannedTensor(L.tensor_name(layer, L.ENGRAM_TABLE, layout), shape, t, make_table))
+            out.append(PlannedTensor(name, shape, t, make_table))
     return out
 
 
@@ -581,6 +696,67 @@ def _write_ds4_metadata(w: GGUFWriter, p: Preset, primes: np.ndarray, multiplier
     array("engram.multipliers", multipliers.reshape(-1), GGUFValueType.UINT64)
 
 
+# The roles a type map may set: the embedding, every matrix of a layer, the engram table (named as
+# llama.cpp names them; a layout's own name of a role is taken too). The 1-D tensors (norms, sinks,
+# hc bases and scales) stay F32, as in published files.
+_SPECS = (*L.ATTENTION_TENSORS, *L.KV_SOURCE_TENSORS, L.COMPRESSOR_GATE, *L.INDEX_SOURCE_TENSORS, *L.ENGRAM_TENSORS)
+TYPE_MAP_ROLES = (L.TOKEN_EMBD, *(s.role for s in _SPECS if s.matrix), L.ENGRAM_TABLE)
+VECTOR_ROLES = tuple(s.role for s in _SPECS if not s.matrix)
+ROLE_ALIASES = {name: role for names in L.TENSOR_NAMES.values() for role, name in names.items() if name != role}
+# the types a synthetic file's matrices and tables may take (E4M3_ROW264: ds4's tables only)
+WRITABLE_TYPES = tuple(t.name for t in GGMLType)
+
+
+def parse_type_map(text: str) -> dict[str, str]:
+    """`role=TYPE,role=TYPE` -> {role: TYPE}; InputError naming the item that is not `role=TYPE`
+    or a role given twice (the names themselves are checked by resolve_type_map)."""
+    out: dict[str, str] = {}
+    items = text.split(",")
+    for i, item in enumerate(items, 1):
+        role, eq, type_name = (part.strip() for part in item.partition("="))
+        if not eq or not role or not type_name:
+            raise InputError(f"type map {text!r}: item {i}, {item.strip()!r}, is not role=TYPE "
+                             f"(e.g. attn_q_b=Q4_K,engram_embd=Q8_0)")
+        if role in out:
+            raise InputError(f"type map {text!r}: role {role!r} is given twice")
+        out[role] = type_name
+    return out
+
+
+def resolve_type_map(type_map: Mapping[str, str | GGMLType | RowType], layout: str = L.LLAMA_CPP
+                     ) -> dict[str, GGMLType | RowType]:
+    """A type map's roles (TYPE_MAP_ROLES, or a layout's name of one: ROLE_ALIASES) and types
+    checked and resolved, {role: type}: InputError for a role that is unknown, a vector's, given
+    twice (under two names), or a ds4 table of another format than E4M3_ROW264; UnsupportedError
+    for a type flashv41 cannot write (or E4M3_ROW264 outside the ds4 layout's tables)."""
+    out: dict[str, GGMLType | RowType] = {}
+    for given, value in type_map.items():
+        role = ROLE_ALIASES.get(given, given)
+        if role in VECTOR_ROLES:
+            raise InputError(f"type map {given}={value}: {given} is a vector (stored F32, as in published files); "
+                             f"a type map sets the matrices and the engram table: {', '.join(TYPE_MAP_ROLES)}")
+        if role not in TYPE_MAP_ROLES:
+            raise InputError(f"type map {given}={value}: unknown role {given!r} (roles: {', '.join(TYPE_MAP_ROLES)}; "
+                             f"or a layout's name of one: {', '.join(ROLE_ALIASES)})")
+        if role in out:
+            raise InputError(f"type map {given}={value}: role {role} is given twice")
+        name = value.name if isinstance(value, (GGMLType, RowType)) else str(value).upper()
+        if layout == L.DS4 and role == L.ENGRAM_TABLE:
+            if name != RowType.E4M3_ROW264.name:
+                raise InputError(f"type map {given}={value}: the ds4 layout's engram tables are "
+                                 f"{RowType.E4M3_ROW264.name} ({L.DS4_ENCODING}) only")
+            out[role] = RowType.E4M3_ROW264
+            continue
+        if name == RowType.E4M3_ROW264.name:
+            raise UnsupportedError(f"type map {given}={value}: {name} is the ds4 layout's engram table format "
+                                   f"(--layout ds4 writes its tables so); types here: {', '.join(WRITABLE_TYPES)}")
+        if name not in WRITABLE_TYPES:
+            raise UnsupportedError(f"type map {given}={value}: unknown type {value!r} "
+                                   f"(types: {', '.join(WRITABLE_TYPES)})")
+        out[role] = GGMLType[name]
+    return out
+
+
 ProgressFn = Callable[[str, int, int], None]
 
 
@@ -607,6 +783,18 @@ def _chunks(t: PlannedTensor, rng: np.random.Generator, max_values: int) -> Iter
     rows_per = max(1, max_values // t.shape[-1])
     for start in range(0, t.shape[0], rows_per):
         yield t.make(rng, (min(rows_per, t.shape[0] - start), *t.shape[1:]))
+
+
+def _roles_of(p: Preset) -> set[str]:
+    """The tensor roles a model of preset `p` has."""
+    roles = {L.TOKEN_EMBD}
+    for layer, ratio in enumerate(p.compress_ratios):
+        engram = layer in p.engram_layers
+        specs = L.layer_tensor_specs(ratio, layer in p.kv_sources, layer in p.index_sources, engram)
+        roles.update(spec.role for spec in specs)
+        if engram:
+            roles.add(L.ENGRAM_TABLE)
+    return roles
 
 
 def shard_paths(path: str | os.PathLike[str], shards: int) -> list[Path]:
@@ -637,12 +825,20 @@ def split_plan(sizes: list[int], shards: int) -> list[int]:
 
 def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", weight_type: str = "Q8_0",
                     table_type: str | None = None, seed: int = 0, progress: ProgressFn | None = None,
-                    shards: int = 1, layout: str = L.LLAMA_CPP, **overrides) -> Path:
+                    shards: int = 1, layout: str = L.LLAMA_CPP, type_map: Mapping[str, str] | None = None,
+                    **overrides) -> Path:
     """Write a complete synthetic V4.1 model; returns its path (the first shard's for a split set).
 
     weight_type: type of the dense attention matrices, the engram projection and the embedding
-    (BF16, Q8_0 or Q2_K; a matrix whose rows do not hold whole blocks falls back to Q8_0, then BF16).
+    (any of WRITABLE_TYPES; a matrix whose rows do not hold whole blocks falls back to Q8_0, then BF16).
+    Q3_K .. Q6_K are drawn as random valid super-blocks (draw_k_quant), the others quantised.
     table_type: the engram tables' type (default: the preset's, Q2_K where rows are 256 wide).
+    type_map: {role: type} for any tensor role (TYPE_MAP_ROLES: token_embd, attn_q_a, ..., hc_attn_fn,
+    engram_wkv, engram_embd; or a layout's name of one), over weight_type, table_type and the fixed
+    types (BF16 compressor and index-key matrices, F32 hc mixes and gates). Strict: a mapped tensor
+    whose rows do not hold whole blocks of its type is an UnsupportedError, as are an unknown type
+    and a role this preset has no tensor of; nothing is written then. No type map: the bytes are
+    those of a file written before type maps existed.
     shards: 1 writes one plain GGUF at `path`; N > 1 a gguf-split set of N files named as
     `shard_paths` says.
     layout: "llama.cpp" (default), "mxxm-t" or "ds4": the keys and tensor names written (same tensors;
@@ -668,11 +864,12 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     for t, what in ((wt, "weight type"), (tt, "table type")):
         if t not in FORMATS:
             raise UnsupportedError(f"{what} {t.name} cannot be written")
-    q2_k_values = FORMATS[GGMLType.Q2_K].block_values
-    if tt == GGMLType.Q2_K and p.engram_head_dim % q2_k_values:
+    mapped = resolve_type_map(type_map or {}, layout)
+    table_values = FORMATS[tt].block_values
+    if L.ENGRAM_TABLE not in mapped and p.engram_head_dim % table_values:
         raise UnsupportedError(
-            f"preset {preset_name!r} has engram rows of {p.engram_head_dim} values; a Q2_K table needs "
-            f"rows of whole {q2_k_values}-value blocks (use --table-type Q8_0 or BF16)"
+            f"preset {preset_name!r} has engram rows of {p.engram_head_dim} values; a {tt.name} table needs "
+            f"rows of whole {table_values}-value blocks (use --table-type Q8_0 or BF16)"
         )
     n_e = len(p.engram_layers)
     primes = engram_primes(n_e, p.max_ngram, p.engram_heads, p.engram_vocab_size)
@@ -681,7 +878,11 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     multipliers = engram_multipliers(p.engram_layers, p.max_ngram, compressed)
     pad_id = int(token_map[p.engram_pad_token])
     table_rows = [int(primes[i].sum()) for i in range(n_e)]
-    plan = plan_tensors(p, wt, tt, table_rows, layout)
+    absent = [role for role in mapped if role not in _roles_of(p)]
+    if absent:
+        raise InputError(f"type map {absent[0]}={mapped[absent[0]].name}: preset {preset_name!r} has no "
+                         f"{absent[0]} tensor (its layers' roles do not carry one)")
+    plan = plan_tensors(p, wt, tt, table_rows, layout, mapped)
     if not isinstance(shards, int) or not 1 <= shards <= min(len(plan), 99999):
         raise InputError(f"shards {shards!r}: preset {preset_name!r} has {len(plan)} tensors, so 1 to "
                          f"{min(len(plan), 99999)} shards (at least one tensor in each)")
@@ -724,7 +925,9 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
         for planned, shard in zip(plan, placed, strict=True):
             fout = writer.fout[shard]
             first = True
-            for chunk in _chunks(planned, rng, max_values=1 << 24):
+            # MXFP4's quantiser holds 16 candidate errors a value: smaller chunks keep it to 64 MiB
+            max_values = 1 << 20 if planned.gtype == GGMLType.MXFP4 else 1 << 24
+            for chunk in _chunks(planned, rng, max_values=max_values):
                 if first:
                     writer.write_padding(fout, fout.tell())
                     first = False

@@ -5,6 +5,7 @@ tolerance derived from the sample's own standard error."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import pytest
 import flashv41
 from flashv41.host import gguf_layout as L
 from flashv41.host import synth
-from flashv41.host.quants import FORMATS, GGMLType, dequantize, quantize
+from flashv41.host.errors import InputError, UnsupportedError
+from flashv41.host.quants import FORMATS, GGMLType, dequantize, k_scale_min, quantize
 from flashv41.host.synth import FLASH40_SCHEDULE, PRESETS, preset, write_synthetic
 from tests.test_gguf_layouts import roles_of, same_tensors_by_role
 from tests.test_gguf_load import check_model
@@ -220,3 +222,185 @@ def test_drawn_bf16_matches_the_intended_std() -> None:
     assert abs(np.mean(np.square(values)) - expected) < SIGMAS * np.sqrt(2 / values.size)
     q1, q3 = np.quantile(values, [0.25, 0.75])
     assert abs(q1 + 0.6745) < 0.01 and abs(q3 - 0.6745) < 0.01
+
+
+# ------------------------------------------------------------------------------- K-quants, drawn
+
+K_QUANTS = (GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+
+
+def test_k_scale_packing_reads_back() -> None:
+    """The scale bytes the drawer packs read back as packed: Q4_K / Q5_K through k_scale_min, Q3_K
+    through its dequantiser on blocks of d = 1 and every level 1 (value = the sub-block's scale)."""
+    rng = np.random.default_rng(11)
+    sc, mn = (rng.integers(0, 64, (50, 8), dtype=np.uint8) for _ in range(2))
+    got_sc, got_mn = k_scale_min(synth._pack_k_scales(sc, mn))
+    assert np.array_equal(got_sc, sc) and np.array_equal(got_mn, mn)
+    stored = rng.integers(0, 64, (50, 16), dtype=np.uint8)
+    blocks = np.zeros(50, FORMATS[GGMLType.Q3_K].block)
+    blocks["scales"] = synth._pack_q3_k_scales(stored)
+    blocks["d"], blocks["hmask"], blocks["qs"] = 1.0, 0xFF, 0x55  # high bit 1 and low bits 01: level 1
+    values = dequantize(blocks.view(np.uint8).reshape(50, -1), GGMLType.Q3_K, 256).reshape(50, 16, 16)
+    assert np.array_equal(values, np.broadcast_to((stored.astype(np.float32) - 32)[:, :, None], values.shape))
+
+
+def q3_k_scales(raw: np.ndarray) -> np.ndarray:
+    """The signed sub-scales of Q3_K rows (the dequantiser's values on a copy of d = 1, levels 1)."""
+    probe = raw.copy().reshape(-1, FORMATS[GGMLType.Q3_K].block_bytes).view(FORMATS[GGMLType.Q3_K].block)
+    probe["d"], probe["hmask"], probe["qs"] = 1.0, 0xFF, 0x55
+    return dequantize(probe.view(np.uint8).reshape(probe.shape[0], -1), GGMLType.Q3_K, 256)[:, ::16]
+
+
+@pytest.mark.parametrize("gtype", K_QUANTS, ids=lambda t: t.name)
+def test_drawn_k_quant_blocks(gtype: GGMLType) -> None:
+    """draw_k_quant: valid blocks (gguf-py dequantises them to the same bits, all finite), sub-scales
+    in the documented ranges (Q4_K / Q5_K mins equal to their scales, dmin = d * the levels' middle),
+    and values of mean 0 and mean square std^2: within 5 standard errors of the sub-blocks' own
+    means and mean squares (a sub-block's values share a scale, so the sub-block is the sample),
+    plus 2^-9 for the fp16 rounding of d and dmin."""
+    import gguf
+
+    std, rows, cols = 0.05, 256, 1024
+    raw = synth.draw_k_quant(gtype, np.random.default_rng(int(gtype)), (rows, cols), std)
+    fmt = FORMATS[gtype]
+    assert raw.dtype == np.uint8 and raw.shape == (rows, fmt.row_bytes(cols))
+    values = dequantize(raw, gtype, cols)
+    want = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(gtype))), np.float32)
+    assert np.isfinite(values).all() and np.array_equal(values.view(np.uint32), want.view(np.uint32))
+    blocks = raw.reshape(-1, fmt.block_bytes).view(fmt.block).reshape(-1)
+    d = blocks["d"].astype(np.float64)
+    assert (d == d[0]).all() and d[0] > 0
+    lo, hi, (first, _) = synth.K_DRAWN[gtype]
+    if gtype in (GGMLType.Q4_K, GGMLType.Q5_K):
+        sc, mn = k_scale_min(blocks["scales"])
+        assert np.array_equal(sc, mn) and sc.min() >= lo and sc.max() <= hi
+        assert (blocks["dmin"] == np.float16(-first * np.float32(d[0]))).all()
+        per = 32
+    else:
+        scales = blocks["scales"].astype(np.float64) if gtype == GGMLType.Q6_K else q3_k_scales(raw)
+        assert np.abs(scales).min() >= lo and np.abs(scales).max() <= hi
+        assert abs((scales > 0).mean() - 0.5) < SIGMAS * 0.5 / np.sqrt(scales.size), "scale signs +-1 evenly"
+        per = 16
+    sub = values.astype(np.float64).reshape(-1, per) / std
+    means, squares = sub.mean(axis=1), np.square(sub).mean(axis=1)
+    assert abs(means.mean()) < SIGMAS * means.std() / np.sqrt(means.size) + 2.0**-9, means.mean()
+    assert abs(squares.mean() - 1) < SIGMAS * squares.std() / np.sqrt(squares.size) + 2.0**-9, squares.mean()
+
+
+@pytest.mark.parametrize("gtype", [*K_QUANTS, GGMLType.MXFP4], ids=lambda t: t.name)
+def test_tiny256_in_every_weight_type_loads(tmp_path: Path, gtype: GGMLType) -> None:
+    """tiny256 with a K-quant (drawn) or MXFP4 (quantised) weight type and table type: every matrix
+    whose rows hold the type's blocks takes it (the index keys' rows of 64 values fall back), and the
+    load gives back the preset's config and the writer's statistics (check_model)."""
+    path = write_synthetic(tmp_path / "m.gguf", "tiny256", weight_type=gtype.name, table_type=gtype.name)
+    check_model(path, preset("tiny256"), gtype.name, gtype.name)
+    model = flashv41.load_model(path)
+    try:
+        typed = [t for t in model.weights if t.ggml_type == gtype]
+        assert {_role(t.name) for t in typed} == {*synth.WEIGHT_TYPED, L.ENGRAM_TABLE}
+    finally:
+        model.close()
+
+
+def _role(name: str) -> str:
+    parts = name.removesuffix(".weight").split(".")
+    return ".".join(parts[2:] if parts[0] == "blk" else parts)
+
+
+# ------------------------------------------------------------------------------- type maps
+
+
+def test_type_map_sets_each_role(tmp_path: Path) -> None:
+    """Every tensor of a mapped role takes its type, in any layer; the others keep the writer's."""
+    type_map = {"engram_embd": "Q4_K", "engram_wkv": "Q6_K", "hc_attn_fn": "MXFP4", "attn_compressor_kv": "Q8_0",
+                "indexer.proj": "bf16", "token_embd": "F16", "attn_output_a": "F32"}
+    path = write_synthetic(tmp_path / "m.gguf", "tiny", type_map=type_map)
+    default = write_synthetic(tmp_path / "d.gguf", "tiny")
+    model, plain = flashv41.load_model(path), flashv41.load_model(default)
+    try:
+        seen = set()
+        for t in model.weights:
+            role = _role(t.name)
+            if role in type_map:
+                assert t.ggml_type.name == type_map[role].upper(), t.name
+                seen.add(role)
+        assert seen == set(type_map)
+        for layer, role in roles_of(model.config):
+            if role not in type_map:
+                assert model.tensor(layer, role).ggml_type == plain.tensor(layer, role).ggml_type, (layer, role)
+            values = model.tensor(layer, role).dequantize()
+            assert np.isfinite(values).all(), (layer, role)
+    finally:
+        model.close()
+        plain.close()
+
+
+def test_type_map_takes_a_layouts_names(tmp_path: Path) -> None:
+    """ds4's engram_kv is engram_wkv, mxxm-t's indexer_compressor_kv is indexer.attn_k; ds4's
+    tables may be mapped to their own format, E4M3_ROW264."""
+    ds4 = write_synthetic(tmp_path / "a.gguf", "tiny", layout=L.DS4,
+                          type_map={"engram_kv": "BF16", "engram_embd": "E4M3_ROW264"})
+    mxxm = write_synthetic(tmp_path / "b.gguf", "tiny", layout=L.MXXM_T, type_map={"indexer_compressor_kv": "Q8_0"})
+    for path, role, gtype in ((ds4, "engram_wkv", "BF16"), (mxxm, "indexer.attn_k", "Q8_0")):
+        model = flashv41.load_model(path)
+        try:
+            layers = [layer for layer, r in roles_of(model.config) if r == role]
+            assert layers and all(model.tensor(i, role).ggml_type.name == gtype for i in layers), role
+        finally:
+            model.close()
+
+
+def test_no_type_map_keeps_the_bytes(tmp_path: Path) -> None:
+    """An empty type map, or one that maps roles to the types they take anyway, writes the very
+    bytes of a file written without one (the random draws are the same, tensor for tensor)."""
+    plain = write_synthetic(tmp_path / "a.gguf", "tiny", seed=2)
+    for i, type_map in enumerate(({}, {"attn_q_a": "Q8_0", "engram_embd": "Q2_K", "hc_ffn_fn": "F32",
+                                       "indexer.attn_k": "BF16"})):
+        again = write_synthetic(tmp_path / f"b{i}.gguf", "tiny", seed=2, type_map=type_map)
+        assert again.read_bytes() == plain.read_bytes(), type_map
+
+
+ONE_RATIO_1_LAYER = {"compress_ratios": (1,), "kv_sources": (0,), "index_sources": (0,), "candidate_source": 1,
+                     "engram_layers": (0,)}
+
+
+@pytest.mark.parametrize(("type_map", "layout", "overrides", "error", "words"), [
+    ({"attn_q_x": "Q4_K"}, L.LLAMA_CPP, {}, InputError, ["unknown role 'attn_q_x'", "attn_q_b", "engram_embd"]),
+    ({"attn_norm": "BF16"}, L.LLAMA_CPP, {}, InputError, ["attn_norm=BF16", "is a vector"]),
+    ({"attn_q_b": "Q9_K"}, L.LLAMA_CPP, {}, UnsupportedError, ["attn_q_b=Q9_K", "unknown type 'Q9_K'", "Q4_K"]),
+    ({"attn_q_b": "E4M3_ROW264"}, L.LLAMA_CPP, {}, UnsupportedError, ["attn_q_b=E4M3_ROW264", "ds4"]),
+    ({"engram_embd": "Q8_0"}, L.DS4, {}, InputError, ["engram_embd=Q8_0", "ds4", "E4M3_ROW264"]),
+    ({"engram_kv": "Q8_0", "engram_wkv": "BF16"}, L.DS4, {}, InputError, ["engram_wkv", "given twice"]),
+    ({"attn_q_a": "Q4_K"}, L.LLAMA_CPP, {}, UnsupportedError,
+     ["attn_q_a=Q4_K", "blk.0.attn_q_a.weight", "[32, 32]", "rows of 32 values", "256 values"]),
+    ({"engram_embd": "Q4_K"}, L.MXXM_T, {"engram_head_dim": 32, "engram_heads": 2}, UnsupportedError,
+     ["engram_embd=Q4_K", "blk.0.engram_embed.weight", "rows of 32 values"]),
+    ({"attn_compressor_gate": "BF16"}, L.LLAMA_CPP, ONE_RATIO_1_LAYER, InputError,
+     ["attn_compressor_gate=BF16", "preset 'tiny' has no attn_compressor_gate tensor"]),
+])
+def test_bad_type_maps_are_named_errors(tmp_path: Path, type_map: dict, layout: str, overrides: dict,
+                                        error: type, words: list[str]) -> None:
+    """Each refused before anything is written, with a message naming the role (the tensor and the
+    type where there is one)."""
+    with pytest.raises(error) as info:
+        write_synthetic(tmp_path / "m.gguf", "tiny", layout=layout, type_map=type_map, **overrides)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("attn_q_b", "item 1, 'attn_q_b', is not role=TYPE"),
+    ("attn_q_b=Q4_K,", "item 2, '', is not role=TYPE"),
+    ("=Q4_K", "item 1"),
+    ("attn_q_b=Q4_K, attn_q_b=Q5_K", "role 'attn_q_b' is given twice"),
+])
+def test_parse_type_map_errors(text: str, words: str) -> None:
+    with pytest.raises(InputError, match=re.escape(words)):
+        synth.parse_type_map(text)
+
+
+def test_parse_type_map() -> None:
+    assert synth.parse_type_map("attn_q_b=Q4_K, engram_embd = q8_0") == {"attn_q_b": "Q4_K", "engram_embd": "q8_0"}
+    assert set(synth.TYPE_MAP_ROLES) | set(synth.VECTOR_ROLES) == set(L.ALL_ROLES)
+    assert not set(synth.TYPE_MAP_ROLES) & set(synth.VECTOR_ROLES)

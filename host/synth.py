@@ -36,6 +36,25 @@ Presets:
   window-only layers, ratio 2 for layers 2-19 and 1 for 20-39, kv sources 2, 8, 14, 20, index
   sources 2, 8, 14, 20, 24, 28, 32, 36, candidate source 20, engram before layers 1 and 14), drawn
   in the stored format: 7.2 GB in Q8_0, about 6 GB of which a decode step streams.
+- `flash-realtables`: flash40 with V4.1-Flash's real engram tables, Q2_K: engram_vocab_size
+  16,000,000 (REAL_ENGRAM_VOCAB), from which the prime construction (engram_primes: per table, per
+  n-gram order, the next unused primes above 15,999,999, the second table's after the first's) gives
+  the official config's rows exactly, 384,006,168 and 384,016,682 (REAL_TABLE_ROWS; 24 primes of
+  about 16.0M each), so the hash covers their full range. Every table and matrix is a hole
+  (`holes="matrices"`): 71.2 GB of file (60.1 GiB of tables) written in 0.2 s into 2.3 MiB of disk
+  (ext4). It loads, pins, hashes and gathers as the real file would and `flashv41 info` prints the
+  real memory plan per residency; it is not for numerics: its matrices are zeros, so the engine's
+  output is zero and `run --check` reports a disagreement (cosine 0). `holes="tables"` over it gives
+  drawn matrices (stored-format draws as flash40's; not timed) with the tables still holes.
+
+Holes (`holes`, any preset: "tables", or "matrices" for the tables and every tensor of two or more
+dimensions; the 1-D norms, sinks and hc bases are always drawn): a hole tensor's data is seeked past,
+not written (the padding around it is written as for any tensor, and a file ending in a hole is
+extended to its size), so the file has its full size while the filesystem stores no blocks for it.
+Holes read as zero bytes, and zero bytes are a valid tensor of zeros in every type flashv41 reads (a
+Q2_K or Q8_0 block with d = 0; E4M3 code 0 with scale 2^-127, no NaN). The generator draws nothing for
+a hole, so the drawn tensors after one differ from those of the same preset written in full. Where
+a filesystem keeps no holes the file is written in full size on disk.
 
 The layout changes only keys and names (mxxm-t: source lists, its engram keys with the raw pad
 id and a u32 token map, its three tensor names): the same preset and seed give the same tensors,
@@ -145,6 +164,10 @@ class Preset:
     # Q8_0 and BF16 matrices and tables drawn straight in the stored format (`draw_q8_0`,
     # `draw_bf16`) instead of quantised from Gaussian values: other bytes, same statistics, 10x faster
     stored_draw: bool = False
+    # tensors written as holes (HOLES: seeked past, not written; read back as zero bytes, which every
+    # type flashv41 reads decodes to zeros): "" none, "tables" the engram tables, "matrices" the tables
+    # and every other tensor of two or more dimensions (only the 1-D norms, sinks and hc bases stay drawn)
+    holes: str = ""
 
     @property
     def n_layers(self) -> int:
@@ -189,6 +212,17 @@ FLASH40_SCHEDULE: dict[str, Any] = {
 # 5.7 GB of Q8_0 attention and wkv weights, the hc mixes' fp32 weights, the sources' compressors and
 # indexers), 7.2 GB of file with the embedding and the two Q2_K tables: drawn in the stored format
 PRESETS["flash40"] = replace(PRESETS["flash"], **FLASH40_SCHEDULE, stored_draw=True)
+# V4.1-Flash's official engram geometry: with an engram vocabulary of 16,000,000 the prime
+# construction (engram_primes: per layer, per n-gram order, the next unused primes above 15,999,999)
+# gives the published table sizes exactly, 384,006,168 rows before layer 1 and 384,016,682 before
+# layer 14 (24 primes of about 16.0M each)
+REAL_ENGRAM_VOCAB = 16_000_000
+REAL_TABLE_ROWS = (384_006_168, 384_016_682)
+HOLES = ("", "tables", "matrices")
+# flash40 with those tables, Q2_K (60 GiB), every table and matrix a hole: a 71 GB sparse file written
+# in 0.2 s that takes a few MiB of disk, for table residency, pinning, the hash's full range, gathers
+# and `flashv41 info`'s memory plan at the real sizes; not for numerics (its matrices are zeros)
+PRESETS["flash-realtables"] = replace(PRESETS["flash40"], engram_vocab_size=REAL_ENGRAM_VOCAB, holes="matrices")
 
 
 def preset(name: str, **overrides) -> Preset:
@@ -864,6 +898,8 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     for t, what in ((wt, "weight type"), (tt, "table type")):
         if t not in FORMATS:
             raise UnsupportedError(f"{what} {t.name} cannot be written")
+    if p.holes not in HOLES:
+        raise InputError(f"holes {p.holes!r}: one of {', '.join(repr(h) for h in HOLES)}")
     mapped = resolve_type_map(type_map or {}, layout)
     table_values = FORMATS[tt].block_values
     if L.ENGRAM_TABLE not in mapped and p.engram_head_dim % table_values:
@@ -922,8 +958,19 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
         done = 0
         rng = np.random.default_rng(seed)
         assert writer.fout is not None
+        holes = _hole_names(p, plan, layout)
         for planned, shard in zip(plan, placed, strict=True):
             fout = writer.fout[shard]
+            if planned.name in holes:
+                # a hole: seek past the data (the padding before it written as for any tensor)
+                writer.write_padding(fout, fout.tell())
+                fout.seek(planned.nbytes, os.SEEK_CUR)
+                done += planned.nbytes
+                if progress is not None:
+                    progress(planned.name, done, total)
+                writer.write_padding(fout, planned.nbytes)
+                writer.tensors[shard].pop(planned.name)
+                continue
             first = True
             # MXFP4's quantiser holds 16 candidate errors a value: smaller chunks keep it to 64 MiB
             max_values = 1 << 20 if planned.gtype == GGMLType.MXFP4 else 1 << 24
@@ -937,6 +984,10 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
                     progress(planned.name, done, total)
             writer.write_padding(fout, planned.nbytes)
             writer.tensors[shard].pop(planned.name)
+        if holes:
+            # a hole at a file's end with no padding after it: the size is set by extending the file
+            for fout in writer.fout:
+                fout.truncate()
         writer.close()
         if tmp_dir is None:
             os.replace(tmp, out)
@@ -951,6 +1002,14 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
     return targets[0]
+
+
+def _hole_names(p: Preset, plan: list[PlannedTensor], layout: str) -> set[str]:
+    """The names of the tensors `p.holes` writes as holes."""
+    if not p.holes:
+        return set()
+    tables = {L.tensor_name(layer, L.ENGRAM_TABLE, layout) for layer in p.engram_layers}
+    return {t.name for t in plan if t.name in tables or (p.holes == "matrices" and len(t.shape) > 1)}
 
 
 def binary_unit(nbytes: int) -> tuple[str, int]:

@@ -389,6 +389,9 @@ def add_run_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
                    help="seed of the random prompt and decode tokens (default 0)")
     p.add_argument("--check", action="store_true",
                    help="also compare every layer's output with the NumPy oracle (exit 1 below cosine 0.99999)")
+    p.add_argument("--table-residency", choices=TABLE_RESIDENCIES, default="device",
+                   help="where the engine keeps the engram tables: device (default), pinned host memory, "
+                        "or the file (host)")
     p.set_defaults(handler=run_command)
 
 
@@ -396,7 +399,7 @@ def run_command(args: argparse.Namespace) -> int:
     from flashv41.runner import run_model
 
     return run_model(args.model, args.oracle, args.tokens, args.prompt_len, args.decode, args.seed,
-                     check=args.check)
+                     check=args.check, table_residency=args.table_residency)
 
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[Parser]], None], ...] = (

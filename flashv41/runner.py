@@ -30,7 +30,7 @@ from flashv41.host.errors import CapacityError, FlashError, InputError
 from flashv41.host.model import Model
 from flashv41.host.progress import Progress
 from flashv41.host.tokens import check_tokens
-from flashv41.memory import DEFAULT_MAX_TOKENS
+from flashv41.memory import DEFAULT_MAX_TOKENS, format_bytes
 from flashv41.model import load_model
 
 CACHE_ENV = "FLASHV41_CACHE"
@@ -94,9 +94,10 @@ def backend_description() -> str:
     return backend_name() + (", no GPU found" if using_simulator() else "")
 
 
-def make_runner(model: Model, oracle: bool, max_seq: int, max_tokens: int = DEFAULT_MAX_TOKENS) -> Runner:
+def make_runner(model: Model, oracle: bool, max_seq: int, max_tokens: int = DEFAULT_MAX_TOKENS,
+                table_residency: str = "device") -> Runner:
     """The NumPy oracle, or the engine (on the GPU, or on the CUDA simulator without one) with
-    per-stage timing on."""
+    per-stage timing on and its engram tables in `table_residency`."""
     if oracle:
         from flashv41.host.oracle import Oracle
 
@@ -104,7 +105,20 @@ def make_runner(model: Model, oracle: bool, max_seq: int, max_tokens: int = DEFA
     from flashv41.engine import Engine
 
     return Engine(model, max_seq=max_seq, max_tokens=min(max_tokens, max_seq), profile=True,
-                  progress=lambda line: _stderr(f"engine: {line}"))
+                  table_residency=table_residency, progress=lambda line: _stderr(f"engine: {line}"))
+
+
+def table_line(runner: Runner) -> str | None:
+    """Where an engine's engram tables live and what they hold there (None for the oracle or a
+    model without engram)."""
+    engram = getattr(runner, "engram", None)
+    if engram is None:
+        return None
+    tables = sum(w.table.rows * w.table.row_bytes for w in engram.layers.values())
+    where = {"device": "on the device", "pinned": "in pinned host memory",
+             "host": "read from the file per call"}[engram.table_residency]
+    return (f"engram tables: {format_bytes(tables)} {where}; the engram stage holds "
+            f"{format_bytes(engram.device_bytes)} of device memory")
 
 
 def stage_table(seconds: dict[str, float]) -> list[str]:
@@ -289,7 +303,8 @@ def report(model: Model, runner_name: str, result: RunResult, seed: int) -> list
 
 
 def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, prompt_len: int, n_decode: int,
-              seed: int, out: Callable[[str], None] = print, check: bool = False) -> int:
+              seed: int, out: Callable[[str], None] = print, check: bool = False,
+              table_residency: str = "device") -> int:
     """The whole `flashv41 run`; returns the exit status. Everything is checked before any work
     starts, so a bad argument costs no time and prints nothing but its error."""
     if prompt_len < 1 or n_decode < 0 or seed < 0:
@@ -311,12 +326,15 @@ def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, 
         decoded = random_tokens(cfg.vocab_size, n_decode, seed, 1)
         name = "NumPy oracle" if oracle else f"engine on {backend_description()}"
         _stderr(f"runner: {name}")
-        runner = make_runner(model, oracle, prompt.size + n_decode)
+        runner = make_runner(model, oracle, prompt.size + n_decode, table_residency=table_residency)
         status = 0
         try:
             result = run_sequence(runner, prompt, decoded)
             for line in report(model, name, result, seed):
                 out(line)
+            tables = table_line(runner)
+            if tables is not None:
+                out(tables)
             seconds = getattr(runner, "stage_seconds", None)
             if seconds:
                 out("stage times (prefill and decode together):")

@@ -129,6 +129,19 @@ def test_run_engine_with_check(cache: Path, capsys: pytest.CaptureFixture[str]) 
     assert "check: every layer agrees" in out
 
 
+@pytest.mark.parametrize("residency", ["pinned", "host"])
+def test_run_table_residency(residency: str, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`run --table-residency`: the engine with its tables in pinned host memory or read from the
+    file still agrees with the oracle layer by layer, and says where the tables are and what the
+    engram stage holds on the device."""
+    assert main(["run", "--prompt-len", "3", "--decode", "1", "--check", "--table-residency", residency]) == 0
+    out = capsys.readouterr().out
+    where = {"pinned": "in pinned host memory", "host": "read from the file per call"}[residency]
+    line = next(x for x in out.splitlines() if x.startswith("engram tables: "))
+    assert where in line and "of device memory" in line, line
+    assert "check: every layer agrees" in out
+
+
 def test_run_check_refuses_oracle(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--oracle", "--check", "--prompt-len", "2"]) == 2
     assert "--check" in capsys.readouterr().err

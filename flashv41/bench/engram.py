@@ -5,9 +5,10 @@
   bandwidth. The weights are random stored blocks: a GEMV's time does not depend on the values.
 - `engram.step.<type>.device` and `.pinned` (P3): one decode step's device work (rows kernel, wkv
   GEMV, gate) queued behind a sleeping kernel so that Python's launch cost is excluded, as in a
-  replayed graph, the table on the device or in pinned host memory; bound = (wkv bytes + the
-  token's row bytes) / copy bandwidth (the pinned rows cross the host link; its own bandwidth is
-  not measured yet).
+  replayed graph, the table on the device or in pinned host memory; bound = wkv bytes / copy
+  bandwidth + the token's row bytes / the bandwidth they cross (the copy bandwidth, or for pinned
+  tables the host link's, measured in the same case: `copy.host_link`, a pinned host-to-device
+  copy of HOST_LINK_BYTES).
 - `engram.step.<type>.<residency>.python` (P3): whole steps as Python issues them back to back
   (hash, row upload, the three kernels), launch cost included: what the engine gets without a
   graph.
@@ -40,7 +41,16 @@ from typing import Any
 
 import numpy as np
 
-from flashv41.bench.core import HOST, BenchCase, BenchContext, BenchOptions, BenchRow, device_copy, host_time
+from flashv41.bench.core import (
+    HOST,
+    BenchCase,
+    BenchContext,
+    BenchOptions,
+    BenchRow,
+    device_copy,
+    device_time,
+    host_time,
+)
 from flashv41.host.config import EngramConfig
 from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
 from flashv41.host.errors import InputError
@@ -151,6 +161,24 @@ def step_model(options: BenchOptions):
     return _MODELS[key]
 
 
+HOST_LINK_BYTES = 256 << 20  # the pinned host-to-device copy that measures the host link
+
+
+def host_link_row(ctx: BenchContext) -> BenchRow:
+    """`copy.host_link`: the median device time of a pinned host-to-device copy of HOST_LINK_BYTES
+    (the link a pinned table's rows cross); not a ratio (bound = its own time)."""
+    from numba import cuda
+
+    stream = cuda.stream()
+    host = cuda.pinned_array(HOST_LINK_BYTES, np.uint8)
+    dev = cuda.device_array(HOST_LINK_BYTES, np.uint8, stream=stream)
+    median = device_time(lambda: dev.copy_to_device(host, stream=stream), ctx.options.reps, ctx.options.warmup,
+                         stream, n=4)
+    return BenchRow("copy.host_link", median, median, bytes=HOST_LINK_BYTES,
+                    note=f"pinned host-to-device copy, {HOST_LINK_BYTES >> 20} MiB: "
+                         f"{HOST_LINK_BYTES / median / 1e9:.1f} GB/s", l2=HOST)
+
+
 def step_case(wtype: str, residency: str) -> BenchCase:
     gtype = ggml_type(wtype)
     name = f"engram.step.{wtype}.{residency}"
@@ -179,6 +207,11 @@ def step_case(wtype: str, residency: str) -> BenchCase:
             row_bytes = cfg.engram.cols * weights.table.row_bytes
             nbytes = weights.wkv.nbytes + row_bytes
             rows = []
+            bound = ctx.memory_bound(nbytes)
+            if residency == "pinned":
+                link = host_link_row(ctx)
+                rows.append(link)
+                bound = ctx.memory_bound(weights.wkv.nbytes) + row_bytes * link.median_s / HOST_LINK_BYTES
 
             def python_step() -> None:
                 ids = hasher.hash(token, 16)[:, 0]
@@ -194,7 +227,7 @@ def step_case(wtype: str, residency: str) -> BenchCase:
 
                 median, plan = ctx.stage_time(device_step, nbytes, stream)
                 where = "" if residency == "device" else ", the rows read from pinned host memory"
-                rows.append(BenchRow(name, median, ctx.memory_bound(nbytes), bytes=nbytes,
+                rows.append(BenchRow(name, median, bound, bytes=nbytes,
                                      note=f"rows + wkv {wtype} + gate, 1 token, launch cost excluded{where}", l2=plan))
                 if gtype == GGMLType.Q8_0 and residency == "device":  # the two small stages once (any wkv type)
                     # rows: the token's table rows read, 256 bf16 values each written
@@ -210,7 +243,7 @@ def step_case(wtype: str, residency: str) -> BenchCase:
                                          note="normalised dot, signed-sqrt sigmoid, h += g * value, 1 token",
                                          l2=plan))
             median, plan = ctx.python_time(python_step, nbytes, stream)
-            rows.append(BenchRow(f"{name}.python", median, ctx.memory_bound(nbytes), bytes=nbytes,
+            rows.append(BenchRow(f"{name}.python", median, bound, bytes=nbytes,
                                  note=f"hash + apply, {residency} table, from Python", l2=plan))
             return rows
         finally:

@@ -40,7 +40,7 @@ from flashv41.graphs import GraphRunner, graphs_available
 from flashv41.host.errors import CapacityError, InputError, SequenceStateError
 from flashv41.host.model import Model
 from flashv41.host.tokens import check_tokens
-from flashv41.memory import DEFAULT_MAX_SEQ, DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES
+from flashv41.memory import DEFAULT_MAX_SEQ, DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES, device_free_bytes, estimate_memory
 from flashv41.plan import (
     HASHER,
     IDS,
@@ -144,6 +144,19 @@ class Engine:
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self.closed = False
         say("engine ready")
+
+    def sequence_bytes(self) -> int:
+        """The device memory one more sequence takes: its window rings, kv sources' caches and
+        compressor state at this engine's max_seq, as the memory estimate counts them (with its
+        engram hash cache, which lives on the host: a few bytes a position to spare)."""
+        return estimate_memory(self.cfg, self.model.weights, self.max_seq, self.max_tokens,
+                               self.table_residency).state_bytes_per_sequence
+
+    def max_batch(self) -> int:
+        """How many more sequences fit in the device memory free now (the driver's figure, after
+        the queued work and numba's deferred frees), `sequence_bytes()` each."""
+        self._check_open()
+        return device_free_bytes() // self.sequence_bytes()
 
     def new_sequence(self) -> Sequence:
         """A new, empty sequence with its own device state."""

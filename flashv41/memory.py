@@ -108,8 +108,10 @@ class MemoryEstimate:
         if self.host_table_bytes:
             label = "engram tables, pinned host" if self.table_residency == "pinned" else "engram tables on the host"
             lines.append(f"  {label:<29}{format_bytes(self.host_table_bytes):>10}")
+        per_gib = (1 << 30) // max(1, self.state_bytes_per_sequence)
         lines += [
-            f"  state per sequence           {format_bytes(self.state_bytes_per_sequence):>10}",
+            f"  state per sequence           {format_bytes(self.state_bytes_per_sequence):>10}"
+            f"  ({per_gib} sequences per GiB left after the rest)",
             f"  workspaces (estimate)        {format_bytes(self.workspace_bytes):>10}",
             f"  total, one sequence          {format_bytes(self.total_bytes(1)):>10}",
         ]

@@ -52,6 +52,7 @@ def test_estimate_for_tiny(tiny_path: Path) -> None:
         assert on_host.host_table_bytes == tables and est.host_table_bytes == 0
         text = on_host.table()
         assert "(host)" in text and format_bytes(on_host.total_bytes(1)) in text
+        assert f"({(1 << 30) // on_host.state_bytes_per_sequence} sequences per GiB left after the rest)" in text
         pinned = estimate_memory(cfg, weights, max_seq, max_tokens, table_residency="pinned")
         assert pinned.weight_bytes == on_host.weight_bytes and pinned.host_table_bytes == tables
         text = pinned.table()
@@ -74,3 +75,20 @@ def test_bad_arguments(tiny_path: Path) -> None:
 def test_format_bytes() -> None:
     assert [format_bytes(n) for n in (0, 1023, 1536, 5 * 2**20, 3 * 2**30)] == [
         "0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 GiB"]
+
+
+def test_engine_sequence_bytes_and_max_batch(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's sequence_bytes is what a new sequence allocates on the device (its attention
+    state) plus the estimate's hash cache; max_batch divides the free device memory by it."""
+    import flashv41.engine
+
+    model = flashv41.load_model(tiny_path)
+    try:
+        with flashv41.Engine(model, max_seq=64, max_tokens=8) as engine:
+            seq = engine.new_sequence()
+            assert engine.sequence_bytes() == seq.state.nbytes() + 64 * 8  # int64 compressed ids a position
+            monkeypatch.setattr(flashv41.engine, "device_free_bytes", lambda: 10 * engine.sequence_bytes() + 1)
+            assert engine.max_batch() == 10
+            seq.release()
+    finally:
+        model.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from flashv41.host.config import ModelConfig
 from flashv41.host.gguf_model import TensorRef, WeightStore
@@ -14,7 +15,8 @@ from flashv41.host.gguf_model import TensorRef, WeightStore
 
 @dataclass
 class Model:
-    """What `load_model` returns: `config` (immutable) and `weights` (memory-mapped tensors)."""
+    """What `load_model` returns: `config` (immutable) and `weights` (memory-mapped tensors); a
+    context manager that closes the file maps on exit."""
 
     path: Path
     config: ModelConfig
@@ -26,3 +28,9 @@ class Model:
 
     def close(self) -> None:
         self.weights.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

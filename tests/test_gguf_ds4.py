@@ -122,17 +122,12 @@ def test_layout_is_read_from_the_keys(ds4_path: Path) -> None:
 
 
 def test_same_config(ds4_path: Path, bf16_path: Path) -> None:
-    a, b = flashv41.load_model(bf16_path), flashv41.load_model(ds4_path)
-    try:
+    with flashv41.load_model(bf16_path) as a, flashv41.load_model(ds4_path) as b:
         assert_same_config(a.config, b.config)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_same_tensors_but_the_tables(ds4_path: Path, bf16_path: Path) -> None:
-    a, b = flashv41.load_model(bf16_path), flashv41.load_model(ds4_path)
-    try:
+    with flashv41.load_model(bf16_path) as a, flashv41.load_model(ds4_path) as b:
         renamed = same_tensors_by_role(a, b, roles_of(a.config, tables=False))
         assert renamed == 3 * len(TINY.engram_layers)  # engram_kv, engram_q_norm, engram_k_norm
         for layer in TINY.engram_layers:
@@ -140,9 +135,6 @@ def test_same_tensors_but_the_tables(ds4_path: Path, bf16_path: Path) -> None:
             va = a.tensor(layer, L.ENGRAM_TABLE).dequantize()
             vb = b.tensor(layer, L.ENGRAM_TABLE).dequantize()
             assert np.all(np.abs(vb - va) <= np.abs(va) / 16 * 1.01 + 2.0**-9), layer
-    finally:
-        a.close()
-        b.close()
 
 
 def test_table_rows_dequantise_exactly(ds4_path: Path) -> None:

@@ -106,28 +106,20 @@ def assert_same_config(a: ModelConfig, b: ModelConfig) -> None:
 
 
 def test_same_config(llama_path: Path, mxxm_path: Path) -> None:
-    a, b = flashv41.load_model(llama_path), flashv41.load_model(mxxm_path)
-    try:
+    with flashv41.load_model(llama_path) as a, flashv41.load_model(mxxm_path) as b:
         assert_same_config(a.config, b.config)
         eb = b.config.engram
         assert eb is not None
         # mxxm-t's raw pad token id, compressed through the token map, is llama.cpp's pad_id
         assert eb.pad_id == int(eb.token_map[TINY.engram_pad_token])
-    finally:
-        a.close()
-        b.close()
 
 
 def test_same_tensors_by_role(llama_path: Path, mxxm_path: Path) -> None:
-    a, b = flashv41.load_model(llama_path), flashv41.load_model(mxxm_path)
-    try:
+    with flashv41.load_model(llama_path) as a, flashv41.load_model(mxxm_path) as b:
         assert len(a.weights.names()) == len(b.weights.names())
         renamed = same_tensors_by_role(a, b, roles_of(a.config))
         # engram_embed on 2 layers, indexer_compressor_kv and _norm on 2 kv sources
         assert renamed == len(TINY.engram_layers) + 2 * len(TINY.kv_sources)
-    finally:
-        a.close()
-        b.close()
 
 
 def assert_same_oracle_outputs(a: Path, b: Path) -> None:
@@ -176,16 +168,12 @@ def test_any_integer_array_type(mxxm_path: Path, tmp_path: Path, name: str, sub_
     value, _, _ = _key_value(mxxm_path, L.key(name))
     path = rewrite_gguf(mxxm_path, tmp_path / "x.gguf",
                         set_keys={L.key(name): (convert(value), ARRAY, sub_type)})
-    a, b = flashv41.load_model(mxxm_path), flashv41.load_model(path)
-    try:
+    with flashv41.load_model(mxxm_path) as a, flashv41.load_model(path) as b:
         assert a.config.roles == b.config.roles
         ea, eb = a.config.engram, b.config.engram
         assert ea is not None and eb is not None and ea.pad_id == eb.pad_id
         for f in ("layer_ids", "multipliers", "primes", "offsets", "token_map"):
             assert np.array_equal(getattr(ea, f), getattr(eb, f)), f
-    finally:
-        a.close()
-        b.close()
 
 
 # --- damaged mxxm-t files: each a named error ---

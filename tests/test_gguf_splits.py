@@ -87,8 +87,7 @@ def assert_same_config(a: Model, b: Model) -> None:
 @pytest.mark.parametrize("which", [0, 1, 2], ids=["first", "middle", "last"])
 def test_any_shard_loads_the_whole_model(models: tuple[Path, list[Path]], which: int) -> None:
     whole_path, shards = models
-    whole, split = flashv41.load_model(whole_path), flashv41.load_model(shards[which])
-    try:
+    with flashv41.load_model(whole_path) as whole, flashv41.load_model(shards[which]) as split:
         assert_same_config(whole, split)
         assert split.weights.names() == whole.weights.names()  # file order kept across the shards
         for ref in whole.weights:
@@ -98,9 +97,6 @@ def test_any_shard_loads_the_whole_model(models: tuple[Path, list[Path]], which:
         assert [f.path for f in split.weights.files] == shards
         assert sum(f.n_tensors for f in split.weights.files) == len(whole.weights.names())
         assert [f.path for f in whole.weights.files] == [whole_path] and not whole.weights.split
-    finally:
-        whole.close()
-        split.close()
 
 
 def test_the_oracle_runs_the_same(models: tuple[Path, list[Path]]) -> None:

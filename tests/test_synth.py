@@ -316,8 +316,7 @@ def test_type_map_sets_each_role(tmp_path: Path) -> None:
                 "indexer.proj": "bf16", "token_embd": "F16", "attn_output_a": "F32"}
     path = write_synthetic(tmp_path / "m.gguf", "tiny", type_map=type_map)
     default = write_synthetic(tmp_path / "d.gguf", "tiny")
-    model, plain = flashv41.load_model(path), flashv41.load_model(default)
-    try:
+    with flashv41.load_model(path) as model, flashv41.load_model(default) as plain:
         seen = set()
         for t in model.weights:
             role = _role(t.name)
@@ -330,9 +329,6 @@ def test_type_map_sets_each_role(tmp_path: Path) -> None:
                 assert model.tensor(layer, role).ggml_type == plain.tensor(layer, role).ggml_type, (layer, role)
             values = model.tensor(layer, role).dequantize()
             assert np.isfinite(values).all(), (layer, role)
-    finally:
-        model.close()
-        plain.close()
 
 
 def test_type_map_takes_a_layouts_names(tmp_path: Path) -> None:

@@ -87,8 +87,7 @@ def test_hole_file_sizes_and_tensors(tmp_path: Path, holes: str, shards: int) ->
     for name in names:
         if name.startswith("full"):
             assert sizes[name] == sizes[name.replace("full", "sparse")], name
-    model, reference = flashv41.load_model(sparse), flashv41.load_model(full)
-    try:
+    with flashv41.load_model(sparse) as model, flashv41.load_model(full) as reference:
         stored = {t.name: t for t in model.weights}
         assert sorted(stored) == sorted(reference.weights.names())
         for ref in reference.weights:
@@ -96,9 +95,6 @@ def test_hole_file_sizes_and_tensors(tmp_path: Path, holes: str, shards: int) ->
             assert (got.ggml_type, got.shape) == (ref.ggml_type, ref.shape), name
             hole = ENGRAM_TABLE in name or (holes == "matrices" and len(ref.shape) > 1)
             assert got.raw().any() != hole, name
-    finally:
-        model.close()
-        reference.close()
 
 
 def test_unknown_holes_is_an_input_error(tmp_path: Path) -> None:

@@ -30,8 +30,7 @@ from flashv41.host.gguf_layout import LAYOUTS
 from flashv41.host.model import Model
 from flashv41.memory import DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES, estimate_memory, format_bytes
 
-WRITABLE_WEIGHT_TYPES = ("BF16", "Q8_0", "Q2_K")
-WRITABLE_TABLE_TYPES = ("Q2_K", "Q8_0", "BF16")
+BENCH_WEIGHT_TYPES = ("BF16", "Q8_0", "Q2_K")  # the bench's rows (random stored blocks of these)
 # what `synth` writes: every type flashv41 reads (Q3_K .. Q6_K drawn as random valid super-blocks)
 SYNTH_TYPES = ("BF16", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16", "F32")
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
@@ -137,9 +136,8 @@ def synth_command(args: argparse.Namespace) -> int:
             type_map[role] = type_name
     if args.layout == "ds4":
         if args.table_type is not None:
-            print(f"flashv41 synth: error: --table-type {args.table_type}: the ds4 layout's engram tables are "
-                  "E4M3 rows (E4M3_ROW264) only", file=sys.stderr)
-            return 2
+            raise InputError(f"--table-type {args.table_type}: the ds4 layout's engram tables are E4M3 rows "
+                             "(E4M3_ROW264) only")
         table_type = "E4M3_ROW264"
     else:
         table_type = args.table_type or PRESETS[args.preset].default_table_type
@@ -349,7 +347,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
     )
     p.add_argument("--rows", nargs="+", default=[], metavar="PATTERN",
                    help="row names or fnmatch patterns to run (e.g. 'engram.wkv*'); default all")
-    p.add_argument("--weight-type", nargs="+", default=list(defaults.weight_types), choices=WRITABLE_WEIGHT_TYPES,
+    p.add_argument("--weight-type", nargs="+", default=list(defaults.weight_types), choices=BENCH_WEIGHT_TYPES,
                    dest="weight_types", help="weight types of the GEMV and step rows (default Q8_0 Q2_K BF16)")
     p.add_argument("--reps", type=at_least(MIN_REPS), default=defaults.reps, metavar="N",
                    help=f"timed repetitions per row, the median is reported (default and minimum {MIN_REPS})")

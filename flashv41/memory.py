@@ -23,6 +23,8 @@ from flashv41.host.errors import CapacityError, InputError
 from flashv41.host.gguf_model import WeightStore
 
 TABLE_RESIDENCIES = ("device", "pinned", "host")
+# where each residency keeps the engram tables, in the words `info` and `run` print
+TABLE_PLACES = {"device": "on the device", "pinned": "in pinned host memory", "host": "read from the file per call"}
 # tokens per forward chunk where the caller does not say: the Engine's, `flashv41 run`'s and `info`'s
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_SEQ = 4096  # an Engine's positions when not given (or the model's context, if shorter)
@@ -82,11 +84,9 @@ class MemoryEstimate:
 
     def table(self) -> str:
         """A readable multi-line table of the estimate."""
-        where = {"device": "on the device", "pinned": "in pinned host memory",
-                 "host": "on the host"}[self.table_residency]
         lines = [
             f"device memory estimate (max_seq {self.max_seq}, max_tokens {self.max_tokens}, "
-            f"engram tables {where})",
+            f"engram tables {TABLE_PLACES[self.table_residency]})",
             f"  {'layer':>5}  {'block type':<28} {'weights':>10} {'engram table':>16} {'state/seq':>10}",
         ]
         for m in self.layers:

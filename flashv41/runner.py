@@ -30,7 +30,7 @@ from flashv41.host.errors import CapacityError, FlashError, InputError
 from flashv41.host.model import Model
 from flashv41.host.progress import Progress
 from flashv41.host.tokens import check_tokens
-from flashv41.memory import DEFAULT_MAX_TOKENS, format_bytes
+from flashv41.memory import DEFAULT_MAX_TOKENS, TABLE_PLACES, format_bytes
 from flashv41.model import load_model
 
 CACHE_ENV = "FLASHV41_CACHE"
@@ -115,9 +115,7 @@ def table_line(runner: Runner) -> str | None:
     if engram is None:
         return None
     tables = sum(w.table.rows * w.table.row_bytes for w in engram.layers.values())
-    where = {"device": "on the device", "pinned": "in pinned host memory",
-             "host": "read from the file per call"}[engram.table_residency]
-    return (f"engram tables: {format_bytes(tables)} {where}; the engram stage holds "
+    return (f"engram tables: {format_bytes(tables)} {TABLE_PLACES[engram.table_residency]}; the engram stage holds "
             f"{format_bytes(engram.device_bytes)} of device memory")
 
 

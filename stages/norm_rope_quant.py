@@ -231,8 +231,8 @@ def round_bf16(v):
 
 @device
 def quant_scale(amax, quant):
-    """The scale of a block of max |x| = amax under quantiser `quant` (QUANT_ACT, QUANT_FP4_...);
-    the same expressions as _act_quant_kernel's and _fp4_quant_kernel's."""
+    """The scale of a block of max |x| = amax under quantiser `quant` (QUANT_ACT, QUANT_FP4_...):
+    the fused kernel's and the one-quantiser kernels'."""
     if quant == QUANT_ACT:
         return pow2_ceil(max(amax, ACT_AMAX_FLOOR), FP8_MAX_INV)
     if quant == QUANT_FP4_E4M3:
@@ -315,9 +315,9 @@ def _act_quant_kernel(x, n_rows, width):
         return
     r = i // per_row
     c0 = (i % per_row) * ACT_BLOCK
-    s = pow2_ceil(max(block_amax(x, r, c0, ACT_BLOCK), ACT_AMAX_FLOOR), FP8_MAX_INV)
+    s = quant_scale(block_amax(x, r, c0, ACT_BLOCK), QUANT_ACT)
     for c in range(c0, c0 + ACT_BLOCK):
-        x[r, c] = f32_to_bf16(mul_rn(e4m3_round(bf16_to_f32(x[r, c]) / s), s))
+        x[r, c] = f32_to_bf16(quant_value(bf16_to_f32(x[r, c]), s, QUANT_ACT))
 
 
 @cuda.jit
@@ -330,15 +330,10 @@ def _fp4_quant_kernel(x, n_rows, width, block, e4m3_scale):
         return
     r = i // per_row
     c0 = (i % per_row) * block
-    amax = block_amax(x, r, c0, block)
-    if e4m3_scale:
-        s = e4m3_round(max(amax, FP4_E4M3_FLOOR) / FP4_MAX)
-    else:
-        s = pow2_ceil(max(amax, FP4_E8M0_FLOOR), FP4_MAX_INV)
+    quant = QUANT_FP4_E4M3 if e4m3_scale else QUANT_FP4_E8M0
+    s = quant_scale(block_amax(x, r, c0, block), quant)
     for c in range(c0, c0 + block):
-        v = bf16_to_f32(x[r, c]) / s
-        v = min(max(v, -FP4_MAX), FP4_MAX)
-        x[r, c] = f32_to_bf16(mul_rn(e2m1_round(v), s))
+        x[r, c] = f32_to_bf16(quant_value(bf16_to_f32(x[r, c]), s, quant))
 
 
 @cache

@@ -5,10 +5,12 @@ Row ids int64 [T, L] (from the hasher, on the host) -> rows bf16 bits uint16 [T,
 [T * L, E] rows back to back, each token's L rows in column order.
 
 A table lives in one of three places, chosen per model (`RESIDENCIES`):
-- `device`: the table's stored bytes (uint8 [rows, row_bytes]) are uploaded once; the ids are
-  uploaded and one kernel gathers the rows by id and dequantises them.
+- `device`: the table's stored bytes (uint8 [rows, row_bytes]) are uploaded once (`upload_table`:
+  host threads fill two pinned staging buffers from the file's pages while the previous one is
+  copied); the ids are uploaded and one kernel gathers the rows by id and dequantises them.
 - `pinned`: the stored bytes are copied once into page-locked host memory mapped into the device's
-  address space (`cuda.mapped_array`), and the same gather kernel reads each requested row straight
+  address space (`cuda.mapped_array`; host threads share the copy out of the file's pages: a real
+  table is 32 GB), and the same gather kernel reads each requested row straight
   from there over the host link: no table byte on the device, and the step is what `device` runs
   (ids uploaded, one kernel), so it can be captured in a CUDA graph. A copy rather than registering
   the file's read-only mapping: the copy cannot be evicted by page-cache pressure, and a read-only
@@ -29,6 +31,8 @@ so the rows are bit-identical to the oracle's, host.oracle.engram.engram_rows.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 import numpy as np
@@ -43,7 +47,10 @@ from flashv41.stages.quant_types import DEVICE_TYPES, DeviceType
 
 RESIDENCIES = ("device", "pinned", "host")
 GATHERED = ("device", "pinned")  # residencies whose kernel gathers rows by id from the whole table
-PIN_CHUNK_BYTES = 1 << 26  # the copy into pinned memory goes in pieces of about this many bytes
+PIN_CHUNK_BYTES = 1 << 26  # the copies out of the file go in pieces of about this many bytes
+# host threads that copy a table out of the file's pages (page faults and memcpy scale with threads)
+COPY_THREADS = min(16, os.cpu_count() or 1)
+STAGE_PIECES = 4  # upload_table's staging buffers hold this many pieces (256 MiB)
 # threads per block: one thread per 32-value chunk; the simulator runs each thread as a Python thread
 ROWS_THREADS = 8 if SIM else 128
 
@@ -123,11 +130,51 @@ def pin_table(table: TensorRef, rows: int, row_bytes: int):
         raise CapacityError(f"{table.name}: the driver refused to pin {nbytes / 2**30:.1f} GiB of host memory "
                             f"for the engram table ({e}); table_residency='host' reads its rows from the file "
                             f"instead") from e
-    source = table.raw()
-    step = max(1, PIN_CHUNK_BYTES // row_bytes)
-    for r in range(0, rows, step):
-        pinned[r:r + step] = source[r:r + step]
+    try:
+        copy_rows(pinned, table.raw())
+    except BaseException:
+        del pinned  # a failed or interrupted copy leaves nothing pinned
+        raise
     return pinned
+
+
+def copy_rows(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor | None = None) -> None:
+    """dst[:] = src (uint8 [rows, row_bytes], host memory), in pieces of about PIN_CHUNK_BYTES
+    shared out over COPY_THREADS threads (NumPy's copy runs without the GIL)."""
+    rows, row_bytes = src.shape
+    step = max(1, PIN_CHUNK_BYTES // row_bytes)
+    pieces = [slice(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+    def piece(s: slice) -> None:
+        dst[s] = src[s]
+
+    if pool is None:
+        with ThreadPoolExecutor(COPY_THREADS) as own:
+            list(own.map(piece, pieces))
+    else:
+        list(pool.map(piece, pieces))
+
+
+def upload_table(source: np.ndarray, stream=0):
+    """The stored rows (uint8 [rows, row_bytes], the file's pages) on the device: pieces of
+    STAGE_PIECES x PIN_CHUNK_BYTES filled by host threads into one of two pinned staging buffers
+    while the other's copy to the device runs on `stream`."""
+    rows, row_bytes = source.shape
+    data = cuda.device_array((rows, row_bytes), np.uint8, stream=stream)
+    step = max(1, STAGE_PIECES * PIN_CHUNK_BYTES // row_bytes)
+    staging = [cuda.pinned_array((min(step, rows), row_bytes), np.uint8) for _ in range(2)]
+    copied = [cuda.event(), cuda.event()]
+    with ThreadPoolExecutor(COPY_THREADS) as pool:
+        for i, r in enumerate(range(0, rows, step)):
+            n = min(step, rows - r)
+            buf = staging[i % 2]
+            copied[i % 2].synchronize()  # this buffer's previous copy has finished
+            copy_rows(buf[:n], source[r:r + n], pool)
+            data[r:r + n].copy_to_device(buf[:n], stream=stream)
+            copied[i % 2].record(stream)
+    for event in copied:
+        event.synchronize()
+    return data
 
 
 class RowWorkspace:
@@ -177,7 +224,7 @@ class TableRows:
         self.data = None
         self.reader = None
         if residency == "device":
-            self.data = cuda.to_device(table.raw(), stream=stream)  # uint8 [rows, row_bytes]
+            self.data = upload_table(table.raw(), stream)  # uint8 [rows, row_bytes]
         elif residency == "pinned":
             self.data = pin_table(table, self.rows, self.row_bytes)  # uint8 [rows, row_bytes], host
         else:

@@ -290,3 +290,16 @@ def test_run_walks_the_rows_with_progress(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert any(line.startswith("  fake.2: 2.0 us (bound 1.0 us, ratio 2.00") for line in lines)
     assert "Fake GPU" in capsys.readouterr().err.splitlines()[0]
     assert [r["name"] for r in json.loads((tmp_path / "bench.json").read_text())["rows"]] == names
+
+
+def test_real_table_rows_have_the_official_table() -> None:
+    """`engram.step.real.*` run on a one-layer model whose table is V4.1-Flash's first, 384,006,168
+    rows (a hole), one case per residency."""
+    from flashv41.bench import engram
+    from flashv41.host.synth import REAL_TABLE_ROWS
+
+    cfg = engram.engram_config("flash", **engram.REAL_MODEL)
+    assert cfg.table_rows == REAL_TABLE_ROWS[:1] and engram.REAL_MODEL["holes"] == "tables"
+    names = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q8_0",)))]
+    assert [n for n in names if n.startswith("engram.step.real.")] == [
+        f"engram.step.real.{r}" for r in ("device", "pinned", "host")]

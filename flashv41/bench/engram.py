@@ -12,6 +12,13 @@
 - `engram.step.<type>.<residency>.python` (P3): whole steps as Python issues them back to back
   (hash, row upload, the three kernels), launch cost included: what the engine gets without a
   graph.
+- `engram.step.real.<residency>` (P3 at V4.1-Flash's real table size, issue 18): the same decode
+  step on a one-layer model whose table has the official first table's 384,006,168 Q2_K rows
+  (32.3 GB, a sparse file: holes read as zero rows, which a gather reads as any other), so the
+  rows are gathered from the whole range; for `host` tables the Python step (the device part
+  needs rows uploaded by the host). Beside it `.prefill4k`: one 4,096-token chunk through `apply`
+  (hash ids uploaded, rows, wkv GEMM, gate), bound = its GEMM at the tensor cores' peak plus its
+  rows over their link. The setup (upload, pinning) time is in the note.
 - `engram.rows.device`, `engram.gate`: the row gather + dequantisation and the gate alone, device
   work of one token; bound = the bytes they move / copy bandwidth (both are latency-bound at one
   token).
@@ -55,7 +62,7 @@ from flashv41.host.config import EngramConfig
 from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
 from flashv41.host.errors import InputError
 from flashv41.host.quants import FORMATS, GGMLType, ggml_type
-from flashv41.host.synth import preset
+from flashv41.host.synth import REAL_ENGRAM_VOCAB, preset
 
 WEIGHT_TYPES = (GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16)  # random wkv blocks can be made for these
 HASH_TOKENS = 65536
@@ -64,6 +71,10 @@ STEP_TABLE_ROWS = 3_000_000
 # the flash preset cut to one window-only layer with engram: the smallest file with a real engram layer
 STEP_MODEL: dict[str, Any] = dict(compress_ratios=(0,), kv_sources=(), index_sources=(), candidate_source=99,
                                   engram_layers=(0,), vocab=1024, engram_rows=STEP_TABLE_ROWS)
+# the same layer with the real first table (384,006,168 rows), written as a hole
+REAL_MODEL: dict[str, Any] = {**{k: v for k, v in STEP_MODEL.items() if k != "engram_rows"},
+                              "engram_vocab_size": REAL_ENGRAM_VOCAB, "holes": "tables"}
+PREFILL_TOKENS = 4096
 
 
 def engram_config(preset_name: str, **overrides) -> EngramConfig:
@@ -147,16 +158,18 @@ def gemv_case(wtype: str) -> BenchCase:
 _MODELS: dict[str, object] = {}
 
 
-def step_model(options: BenchOptions):
-    """The one-layer flash-dimension model of the step rows, written once per work directory."""
+def step_model(options: BenchOptions, real: bool = False):
+    """The one-layer flash-dimension model of the step rows (real: with the real-size table),
+    written once per work directory."""
     import flashv41
     from flashv41.host.synth import write_synthetic
 
-    path = options.workdir / f"flash-engram-{STEP_TABLE_ROWS}.gguf"
+    path = options.workdir / ("flash-engram-real.gguf" if real else f"flash-engram-{STEP_TABLE_ROWS}.gguf")
     key = str(path)
     if key not in _MODELS:
         if not path.exists():
-            write_synthetic(path, "flash", weight_type="Q8_0", table_type="Q2_K", **STEP_MODEL)
+            layout = REAL_MODEL if real else STEP_MODEL
+            write_synthetic(path, "flash", weight_type="Q8_0", table_type="Q2_K", **layout)
         _MODELS[key] = flashv41.load_model(path)
     return _MODELS[key]
 
@@ -252,6 +265,76 @@ def step_case(wtype: str, residency: str) -> BenchCase:
     return BenchCase(name, run)
 
 
+def real_case(residency: str) -> BenchCase:
+    name = f"engram.step.real.{residency}"
+
+    def run(ctx: BenchContext) -> list[BenchRow]:
+        import time
+
+        from numba import cuda
+
+        from flashv41.bench.prefill import PEAK_TFLOPS
+        from flashv41.host.engram_hash_fast import FastEngramHasher
+        from flashv41.stages.engram import EngramStage
+
+        model = step_model(ctx.options, real=True)
+        cfg = model.config
+        assert cfg.engram is not None
+        layer = cfg.engram.layer_ids[0]
+        stream = cuda.stream()
+        start = time.perf_counter()
+        stage = EngramStage(model, PREFILL_TOKENS, residency, stream=stream)
+        stream.synchronize()
+        setup_s = time.perf_counter() - start
+        try:
+            weights = stage.layers[layer]
+            table = weights.table
+            rng = np.random.default_rng(4)
+            hasher = FastEngramHasher(cfg.engram, PREFILL_TOKENS + 64)
+            prompt = rng.integers(0, cfg.vocab_size, PREFILL_TOKENS)
+            prefill_ids = hasher.hash(prompt, 0)[:, 0]
+            token = np.array([5], np.int64)
+            decode_ids = hasher.hash(token, PREFILL_TOKENS)[:, 0]
+            h = cuda.to_device(rng.standard_normal((PREFILL_TOKENS, cfg.hc, cfg.dim), dtype=np.float32),
+                               stream=stream)
+            row_bytes = cfg.engram.cols * table.row_bytes
+            wkv = weights.wkv.nbytes
+            rows: list[BenchRow] = []
+            link_s = 1 / ctx.copy_bandwidth  # seconds a row byte takes over the bandwidth it crosses
+            if residency != "device":
+                link = host_link_row(ctx)
+                rows.append(link)
+                link_s = link.median_s / HOST_LINK_BYTES
+            where = {"device": "on the device", "pinned": "in pinned host memory",
+                     "host": "read from the file"}[residency]
+            size = table.rows * table.row_bytes / 1e9
+            setup = f"{table.rows:,} rows ({size:.1f} GB) {where}, set up in {setup_s:.1f} s"
+            bound = ctx.memory_bound(wkv) + row_bytes * link_s
+            if residency in ("device", "pinned"):
+                stage.upload_rows(layer, decode_ids, 1)
+                median, plan = ctx.stage_time(lambda: stage.run(layer, h, 1), wkv + row_bytes, stream)
+                rows.append(BenchRow(name, median, bound, bytes=wkv + row_bytes,
+                                     note=f"rows + wkv Q8_0 + gate, 1 token, launch cost excluded; {setup}", l2=plan))
+            else:
+                median, plan = ctx.python_time(lambda: stage.apply(layer, h, decode_ids, 1), wkv + row_bytes, stream)
+                rows.append(BenchRow(name, median, bound, bytes=wkv + row_bytes,
+                                     note=f"hash ids -> rows read and uploaded + wkv Q8_0 + gate, 1 token, from "
+                                          f"Python; {setup}", l2=plan))
+            n, k = weights.wkv.n, weights.wkv.k
+            moved = wkv + PREFILL_TOKENS * row_bytes
+            prefill_bound = 2 * PREFILL_TOKENS * n * k / (PEAK_TFLOPS * 1e12) + PREFILL_TOKENS * row_bytes * link_s
+            median, plan = ctx.python_time(lambda: stage.apply(layer, h, prefill_ids, PREFILL_TOKENS), moved, stream)
+            rows.append(BenchRow(f"{name}.prefill4k", median, prefill_bound, bytes=moved,
+                                 note=f"apply on {PREFILL_TOKENS} tokens ({PREFILL_TOKENS * row_bytes / 1e6:.1f} MB "
+                                      f"of rows {where}); bound = the wkv GEMM at {PEAK_TFLOPS:.0f} TFLOP/s + "
+                                      "the rows over their link", l2=plan))
+            return rows
+        finally:
+            stage.free()
+
+    return BenchCase(name, run)
+
+
 def hash_case() -> BenchCase:
     def run(ctx: BenchContext) -> list[BenchRow]:
         from flashv41.host.engram_hash_fast import FastEngramHasher
@@ -277,5 +360,6 @@ def cases(options: BenchOptions) -> list[BenchCase]:
                              f"(have {', '.join(t.name for t in WEIGHT_TYPES)})")
     out = [gemv_case(w) for w in options.weight_types]
     out += [step_case(w, r) for w in options.weight_types for r in ("device", "pinned", "host")]
+    out += [real_case(r) for r in ("device", "pinned", "host")]
     out.append(hash_case())
     return out

@@ -26,6 +26,7 @@ from gguf import GGUFReader
 
 import flashv41
 from flashv41.bench.engram import random_stored
+from flashv41.host import gguf_layout as L
 from flashv41.host.engram_hash_fast import FastEngramHasher
 from flashv41.host.quants import GGMLType
 from flashv41.host.synth import REAL_TABLE_ROWS, write_synthetic
@@ -51,8 +52,6 @@ def big_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def table_names(model) -> list[str]:
-    from flashv41.host.gguf_layout import L
-
     assert model.config.engram is not None
     return [model.tensor(layer, L.ENGRAM_TABLE).name for layer in model.config.engram.layer_ids]
 

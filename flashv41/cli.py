@@ -30,9 +30,9 @@ from flashv41.host.gguf_layout import LAYOUTS
 from flashv41.host.model import Model
 from flashv41.memory import DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES, estimate_memory, format_bytes
 
-BENCH_WEIGHT_TYPES = ("BF16", "Q8_0", "Q2_K")  # the bench's rows (random stored blocks of these)
 # what `synth` writes: every type flashv41 reads (Q3_K .. Q6_K drawn as random valid super-blocks)
 SYNTH_TYPES = ("BF16", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16", "F32")
+BENCH_WEIGHT_TYPES = SYNTH_TYPES  # the bench's rows: random stored blocks of any of these
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
-from flashv41.host.errors import CapacityError, InputError, SequenceStateError
+from flashv41.host.errors import CapacityError, InputError, SequenceStateError, UnsupportedError
 from flashv41.host.numerics import bf16, from_bits, to_bits
 from flashv41.host.oracle import Oracle
 from flashv41.host.oracle import attention as oracle
@@ -303,8 +303,9 @@ def test_bench_cases():
     assert cache_bytes(flash, consumer_r2, 65535) == (128 + 512) * 512 * 2
     assert cache_bytes(flash, index_r1, 65535) == (128 + 512) * 512 * 2 + 65536 * 128 * 2
 
-    with pytest.raises(InputError, match="no attention rows for weight type F16"):
-        cases(BenchOptions(weight_types=("F16",)))
+    assert [c.name for c in cases(BenchOptions(weight_types=("Q4_K",)))] == ["attention.decode.Q4_K"]
+    with pytest.raises(UnsupportedError, match="Q4_0"):
+        cases(BenchOptions(weight_types=("Q4_0",)))
 
 
 # ---- on the GPU -----------------------------------------------------------------------------------------

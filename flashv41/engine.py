@@ -7,6 +7,7 @@ that runs a chunk of tokens through the layer stack.
     seq = engine.new_sequence()
     h = seq.prefill(token_ids)      # final highway [T, hc, dim] float32 (NumPy)
     h = seq.decode(token_id)        # [1, hc, dim]
+    h = engine.decode_batch([seq, other], [tok, tok2])  # one step of several sequences [B, hc, dim]
     seq.release()                   # frees its device state; the engine stays usable
     engine.close()
 
@@ -20,7 +21,9 @@ each engram layer's rows onto the device; then mask, first mix and positions, `_
 device part (launches only) and the highway's download. A one-token step's device part is
 replayed from a CUDA graph of the sequence (flashv41.graphs), one graph per `graph_key`: what the
 step decides on the host. Profiling and captures watch the walk as observers (`StageTimer`,
-`LayerCapture`); a watched call, like a prefill chunk, launches eagerly.
+`LayerCapture`); a watched call, like a prefill chunk, launches eagerly. `decode_batch` walks a
+second plan, `batch_plan`, built the same way but for one token of each of B sequences (its
+attention step is AttentionStage.forward_batch); it launches eagerly.
 
 The engine's workspaces are shared by its sequences, so calls on one engine must not run
 concurrently (one Python thread drives an engine). A prompt longer than `max_tokens` is prefilled
@@ -32,6 +35,7 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
 from typing import Any
 
 import numpy as np
@@ -138,6 +142,7 @@ class Engine:
         self.stage_seconds: defaultdict[str, float] = defaultdict(float)
         self._timer = StageTimer(cuda.synchronize, self.stage_seconds)
         self.plan = self._build_plan()
+        self.batch_plan = self._build_plan(batched=True)
         self._ratios = sorted({role.ratio for role in cfg.roles if role.ratio > 0})
         self.graphs = graphs and graphs_available() and table_residency != "host"
         self._runner = GraphRunner() if self.graphs else None
@@ -177,7 +182,7 @@ class Engine:
             self.engram.free()
         self.h = self.x = self.a = self.mask = None
         self.pre = []
-        self.plan = Plan.empty()
+        self.plan = self.batch_plan = Plan.empty()
         self.closed = True
 
     def __enter__(self) -> Engine:
@@ -190,10 +195,13 @@ class Engine:
         if self.closed:
             raise SequenceStateError("this engine was closed")
 
-    def _build_plan(self) -> Plan:
+    def _build_plan(self, batched: bool = False) -> Plan:
         """Every step of a call, once, in the V4.1 order: the host part (token ids, the engram hash,
         each engram layer's rows), the embedding, each layer's engram -> hc_pre + attn_norm ->
-        attention -> hc_post -> the FFN sublayer as a zero output, and the highway's download."""
+        attention -> hc_post -> the FFN sublayer as a zero output, and the highway's download.
+        batched: the plan of `decode_batch`, one token of each of B sequences (the call's start,
+        state and shared runtime are then lists, its hasher a BatchHasher); only the attention
+        step differs (AttentionStage.forward_batch)."""
         cfg, hyper, attention, engram = self.cfg, self.hyper, self.attention, self.engram
         h, x, a = self.h, self.x, self.a
         upload = [Step("embedding", None, hyper, "upload_ids", (IDS, TOKENS))]
@@ -215,6 +223,8 @@ class Engine:
                                      (i, h, TOKENS, MASK, Captured(i))),)
             attn = (Step("hc mixes", i, hyper, "mixes", (i, "attn", h, unused, TOKENS)),
                     Step("hc_pre + attn_norm", i, hyper, "pre_norm", (i, h, pre_mix, x, TOKENS)),
+                    Step(f"attention ({role.block_type})", i, attention, "forward_batch",
+                         (i, x, a, STATE, SHARED, START, TOKENS)) if batched else
                     Step(f"attention ({role.block_type})", i, attention, "forward",
                          (i, x, a, STATE, SHARED, START, TOKENS, Captured(i))),
                     Step("hc_post", i, hyper, "post_mix", (h, a, TOKENS)))
@@ -257,6 +267,70 @@ class Engine:
         assert call.output is not None
         return call.output
 
+    def decode_batch(self, seqs: Sequence_[Sequence], token_ids: Any, token_masks: Any = None) -> np.ndarray:
+        """One step of B sequences of this engine, one token each (B <= max_tokens), each at its own
+        position with its own state; returns h [B, hc, dim], row b sequence b's (what
+        `seqs[b].decode(token_ids[b])` returns). token_masks: None, or B bools / Nones (False: the
+        token takes no part in any n-gram, as decode's token_mask). Everything is checked before
+        anything runs (a bad token, a full, released or failed sequence, one given twice or from
+        another engine: an error naming the sequence's index, the others untouched).
+
+        The products read each weight once for the batch; the per-sequence stages (window,
+        compressor, indexer, sparse attention) run one sequence after another on its own state,
+        and the step is launched eagerly (no CUDA graph). Results are those of decoding each
+        sequence alone wherever the products' kernel is the same for B tokens as for one (the
+        stream kernel, B <= 8); past that, the tensor cores' sums within the oracle's bound."""
+        self._check_open()
+        seqs = list(seqs)
+        ids, mask = self._check_batch(seqs, token_ids, token_masks)
+        b = len(seqs)
+        starts = [seq.position for seq in seqs]
+        call = Call(tokens=b, start=starts, ids=ids, token_mask=mask, mask=None if mask is None else self.mask,
+                    hasher=BatchHasher([seq.hasher for seq in seqs]), state=[seq.state for seq in seqs],
+                    shared=[self.attention.new_shared() for _ in seqs])
+        try:
+            walk(self.batch_plan.upload, call)
+            self._copy_inputs(call)
+            walk(self.batch_plan.device, call)
+            walk(self.batch_plan.download, call)
+        except BaseException:
+            for seq in seqs:  # validated input failed on the way: every state may be partly written
+                seq.failed = True
+            raise
+        for seq in seqs:
+            seq.position += 1
+        assert call.output is not None
+        return call.output
+
+    def _check_batch(self, seqs: list[Sequence], token_ids: Any,
+                     token_masks: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        """decode_batch's (ids int64 [B], mask bool [B] or None), or the error naming the first bad
+        sequence."""
+        if not 1 <= len(seqs) <= self.max_tokens:
+            raise InputError(f"decode_batch takes 1 to max_tokens ({self.max_tokens}) sequences, got {len(seqs)}")
+        ids = np.asarray(token_ids)
+        if ids.shape != (len(seqs),) or not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"decode_batch: token_ids must be {len(seqs)} integers, one a sequence, got "
+                             f"{ids.dtype} {ids.shape}")
+        masks = [None] * len(seqs) if token_masks is None else list(token_masks)
+        if len(masks) != len(seqs):
+            raise InputError(f"decode_batch: {len(masks)} token masks for {len(seqs)} sequences")
+        seen: set[int] = set()
+        for i, (seq, m) in enumerate(zip(seqs, masks, strict=True)):
+            if not isinstance(seq, Sequence) or seq.engine is not self:
+                raise InputError(f"decode_batch: sequence {i} is not a sequence of this engine")
+            if id(seq) in seen:
+                raise InputError(f"decode_batch: sequence {i} appears twice (one token a sequence a step)")
+            seen.add(id(seq))
+            if m is not None and not isinstance(m, (bool, np.bool_)):
+                raise InputError(f"decode_batch: token mask {i} is one bool or None, got {type(m).__name__}")
+            try:
+                seq._validate(ids[i:i + 1], None if m is None else np.array([bool(m)]))
+            except (InputError, CapacityError, SequenceStateError) as e:
+                raise type(e)(f"decode_batch: sequence {i}: {e}") from e
+        mask = None if all(m is None for m in masks) else np.array([True if m is None else bool(m) for m in masks])
+        return ids.astype(np.int64), mask
+
     def _copy_inputs(self, call: Call) -> None:
         """The rest of what the device part reads that changes from call to call (mask, first mix,
         positions): plain copies, not stages of the profile's table."""
@@ -277,6 +351,7 @@ class Engine:
         """The device part of a one-token step as a CUDA graph: the sequence's graph for this
         step's key, captured the second time the key comes up (the first runs eagerly, which
         also compiles every kernel the capture will record)."""
+        assert isinstance(call.start, int)  # a single sequence's call
         key = self.graph_key(call.start, call.mask is not None)
         graph = seq.graphs.get(key)
         if graph is None and key not in seq.graph_keys_seen:
@@ -289,6 +364,19 @@ class Engine:
             seq.graphs[key] = graph
         self._cuda.synchronize()  # eager work queued on other streams comes first
         self._runner.launch(graph)
+
+
+class BatchHasher:
+    """The engram hash of a decode_batch step: each sequence's own hasher on its token, at its
+    position, stacked ([B, n_engram_layers, cols], as one hasher's hash of B tokens)."""
+
+    def __init__(self, hashers: list[Any]):
+        self.hashers = hashers
+
+    def hash(self, token_ids: np.ndarray, starts: list[int], token_mask: np.ndarray | None) -> np.ndarray:
+        return np.concatenate([h.hash(token_ids[b:b + 1], starts[b],
+                                      None if token_mask is None else token_mask[b:b + 1])
+                               for b, h in enumerate(self.hashers)])
 
 
 class Sequence:

@@ -31,17 +31,19 @@ import numpy as np
 
 @dataclass
 class Call:
-    """One chunk of T tokens of one sequence as the steps see it: what they read that changes from
-    call to call, and what a step hands on to later ones (the hash's row ids, the highway)."""
+    """One chunk of T tokens of one sequence as the steps see it, or one token of each of T
+    sequences (Engine.decode_batch: start, state and shared are then lists, one a sequence): what
+    they read that changes from call to call, and what a step hands on to later ones (the hash's
+    row ids, the highway)."""
 
     tokens: int  # T
-    start: int  # the sequence position of the first token
+    start: int | list[int]  # the sequence position of the first token; a batch's: each sequence's
     ids: np.ndarray  # int64 [T] token ids
     token_mask: np.ndarray | None  # bool [T] on the host; None: every token takes part
     mask: Any  # uint8 [>= T] the same mask on the device, or None
     hasher: Any  # the sequence's engram hasher (None without engram layers)
-    state: Any  # the sequence's attention state
-    shared: Any  # what source layers hand down the stack within this call
+    state: Any  # the sequence's attention state (a batch: a list of them)
+    shared: Any  # what source layers hand down the stack within this call (a batch: one a sequence)
     captures: list[dict] | None = None  # one dict per layer when the call keeps its intermediates
     hashes: np.ndarray | None = None  # int64 [T, n_engram_layers, cols], written by the hash step
     output: np.ndarray | None = None  # float32 [T, hc, C], written by the download step

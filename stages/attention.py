@@ -70,6 +70,11 @@ WORKSPACES = ("positions", "qa", "qr", "q", "kv_raw", "kv", "o", "oa", "entries_
               "score", "candidates", "iq", "hw", "source_ws", "sparse_ws")
 
 
+def _rows(a: DeviceArray, rows: slice | None) -> DeviceArray:
+    """a's rows `rows`, or a itself for None (a single sequence's call: its tokens are the first rows)."""
+    return a if rows is None else a[rows]
+
+
 @cuda.jit
 def _ring_write_kernel(kv, ring, positions, n_tokens, width):
     """ring[positions[r] % W] = kv[r] for the chunk's last min(T, W) rows. kv bf16 [>= T, D], ring
@@ -237,7 +242,7 @@ class AttentionStage:
 
         self.host_positions = np.zeros(t, np.int32)  # pageable: the driver stages it, so reuse is safe
         self.positions = cuda.device_array(t, np.int32)  # int32 [T]: start .. start+T-1
-        self._positions_for: tuple[int, int] | None = None
+        self._positions_for: tuple[int, ...] | None = None  # (start, T), or a batch's positions
         self.qa = bf16(cfg.q_lora_rank)  # x @ wq_a^T
         self.qr = bf16(cfg.q_lora_rank)
         self.q = bf16(cfg.n_heads, cfg.head_dim)
@@ -340,13 +345,15 @@ class AttentionStage:
             raise InputError(f"{where} respects a candidate mask of {width} groups, but the candidate source "
                              f"published {found}")
 
-    def upload_positions(self, start: int, n_tokens: int) -> None:
-        """The positions start .. start+T-1 onto the device (forward does it when they changed;
-        a captured forward needs them there before it runs)."""
-        if self._positions_for != (start, n_tokens):
-            self.host_positions[:n_tokens] = np.arange(start, start + n_tokens, dtype=np.int32)
+    def upload_positions(self, start: int | list[int], n_tokens: int) -> None:
+        """The positions start .. start+T-1 onto the device, or for a batch (start a list) each
+        sequence's position (forward does it when they changed; a captured forward needs them there
+        before it runs)."""
+        key = tuple(start) if isinstance(start, list) else (start, n_tokens)
+        if self._positions_for != key:
+            self.host_positions[:n_tokens] = start if isinstance(start, list) else np.arange(start, start + n_tokens)
             self.positions[:n_tokens].copy_to_device(self.host_positions[:n_tokens], stream=self.stream)
-            self._positions_for = (start, n_tokens)
+            self._positions_for = key
 
     def forward(self, layer: int, x: DeviceArray, out: DeviceArray, state: AttentionState, shared: SharedRuntime,
                 start: int, n_tokens: int, capture: dict | None = None) -> None:
@@ -364,18 +371,7 @@ class AttentionStage:
         cos, sin = self.tables[role.ratio > 0]
 
         mark = self._mark
-        linear(x, w.wq_a, self.qa, t, stream=s)
-        mark("wq_a")
-        rms_norm(self.qa, w.q_norm, self.eps, self.qr, t, stream=s)
-        mark("q_norm")
-        linear(self.qr, w.wq_b, self.q_rows, t, stream=s)
-        mark("wq_b")
-        rope(self.q_rows, cos, sin, pos, False, t, cfg.n_heads, stream=s)
-        mark("q_rope")
-        linear(x, w.wkv, self.kv_raw, t, stream=s)
-        mark("wkv")
-        norm_rope_quant(self.kv_raw, w.kv_norm, self.eps, cos, sin, pos, False, "act", t, out=self.kv, stream=s)
-        mark("kv_norm_rope_quant")
+        self._project_in(w, x, pos, cos, sin, t)
 
         # a ratio-0 layer has no compressed rows: any bf16 [*, D] array stands in (no entry names it)
         entries, comp_rows, selection = self.entries_window, self.kv, None
@@ -389,12 +385,7 @@ class AttentionStage:
         mark("sparse_attention")
         if capture is not None:
             capture["attn_o"] = self._host(self.o, t)
-        rope(self.o_rows, cos, sin, pos, True, t, cfg.n_heads, stream=s)
-        mark("o_rope")
-        linear(self.o_rows, w.wo_a, self.oa, t, group_rows=cfg.o_lora_rank, stream=s)
-        mark("wo_a")
-        linear(self.oa, w.wo_b, out, t, stream=s)
-        mark("wo_b")
+        self._project_out(w, out, pos, cos, sin, t)
         n_ring = min(t, cfg.window) * cfg.head_dim
         _ring_write_kernel[grid_1d(n_ring, COPY_THREADS), COPY_THREADS, s](self.kv, st.ring, pos, t, cfg.head_dim)
         mark("ring_write")
@@ -402,10 +393,93 @@ class AttentionStage:
             capture.update(attn_x=self._host(x, t), qr=self._host(self.qr, t), q=self._host(self.q, t),
                            kv=self._host(self.kv, t), attn_out=self._host(out, t))
 
+    def _project_in(self, w: LayerWeights, x: DeviceArray, pos: DeviceArray, cos: DeviceArray, sin: DeviceArray,
+                    t: int) -> None:
+        """q [T, H, D] and the window rows kv [T, D] of x's T rows at positions pos."""
+        cfg, s, mark = self.cfg, self.stream, self._mark
+        linear(x, w.wq_a, self.qa, t, stream=s)
+        mark("wq_a")
+        rms_norm(self.qa, w.q_norm, self.eps, self.qr, t, stream=s)
+        mark("q_norm")
+        linear(self.qr, w.wq_b, self.q_rows, t, stream=s)
+        mark("wq_b")
+        rope(self.q_rows, cos, sin, pos, False, t, cfg.n_heads, stream=s)
+        mark("q_rope")
+        linear(x, w.wkv, self.kv_raw, t, stream=s)
+        mark("wkv")
+        norm_rope_quant(self.kv_raw, w.kv_norm, self.eps, cos, sin, pos, False, "act", t, out=self.kv, stream=s)
+        mark("kv_norm_rope_quant")
+
+    def _project_out(self, w: LayerWeights, out: DeviceArray, pos: DeviceArray, cos: DeviceArray, sin: DeviceArray,
+                     t: int) -> None:
+        """out[:T] from the attention output o [T, H, D]: inverse RoPE, the grouped wo_a, wo_b."""
+        cfg, s, mark = self.cfg, self.stream, self._mark
+        rope(self.o_rows, cos, sin, pos, True, t, cfg.n_heads, stream=s)
+        mark("o_rope")
+        linear(self.o_rows, w.wo_a, self.oa, t, group_rows=cfg.o_lora_rank, stream=s)
+        mark("wo_a")
+        linear(self.oa, w.wo_b, out, t, stream=s)
+        mark("wo_b")
+
+    def forward_batch(self, layer: int, x: DeviceArray, out: DeviceArray, states: list[AttentionState],
+                      shareds: list[SharedRuntime], starts: list[int], n_tokens: int) -> None:
+        """out[:B] = layer `layer`'s attention for B sequences, one token each (B = n_tokens): row b
+        of x is sequence b's token at position starts[b], with its state states[b] and its forward
+        call's shareds[b]. The products (wq_a, wq_b, wkv, wo_a, wo_b), the q norm and the RoPE run
+        once for the B rows, each weight read once; the compressor, indexer, entries, sparse
+        attention and ring write run sequence by sequence on its own state, rows and caches, each
+        as `forward` would for that one token (the same kernels on the same values)."""
+        self._check_batch(layer, x, out, states, shareds, starts, n_tokens)
+        cfg, s, t = self.cfg, self.stream, n_tokens
+        w = self.layers[layer]
+        role = w.role
+        self.upload_positions(list(starts), t)
+        pos = self.positions
+        cos, sin = self.tables[role.ratio > 0]
+        self._project_in(w, x, pos, cos, sin, t)
+        for b in range(t):
+            rows = slice(b, b + 1)
+            st = states[b].layers[layer]
+            entries, comp_rows, selection = self.entries_window[rows], self.kv, None
+            if role.ratio > 0:
+                selection = self._sources(layer, w, st, shareds[b], x, starts[b], 1, cos, sin, None, rows)
+                assert self.entries_all is not None  # allocated for a model with ratio > 0 layers
+                entries, comp_rows = self.entries_all[rows], shareds[b].compressed
+            # the token's own kv row is the one chunk row its entries name
+            build_entries(pos[rows], selection, cfg.window, 1, entries, 1, stream=s)
+            sparse_attention(self.q[rows], st.ring, self.kv[rows], comp_rows, entries, w.sinks, self.scale,
+                             self.o[rows], 1, stream=s, workspace=self.sparse_ws)
+        self._project_out(w, out, pos, cos, sin, t)
+        for b in range(t):
+            rows = slice(b, b + 1)
+            _ring_write_kernel[grid_1d(cfg.head_dim, COPY_THREADS), COPY_THREADS, s](
+                self.kv[rows], states[b].layers[layer].ring, pos[rows], 1, cfg.head_dim)
+
+    def _check_batch(self, layer: int, x: DeviceArray, out: DeviceArray, states: list[AttentionState],
+                     shareds: list[SharedRuntime], starts: list[int], n_tokens: int) -> None:
+        """forward_batch's arguments, every sequence's, checked before anything runs."""
+        if not len(states) == len(shareds) == len(starts) == n_tokens:
+            raise InputError(f"forward_batch: {n_tokens} tokens, {len(states)} states, {len(shareds)} shared runtimes "
+                             f"and {len(starts)} positions must agree")
+        if len({id(st) for st in states}) != len(states):
+            raise InputError("forward_batch: a sequence appears twice in the batch (one token a sequence)")
+        self._check_call(layer, x, out, states[0], 0, n_tokens)
+        role = self.layers[layer].role
+        for b, (state, shared, start) in enumerate(zip(states, shareds, starts, strict=True)):
+            if state.freed or state.stage is not self:
+                raise SequenceStateError(f"batch sequence {b}: its attention state was freed or belongs to another "
+                                         "stage")
+            if not 0 <= start < self.max_seq:
+                raise CapacityError(f"batch sequence {b}: position {start} is outside 0..{self.max_seq - 1}")
+            self._check_shared(layer, role, shared, start, 1)
+
     def _sources(self, layer: int, w: LayerWeights, st: LayerState, shared: SharedRuntime, x: DeviceArray,
-                 start: int, t: int, cos: DeviceArray, sin: DeviceArray, capture: dict | None) -> DeviceArray:
-        """A ratio > 0 layer's kv-source and index-source work; returns the selection to attend."""
-        cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
+                 start: int, t: int, cos: DeviceArray, sin: DeviceArray, capture: dict | None,
+                 rows: slice | None = None) -> DeviceArray:
+        """A ratio > 0 layer's kv-source and index-source work; returns the selection to attend.
+        rows: the workspace rows of these t tokens (one sequence of a batch); None: the first t."""
+        cfg, s, role = self.cfg, self.stream, w.role
+        pos, x = _rows(self.positions, rows), _rows(x, rows)
         if w.source is not None:
             assert st.source is not None and self.source_ws is not None
             ws = self.source_ws
@@ -422,7 +496,7 @@ class AttentionStage:
             capture["groups"] = np.zeros(0, np.int64)
         width = (start + t) // role.ratio
         if w.indexer is not None:
-            self._index(w, shared, x, t, width, cos, sin, capture)
+            self._index(w, shared, x, t, width, cos, sin, capture, rows)
         assert shared.selection is not None
         if capture is not None:
             capture["selection"] = self._download(shared.selection, t).astype(np.int64)
@@ -432,28 +506,32 @@ class AttentionStage:
         return shared.selection
 
     def _index(self, w: LayerWeights, shared: SharedRuntime, x: DeviceArray, t: int, width: int,
-               cos: DeviceArray, sin: DeviceArray, capture: dict | None) -> None:
+               cos: DeviceArray, sin: DeviceArray, capture: dict | None, rows: slice | None = None) -> None:
         """The indexer of an index source: publishes its selection (and, on the candidate source,
-        the candidate mask) into `shared`."""
-        cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
+        the candidate mask) into `shared`; x is already these tokens' rows. rows: the selection and
+        candidate rows of these t tokens (one sequence of a batch keeps its own until the layers
+        after it have read them); queries and scores use the first t rows of their workspaces."""
+        cfg, s, role = self.cfg, self.stream, w.role
         assert w.indexer is not None and self.selection is not None and self.candidates is not None
-        shared.selection = self.selection
+        pos, qr = _rows(self.positions, rows), _rows(self.qr, rows)
+        selection, candidates = _rows(self.selection, rows), _rows(self.candidates, rows)
+        shared.selection = selection
         if width == 0:
             # no group is complete yet: nothing to score (the reference skips its indexer too)
-            fill(self.selection[:t], -1, s)
+            fill(selection[:t], -1, s)
             self._mark("select")
             return
         assert shared.index_keys is not None
-        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
+        indexer.index_queries(w.indexer, x, qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
         self._mark("index_queries")
         grid_width = shared.index_keys.shape[0] if self.capturing else width  # the graph serves later widths
         indexer.index_scores(self.iq, self.hw, shared.index_keys, self.index_scale, self.score, t, pos, role.ratio,
                              grid_width, stream=s)
         self._mark("index_scores")
-        indexer.select(cfg, role, self.score, pos, self.candidates, self.selection, t, stream=s)
+        indexer.select(cfg, role, self.score, pos, candidates, selection, t, stream=s)
         self._mark("select")
         if role.candidate_source:
-            shared.candidates, shared.candidate_width = self.candidates, width
+            shared.candidates, shared.candidate_width = candidates, width
         if capture is not None:
             capture["index_score"] = from_bits(self._download(self.score, t)[:, :width])
 

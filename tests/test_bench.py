@@ -121,7 +121,9 @@ def test_the_40_layer_stack_is_a_row_of_its_own() -> None:
     cases = bench.all_cases(BenchOptions(weight_types=("Q8_0",)))
     assert [c.name for c in bench.select_cases(cases, ["stack.decode.40"])] == ["stack.decode.40"]
     assert [c.name for c in bench.select_cases(cases, ["stack.decode"])] == ["stack.decode"]
-    assert [c.name for c in bench.select_cases(cases, ["stack.*"])] == ["stack.decode", "stack.decode.40"]
+    assert [c.name for c in bench.select_cases(cases, ["stack.*"])] == [
+        "stack.decode", "stack.decode.40", "stack.decode.batch"]
+    assert [c.name for c in bench.select_cases(cases, ["stack.decode.batch"])] == ["stack.decode.batch"]
     real = next(s for s in stack.STACKS if s.case == "stack.decode.40")
     assert real.preset == "flash40" and preset(real.preset).n_layers == 40 and real.suffix == ".40"
     assert len({s.filename for s in stack.STACKS}) == len(stack.STACKS), "each stack caches its own file"

@@ -114,3 +114,31 @@ def test_graph_decode_is_eager_decode(synth_model, preset):
             outs[graphs] = np.concatenate(got)
     assert np.array_equal(outs[False].view(np.uint32), outs[True].view(np.uint32)), \
         f"graph decode differs from eager decode: agreement {agreement(outs[True], outs[False])}"
+
+
+def test_flash_batch_decode_equals_each_alone(synth_model):
+    """decode_batch at V4.1-Flash sizes (the three layers above, Q8_0): three sequences at
+    positions 9, 120 and 130 (before the window's first wrap, at it and past it; odd and even, so
+    the ratio-2 groups complete in some and not others) decode two steps together; each row must
+    equal the sequence's own graph-replayed decode bit for bit (B <= 8: the same stream kernels)."""
+    path = synth_model("flash", vocab=2048, compress_ratios=(0, 2, 2), kv_sources=(1,), index_sources=(1,),
+                       candidate_source=99, engram_layers=(0, 1), engram_rows=120_000, context_length=4096)
+    model = flashv41.load_model(path)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 2048, n) for n in (9, 127, 130)]
+    nexts = [rng.integers(0, 2048, 2) for _ in prompts]
+    with flashv41.Engine(model, max_seq=512, max_tokens=64) as engine:
+        alone = []
+        for prompt, nxt in zip(prompts, nexts, strict=True):
+            seq = engine.new_sequence()
+            seq.prefill(prompt)
+            alone.append([seq.decode(int(t)) for t in nxt])
+            seq.release()
+        seqs = [engine.new_sequence() for _ in prompts]
+        for seq, prompt in zip(seqs, prompts, strict=True):
+            seq.prefill(prompt)
+        for step in range(2):
+            got = engine.decode_batch(seqs, [int(n[step]) for n in nexts])
+            for b in range(len(seqs)):
+                differ = int((got[b] != alone[b][step][0]).sum())
+                assert differ == 0, f"step {step}: sequence {b} differs from its own decode in {differ} values"

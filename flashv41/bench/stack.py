@@ -11,7 +11,15 @@ a few decode steps so that every graph key has its graph, then the rows below.
   host.synth.FLASH40_SCHEDULE): 7.2 GB of file, drawn in the stored format (49 s to write on two
   cores), about 6 GB a step streams.
 `--rows stack.decode` picks the six-layer stack, `--rows stack.decode.40` the 40-layer one,
-`--rows 'stack.*'` both.
+`--rows 'stack.*'` both (and the batch rows below).
+
+`stack.decode.batch` (P7, issue 19; rows `stack.decode.batch.<B>` for B in BATCHES): the flash40
+stack stepping B sequences together (`Engine.decode_batch`), each prefilled with BATCH_PROMPT
+tokens of its own. Wall clock of a whole step as a user makes it (the hash, uploads, launches:
+decode_batch is not captured in a graph yet), the median of --reps steps; bound = the step's
+weight bytes once + every sequence's cache bytes (window rows, selected compressed rows, index
+keys, as the attention rows count them, at its position) and engram rows, at the copy
+bandwidth. The note gives tokens per second (B tokens a step) and the step time against B = 1's.
 
 The rows of each:
 - `.graph` (P4): the device time of one decode step's graph, replayed (launch cost excluded).
@@ -42,6 +50,8 @@ from flashv41.bench.core import BenchCase, BenchContext, BenchOptions, BenchRow
 from flashv41.memory import device_free_bytes
 
 PROMPT = 512  # prefill tokens before the steps: two chunks of 256, quick on 40 layers too
+BATCHES = (1, 8, 32, 64)  # stack.decode.batch's batch sizes
+BATCH_PROMPT = 64  # each batched sequence's prompt
 DECODE_STEPS = 32
 TABLE_ROWS = 3_000_000
 
@@ -141,5 +151,48 @@ def stack_case(stack: Stack = STACKS[0]) -> BenchCase:
     return BenchCase(stack.case, run)
 
 
+def batch_case() -> BenchCase:
+    def run(ctx: BenchContext) -> list[BenchRow]:
+        import flashv41
+        from flashv41.bench.attention import cache_bytes
+
+        model = stack_model(ctx.options, STACKS[1])
+        cfg = model.config
+        o = ctx.options
+        steps = o.warmup + o.reps + 1
+        rng = np.random.default_rng(9)
+        rows: list[BenchRow] = []
+        try:
+            with flashv41.Engine(model, max_seq=BATCH_PROMPT + steps + 8, max_tokens=max(BATCHES)) as engine:
+                weights = step_bytes(engine)
+                engram_rows = 0 if engine.engram is None else sum(
+                    engine.engram.cols * w.table.row_bytes for w in engine.engram.layers.values())
+                first = 0.0
+                for b in BATCHES:
+                    seqs = [engine.new_sequence() for _ in range(b)]
+                    for seq in seqs:
+                        seq.prefill(rng.integers(0, cfg.vocab_size, BATCH_PROMPT))
+                    position = BATCH_PROMPT + o.warmup  # about where the timed steps run
+                    per_seq = sum(cache_bytes(cfg, role, position) for role in cfg.roles) + engram_rows
+                    nbytes = weights - engram_rows + b * per_seq
+
+                    def step(seqs=seqs, b=b) -> None:
+                        engine.decode_batch(seqs, rng.integers(0, cfg.vocab_size, b))
+
+                    median, plan = ctx.wall_time(step, nbytes)
+                    first = first or median
+                    rows.append(BenchRow(f"stack.decode.batch.{b}", median, ctx.memory_bound(nbytes), bytes=nbytes,
+                                         note=f"{len(cfg.roles)} layers, {b} sequences a step (decode_batch, eager): "
+                                              f"{b / median:.0f} tokens/s, {median / first:.2f}x the 1-sequence step",
+                                         l2=plan))
+                    for seq in seqs:
+                        seq.release()
+        finally:
+            model.close()
+        return rows
+
+    return BenchCase("stack.decode.batch", run)
+
+
 def cases(options: BenchOptions) -> list[BenchCase]:
-    return [stack_case(stack) for stack in STACKS]
+    return [stack_case(stack) for stack in STACKS] + [batch_case()]

@@ -109,9 +109,7 @@ def install() -> None:
 
 
 def is_compile_error(exc: BaseException) -> bool:
-    """Numba typing / lowering errors and NVVM failures: what this mode is looking for."""
-    from numba.core import errors
-
-    if isinstance(exc, (errors.TypingError, errors.LoweringError, errors.UnsupportedError)):
-        return True
-    return type(exc).__name__ in ("NvvmError", "NvvmSupportError", "LinkerError")
+    """Numba typing / lowering errors and NVVM failures: what this mode is looking for (numba-cuda
+    raises its own copies of numba's error classes, numba.cuda.core.errors, so they go by name)."""
+    names = ("TypingError", "LoweringError", "UnsupportedError", "NvvmError", "NvvmSupportError", "LinkerError")
+    return any(c.__name__ in names and c.__module__.startswith("numba") for c in type(exc).__mro__)

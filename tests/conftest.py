@@ -3,7 +3,8 @@ session.
 
 The backend (a real GPU, or Numba's CUDA simulator on the CPU) must be chosen before anything
 imports numba.cuda, so `select_backend()` runs here, when pytest imports this file, before any
-test module. Nothing imported above it touches numba.
+test module. Compile-check mode comes first: importing flashv41.stages picks the backend itself
+(the simulator, without a GPU), so it is installed before that import.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from typing import Any
 
 import pytest
 
-from flashv41.host.synth import write_synthetic
-from flashv41.stages.backend import select_backend, using_simulator
 from tests import compile_check
 
 if compile_check.enabled():
     compile_check.install()
+
+from flashv41.host.synth import write_synthetic  # noqa: E402  (after compile-check mode)
+from flashv41.stages.backend import select_backend, using_simulator  # noqa: E402
+
 select_backend()
 
 GPU_SKIP_REASON = "needs a real CUDA GPU (running on the CUDA simulator)"

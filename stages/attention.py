@@ -70,11 +70,6 @@ WORKSPACES = ("positions", "qa", "qr", "q", "kv_raw", "kv", "o", "oa", "entries_
               "score", "candidates", "iq", "hw", "source_ws", "sparse_ws")
 
 
-def _rows(a: DeviceArray, rows: slice | None) -> DeviceArray:
-    """a's rows `rows`, or a itself for None (a single sequence's call: its tokens are the first rows)."""
-    return a if rows is None else a[rows]
-
-
 @cuda.jit
 def _ring_write_kernel(kv, ring, positions, n_tokens, width):
     """ring[positions[r] % W] = kv[r] for the chunk's last min(T, W) rows. kv bf16 [>= T, D], ring
@@ -242,7 +237,7 @@ class AttentionStage:
 
         self.host_positions = np.zeros(t, np.int32)  # pageable: the driver stages it, so reuse is safe
         self.positions = cuda.device_array(t, np.int32)  # int32 [T]: start .. start+T-1
-        self._positions_for: tuple[int, ...] | None = None  # (start, T), or a batch's positions
+        self._positions_for: tuple | None = None  # (start, T), or ("batch", each sequence's position)
         self.qa = bf16(cfg.q_lora_rank)  # x @ wq_a^T
         self.qr = bf16(cfg.q_lora_rank)
         self.q = bf16(cfg.n_heads, cfg.head_dim)
@@ -349,7 +344,7 @@ class AttentionStage:
         """The positions start .. start+T-1 onto the device, or for a batch (start a list) each
         sequence's position (forward does it when they changed; a captured forward needs them there
         before it runs)."""
-        key = tuple(start) if isinstance(start, list) else (start, n_tokens)
+        key = ("batch", *start) if isinstance(start, list) else (start, n_tokens)
         if self._positions_for != key:
             self.host_positions[:n_tokens] = start if isinstance(start, list) else np.arange(start, start + n_tokens)
             self.positions[:n_tokens].copy_to_device(self.host_positions[:n_tokens], stream=self.stream)
@@ -437,23 +432,65 @@ class AttentionStage:
         pos = self.positions
         cos, sin = self.tables[role.ratio > 0]
         self._project_in(w, x, pos, cos, sin, t)
+        if role.ratio > 0:
+            self._sources_batch(layer, w, states, shareds, x, starts, t, cos, sin)
         for b in range(t):
             rows = slice(b, b + 1)
-            st = states[b].layers[layer]
             entries, comp_rows, selection = self.entries_window[rows], self.kv, None
             if role.ratio > 0:
-                selection = self._sources(layer, w, st, shareds[b], x, starts[b], 1, cos, sin, None, rows)
                 assert self.entries_all is not None  # allocated for a model with ratio > 0 layers
-                entries, comp_rows = self.entries_all[rows], shareds[b].compressed
+                entries, comp_rows, selection = self.entries_all[rows], shareds[b].compressed, shareds[b].selection
             # the token's own kv row is the one chunk row its entries name
             build_entries(pos[rows], selection, cfg.window, 1, entries, 1, stream=s)
-            sparse_attention(self.q[rows], st.ring, self.kv[rows], comp_rows, entries, w.sinks, self.scale,
-                             self.o[rows], 1, stream=s, workspace=self.sparse_ws)
+            sparse_attention(self.q[rows], states[b].layers[layer].ring, self.kv[rows], comp_rows, entries, w.sinks,
+                             self.scale, self.o[rows], 1, stream=s, workspace=self.sparse_ws)
         self._project_out(w, out, pos, cos, sin, t)
         for b in range(t):
             rows = slice(b, b + 1)
             _ring_write_kernel[grid_1d(cfg.head_dim, COPY_THREADS), COPY_THREADS, s](
                 self.kv[rows], states[b].layers[layer].ring, pos[rows], 1, cfg.head_dim)
+
+    def _sources_batch(self, layer: int, w: LayerWeights, states: list[AttentionState], shareds: list[SharedRuntime],
+                       x: DeviceArray, starts: list[int], t: int, cos: DeviceArray, sin: DeviceArray) -> None:
+        """forward_batch's kv-source and index-source work: the compressor's and the indexer's
+        query products once for the B rows, then each sequence's groups, caches, scores and
+        selection on its own state and rows (its selection stays in its row of the workspace for
+        the layers after it)."""
+        cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
+        if w.source is not None:
+            assert self.source_ws is not None
+            ws = self.source_ws
+            kv_sources.compress_products(role, w.source, x, ws, t, s)
+            for b in range(t):
+                rows = slice(b, b + 1)
+                source = states[b].layers[layer].source
+                assert source is not None
+                latents, groups = kv_sources.compress_groups(cfg, role, w.source, source, starts[b], ws, pos[rows], 1,
+                                                             s, rows)
+                kv_sources.publish(cfg, role, w.source, source, latents, groups, cos, sin, ws, pos[rows], s)
+                shareds[b].compressed, shareds[b].index_keys = source.compressed, source.index_keys
+        if w.indexer is None:
+            return
+        assert self.selection is not None and self.candidates is not None and self.score is not None
+        assert self.iq is not None and self.hw is not None  # allocated for a model with index sources
+        widths = [(start + 1) // role.ratio for start in starts]
+        if any(widths):
+            indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
+        for b, width in enumerate(widths):
+            rows = slice(b, b + 1)
+            shared = shareds[b]
+            shared.selection = selection = self.selection[rows]
+            if width == 0:  # no group is complete yet: nothing to score
+                fill(selection, -1, s)
+                continue
+            assert shared.index_keys is not None
+            grid_width = shared.index_keys.shape[0] if self.capturing else width
+            indexer.index_scores(self.iq[rows], self.hw[rows], shared.index_keys, self.index_scale, self.score[rows],
+                                 1, pos[rows], role.ratio, grid_width, stream=s)
+            candidates = self.candidates[rows]
+            indexer.select(cfg, role, self.score[rows], pos[rows], candidates, selection, 1, stream=s)
+            if role.candidate_source:
+                shared.candidates, shared.candidate_width = candidates, width
 
     def _check_batch(self, layer: int, x: DeviceArray, out: DeviceArray, states: list[AttentionState],
                      shareds: list[SharedRuntime], starts: list[int], n_tokens: int) -> None:
@@ -474,12 +511,9 @@ class AttentionStage:
             self._check_shared(layer, role, shared, start, 1)
 
     def _sources(self, layer: int, w: LayerWeights, st: LayerState, shared: SharedRuntime, x: DeviceArray,
-                 start: int, t: int, cos: DeviceArray, sin: DeviceArray, capture: dict | None,
-                 rows: slice | None = None) -> DeviceArray:
-        """A ratio > 0 layer's kv-source and index-source work; returns the selection to attend.
-        rows: the workspace rows of these t tokens (one sequence of a batch); None: the first t."""
-        cfg, s, role = self.cfg, self.stream, w.role
-        pos, x = _rows(self.positions, rows), _rows(x, rows)
+                 start: int, t: int, cos: DeviceArray, sin: DeviceArray, capture: dict | None) -> DeviceArray:
+        """A ratio > 0 layer's kv-source and index-source work; returns the selection to attend."""
+        cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
         if w.source is not None:
             assert st.source is not None and self.source_ws is not None
             ws = self.source_ws
@@ -496,7 +530,7 @@ class AttentionStage:
             capture["groups"] = np.zeros(0, np.int64)
         width = (start + t) // role.ratio
         if w.indexer is not None:
-            self._index(w, shared, x, t, width, cos, sin, capture, rows)
+            self._index(w, shared, x, t, width, cos, sin, capture)
         assert shared.selection is not None
         if capture is not None:
             capture["selection"] = self._download(shared.selection, t).astype(np.int64)
@@ -506,15 +540,12 @@ class AttentionStage:
         return shared.selection
 
     def _index(self, w: LayerWeights, shared: SharedRuntime, x: DeviceArray, t: int, width: int,
-               cos: DeviceArray, sin: DeviceArray, capture: dict | None, rows: slice | None = None) -> None:
+               cos: DeviceArray, sin: DeviceArray, capture: dict | None) -> None:
         """The indexer of an index source: publishes its selection (and, on the candidate source,
-        the candidate mask) into `shared`; x is already these tokens' rows. rows: the selection and
-        candidate rows of these t tokens (one sequence of a batch keeps its own until the layers
-        after it have read them); queries and scores use the first t rows of their workspaces."""
-        cfg, s, role = self.cfg, self.stream, w.role
+        the candidate mask) into `shared`."""
+        cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
         assert w.indexer is not None and self.selection is not None and self.candidates is not None
-        pos, qr = _rows(self.positions, rows), _rows(self.qr, rows)
-        selection, candidates = _rows(self.selection, rows), _rows(self.candidates, rows)
+        selection, candidates = self.selection, self.candidates
         shared.selection = selection
         if width == 0:
             # no group is complete yet: nothing to score (the reference skips its indexer too)
@@ -522,7 +553,7 @@ class AttentionStage:
             self._mark("select")
             return
         assert shared.index_keys is not None
-        indexer.index_queries(w.indexer, x, qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
+        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
         self._mark("index_queries")
         grid_width = shared.index_keys.shape[0] if self.capturing else width  # the graph serves later widths
         indexer.index_scores(self.iq, self.hw, shared.index_keys, self.index_scale, self.score, t, pos, role.ratio,

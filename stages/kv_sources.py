@@ -202,18 +202,40 @@ def compress(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, state: KvSou
              stream=0) -> tuple[DeviceArray, Groups]:
     """The compressor over a chunk: (latents, groups) of the n groups it completes, the latents
     (bf16, before RoPE) in ws.latent[:n]."""
-    g0, n = completed_groups(start, n_tokens, role.ratio)
+    compress_products(role, w, x, ws, n_tokens, stream)
+    return compress_groups(cfg, role, w, state, start, ws, positions, n_tokens, stream)
+
+
+def compress_products(role: LayerRole, w: KvSourceWeights, x: DeviceArray, ws: KvSourceWorkspace, n_tokens: int,
+                      stream=0) -> None:
+    """The compressor's products of T rows of x: ws.raw (ratio 1) or ws.proj_kv and ws.proj_score
+    (ratio > 1), row for row (a batch's rows may be different sequences' tokens)."""
     if role.ratio == 1:
         linear(x, w.comp_kv, ws.raw, n_tokens, stream=stream)
-        rms_norm(ws.raw, w.comp_norm, cfg.norm_eps, ws.latent, n_tokens, stream=stream)
-        return ws.latent, Groups(g0, n, positions)
+        return
     assert w.comp_gate is not None
     linear(x, w.comp_kv, ws.proj_kv, n_tokens, stream=stream)
     linear(x, w.comp_gate, ws.proj_score, n_tokens, stream=stream)
-    pool_groups(ws.proj_kv, ws.proj_score, state, ws.raw, ws.group_pos, positions, n_tokens, n, stream)
+
+
+def compress_groups(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, state: KvSourceState, start: int,
+                    ws: KvSourceWorkspace, positions: DeviceArray, n_tokens: int, stream=0,
+                    rows: slice | None = None) -> tuple[DeviceArray, Groups]:
+    """The rest of `compress` from its products: one sequence's T tokens at start, their products
+    in ws's rows `rows` (None: the first T), positions theirs; (latents, groups) in those rows."""
+    def part(a: DeviceArray) -> DeviceArray:
+        return a if rows is None else a[rows]
+
+    g0, n = completed_groups(start, n_tokens, role.ratio)
+    raw, latent = part(ws.raw), part(ws.latent)
+    if role.ratio == 1:
+        rms_norm(raw, w.comp_norm, cfg.norm_eps, latent, n_tokens, stream=stream)
+        return latent, Groups(g0, n, positions)
+    group_pos = part(ws.group_pos)
+    pool_groups(part(ws.proj_kv), part(ws.proj_score), state, raw, group_pos, positions, n_tokens, n, stream)
     if n:
-        rms_norm(ws.raw, w.comp_norm, cfg.norm_eps, ws.latent, n, stream=stream)
-    return ws.latent, Groups(g0, n, ws.group_pos)
+        rms_norm(raw, w.comp_norm, cfg.norm_eps, latent, n, stream=stream)
+    return latent, Groups(g0, n, group_pos)
 
 
 def publish(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, state: KvSourceState, latents: DeviceArray,

@@ -140,18 +140,24 @@ else:
 
 if SIM:
     def byte_perm(a, b, selector):
-        """prmt.b32: byte i of the result is byte (selector >> 4 i) & 7 of b:a (a bytes 0-3, b 4-7)."""
+        """prmt.b32: byte i of the result is byte (selector >> 4 i) & 7 of b:a (a bytes 0-3, b 4-7),
+        or that byte's top bit copied into all eight where bit 3 of the selector's nibble i is set."""
         pool = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
         out = 0
         for i in range(4):
-            out |= ((pool >> (8 * ((int(selector) >> (4 * i)) & 7))) & 0xFF) << (8 * i)
+            nibble = (int(selector) >> (4 * i)) & 15
+            byte = (pool >> (8 * (nibble & 7))) & 0xFF
+            if nibble & 8:
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << (8 * i)
         return uint32(out)
 else:
     @intrinsic
     def byte_perm(typingctx, a, b, selector):
         """`prmt.b32`: byte i of the result is byte (selector >> 4 i) & 7 of b:a (a bytes 0-3, b
-        bytes 4-7). One integer instruction that moves a byte into place inside another word,
-        where shift, mask and or take two or three."""
+        bytes 4-7), or its top bit replicated where bit 3 of nibble i is set. One integer
+        instruction that moves a byte into place inside another word, where shift, mask and or
+        take two or three."""
         sig = types.uint32(types.uint32, types.uint32, types.uint32)
 
         def codegen(context, builder, signature, args):

@@ -12,11 +12,13 @@ A record (`DeviceType`) holds, with one signature per piece:
   order of operations cannot change a bit). The engram tables and the embedding gather use it.
 - the weight layout: `weight_rows(stored, k)` turns stored rows into what a DeviceWeight keeps on
   the device (uint8 [N, pitch]), `weight_dequant` is `dequant` on those rows, `layout` its name.
-  Every type keeps its stored bytes, except Q8_0: "split", the row's K int8 quants first, then its
-  K/32 fp16 scales, zero-padded to whole 16-byte pieces (the stream kernel's loads are 16 bytes
-  and aligned; a stored block starts on a 2-byte boundary). The padding is under one block, so a
-  row's K still reads off its width. Q3_K .. Q6_K and MXFP4 rows ("stored") are zero-padded so too
-  where their bytes are not whole 16-byte pieces (`padded_stored`: the kernels view rows as words).
+  Every type keeps its stored bytes, except Q8_0 and MXFP4: "split", a Q8_0 row's K int8 quants
+  first, then its K/32 fp16 scales, an MXFP4 row's K/32 blocks' 16 code bytes (a block one 16-byte
+  piece), then their K/32 exponent bytes; zero-padded to whole 16-byte pieces (the stream kernel's
+  loads are 16 bytes and aligned; a stored block starts on a 2-byte boundary, an MXFP4 one of 17
+  bytes on any). The padding is under one block, so a row's K still reads off its width. Q3_K ..
+  Q6_K rows ("stored") are zero-padded so too where their bytes are not whole 16-byte pieces
+  (`padded_stored`: the kernels view rows as words).
 - `stream`: the decode GEMV's unit (stages.linear's stream kernels). `make(tokens, x_bf16)` builds
   unit(ww, wf, row, x32, xo, k, n_tokens, acc, u), which adds the dot products of unit u of the
   row with the inputs to acc[t] for t < n_tokens (<= tokens): ww / wf the weight rows as 32-bit
@@ -24,9 +26,9 @@ A record (`DeviceType`) holds, with one signature per piece:
   (fp32), this row's K-wide slice at word xo. A row is K >> shift units, each one 16-byte load
   (Q2_K: a 32-bit quant word, its blocks being whole words, not whole 16-byte pieces); a lane issues
   `in_flight` of them together. Q3_K .. Q6_K and MXFP4 take the generic `chunk_unit` (any type with
-  a chunk dequantiser): unit u is chunk u, dequantised by `dequant` and dotted with the inputs,
-  correct but not tuned (their bytes read one at a time). Integers become floats by an exponent trick (`small_int`,
-  `int8_at`), not by conversions.
+  a chunk dequantiser; MXFP4's `weight_dequant`): unit u is chunk u, dequantised and dotted with
+  the inputs, correct but not tuned (their bytes read one at a time). Integers become floats by an
+  exponent trick (`small_int`, `int8_at`), not by conversions.
 - `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc). None for Q3_K
   .. Q6_K and MXFP4: their prefill takes stages.linear's gemm kernel (weight_dequant).
 
@@ -179,13 +181,30 @@ def padded_split_q8_0(stored: np.ndarray, k: int) -> np.ndarray:
     return np.pad(split, ((0, 0), (0, pad))) if pad else split
 
 
+def split_mxfp4(stored: np.ndarray, k: int) -> np.ndarray:
+    """GGUF MXFP4 rows (uint8 [N, row_bytes]: per block an E8M0 exponent byte, then 16 code bytes)
+    -> the split layout: per row the K/32 blocks' code bytes, 16 a block, then their K/32 exponent
+    bytes (same bytes, same size)."""
+    n = stored.shape[0]
+    blocks = np.ascontiguousarray(stored).reshape(-1, MXFP4_BYTES).view(MXFP4_BLOCK).reshape(n, -1)
+    return np.concatenate([np.ascontiguousarray(blocks["qs"]).reshape(n, -1), blocks["e"]], axis=1)
+
+
+def padded_split_mxfp4(stored: np.ndarray, k: int) -> np.ndarray:
+    """split_mxfp4's rows, zero-padded to whole ROW_ALIGN-byte pieces (under one block: see the
+    module docstring)."""
+    split = split_mxfp4(stored, k)
+    pad = -split.shape[1] % ROW_ALIGN
+    return np.pad(split, ((0, 0), (0, pad))) if pad else split
+
+
 def stored_rows(stored: np.ndarray, k: int) -> np.ndarray:
     return stored
 
 
 def padded_stored(stored: np.ndarray, k: int) -> np.ndarray:
-    """Stored rows, zero-padded to whole ROW_ALIGN-byte pieces where they are not (Q3_K, Q6_K and
-    MXFP4 rows of some K): the stream kernels view a row as 32-bit words and fp16 halves. The
+    """Stored rows, zero-padded to whole ROW_ALIGN-byte pieces where they are not (Q3_K and Q6_K
+    rows of some K): the stream kernels view a row as 32-bit words and fp16 halves. The
     blocks keep their offsets, so the chunk dequantisers read these rows as the stored ones."""
     pad = -stored.shape[1] % ROW_ALIGN
     return np.pad(stored, ((0, 0), (0, pad))) if pad else stored
@@ -349,16 +368,35 @@ def e2m1_doubled(code):
 
 
 @device
-def dequant_mxfp4(w, row, chunk, out):
-    """MXFP4 block `chunk`: 2^(e - 128) (host.quants.e8m0_half: subnormal for e < 2) times the
-    doubled E2M1 values, value j of byte j's low nibble, value j + 16 of its high one."""
-    base = chunk * MXFP4_BYTES
-    e = uint32(w[row, base + MXFP4_E])
-    d = f32_from_bits((uint32(0x00200000) << e) if e < 2 else ((e - 1) << 23))
+def e8m0_half(e):
+    """An E8M0 exponent byte's 2^(e - 128) as float32 (host.quants.e8m0_half: subnormal for e < 2)."""
+    return f32_from_bits((uint32(0x00200000) << e) if e < 2 else ((e - 1) << 23))
+
+
+@device
+def mxfp4_block(w, row, qs, e, out):
+    """The 32 values of an MXFP4 block whose 16 code bytes start at byte qs of the row, its exponent
+    byte e: 2^(e - 128) times the doubled E2M1 values, value j of byte j's low nibble, value j + 16
+    of its high one."""
+    d = e8m0_half(e)
     for j in range(MXFP4_PAIRS):
-        b = uint32(w[row, base + MXFP4_QS + j])
+        b = uint32(w[row, qs + j])
         out[j] = d * e2m1_doubled(b & 15)
         out[j + MXFP4_PAIRS] = d * e2m1_doubled(b >> 4)
+
+
+@device
+def dequant_mxfp4(w, row, chunk, out):
+    """MXFP4 block `chunk` of a stored row."""
+    base = chunk * MXFP4_BYTES
+    mxfp4_block(w, row, base + MXFP4_QS, uint32(w[row, base + MXFP4_E]), out)
+
+
+@device
+def dequant_mxfp4_split(w, row, chunk, out):
+    """MXFP4 in the split layout: codes at 16 * chunk, exponent bytes after the row's K / 2 code bytes."""
+    codes = (w.shape[1] // MXFP4_BYTES) * MXFP4_PAIRS
+    mxfp4_block(w, row, chunk * MXFP4_PAIRS, uint32(w[row, codes + chunk]), out)
 
 
 @device
@@ -726,7 +764,6 @@ def q2_k_unit(tokens: int, x_bf16: bool):
     return q2_k_unit
 
 
-
 def chunk_unit(dequant):
     """The generic stream unit of a type with a chunk dequantiser (StreamUnit shift 5, one in
     flight): unit u is chunk u of the row, dequantised into a local array, then dotted with each
@@ -946,7 +983,9 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
     # the generic chunk unit, no tensor-core pieces (prefill takes the gemm kernel) for these yet
     *[_entry(gtype, dequant, chunk_stream(dequant), weight_rows=padded_stored) for gtype, dequant in (
         (GGMLType.Q3_K, dequant_q3_k), (GGMLType.Q4_K, dequant_q4_k), (GGMLType.Q5_K, dequant_q5_k),
-        (GGMLType.Q6_K, dequant_q6_k), (GGMLType.MXFP4, dequant_mxfp4))],
+        (GGMLType.Q6_K, dequant_q6_k))],
+    _entry(GGMLType.MXFP4, dequant_mxfp4, chunk_stream(dequant_mxfp4_split), layout="split",
+           weight_rows=padded_split_mxfp4, weight_dequant=dequant_mxfp4_split),
     # a table format: the engram row gather reads it (dequant); the loader refuses it for matrices,
     # the generic chunk unit being there for completeness
     _entry(RowType.E4M3_ROW264, dequant_e4m3_row264, chunk_stream(dequant_e4m3_row264), weight_rows=padded_stored),

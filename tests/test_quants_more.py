@@ -16,7 +16,7 @@ from numba import cuda, float32  # noqa: E402  (after conftest chose the backend
 
 from flashv41 import stages
 from flashv41.host.errors import UnsupportedError
-from flashv41.host.quants import FORMATS, GGMLType, dequantize, quantize, random_blocks
+from flashv41.host.quants import FORMATS, MXFP4_BLOCK, GGMLType, dequantize, quantize, random_blocks
 from flashv41.stages.device import CHUNK, device
 from flashv41.stages.linear import DeviceWeight, stream_partials
 from flashv41.stages.quant_types import DEVICE_TYPES, chunk_stream
@@ -155,11 +155,11 @@ def test_device_dequant_bit_exact(gtype):
     raw = random_blocks(gtype, 3, 512, rng)
     assert_device_dequant(qt.dequant, gtype, raw)
     assert_device_dequant(qt.dequant, gtype, corner_rows(gtype))
-    padded = qt.weight_rows(random_blocks(gtype, 2, 256, rng), 256)
+    stored = random_blocks(gtype, 2, 256, rng)
+    padded = qt.weight_rows(stored, 256)
     assert padded.shape[1] % 16 == 0
-    k_bytes = FORMATS[gtype].row_bytes(256)
     got = device_values(qt.weight_dequant, np.ascontiguousarray(padded), 256)
-    assert np.array_equal(bits(got), bits(dequantize(np.ascontiguousarray(padded[:, :k_bytes]), gtype, 256)))
+    assert np.array_equal(bits(got), bits(dequantize(stored, gtype, 256)))
 
 
 def test_device_dequant_check_rejects_a_scale_error():
@@ -175,6 +175,26 @@ def test_device_dequant_check_rejects_a_scale_error():
     raw = random_blocks(GGMLType.Q5_K, 1, 256, np.random.default_rng(2))
     with pytest.raises(AssertionError, match="values differ"):
         assert_device_dequant(scaled, GGMLType.Q5_K, raw)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # exponent bytes of 253 .. 255: inf
+def test_mxfp4_split_layout():
+    """The split layout keeps every byte: per row the blocks' codes in block order, then their
+    exponent bytes, then zeros to a whole 16-byte piece (65 blocks: 15 bytes); put back into blocks
+    they are the stored row, and the device layout's dequantiser reads the stored values off it."""
+    k, n_blocks = 2080, 2080 // CHUNK
+    fmt = FORMATS[GGMLType.MXFP4]
+    stored = np.random.default_rng(12).integers(0, 256, (3, fmt.row_bytes(k)), dtype=np.uint8)
+    split = DEVICE_TYPES[GGMLType.MXFP4].weight_rows(stored, k)
+    blocks = stored.view(MXFP4_BLOCK)  # [row, block]
+    codes, exps, pad = split[:, :16 * n_blocks], split[:, 16 * n_blocks:17 * n_blocks], split[:, 17 * n_blocks:]
+    assert split.shape == (3, 16 * -(-stored.shape[1] // 16)) and pad.shape[1] == 15 and not pad.any()
+    assert (codes.reshape(3, n_blocks, 16) == blocks["qs"]).all() and (exps == blocks["e"]).all()
+    back = np.zeros_like(blocks)
+    back["e"], back["qs"] = exps, codes.reshape(3, n_blocks, 16)
+    assert np.array_equal(back.view(np.uint8).reshape(stored.shape), stored)
+    got = device_values(DEVICE_TYPES[GGMLType.MXFP4].weight_dequant, np.ascontiguousarray(split), k)
+    assert np.array_equal(bits(got), bits(dequantize(stored, GGMLType.MXFP4, k)))
 
 
 # ------------------------------------------------------------------------------ the products

@@ -6,10 +6,11 @@ to nearest even, or float32). A grouped product (the attention's `wo_a`: G group
 outputs, each reading its own K-wide slice of x) is the same kernel with the input offset
 `(n // group_rows) * K`.
 
-Weights keep their GGUF bytes, except Q8_0 (DeviceWeight.layout "split"): per row its K int8
-quants first, then its K/32 fp16 scales, padded to whole 16-byte pieces. Same values; the quants
-of consecutive blocks become contiguous, so a warp reads them with aligned, coalesced 16-byte
-loads (a stored block starts on a 2-byte boundary).
+Weights keep their GGUF bytes, except Q8_0 and MXFP4 (DeviceWeight.layout "split"): per row its
+K int8 quants (MXFP4: its blocks' 16 code bytes) first, then its K/32 fp16 scales (exponent
+bytes), padded to whole 16-byte pieces. Same values; the quants of consecutive blocks become
+contiguous, so a warp reads them with aligned, coalesced 16-byte loads (a stored block starts on a
+2-byte boundary, an MXFP4 one on any).
 
 Kernels, chosen by the token count and the weight type (`pick_kernel`):
 - `stream` (T <= GEMV_MAX_TOKENS, every type, bf16 or fp32 x; the decode GEMV): warps over output
@@ -86,7 +87,8 @@ ACC_TILE = (WM, WN)
 @dataclass
 class DeviceWeight:
     """A weight matrix on the device: `data` uint8 [N, pitch], each row in its type's device layout
-    (stages.quant_types: the stored bytes; Q8_0 split, then padded to whole 16-byte pieces)."""
+    (stages.quant_types: the stored bytes; Q8_0 and MXFP4 split, then padded to whole 16-byte
+    pieces)."""
 
     name: str
     gtype: GGMLType

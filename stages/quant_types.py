@@ -24,11 +24,12 @@ A record (`DeviceType`) holds, with one signature per piece:
   row with the inputs to acc[t] for t < n_tokens (<= tokens): ww / wf the weight rows as 32-bit
   words / fp16, x32 the inputs as 32-bit words [T, K_total / 2] (bf16 pairs) or [T, K_total]
   (fp32), this row's K-wide slice at word xo. A row is K >> shift units, each one 16-byte load
-  (Q2_K: a 32-bit quant word, its blocks being whole words, not whole 16-byte pieces); a lane issues
-  `in_flight` of them together. Q3_K .. Q6_K and MXFP4 take the generic `chunk_unit` (any type with
-  a chunk dequantiser; MXFP4's `weight_dequant`): unit u is chunk u, dequantised and dotted with
-  the inputs, correct but not tuned (their bytes read one at a time). Integers become floats by an
-  exponent trick (`small_int`, `int8_at`), not by conversions.
+  (Q2_K: a 32-bit quant word, its blocks being whole words, not whole 16-byte pieces; MXFP4: a
+  block's codes, and a word load for its exponent byte); a lane issues `in_flight` of them together.
+  Q3_K .. Q6_K take the generic `chunk_unit` (any type with a chunk dequantiser): unit u is chunk
+  u, dequantised by `dequant` and dotted with the inputs, correct but not tuned (their bytes read
+  one at a time). Integers become floats by an exponent trick (`small_int`, `int8_at`, `e2m1_at`),
+  not by conversions.
 - `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc). None for Q3_K
   .. Q6_K and MXFP4: their prefill takes stages.linear's gemm kernel (weight_dequant).
 
@@ -51,6 +52,7 @@ from flashv41.host.quants import (
     F32_BLOCK,
     FORMATS,
     MXFP4_BLOCK,
+    MXFP4_DOUBLED,
     Q2_K_BLOCK,
     Q3_K_BLOCK,
     Q4_K_BLOCK,
@@ -108,7 +110,7 @@ assert Q8_0_VALUES == CHUNK  # a Q8_0 block is one chunk
 assert Q2_K_BYTES % WORD == 0 and Q2_K_SCALES % WORD == 0 and Q2_K_QS % WORD == 0 and Q2_K_D % WORD == 0
 assert Q2_K_DMIN == Q2_K_D + 2 and Q2_K_QS_WORDS == 16 and Q2_K_GROUPS * 16 == Q2_K_VALUES
 
-# The K-quants Q3_K .. Q6_K and MXFP4 (chunk dequantisers, the generic chunk stream unit). A
+# The K-quants Q3_K .. Q6_K (chunk dequantisers, the generic chunk stream unit), and MXFP4's fields. A
 # K-quant block is K_CHUNKS chunks, each two 16-value (Q3_K, Q6_K) or one 32-value (Q4_K, Q5_K)
 # sub-blocks; the bytes are read one at a time (the 110- and 210-byte blocks are not whole words).
 K_VALUES = FORMATS[GGMLType.Q4_K].block_values
@@ -138,6 +140,17 @@ assert Q3_K_BLOCK["hmask"].shape[0] == CHUNK and Q3_K_HALF_QS == CHUNK  # one by
 assert Q4_K_BLOCK["qs"].shape[0] == 4 * CHUNK and Q5_K_BLOCK["qh"].shape[0] == CHUNK
 assert Q6_K_HALF_QH == CHUNK and Q6_K_HALF_QL == 2 * CHUNK and Q6_K_BLOCK["scales"].shape[0] * 16 == K_VALUES
 assert FORMATS[GGMLType.MXFP4].block_values == CHUNK == 2 * MXFP4_PAIRS  # an MXFP4 block is one chunk
+
+# MXFP4's stream unit (split layout: a block's codes one 16-byte piece). e2m1_offsets looks a code's
+# doubled value up as the byte E2M1_BIAS + value, positive codes in E2M1_POS and negative ones in
+# E2M1_NEG (two words of eight bytes each, byte c for code c & 7), every byte under 128.
+MXFP4_INF_E = 253  # the smallest exponent byte with an infinite value: 8 * 2^(253 - 128) = 2^128
+E2M1_BIAS = 64
+E2M1_POS_LO, E2M1_POS_HI = (uint32(v) for v in (E2M1_BIAS + MXFP4_DOUBLED[:8]).astype(np.uint8).view("<u4"))
+E2M1_NEG_LO, E2M1_NEG_HI = (uint32(v) for v in (E2M1_BIAS + MXFP4_DOUBLED[8:]).astype(np.uint8).view("<u4"))
+E2M1_MAGIC = float32(8388608.0 + E2M1_BIAS)  # 2^23 + E2M1_BIAS: e2m1_at's byte under 2^23's exponent, less this
+assert MXFP4_PAIRS == ROW_ALIGN and 0 <= E2M1_BIAS + MXFP4_DOUBLED.min() and E2M1_BIAS + MXFP4_DOUBLED.max() < 128
+assert float(MXFP4_DOUBLED.max()) * 2.0 ** (MXFP4_INF_E - 1 - 128) < 2.0**128 <= 8 * 2.0 ** (MXFP4_INF_E - 128)
 
 # E4M3_ROW264, the ds4 engram-table format (a table format, no ggml type): a block is a row of
 # E4M3_CHUNKS chunks of E4M3 codes, then one E8M0 scale byte per chunk.
@@ -369,8 +382,9 @@ def e2m1_doubled(code):
 
 @device
 def e8m0_half(e):
-    """An E8M0 exponent byte's 2^(e - 128) as float32 (host.quants.e8m0_half: subnormal for e < 2)."""
-    return f32_from_bits((uint32(0x00200000) << e) if e < 2 else ((e - 1) << 23))
+    """An E8M0 exponent byte's 2^(e - 128) as float32 (host.quants.e8m0_half: subnormal for e < 2);
+    both patterns uint32 (an int64 and a uint64 would meet as float64)."""
+    return f32_from_bits(uint32(0x00200000 << e) if e < 2 else uint32((e - 1) << 23))
 
 
 @device
@@ -764,6 +778,92 @@ def q2_k_unit(tokens: int, x_bf16: bool):
     return q2_k_unit
 
 
+if SIM:
+    def e2m1_at(offsets, byte):
+        return np.float32(((int(offsets) >> (8 * byte)) & 0xFF) - E2M1_BIAS)
+else:
+    @device
+    def e2m1_at(offsets, byte):
+        """Byte `byte` of an e2m1_offsets word as the doubled E2M1 value it holds, in float32: as
+        int8_at, one byte permute puts it under the exponent of 2^23, one subtraction."""
+        return f32_from_bits(byte_perm(offsets, INT8_MAGIC, INT8_SELECT | byte)) - E2M1_MAGIC
+
+
+@device
+def e2m1_offsets(codes):
+    """The four E2M1 codes in the low 16 bits of `codes` (code i in bits 4 i .. 4 i + 3) as the bytes
+    E2M1_BIAS + doubled value (byte i for code i), without branches: byte_perm looks the positive
+    codes up in E2M1_POS, and where a code's sign bit (bit 3 of its nibble) is set gives its table
+    byte's top bit in all eight instead, 0; a second looks the negative codes up in E2M1_NEG
+    through the codes with their sign bits flipped; an or joins the two."""
+    return byte_perm(E2M1_POS_LO, E2M1_POS_HI, codes) | byte_perm(E2M1_NEG_LO, E2M1_NEG_HI, codes ^ 0x8888)
+
+
+@device
+def e2m1_word(w):
+    """The doubled values of the eight codes of code word i of an MXFP4 block (its code bytes 4 i ..
+    4 i + 3) in float32: values 4 i .. 4 i + 3 (the low nibbles), then 16 + 4 i .. 19 + 4 i (high)."""
+    lo = e2m1_offsets(w)  # values 4 i, 16 + 4 i, 4 i + 1, 17 + 4 i
+    hi = e2m1_offsets(w >> 16)  # values 4 i + 2, 18 + 4 i, 4 i + 3, 19 + 4 i
+    return (e2m1_at(lo, 0), e2m1_at(lo, 2), e2m1_at(hi, 0), e2m1_at(hi, 2),
+            e2m1_at(lo, 1), e2m1_at(lo, 3), e2m1_at(hi, 1), e2m1_at(hi, 3))
+
+
+@device
+def e2m1_scaled(q, d):
+    """e2m1_word's eight values times d."""
+    return q[0] * d, q[1] * d, q[2] * d, q[3] * d, q[4] * d, q[5] * d, q[6] * d, q[7] * d
+
+
+@device
+def e2m1_dot8(q, x0, x1, x2, x3, y0, y1, y2, y3):
+    """e2m1_word's eight values times their inputs: the first four with x0 .. x3, the last with y0 .. y3."""
+    return q[0] * x0 + q[1] * x1 + q[2] * x2 + q[3] * x3 + q[4] * y0 + q[5] * y1 + q[6] * y2 + q[7] * y3
+
+
+@device
+def mxfp4_dot(q0, q1, q2, q3, xs, ys):
+    """A block's 32 values (q_i: e2m1_word of code word i) times its inputs, xs the first sixteen
+    and ys the last."""
+    return (e2m1_dot8(q0, xs[0], xs[1], xs[2], xs[3], ys[0], ys[1], ys[2], ys[3])
+            + e2m1_dot8(q1, xs[4], xs[5], xs[6], xs[7], ys[4], ys[5], ys[6], ys[7])
+            + e2m1_dot8(q2, xs[8], xs[9], xs[10], xs[11], ys[8], ys[9], ys[10], ys[11])
+            + e2m1_dot8(q3, xs[12], xs[13], xs[14], xs[15], ys[12], ys[13], ys[14], ys[15]))
+
+
+def mxfp4_unit(tokens: int, x_bf16: bool):
+    """Split MXFP4: unit u is block u, its 16 code bytes one 16-byte load, its exponent byte (byte
+    u after the row's K / 2 code bytes) one word load. The codes become doubled E2M1 integers
+    (e2m1_word: byte permutes, no branches), summed times the inputs in fp32. Where the scale goes:
+    - exponent bytes under MXFP4_INF_E (every value finite): the block's sum is multiplied once by
+      2^(e - 128). A power of two scales every term and partial sum exactly, so this is the sum a
+      product per value would give, except where the result is an fp32 subnormal (under 2^-126:
+      the smallest exponents): rounded once there, at most 2^-150 off, far inside the product
+      bounds (half a bf16 ulp is at least 2^-134, the fp32 bound at least 2^-149), where each
+      value's product would round too;
+    - from MXFP4_INF_E (8 * 2^125 = 2^128) on a value can be inf, and the oracle's product holds
+      inf or NaN (x * inf, inf - inf) where a scaled sum would be finite or one plain inf: each
+      value is scaled first (as dequant_mxfp4, inf where it is) and multiplied by its input. No
+      real weight has such exponents; they cost a compare a block.
+    As in any fp32 kernel, a sum can also overflow where the oracle's float64 one does not."""
+    x16 = x16_bf16 if x_bf16 else x16_f32
+
+    @device
+    def mxfp4_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        w0, w1, w2, w3 = load_words4(ww, row, U4 * u)
+        e = (ww[row, uint64(k >> 3) + (u >> U2)] >> uint32(8 * (u & U3))) & uint32(0xFF)
+        d = e8m0_half(e)
+        q0, q1, q2, q3 = e2m1_word(w0), e2m1_word(w1), e2m1_word(w2), e2m1_word(w3)
+        if e >= MXFP4_INF_E:
+            q0, q1, q2, q3 = e2m1_scaled(q0, d), e2m1_scaled(q1, d), e2m1_scaled(q2, d), e2m1_scaled(q3, d)
+            d = float32(1)
+        for t in range(tokens):
+            if t < n_tokens:
+                acc[t] += d * mxfp4_dot(q0, q1, q2, q3, x16(x32, t, xo, U2 * u), x16(x32, t, xo, U2 * u + U1))
+
+    return mxfp4_unit
+
+
 def chunk_unit(dequant):
     """The generic stream unit of a type with a chunk dequantiser (StreamUnit shift 5, one in
     flight): unit u is chunk u of the row, dequantised into a local array, then dotted with each
@@ -984,7 +1084,8 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
     *[_entry(gtype, dequant, chunk_stream(dequant), weight_rows=padded_stored) for gtype, dequant in (
         (GGMLType.Q3_K, dequant_q3_k), (GGMLType.Q4_K, dequant_q4_k), (GGMLType.Q5_K, dequant_q5_k),
         (GGMLType.Q6_K, dequant_q6_k))],
-    _entry(GGMLType.MXFP4, dequant_mxfp4, chunk_stream(dequant_mxfp4_split), layout="split",
+    # its own stream unit on the split layout, no tensor-core pieces (prefill takes the gemm kernel)
+    _entry(GGMLType.MXFP4, dequant_mxfp4, StreamUnit(mxfp4_unit, 5, 2), layout="split",
            weight_rows=padded_split_mxfp4, weight_dequant=dequant_mxfp4_split),
     # a table format: the engram row gather reads it (dequant); the loader refuses it for matrices,
     # the generic chunk unit being there for completeness

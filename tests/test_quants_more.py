@@ -2,11 +2,14 @@
 against gguf-py bit for bit (random valid blocks, corner blocks), MXFP4 quantisation byte for byte,
 the device chunk dequantisers against the host bit for bit (every chunk of a few rows), and the
 products (stages.linear's stream and gemm kernels, stream_partials) against the oracle through
-test_linear's checks and tests/bounds.py's rules, with mutants that those checks must reject."""
+test_linear's checks and tests/bounds.py's rules, with mutants that those checks must reject.
+MXFP4's own stream unit and split layout besides: its code decoding, rows of odd block and row
+counts, fp32 x, groups, the hc mixes' partial sums and every exponent corner."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import gguf
 import numpy as np
@@ -16,14 +19,16 @@ from numba import cuda, float32  # noqa: E402  (after conftest chose the backend
 
 from flashv41 import stages
 from flashv41.host.errors import UnsupportedError
-from flashv41.host.quants import FORMATS, MXFP4_BLOCK, GGMLType, dequantize, quantize, random_blocks
+from flashv41.host.numerics import bf16, from_bits, matmul_t, to_bits
+from flashv41.host.numerics import linear as oracle_linear
+from flashv41.host.quants import FORMATS, MXFP4_BLOCK, MXFP4_DOUBLED, GGMLType, dequantize, quantize, random_blocks
 from flashv41.stages.device import CHUNK, device
-from flashv41.stages.linear import DeviceWeight, stream_partials
-from flashv41.stages.quant_types import DEVICE_TYPES, chunk_stream
-from tests.bounds import assert_f32_product
-from tests.mutants import mutant
+from flashv41.stages.linear import DeviceWeight, linear, stream_partials
+from flashv41.stages.quant_types import DEVICE_TYPES, chunk_stream, e2m1_word
+from tests.bounds import BOUND_RULE, assert_bf16_product, assert_f32_product
+from tests.mutants import edited, mutant
 from tests.test_linear import check_linear
-from tests.test_mutants_products import SCALE, rejected, run_mutant
+from tests.test_mutants_products import MUTANTS, SCALE, rejected, run_mutant
 
 NEW = [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.MXFP4]
 K_QUANTS = NEW[:4]
@@ -197,6 +202,29 @@ def test_mxfp4_split_layout():
     assert np.array_equal(bits(got), bits(dequantize(stored, GGMLType.MXFP4, k)))
 
 
+@cuda.jit
+def e2m1_words(words, out):
+    i = cuda.grid(1)
+    if i < words.shape[0]:
+        q = e2m1_word(words[i])
+        for j in range(8):
+            out[i, j] = q[j]
+
+
+def test_e2m1_word_decodes_every_code():
+    """MXFP4's stream unit decodes a code word (byte permutes, the sign through prmt's sign mode):
+    every code in every nibble, and random words, against host.quants' doubled E2M1 table; value
+    b of the result is byte b's low nibble, value 4 + b its high one."""
+    codes = np.arange(16, dtype=np.uint32)
+    words = np.concatenate([codes * np.uint32(0x11111111), (codes * np.uint32(0x01234567)) ^ np.uint32(0x89ABCDEF),
+                            np.random.default_rng(6).integers(0, 2**32, 64, dtype=np.uint32)]).astype(np.uint32)
+    out = cuda.device_array((words.size, 8), np.float32)
+    e2m1_words[(words.size + 31) // 32, 32](cuda.to_device(words), out)
+    nibbles = (words[:, None] >> (4 * np.arange(8, dtype=np.uint32))) & np.uint32(15)  # nibble 2 b: byte b low
+    want = MXFP4_DOUBLED[np.concatenate([nibbles[:, 0::2], nibbles[:, 1::2]], axis=1)]
+    assert np.array_equal(bits(out.copy_to_host()), bits(want))
+
+
 # ------------------------------------------------------------------------------ the products
 
 
@@ -224,6 +252,110 @@ def test_stream_partials():
     assert_f32_product(got[:, :w.n], x, wq, f"Q6_K stream_partials T={tokens}")
     squares = (x.astype(np.float64) ** 2).sum(axis=1)
     assert np.allclose(got[:, w.n], squares, rtol=1e-5)
+
+
+# MXFP4's own stream unit (split layout): rows of odd block counts, odd row counts, fp32 x, groups,
+# the hc mixes' partial sums and every exponent byte's corner
+
+
+@pytest.mark.parametrize("k", [1024, 2080])
+@pytest.mark.parametrize("kernel,tokens", [("stream", 1), ("stream", 3), ("gemm", 9)])
+def test_mxfp4_long_rows(k, kernel, tokens):
+    """7 outputs (the simulator splits K over two warps: 16 / 16 and 32 / 33 blocks) of K = 1024
+    and 2080 (65 blocks: an odd count, a unit left after the walk's pairs)."""
+    w, wq = random_weight(GGMLType.MXFP4, 7, k, k + tokens)
+    check_linear(w, wq, tokens, kernel, seed=tokens)
+
+
+@pytest.mark.parametrize("tokens,out", [(1, "bf16"), (3, "f32"), (8, "bf16")])
+def test_mxfp4_stream_f32_in(tokens, out):
+    """fp32 inputs (the hc mixes read the fp32 highway so), bf16 and fp32 out, up to the token cap."""
+    w, wq = random_weight(GGMLType.MXFP4, 6, 544, tokens + 20)
+    check_linear(w, wq, tokens, "stream", out_bf16=out == "bf16", x_f32=True, seed=tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_mxfp4_grouped(tokens):
+    """Groups of 5 outputs (an odd count), each reading its own K-wide slice of the input."""
+    w, wq = random_weight(GGMLType.MXFP4, 2 * 5, 1056, tokens + 30)
+    check_linear(w, wq, tokens, "stream", group_rows=5, seed=tokens)
+
+
+def test_mxfp4_stream_partials():
+    """The hc mixes' product with MXFP4 rows: fp32 x, 11 tokens (two token groups) over 3 slices of
+    K = 2080's 65 blocks, the slices' sum against the fp32 product bound."""
+    w, wq = random_weight(GGMLType.MXFP4, 5, 2080, 40)
+    tokens, slices = 11, 3
+    x = np.random.default_rng(41).standard_normal((tokens, w.k)).astype(np.float32)
+    partial = cuda.device_array((tokens, w.n + 1, slices), np.float32)
+    stream_partials(cuda.to_device(x), w, partial, tokens)
+    got = partial.copy_to_host().astype(np.float64).sum(axis=2)
+    assert_f32_product(got[:, :w.n], x, wq, f"MXFP4 stream_partials T={tokens}")
+    squares = (x.astype(np.float64) ** 2).sum(axis=1)
+    assert np.allclose(got[:, w.n], squares, rtol=1e-5)
+
+
+FINITE_EXPONENTS = [0, 1, 2, 3, 64, 127, 200, 240]  # Gaussian x times any codes: finite products
+INF_EXPONENTS = [253, 254, 255]  # some codes' values are inf
+
+
+def exponent_rows() -> np.ndarray:
+    """corner_rows' MXFP4 rows (every code under the exponents 0, 1, 2, 127, 253, 254, 255), then
+    random codes under each of FINITE_EXPONENTS and INF_EXPONENTS: stored rows of K = 64."""
+    exps = FINITE_EXPONENTS + INF_EXPONENTS
+    rows = np.random.default_rng(13).integers(0, 256, (len(exps), 2 * MXFP4_BLOCK.itemsize), dtype=np.uint8)
+    rows.view(MXFP4_BLOCK)["e"] = np.array(exps)[:, None]
+    return np.concatenate([corner_rows(GGMLType.MXFP4), rows])
+
+
+def check_exponent_corners(kernel: str, tokens: int, out: str) -> None:
+    """The product of exponent_rows (the subnormal scales 2^-128 and 2^-127, the largest ones with
+    infinite values) with seeded bf16 x: the rows whose values are finite held to the product rules,
+    the others (inf values) to the oracle's NaN or inf, as a product per value gives them (a scaled
+    block sum alone gives an inf where the oracle has x * inf - x' * inf)."""
+    stored = exponent_rows()
+    wq = dequantize(stored, GGMLType.MXFP4, 64)
+    w = DeviceWeight.from_stored("w", GGMLType.MXFP4, stored, 64)
+    x = bf16(np.random.default_rng(tokens).standard_normal((tokens, 64)).astype(np.float32))
+    y = cuda.device_array((tokens, w.n), np.uint16 if out == "bf16" else np.float32)
+    linear(cuda.to_device(to_bits(x)), w, y, tokens, kernel=kernel)
+    got = from_bits(y.copy_to_host()) if out == "bf16" else y.copy_to_host()
+    exact = x.astype(np.float64) @ wq.astype(np.float64).T
+    finite = np.isfinite(exact).all(axis=0)
+    assert finite.sum() == 4 + len(FINITE_EXPONENTS)  # corner_rows' exponents 0, 1, 2 and 127, and the random rows'
+    what = f"MXFP4 exponent corners {kernel} T={tokens} {out} out"
+    if out == "bf16":
+        assert_bf16_product(got[:, finite], oracle_linear(x, wq[finite]), x, wq[finite], what)
+    else:
+        assert_f32_product(got[:, finite], x, wq[finite], what)
+    infinite = matmul_t(x, wq[~finite])  # x * inf and inf - inf: NaN here (every such row has both signs' infs)
+    assert np.array_equal(got[:, ~finite], infinite, equal_nan=True), \
+        f"{what}: rows with inf values give {got[:, ~finite]}, the oracle {infinite}"
+
+
+CORNERS_FILTER = pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
+
+
+@CORNERS_FILTER
+@pytest.mark.parametrize("kernel,tokens,out", [("stream", 1, "bf16"), ("stream", 3, "bf16"), ("stream", 3, "f32"),
+                                               ("gemm", 9, "bf16")])
+def test_mxfp4_exponent_corners(kernel, tokens, out):
+    check_exponent_corners(kernel, tokens, out)
+
+
+@CORNERS_FILTER
+@pytest.mark.parametrize("old,new,failure", [
+    ("if e >= MXFP4_INF_E:", "if e > 255:", "rows with inf values give"),
+    ("d = e8m0_half(e)", "d = f32_from_bits((e - 1) << 23)", BOUND_RULE)], ids=["inf-scaled-sums", "no-subnormals"])
+def test_mxfp4_corner_mutants(old, new, failure):
+    """mxfp4_unit scaling the block sums of infinite values too, or taking the exponents 0 and 1 for
+    normal ones: the corner check rejects each (then passes the real unit)."""
+    qt = DEVICE_TYPES[GGMLType.MXFP4]
+    unit = dataclasses.replace(qt.stream, make=edited(stages.quant_types, "mxfp4_unit", old, new))
+    with mutant(stages.linear, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: dataclasses.replace(qt, stream=unit)}):
+        with pytest.raises(AssertionError, match=re.escape(failure)):
+            check_exponent_corners("stream", 3, "bf16")
+    check_exponent_corners("stream", 3, "bf16")
 
 
 # ------------------------------------------------------------------------------ mutants
@@ -256,3 +388,12 @@ def test_product_mutants(kernel, tokens, kind):
     """test_mutants_products' mutants (a unit or a value dropped from every row) on Q3_K rows."""
     w, wq = random_weight(GGMLType.Q3_K, 24, 256, 9)
     run_mutant(kernel, kind, check_linear, w, wq, tokens, kernel, seed=2)
+
+
+@pytest.mark.parametrize("kind", MUTANTS)
+@pytest.mark.parametrize("kernel,tokens,x_f32", [("stream", 4, True), ("gemm", 9, False)], ids=["stream-f32x", "gemm"])
+def test_mxfp4_mutants(kernel, tokens, x_f32, kind):
+    """test_mutants_products' mutants on MXFP4 rows: the stream unit's fp32-input path (its bf16 one
+    is test_mutants_products') and gemm through the split layout's dequantiser."""
+    w, wq = random_weight(GGMLType.MXFP4, 32, 256, 10)
+    run_mutant(kernel, kind, check_linear, w, wq, tokens, kernel, x_f32=x_f32, seed=2)

@@ -4,9 +4,9 @@ mutants built by tests/mutants.py:
 
 - truncate: the bf16 output rounding truncates (f32_to_bf16 drops the low half of the bits);
 - drop: one term of each output's dot product is lost (gemm: the first value of every row, as a
-  weight dequantiser that zeroes it; stream: the first unit of every row, 16 Q8_0 / Q2_K values or
-  8 BF16 ones, taken back out of the sum; tc: the first weight of every row in the staged tile, for
-  Q2_K its d sc q part, the dmin m part staying);
+  weight dequantiser that zeroes it; stream: the first unit of every row, 16 Q8_0 / Q2_K values,
+  8 BF16 ones or an MXFP4 block's 32, taken back out of the sum; tc: the first weight of every
+  row in the staged tile, for Q2_K its d sc q part, the dmin m part staying);
 - scale: a 1% scale error (gemm: every block's values 1.01x, as a wrong block scale; stream: every
   row's walked sums 1.01x; tc: every tensor-core step's contribution 1.01x).
 
@@ -52,7 +52,7 @@ from tests.test_linear_tc import FLASH, check_tc, stored_rows
 
 MUTANTS = ["truncate", "drop", "scale"]
 SCALE = float32(1.01)
-STREAM_TYPES = [GGMLType.Q8_0, GGMLType.BF16, GGMLType.Q2_K]
+STREAM_TYPES = [GGMLType.Q8_0, GGMLType.BF16, GGMLType.Q2_K, GGMLType.MXFP4]
 
 
 @device

@@ -6,11 +6,12 @@ to nearest even, or float32). A grouped product (the attention's `wo_a`: G group
 outputs, each reading its own K-wide slice of x) is the same kernel with the input offset
 `(n // group_rows) * K`.
 
-Weights keep their GGUF bytes, except Q8_0 and MXFP4 (DeviceWeight.layout "split"): per row its
-K int8 quants (MXFP4: its blocks' 16 code bytes) first, then its K/32 fp16 scales (exponent
-bytes), padded to whole 16-byte pieces. Same values; the quants of consecutive blocks become
-contiguous, so a warp reads them with aligned, coalesced 16-byte loads (a stored block starts on a
-2-byte boundary, an MXFP4 one on any).
+Weights keep their GGUF bytes, except Q8_0, Q6_K, Q3_K and MXFP4 (DeviceWeight.layout "split"):
+per row the blocks' quants first (Q8_0's K int8 quants; each Q6_K block's ql, qh and scales; each
+Q3_K block's hmask and qs; MXFP4's 16 code bytes a block), then the rest of every block (Q3_K's
+scales, then the fp16 scales d; MXFP4's exponent bytes), padded to whole 16-byte pieces. Same
+values; the quants of consecutive blocks become contiguous and aligned, so a warp reads them with
+aligned, coalesced 16-byte loads (a stored block starts on a 2-byte boundary, an MXFP4 one on any).
 
 Kernels, chosen by the token count and the weight type (`pick_kernel`):
 - `stream` (T <= GEMV_MAX_TOKENS, every type, bf16 or fp32 x; the decode GEMV): warps over output
@@ -87,7 +88,7 @@ ACC_TILE = (WM, WN)
 @dataclass
 class DeviceWeight:
     """A weight matrix on the device: `data` uint8 [N, pitch], each row in its type's device layout
-    (stages.quant_types: the stored bytes; Q8_0 and MXFP4 split, then padded to whole 16-byte
+    (stages.quant_types: the stored bytes; Q8_0, Q6_K, Q3_K and MXFP4 split; padded to whole 16-byte
     pieces)."""
 
     name: str

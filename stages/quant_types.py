@@ -12,13 +12,15 @@ A record (`DeviceType`) holds, with one signature per piece:
   order of operations cannot change a bit). The engram tables and the embedding gather use it.
 - the weight layout: `weight_rows(stored, k)` turns stored rows into what a DeviceWeight keeps on
   the device (uint8 [N, pitch]), `weight_dequant` is `dequant` on those rows, `layout` its name.
-  Every type keeps its stored bytes, except Q8_0 and MXFP4: "split", a Q8_0 row's K int8 quants
-  first, then its K/32 fp16 scales, an MXFP4 row's K/32 blocks' 16 code bytes (a block one 16-byte
-  piece), then their K/32 exponent bytes; zero-padded to whole 16-byte pieces (the stream kernel's
-  loads are 16 bytes and aligned; a stored block starts on a 2-byte boundary, an MXFP4 one of 17
-  bytes on any). The padding is under one block, so a row's K still reads off its width. Q3_K ..
-  Q6_K rows ("stored") are zero-padded so too where their bytes are not whole 16-byte pieces
-  (`padded_stored`: the kernels view rows as words).
+  Every type keeps its stored bytes, except the "split" ones, whose rows put each block's quants
+  where 16-byte loads reach them aligned (a stored block starts on a 2-byte boundary, an MXFP4 one
+  of 17 bytes on any): Q8_0, the row's K int8 quants first, then its K/32 fp16 scales; Q6_K, every
+  block's ql, qh and scales (208 bytes, 13 whole 16-byte pieces), then every block's d; Q3_K, every
+  block's hmask and qs (96 bytes, 6 pieces), then every block's 12 scale bytes, then every block's
+  d (no padding between blocks: see Q3_K_PIECE); MXFP4, the K/32 blocks' 16 code bytes (a block
+  one 16-byte piece), then their K/32 exponent bytes. Each row is zero-padded to whole 16-byte
+  pieces, under one block, so a row's K still reads off its width. Q4_K and Q5_K rows ("stored")
+  are whole 16-byte pieces already (`padded_stored` would pad them: the kernels view rows as words).
 - `stream`: the decode GEMV's unit (stages.linear's stream kernels). `make(tokens, x_bf16)` builds
   unit(ww, wf, row, x32, xo, k, n_tokens, acc, u), which adds the dot products of unit u of the
   row with the inputs to acc[t] for t < n_tokens (<= tokens): ww / wf the weight rows as 32-bit
@@ -27,9 +29,9 @@ A record (`DeviceType`) holds, with one signature per piece:
   (Q2_K: a 32-bit quant word, its blocks being whole words, not whole 16-byte pieces; MXFP4: a
   block's codes, and a word load for its exponent byte); a lane issues `in_flight` of them together.
   Q3_K .. Q6_K take the generic `chunk_unit` (any type with a chunk dequantiser): unit u is chunk
-  u, dequantised by `dequant` and dotted with the inputs, correct but not tuned (their bytes read
-  one at a time). Integers become floats by an exponent trick (`small_int`, `int8_at`, `e2m1_at`),
-  not by conversions.
+  u, dequantised by `weight_dequant` and dotted with the inputs, correct but not tuned (their bytes
+  read one at a time). Integers become floats by an exponent trick (`small_int`, `int8_at`,
+  `e2m1_at`), not by conversions.
 - `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc). None for Q3_K
   .. Q6_K and MXFP4: their prefill takes stages.linear's gemm kernel (weight_dequant).
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
@@ -152,6 +155,21 @@ E2M1_MAGIC = float32(8388608.0 + E2M1_BIAS)  # 2^23 + E2M1_BIAS: e2m1_at's byte 
 assert MXFP4_PAIRS == ROW_ALIGN and 0 <= E2M1_BIAS + MXFP4_DOUBLED.min() and E2M1_BIAS + MXFP4_DOUBLED.max() < 128
 assert float(MXFP4_DOUBLED.max()) * 2.0 ** (MXFP4_INF_E - 1 - 128) < 2.0**128 <= 8 * 2.0 ** (MXFP4_INF_E - 128)
 
+# The split layouts of Q6_K and Q3_K (module docstring). A Q6_K row is every block's first
+# Q6_K_D bytes (ql, qh, scales: a 16-byte aligned piece), then every block's d; a Q3_K row every
+# block's hmask and qs (Q3_K_PIECE bytes, whole 16-byte pieces), then every block's 12 scale bytes,
+# then every block's d. Q3_K keeps no padding inside the row: 108-byte pieces holding the scales
+# too would be 4-byte aligned only (word loads: four times the load instructions) or, padded to
+# 112 bytes, 3.6% more bytes for every GEMV to read; apart, consecutive blocks' scales are
+# consecutive words.
+Q3_K_PIECE = Q3_K_SCALES  # hmask, qs
+Q3_K_SCALE_BYTES = Q3_K_D - Q3_K_SCALES
+
+# d last, after 16-byte aligned pieces; Q3_K's scales after its pieces, in whole words
+assert Q6_K_D + F16_BYTES == Q6_K_BYTES and Q6_K_D % ROW_ALIGN == 0 and Q6_K_SCALES % ROW_ALIGN == 0
+assert Q3_K_D + F16_BYTES == Q3_K_BYTES and Q3_K_PIECE % ROW_ALIGN == 0 and Q3_K_SCALE_BYTES % WORD == 0
+assert Q3_K_HMASK % ROW_ALIGN == 0 and Q3_K_QS % ROW_ALIGN == 0
+
 # E4M3_ROW264, the ds4 engram-table format (a table format, no ggml type): a block is a row of
 # E4M3_CHUNKS chunks of E4M3 codes, then one E8M0 scale byte per chunk.
 E4M3_BYTES = E4M3_ROW264_BLOCK.itemsize
@@ -211,14 +229,36 @@ def padded_split_mxfp4(stored: np.ndarray, k: int) -> np.ndarray:
     return np.pad(split, ((0, 0), (0, pad))) if pad else split
 
 
+def split_blocks(stored: np.ndarray, block_bytes: int, cuts: tuple[int, ...]) -> np.ndarray:
+    """Rows of whole blocks (uint8 [N, row_bytes]) -> per row the bytes 0 .. cuts[0] - 1 of every block
+    back to back, then bytes cuts[0] .. cuts[1] - 1 of every block, ..., then the rest of every
+    block (the same bytes, the same size)."""
+    n = stored.shape[0]
+    blocks = np.ascontiguousarray(stored).reshape(n, -1, block_bytes)
+    edges = (0, *cuts, block_bytes)
+    return np.concatenate([blocks[:, :, a:b].reshape(n, -1) for a, b in pairwise(edges)], axis=1)
+
+
+def padded_split_q6_k(stored: np.ndarray, k: int) -> np.ndarray:
+    """GGUF Q6_K rows -> the split layout: per row every block's ql, qh and scales, then every
+    block's d, zero-padded to whole ROW_ALIGN-byte pieces."""
+    return padded_stored(split_blocks(stored, Q6_K_BYTES, (Q6_K_D,)), k)
+
+
+def padded_split_q3_k(stored: np.ndarray, k: int) -> np.ndarray:
+    """GGUF Q3_K rows -> the split layout: per row every block's hmask and qs, then every block's
+    scales, then every block's d, zero-padded to whole ROW_ALIGN-byte pieces."""
+    return padded_stored(split_blocks(stored, Q3_K_BYTES, (Q3_K_PIECE, Q3_K_D)), k)
+
+
 def stored_rows(stored: np.ndarray, k: int) -> np.ndarray:
     return stored
 
 
 def padded_stored(stored: np.ndarray, k: int) -> np.ndarray:
-    """Stored rows, zero-padded to whole ROW_ALIGN-byte pieces where they are not (Q3_K and Q6_K
-    rows of some K): the stream kernels view a row as 32-bit words and fp16 halves. The
-    blocks keep their offsets, so the chunk dequantisers read these rows as the stored ones."""
+    """Rows, zero-padded to whole ROW_ALIGN-byte pieces where they are not (the Q3_K and Q6_K split
+    rows of some K): the stream kernels view a row as 32-bit words and fp16 halves. The bytes keep
+    their offsets, so the chunk dequantisers read these rows as unpadded ones."""
     pad = -stored.shape[1] % ROW_ALIGN
     return np.pad(stored, ((0, 0), (0, pad))) if pad else stored
 
@@ -290,23 +330,40 @@ def dequant_f32(w, row, chunk, out):
 
 
 @device
-def dequant_q3_k(w, row, chunk, out):
-    """Q3_K chunk c of a block: levels (qs[32 (c // 4) + i] >> 2 (c % 4)) & 3, less 4 where bit c
-    of hmask[i] is clear; sub-blocks 2 c and 2 c + 1, each scale 6 bits, stored + 32."""
-    base = (chunk // K_CHUNKS) * Q3_K_BYTES
-    c = chunk % K_CHUNKS
-    d = fp16_to_f32(read_u16(w, row, base + Q3_K_D))
-    qs = base + Q3_K_QS + (c // 4) * Q3_K_HALF_QS
+def q3_k_values(w, row, c, out, piece, scales, d):
+    """Chunk c of a Q3_K block whose hmask and qs are at byte `piece` (at their block offsets), its
+    12 scale bytes at `scales`, its fp16 d at `d`: levels (qs[32 (c // 4) + i] >> 2 (c % 4)) & 3,
+    less 4 where bit c of hmask[i] is clear; sub-blocks 2 c and 2 c + 1, each scale 6 bits, stored + 32."""
+    scale_d = fp16_to_f32(read_u16(w, row, d))
+    qs = piece + Q3_K_QS + (c // 4) * Q3_K_HALF_QS
     shift = 2 * (c % 4)
     for g in range(2):
         j = 2 * c + g
-        lo = (uint32(w[row, base + Q3_K_SCALES + j % Q3_K_LOW_SCALES]) >> (4 * (j // Q3_K_LOW_SCALES))) & 15
-        hi = (uint32(w[row, base + Q3_K_SCALES + Q3_K_LOW_SCALES + j % 4]) >> (2 * (j // 4))) & 3
-        scale = d * float32(int32(lo | (hi << 4)) - 32)
+        lo = (uint32(w[row, scales + j % Q3_K_LOW_SCALES]) >> (4 * (j // Q3_K_LOW_SCALES))) & 15
+        hi = (uint32(w[row, scales + Q3_K_LOW_SCALES + j % 4]) >> (2 * (j // 4))) & 3
+        scale = scale_d * float32(int32(lo | (hi << 4)) - 32)
         for i in range(16 * g, 16 * g + 16):
             low = int32((uint32(w[row, qs + i]) >> shift) & 3)
-            high = int32((uint32(w[row, base + Q3_K_HMASK + i]) >> c) & 1)
+            high = int32((uint32(w[row, piece + Q3_K_HMASK + i]) >> c) & 1)
             out[i] = scale * float32(low - 4 + 4 * high)
+
+
+@device
+def dequant_q3_k(w, row, chunk, out):
+    """Q3_K chunk `chunk` of stored rows."""
+    base = (chunk // K_CHUNKS) * Q3_K_BYTES
+    q3_k_values(w, row, chunk % K_CHUNKS, out, base, base + Q3_K_SCALES, base + Q3_K_D)
+
+
+@device
+def dequant_q3_k_split(w, row, chunk, out):
+    """Q3_K chunk `chunk` of split rows of n blocks: block b's hmask and qs at byte Q3_K_PIECE b,
+    its scales at Q3_K_PIECE n + 12 b, its d at Q3_K_D n + 2 b (the padding is under a block: n
+    reads off the width)."""
+    n_blocks = w.shape[1] // Q3_K_BYTES
+    b = chunk // K_CHUNKS
+    q3_k_values(w, row, chunk % K_CHUNKS, out, Q3_K_PIECE * b, Q3_K_PIECE * n_blocks + Q3_K_SCALE_BYTES * b,
+                Q3_K_D * n_blocks + F16_BYTES * b)
 
 
 @device
@@ -351,24 +408,39 @@ def dequant_q5_k(w, row, chunk, out):
 
 
 @device
-def dequant_q6_k(w, row, chunk, out):
-    """Q6_K chunk c of a block: low nibbles (ql[64 (c // 4) + 32 (c % 2) + i] >> 4 ((c % 4) // 2)),
-    high pairs (qh[32 (c // 4) + i] >> 2 (c % 4)) & 3, less 32; int8 scales 2 c and 2 c + 1."""
-    base = (chunk // K_CHUNKS) * Q6_K_BYTES
-    c = chunk % K_CHUNKS
-    d = fp16_to_f32(read_u16(w, row, base + Q6_K_D))
-    ql = base + Q6_K_QL + (c // 4) * Q6_K_HALF_QL + (c % 2) * CHUNK
-    qh = base + Q6_K_QH + (c // 4) * Q6_K_HALF_QH
+def q6_k_values(w, row, c, out, piece, d):
+    """Chunk c of a Q6_K block whose ql, qh and scales are at byte `piece` (at their block offsets),
+    its fp16 d at `d`: low nibbles (ql[64 (c // 4) + 32 (c % 2) + i] >> 4 ((c % 4) // 2)), high
+    pairs (qh[32 (c // 4) + i] >> 2 (c % 4)) & 3, less 32; int8 scales 2 c and 2 c + 1."""
+    scale_d = fp16_to_f32(read_u16(w, row, d))
+    ql = piece + Q6_K_QL + (c // 4) * Q6_K_HALF_QL + (c % 2) * CHUNK
+    qh = piece + Q6_K_QH + (c // 4) * Q6_K_HALF_QH
     shift_l = 4 * ((c % 4) // 2)
     shift_h = 2 * (c % 4)
     for g in range(2):
-        sc = int32(w[row, base + Q6_K_SCALES + 2 * c + g])
+        sc = int32(w[row, piece + Q6_K_SCALES + 2 * c + g])
         if sc >= 128:
             sc -= 256
-        scale = d * float32(sc)
+        scale = scale_d * float32(sc)
         for i in range(16 * g, 16 * g + 16):
             q = ((uint32(w[row, ql + i]) >> shift_l) & 15) | (((uint32(w[row, qh + i]) >> shift_h) & 3) << 4)
             out[i] = scale * float32(int32(q) - 32)
+
+
+@device
+def dequant_q6_k(w, row, chunk, out):
+    """Q6_K chunk `chunk` of stored rows."""
+    base = (chunk // K_CHUNKS) * Q6_K_BYTES
+    q6_k_values(w, row, chunk % K_CHUNKS, out, base, base + Q6_K_D)
+
+
+@device
+def dequant_q6_k_split(w, row, chunk, out):
+    """Q6_K chunk `chunk` of split rows of n blocks: block b's ql, qh and scales at byte Q6_K_D b,
+    its d at Q6_K_D n + 2 b (the padding is under a block: n reads off the width)."""
+    n_blocks = w.shape[1] // Q6_K_BYTES
+    b = chunk // K_CHUNKS
+    q6_k_values(w, row, chunk % K_CHUNKS, out, Q6_K_D * b, Q6_K_D * n_blocks + F16_BYTES * b)
 
 
 @device
@@ -1080,10 +1152,14 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
            "split", padded_split_q8_0, dequant_q8_0_split, StreamUnit(q8_0_pair_unit, 4, 1, rows=2)),
     _entry(GGMLType.Q2_K, dequant_q2_k, StreamUnit(q2_k_unit, 4, 4),
            TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, CHUNK // WORD, True, True)),
-    # the generic chunk unit, no tensor-core pieces (prefill takes the gemm kernel) for these yet
+    # the generic chunk unit (on the split rows for Q3_K and Q6_K), no tensor-core pieces (prefill
+    # takes the gemm kernel) for these yet
+    _entry(GGMLType.Q3_K, dequant_q3_k, chunk_stream(dequant_q3_k_split), layout="split", weight_rows=padded_split_q3_k,
+           weight_dequant=dequant_q3_k_split),
+    _entry(GGMLType.Q6_K, dequant_q6_k, chunk_stream(dequant_q6_k_split), layout="split", weight_rows=padded_split_q6_k,
+           weight_dequant=dequant_q6_k_split),
     *[_entry(gtype, dequant, chunk_stream(dequant), weight_rows=padded_stored) for gtype, dequant in (
-        (GGMLType.Q3_K, dequant_q3_k), (GGMLType.Q4_K, dequant_q4_k), (GGMLType.Q5_K, dequant_q5_k),
-        (GGMLType.Q6_K, dequant_q6_k))],
+        (GGMLType.Q4_K, dequant_q4_k), (GGMLType.Q5_K, dequant_q5_k))],
     # its own stream unit on the split layout, no tensor-core pieces (prefill takes the gemm kernel)
     _entry(GGMLType.MXFP4, dequant_mxfp4, StreamUnit(mxfp4_unit, 5, 2), layout="split",
            weight_rows=padded_split_mxfp4, weight_dequant=dequant_mxfp4_split),

@@ -19,6 +19,7 @@ from numba import cuda, float32  # noqa: E402  (after conftest chose the backend
 
 from flashv41 import stages
 from flashv41.host.errors import UnsupportedError
+from flashv41.host.gguf_model import TensorRef
 from flashv41.host.numerics import bf16, from_bits, matmul_t, to_bits
 from flashv41.host.numerics import linear as oracle_linear
 from flashv41.host.quants import FORMATS, MXFP4_BLOCK, MXFP4_DOUBLED, GGMLType, dequantize, quantize, random_blocks
@@ -154,17 +155,52 @@ def assert_device_dequant(dequant, gtype: GGMLType, raw: np.ndarray) -> None:
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # the simulator's MXFP4 inf (corner rows)
 @pytest.mark.parametrize("gtype", NEW, ids=lambda t: t.name)
 def test_device_dequant_bit_exact(gtype):
-    """Every chunk of random rows (stored and in the device layout) and of the corner rows."""
+    """Every chunk of random rows (stored and in the device layout: 9 blocks, so split rows are
+    padded and their scales and d follow an odd block count) and of the corner rows."""
     rng = np.random.default_rng(int(gtype) + 1)
     qt = DEVICE_TYPES[gtype]
     raw = random_blocks(gtype, 3, 512, rng)
     assert_device_dequant(qt.dequant, gtype, raw)
     assert_device_dequant(qt.dequant, gtype, corner_rows(gtype))
-    stored = random_blocks(gtype, 2, 256, rng)
-    padded = qt.weight_rows(stored, 256)
-    assert padded.shape[1] % 16 == 0
-    got = device_values(qt.weight_dequant, np.ascontiguousarray(padded), 256)
-    assert np.array_equal(bits(got), bits(dequantize(stored, gtype, 256)))
+    stored = random_blocks(gtype, 2, 2304, rng)
+    rows = qt.weight_rows(stored, 2304)
+    assert rows.shape[1] % 16 == 0
+    got = device_values(qt.weight_dequant, np.ascontiguousarray(rows), 2304)
+    assert np.array_equal(bits(got), bits(dequantize(stored, gtype, 2304)))
+
+
+# the split layouts' regions, each the named fields of every block back to back (module docstring of
+# stages.quant_types): the quant pieces, then the rest
+SPLIT_REGIONS = {GGMLType.Q6_K: (("ql", "qh", "scales"), ("d",)), GGMLType.Q3_K: (("hmask", "qs"), ("scales",), ("d",))}
+SPLIT = list(SPLIT_REGIONS)
+
+
+def split_rows(stored: np.ndarray, gtype: GGMLType) -> np.ndarray:
+    """The split layout of stored rows, built from the block's field names: per region, the region's
+    fields of every block, then zeros up to whole 16-byte pieces."""
+    n = stored.shape[0]
+    blocks = np.ascontiguousarray(stored).view(FORMATS[gtype].block)  # [row, block]
+    regions = [np.concatenate([np.ascontiguousarray(blocks[f]).view(np.uint8).reshape(n, blocks.shape[1], -1)
+                               for f in fields], axis=2).reshape(n, -1) for fields in SPLIT_REGIONS[gtype]]
+    row = np.concatenate(regions, axis=1)
+    return np.pad(row, ((0, 0), (0, -row.shape[1] % 16)))
+
+
+@pytest.mark.parametrize("gtype", SPLIT, ids=lambda t: t.name)
+def test_split_layout(gtype):
+    """The split layout keeps every byte (its rows are the stored ones rearranged by field, under 16
+    pad bytes a row, the quant pieces 16-byte aligned), and DeviceWeight.from_stored and from_ref
+    upload it."""
+    k = 2304  # 9 blocks: padded rows (Q6_K 14 bytes, Q3_K 2), scales and d after an odd block count
+    stored = random_blocks(gtype, 3, k, np.random.default_rng(int(gtype) + 7))
+    qt = DEVICE_TYPES[gtype]
+    rows = qt.weight_rows(stored, k)
+    assert qt.layout == "split" and np.array_equal(rows, split_rows(stored, gtype))
+    assert 0 <= rows.shape[1] - stored.shape[1] < 16 and rows.shape[1] % 16 == 0
+    assert sum(FORMATS[gtype].block[f].itemsize for f in SPLIT_REGIONS[gtype][0]) % 16 == 0
+    via_ref = DeviceWeight.from_ref(TensorRef("w", gtype, (3, k), stored))
+    for w in (DeviceWeight.from_stored("w", gtype, stored, k), via_ref):
+        assert w.layout == "split" and (w.n, w.k) == (3, k) and np.array_equal(w.data.copy_to_host(), rows)
 
 
 def test_device_dequant_check_rejects_a_scale_error():
@@ -236,20 +272,41 @@ def random_weight(gtype: GGMLType, n: int, k: int, seed: int):
 @pytest.mark.parametrize("gtype", NEW, ids=lambda t: t.name)
 @pytest.mark.parametrize("kernel,tokens", [("stream", 1), ("stream", 3), ("gemm", 9)])
 def test_linear(gtype, kernel, tokens):
-    """bf16 x and out, 24 outputs of K = 256 (Q3_K, Q6_K and MXFP4 rows padded on the device)."""
+    """bf16 x and out, 24 outputs of K = 256 (Q3_K and Q6_K rows split, MXFP4 rows padded on the device)."""
     w, wq = random_weight(gtype, 24, 256, int(gtype) * 10 + tokens)
     check_linear(w, wq, tokens, kernel, seed=tokens)
 
 
-def test_stream_partials():
-    """Q6_K through the hc mixes' product: 3 slices of K, fp32 x, against the fp32 product bound."""
-    w, wq = random_weight(GGMLType.Q6_K, 5, 512, 3)
+@pytest.mark.parametrize("gtype", SPLIT, ids=lambda t: t.name)
+@pytest.mark.parametrize("k,tokens,x_f32,out_bf16", [(1024, 1, False, True), (1024, 3, True, False),
+                                                     (2304, 3, False, True), (2304, 1, True, True)])
+def test_split_stream(gtype, k, tokens, x_f32, out_bf16):
+    """The split units on rows of 4 and 9 blocks (d after an odd block count, a padded row), bf16 and
+    fp32 x and out, 7 outputs (an odd row count)."""
+    w, wq = random_weight(gtype, 7, k, int(gtype) + k + tokens)
+    check_linear(w, wq, tokens, "stream", out_bf16=out_bf16, x_f32=x_f32, seed=tokens)
+
+
+@pytest.mark.parametrize("gtype", SPLIT, ids=lambda t: t.name)
+@pytest.mark.parametrize("kernel,tokens,x_f32", [("stream", 1, False), ("stream", 3, True), ("gemm", 9, False),
+                                                 ("gemm", 9, True)])
+def test_split_grouped(gtype, kernel, tokens, x_f32):
+    """Two groups of 5 outputs, each reading its own K = 1024 slice of x, through the split layout."""
+    w, wq = random_weight(gtype, 10, 1024, int(gtype) + tokens)
+    check_linear(w, wq, tokens, kernel, group_rows=5, x_f32=x_f32, seed=tokens)
+
+
+@pytest.mark.parametrize("gtype", SPLIT, ids=lambda t: t.name)
+def test_stream_partials(gtype):
+    """The hc mixes' product: 3 slices of K = 1280 (5 blocks: the slices' ends inside blocks), fp32 x,
+    against the fp32 product bound."""
+    w, wq = random_weight(gtype, 5, 1280, 3)
     tokens, slices = 3, 3
     x = np.random.default_rng(4).standard_normal((tokens, w.k)).astype(np.float32)
     partial = cuda.device_array((tokens, w.n + 1, slices), np.float32)
     stream_partials(cuda.to_device(x), w, partial, tokens)
     got = partial.copy_to_host().astype(np.float64).sum(axis=2)
-    assert_f32_product(got[:, :w.n], x, wq, f"Q6_K stream_partials T={tokens}")
+    assert_f32_product(got[:, :w.n], x, wq, f"{gtype.name} stream_partials T={tokens}")
     squares = (x.astype(np.float64) ** 2).sum(axis=1)
     assert np.allclose(got[:, w.n], squares, rtol=1e-5)
 
@@ -383,10 +440,12 @@ def test_stream_mutant_scaled_dequant():
     check_linear(w, wq, 3, "stream", seed=1)
 
 
-@pytest.mark.parametrize("kernel,tokens,kind", [("stream", 3, "drop"), ("gemm", 9, "drop")])
-def test_product_mutants(kernel, tokens, kind):
-    """test_mutants_products' mutants (a unit or a value dropped from every row) on Q3_K rows."""
-    w, wq = random_weight(GGMLType.Q3_K, 24, 256, 9)
+@pytest.mark.parametrize("gtype", SPLIT, ids=lambda t: t.name)
+@pytest.mark.parametrize("kernel,tokens,kind", [("stream", 3, "drop"), ("gemm", 9, "drop"), ("gemm", 9, "scale")])
+def test_product_mutants(gtype, kernel, tokens, kind):
+    """test_mutants_products' mutants (a unit or a value dropped from every row, the gemm's weight
+    dequantiser 1% large) on split rows of 4 blocks (its stream mutants take rows of one)."""
+    w, wq = random_weight(gtype, 24, 1024, 9)
     run_mutant(kernel, kind, check_linear, w, wq, tokens, kernel, seed=2)
 
 

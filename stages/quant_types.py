@@ -27,11 +27,12 @@ A record (`DeviceType`) holds, with one signature per piece:
   words / fp16, x32 the inputs as 32-bit words [T, K_total / 2] (bf16 pairs) or [T, K_total]
   (fp32), this row's K-wide slice at word xo. A row is K >> shift units, each one 16-byte load
   (Q2_K: a 32-bit quant word, its blocks being whole words, not whole 16-byte pieces; MXFP4: a
-  block's codes, and a word load for its exponent byte); a lane issues `in_flight` of them together.
-  Q3_K .. Q6_K take the generic `chunk_unit` (any type with a chunk dequantiser): unit u is chunk
-  u, dequantised by `weight_dequant` and dotted with the inputs, correct but not tuned (their bytes
-  read one at a time). Integers become floats by an exponent trick (`small_int`, `int8_at`,
-  `e2m1_at`), not by conversions.
+  block's codes, and a word load for its exponent byte; Q6_K and Q3_K: 64 values of a block, three
+  and two 16-byte loads); a lane issues `in_flight` of them together. Q4_K and Q5_K take the
+  generic `chunk_unit` (any type with a chunk dequantiser): unit u is chunk u, dequantised by
+  `weight_dequant` and dotted with the inputs, correct but not tuned (their bytes read one at a
+  time). Integers become floats by an exponent trick (`small_int`, `int8_at`, `e2m1_at`,
+  `byte_less`), not by conversions.
 - `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc). None for Q3_K
   .. Q6_K and MXFP4: their prefill takes stages.linear's gemm kernel (weight_dequant).
 
@@ -113,9 +114,10 @@ assert Q8_0_VALUES == CHUNK  # a Q8_0 block is one chunk
 assert Q2_K_BYTES % WORD == 0 and Q2_K_SCALES % WORD == 0 and Q2_K_QS % WORD == 0 and Q2_K_D % WORD == 0
 assert Q2_K_DMIN == Q2_K_D + 2 and Q2_K_QS_WORDS == 16 and Q2_K_GROUPS * 16 == Q2_K_VALUES
 
-# The K-quants Q3_K .. Q6_K (chunk dequantisers, the generic chunk stream unit), and MXFP4's fields. A
-# K-quant block is K_CHUNKS chunks, each two 16-value (Q3_K, Q6_K) or one 32-value (Q4_K, Q5_K)
-# sub-blocks; the bytes are read one at a time (the 110- and 210-byte blocks are not whole words).
+# The K-quants Q3_K .. Q6_K and MXFP4's fields (chunk dequantisers; the generic chunk stream unit,
+# but for Q3_K and Q6_K's own units on their split layouts, below). A K-quant block is K_CHUNKS
+# chunks, each two 16-value (Q3_K, Q6_K) or one 32-value (Q4_K, Q5_K) sub-blocks; the chunk
+# dequantisers read bytes one at a time (the 110- and 210-byte blocks are not whole words).
 K_VALUES = FORMATS[GGMLType.Q4_K].block_values
 K_CHUNKS = K_VALUES // CHUNK
 Q3_K_BYTES = Q3_K_BLOCK.itemsize
@@ -161,14 +163,25 @@ assert float(MXFP4_DOUBLED.max()) * 2.0 ** (MXFP4_INF_E - 1 - 128) < 2.0**128 <=
 # then every block's d. Q3_K keeps no padding inside the row: 108-byte pieces holding the scales
 # too would be 4-byte aligned only (word loads: four times the load instructions) or, padded to
 # 112 bytes, 3.6% more bytes for every GEMV to read; apart, consecutive blocks' scales are
-# consecutive words.
+# consecutive words. Both stream units take 64 values of a block (a half h, 16 of its 32
+# positions i) with 16-byte loads; the word constants below index the rows as 32-bit words.
+Q6_K_PIECE_WORDS = Q6_K_D // WORD
+Q6_K_QL_WORD, Q6_K_QH_WORD, Q6_K_SCALES_WORD = Q6_K_QL // WORD, Q6_K_QH // WORD, Q6_K_SCALES // WORD
+Q6_K_HALF_QL_WORDS, Q6_K_HALF_QH_WORDS = Q6_K_HALF_QL // WORD, Q6_K_HALF_QH // WORD
+Q6_K_HALF_SCALES_WORDS = Q6_K_BLOCK["scales"].shape[0] // 2 // WORD  # the int8 scales of a half
 Q3_K_PIECE = Q3_K_SCALES  # hmask, qs
 Q3_K_SCALE_BYTES = Q3_K_D - Q3_K_SCALES
+Q3_K_PIECE_WORDS, Q3_K_SCALE_WORDS = Q3_K_PIECE // WORD, Q3_K_SCALE_BYTES // WORD
+Q3_K_HMASK_WORD, Q3_K_QS_WORD, Q3_K_HALF_QS_WORDS = Q3_K_HMASK // WORD, Q3_K_QS // WORD, Q3_K_HALF_QS // WORD
+Q6_K_LEVEL_MAGIC = float32(2.0**23 + 32)  # byte_less's 2^23 + o: takes the 32 off a Q6_K level
+Q3_K_LEVEL_MAGIC = float32(2.0**23 + 4)  # and the 4 off a Q3_K level + 4
 
-# d last, after 16-byte aligned pieces; Q3_K's scales after its pieces, in whole words
+# d last, after 16-byte aligned pieces; Q3_K's scales after its pieces, in whole words; the units
+# read two Q6_K scale words a half and three Q3_K scale words a block
 assert Q6_K_D + F16_BYTES == Q6_K_BYTES and Q6_K_D % ROW_ALIGN == 0 and Q6_K_SCALES % ROW_ALIGN == 0
 assert Q3_K_D + F16_BYTES == Q3_K_BYTES and Q3_K_PIECE % ROW_ALIGN == 0 and Q3_K_SCALE_BYTES % WORD == 0
 assert Q3_K_HMASK % ROW_ALIGN == 0 and Q3_K_QS % ROW_ALIGN == 0
+assert Q6_K_HALF_SCALES_WORDS == 2 and Q3_K_SCALE_WORDS == 3
 
 # E4M3_ROW264, the ds4 engram-table format (a table format, no ggml type): a block is a row of
 # E4M3_CHUNKS chunks of E4M3 codes, then one E8M0 scale byte per chunk.
@@ -936,6 +949,150 @@ def mxfp4_unit(tokens: int, x_bf16: bool):
     return mxfp4_unit
 
 
+# The split Q6_K and Q3_K units. Unit u is 64 values of block u // 4: in half h = (u // 2) % 2,
+# positions i = 16 (u % 2) .. + 15 of its 32, the values 128 h + 32 s + i of rows s < 4 (sub-block
+# 8 h + 2 s + u % 2). Byte b of word m of a 16-byte load is position 16 (u % 2) + 4 m + b: a row's
+# levels are built four at a time on whole words, each level enters as one exact small integer
+# (byte_less), and each row's scale is decoded once. The rows are four calls with s a literal (a
+# loop over s stays a loop in the PTX, its shifts and word choices decided at run time).
+
+if SIM:
+    def byte_less(word, byte, magic):
+        return np.float32(((int(word) >> (8 * byte)) & 0xFF) + 8388608) - magic
+else:
+    @device
+    def byte_less(word, byte, magic):
+        """Byte `byte` of a 32-bit word less an offset o, in float32, exactly, given magic = 2^23 + o:
+        one byte permute puts the byte under the exponent of 2^23 (as int8_at), one subtraction."""
+        return f32_from_bits(byte_perm(word, INT8_MAGIC, INT8_SELECT | byte)) - magic
+
+
+@device
+def bytes_less16(w0, w1, w2, w3, magic):
+    """The sixteen bytes of four words (entry 4 m + b: byte b of word m), each less o (byte_less)."""
+    return (byte_less(w0, 0, magic), byte_less(w0, 1, magic), byte_less(w0, 2, magic), byte_less(w0, 3, magic),
+            byte_less(w1, 0, magic), byte_less(w1, 1, magic), byte_less(w1, 2, magic), byte_less(w1, 3, magic),
+            byte_less(w2, 0, magic), byte_less(w2, 1, magic), byte_less(w2, 2, magic), byte_less(w2, 3, magic),
+            byte_less(w3, 0, magic), byte_less(w3, 1, magic), byte_less(w3, 2, magic), byte_less(w3, 3, magic))
+
+
+@device
+def dot16(vs, xs):
+    """Sixteen values times sixteen inputs, summed in four runs of four."""
+    return ((vs[0] * xs[0] + vs[1] * xs[1] + vs[2] * xs[2] + vs[3] * xs[3])
+            + (vs[4] * xs[4] + vs[5] * xs[5] + vs[6] * xs[6] + vs[7] * xs[7])
+            + (vs[8] * xs[8] + vs[9] * xs[9] + vs[10] * xs[10] + vs[11] * xs[11])
+            + (vs[12] * xs[12] + vs[13] * xs[13] + vs[14] * xs[14] + vs[15] * xs[15]))
+
+
+def row_adder(tokens: int, x_bf16: bool):
+    """acc[t] += scale * (sixteen levels . inputs 16 v .. 16 v + 15 of token t), for t < n_tokens:
+    one row of a split Q6_K / Q3_K unit."""
+    x16 = x16_bf16 if x_bf16 else x16_f32
+
+    @device
+    def add_row(levels, scale, x32, xo, v, n_tokens, acc):
+        for t in range(tokens):
+            if t < n_tokens:
+                acc[t] += scale * dot16(levels, x16(x32, t, xo, v))
+
+    return add_row
+
+
+@device
+def q6_k_row(l0, l1, l2, l3, h0, h1, h2, h3, s):
+    """The sixteen Q6_K levels (less 32) of row s from its four ql words (of ql[64 h + 32 (s % 2) +
+    i]: nibble s // 2) and the four qh words (qh[32 h + i]: pair s, above the nibble)."""
+    lo, sh = 4 * (s // 2), 2 * s
+    return bytes_less16(((l0 >> lo) & 0x0F0F0F0F) | (((h0 >> sh) & 0x03030303) << 4),
+                        ((l1 >> lo) & 0x0F0F0F0F) | (((h1 >> sh) & 0x03030303) << 4),
+                        ((l2 >> lo) & 0x0F0F0F0F) | (((h2 >> sh) & 0x03030303) << 4),
+                        ((l3 >> lo) & 0x0F0F0F0F) | (((h3 >> sh) & 0x03030303) << 4), Q6_K_LEVEL_MAGIC)
+
+
+def q6_k_unit(tokens: int, x_bf16: bool):
+    """Split Q6_K: unit u (see above) is three 16-byte loads, ql words a (rows 0, 2), b (rows 1,
+    3) and qh words c, the eight int8 scales of its half (two words, top bits flipped: int8_at)
+    and d; the ql, qh and scales of block u // 4 start at its word Q6_K_PIECE_WORDS (u // 4), the
+    d after the row's blocks."""
+    add_row = row_adder(tokens, x_bf16)
+
+    @device
+    def q6_k_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        blk, h, j = u >> U2, (u >> U1) & U1, u & U1
+        piece = uint64(Q6_K_PIECE_WORDS) * blk
+        ql = piece + uint64(Q6_K_QL_WORD) + uint64(Q6_K_HALF_QL_WORDS) * h + U4 * j
+        a0, a1, a2, a3 = load_words4(ww, row, ql)
+        b0, b1, b2, b3 = load_words4(ww, row, ql + uint64(CHUNK // WORD))
+        c0, c1, c2, c3 = load_words4(ww, row, piece + uint64(Q6_K_QH_WORD) + uint64(Q6_K_HALF_QH_WORDS) * h + U4 * j)
+        sc = piece + uint64(Q6_K_SCALES_WORD) + uint64(Q6_K_HALF_SCALES_WORDS) * h
+        s01 = (ww[row, sc] >> (U8 * j)) ^ 0x80808080  # the scales of rows 0, 1 in bytes 0, 2
+        s23 = (ww[row, sc + U1] >> (U8 * j)) ^ 0x80808080  # rows 2, 3
+        d = float32(wf[row, uint64(Q6_K_D // F16_BYTES) * (uint64(k) // uint64(K_VALUES)) + blk])
+        v = uint64(16) * blk + U8 * h + j  # row s's inputs are x16's 16 (v + 2 s) .. + 15
+        add_row(q6_k_row(a0, a1, a2, a3, c0, c1, c2, c3, 0), d * int8_at(s01, 0), x32, xo, v, n_tokens, acc)
+        add_row(q6_k_row(b0, b1, b2, b3, c0, c1, c2, c3, 1), d * int8_at(s01, 2), x32, xo, v + U2, n_tokens, acc)
+        add_row(q6_k_row(a0, a1, a2, a3, c0, c1, c2, c3, 2), d * int8_at(s23, 0), x32, xo, v + U4, n_tokens, acc)
+        add_row(q6_k_row(b0, b1, b2, b3, c0, c1, c2, c3, 3), d * int8_at(s23, 2), x32, xo, v + uint64(6), n_tokens,
+                acc)
+
+    return q6_k_unit
+
+
+@device
+def q3_k_row(q0, q1, q2, q3, m0, m1, m2, m3, s):
+    """The sixteen Q3_K levels of row s: pair s of the four qs words (of qs[32 h + i]) as bits 0-1,
+    bit s of the four hmask words (hmask[i] >> 4 h) as bit 2, less 4."""
+    return bytes_less16(((q0 >> (2 * s)) & 0x03030303) | (((m0 >> s) & 0x01010101) << 2),
+                        ((q1 >> (2 * s)) & 0x03030303) | (((m1 >> s) & 0x01010101) << 2),
+                        ((q2 >> (2 * s)) & 0x03030303) | (((m2 >> s) & 0x01010101) << 2),
+                        ((q3 >> (2 * s)) & 0x03030303) | (((m3 >> s) & 0x01010101) << 2), Q3_K_LEVEL_MAGIC)
+
+
+@device
+def q3_k_scale(nibbles, tops, s):
+    """Row s's 6-bit scale less 32, from the words of its low nibble (bits 16 (s % 2) ..) and of its
+    top pair (bits 16 (s % 2) + 2 (s // 2) ..)."""
+    low = (nibbles >> (16 * (s % 2))) & 15
+    top = (tops >> (16 * (s % 2) + 2 * (s // 2))) & 3
+    return small_int(low | (top << 4)) - float32(32)
+
+
+def q3_k_unit(tokens: int, x_bf16: bool):
+    """Split Q3_K: unit u (see above) is two 16-byte loads, hmask words m (hmask[i], whose bits
+    4 h .. 4 h + 3 are its rows') and qs words q, the three scale words of block u // 4 and d; the
+    pieces are Q3_K_PIECE_WORDS words, the scales and d follow the row's pieces. Row s's scale:
+    its low nibble is scales[2 s + u % 2] >> 4 h, its top pair scales[8 + (2 s + u % 2) % 4] >>
+    (4 h + 2 (s // 2)), both in the words shifted down by 8 (u % 2) + 4 h."""
+    add_row = row_adder(tokens, x_bf16)
+
+    @device
+    def q3_k_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        blk, h, j = u >> U2, (u >> U1) & U1, u & U1
+        n_blocks = uint64(k) // uint64(K_VALUES)
+        piece = uint64(Q3_K_PIECE_WORDS) * blk
+        m0, m1, m2, m3 = load_words4(ww, row, piece + uint64(Q3_K_HMASK_WORD) + U4 * j)
+        q0, q1, q2, q3 = load_words4(ww, row, piece + uint64(Q3_K_QS_WORD) + uint64(Q3_K_HALF_QS_WORDS) * h + U4 * j)
+        sc = uint64(Q3_K_PIECE_WORDS) * n_blocks + uint64(Q3_K_SCALE_WORDS) * blk
+        shift = U8 * j + U4 * h
+        lo01 = ww[row, sc] >> shift  # the low nibbles of rows 0, 1 in bits 0-3, 16-19
+        lo23 = ww[row, sc + U1] >> shift  # rows 2, 3
+        tops = ww[row, sc + U2] >> shift  # the top pairs: rows 0, 1 in bits 0-1, 16-17, rows 2, 3 two above
+        d = float32(wf[row, uint64(Q3_K_D // F16_BYTES) * n_blocks + blk])
+        m0, m1, m2, m3 = m0 >> (U4 * h), m1 >> (U4 * h), m2 >> (U4 * h), m3 >> (U4 * h)
+        v = uint64(16) * blk + U8 * h + j  # row s's inputs are x16's 16 (v + 2 s) .. + 15
+        add_row(q3_k_row(q0, q1, q2, q3, m0, m1, m2, m3, 0), d * q3_k_scale(lo01, tops, 0), x32, xo, v, n_tokens, acc)
+        add_row(q3_k_row(q0, q1, q2, q3, m0, m1, m2, m3, 1), d * q3_k_scale(lo01, tops, 1), x32, xo, v + U2, n_tokens,
+                acc)
+        add_row(q3_k_row(q0, q1, q2, q3, m0, m1, m2, m3, 2), d * q3_k_scale(lo23, tops, 2), x32, xo, v + U4, n_tokens,
+                acc)
+        add_row(q3_k_row(q0, q1, q2, q3, m0, m1, m2, m3, 3), d * q3_k_scale(lo23, tops, 3), x32, xo, v + uint64(6),
+                n_tokens, acc)
+
+    return q3_k_unit
+
+
+
 def chunk_unit(dequant):
     """The generic stream unit of a type with a chunk dequantiser (StreamUnit shift 5, one in
     flight): unit u is chunk u of the row, dequantised into a local array, then dotted with each
@@ -1152,12 +1309,12 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
            "split", padded_split_q8_0, dequant_q8_0_split, StreamUnit(q8_0_pair_unit, 4, 1, rows=2)),
     _entry(GGMLType.Q2_K, dequant_q2_k, StreamUnit(q2_k_unit, 4, 4),
            TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, CHUNK // WORD, True, True)),
-    # the generic chunk unit (on the split rows for Q3_K and Q6_K), no tensor-core pieces (prefill
-    # takes the gemm kernel) for these yet
-    _entry(GGMLType.Q3_K, dequant_q3_k, chunk_stream(dequant_q3_k_split), layout="split", weight_rows=padded_split_q3_k,
+    # no tensor-core pieces (prefill takes the gemm kernel) for these yet
+    _entry(GGMLType.Q3_K, dequant_q3_k, StreamUnit(q3_k_unit, 6, 2), layout="split", weight_rows=padded_split_q3_k,
            weight_dequant=dequant_q3_k_split),
-    _entry(GGMLType.Q6_K, dequant_q6_k, chunk_stream(dequant_q6_k_split), layout="split", weight_rows=padded_split_q6_k,
+    _entry(GGMLType.Q6_K, dequant_q6_k, StreamUnit(q6_k_unit, 6, 2), layout="split", weight_rows=padded_split_q6_k,
            weight_dequant=dequant_q6_k_split),
+    # the generic chunk unit for these
     *[_entry(gtype, dequant, chunk_stream(dequant), weight_rows=padded_stored) for gtype, dequant in (
         (GGMLType.Q4_K, dequant_q4_k), (GGMLType.Q5_K, dequant_q5_k))],
     # its own stream unit on the split layout, no tensor-core pieces (prefill takes the gemm kernel)

@@ -5,8 +5,8 @@ mutants built by tests/mutants.py:
 - truncate: the bf16 output rounding truncates (f32_to_bf16 drops the low half of the bits);
 - drop: one term of each output's dot product is lost (gemm: the first value of every row, as a
   weight dequantiser that zeroes it; stream: the first unit of every row, 16 Q8_0 / Q2_K values,
-  8 BF16 ones or an MXFP4 block's 32, taken back out of the sum; tc: the first weight of every
-  row in the staged tile, for Q2_K its d sc q part, the dmin m part staying);
+  64 Q6_K / Q3_K ones, 8 BF16 ones or an MXFP4 block's 32, taken back out of the sum; tc: the
+  first weight of every row in the staged tile, for Q2_K its d sc q part, the dmin m part staying);
 - scale: a 1% scale error (gemm: every block's values 1.01x, as a wrong block scale; stream: every
   row's walked sums 1.01x; tc: every tensor-core step's contribution 1.01x).
 
@@ -41,7 +41,8 @@ import pytest
 from numba import float32, uint16, uint32
 
 from flashv41 import stages
-from flashv41.host.quants import GGMLType, dequantize
+from flashv41.host.quants import GGMLType, dequantize, random_blocks
+from flashv41.host.synth import DRAWN_ONLY
 from flashv41.stages.device import CHUNK, device, f32_bits
 from flashv41.stages.linear import DeviceWeight
 from flashv41.stages.quant_types import DEVICE_TYPES
@@ -52,7 +53,7 @@ from tests.test_linear_tc import FLASH, check_tc, stored_rows
 
 MUTANTS = ["truncate", "drop", "scale"]
 SCALE = float32(1.01)
-STREAM_TYPES = [GGMLType.Q8_0, GGMLType.BF16, GGMLType.Q2_K, GGMLType.MXFP4]
+STREAM_TYPES = [GGMLType.Q8_0, GGMLType.BF16, GGMLType.Q2_K, GGMLType.MXFP4, GGMLType.Q6_K, GGMLType.Q3_K]
 
 
 @device
@@ -184,9 +185,15 @@ def run_mutant(kernel: str, kind: str, check, *args, **kwargs) -> None:
 T, N, K = 4, 32, 256  # 128 outputs a check: enough for the 99% rule to mean something
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=8)
 def small_weight(gtype: GGMLType):
-    return weight(np.random.default_rng(int(gtype)), N, K, gtype)
+    """[N, K] as a DeviceWeight and its values: quantised Gaussians (test_linear.weight), or random
+    valid blocks for the types without a quantiser (host.synth.DRAWN_ONLY)."""
+    rng = np.random.default_rng(int(gtype))
+    if gtype in DRAWN_ONLY:
+        stored = random_blocks(gtype, N, K, rng)
+        return DeviceWeight.from_stored("w", gtype, stored, K), dequantize(stored, gtype, K)
+    return weight(rng, N, K, gtype)
 
 
 @pytest.mark.parametrize("kind", MUTANTS)

@@ -210,33 +210,48 @@ def k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _k_minus_min(blocks: np.ndarray, q: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Q4_K / Q5_K: (d * sc) * q - dmin * m for levels q [nb, 8, 32] of 32-value sub-blocks."""
+def _k_terms(blocks: np.ndarray, q: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the two parts (d * sc) * q and dmin * m of every value, for levels q [nb, 8, 32]
+    of 32-value sub-blocks (k_scale_min), float32 `shape` each; the value is the first less the
+    second. Each part is exact in float32 (an fp16 scale times 6- and 5-bit integers)."""
     sc, mn = k_scale_min(blocks["scales"])
     d = blocks["d"].astype(np.float32)[:, None]
     dmin = blocks["dmin"].astype(np.float32)[:, None]
-    scale = (d * sc.astype(np.float32))[:, :, None]
+    scaled = (d * sc.astype(np.float32))[:, :, None] * q.astype(np.float32)
     minimum = (dmin * mn.astype(np.float32))[:, :, None]
-    return (scale * q.astype(np.float32) - minimum).reshape(shape)
+    return scaled.reshape(shape), np.broadcast_to(minimum, scaled.shape).reshape(shape)
 
 
-def dequantize_q4_k(raw: np.ndarray) -> np.ndarray:
-    """Q4_K bytes [..., whole blocks] -> float32 [..., 256 a block]: y = (d * sc) * q - dmin * m.
-    Value e = 32 j + i: level (qs[32 (j // 2) + i] >> 4 (j % 2)) & 15, sub-block j (k_scale_min)."""
+def q4_k_terms(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K bytes [..., whole blocks] -> the two parts of every value (_k_terms), float32 [..., 256
+    a block] each. Value e = 32 j + i: level (qs[32 (j // 2) + i] >> 4 (j % 2)) & 15, sub-block j."""
     blocks = _blocks(raw, Q4_K_BLOCK)
     nb = blocks.shape[0]
     q = _bits(blocks["qs"].reshape(nb, 4, 32), 2, 4).reshape(nb, 8, 32)
-    return _k_minus_min(blocks, q, (*raw.shape[:-1], -1))
+    return _k_terms(blocks, q, (*raw.shape[:-1], -1))
 
 
-def dequantize_q5_k(raw: np.ndarray) -> np.ndarray:
-    """Q5_K bytes [..., whole blocks] -> float32 [..., 256 a block]: Q4_K's, the level's fifth bit
-    being (qh[i] >> j) & 1 for value e = 32 j + i."""
+def dequantize_q4_k(raw: np.ndarray) -> np.ndarray:
+    """Q4_K bytes [..., whole blocks] -> float32 [..., 256 a block]: y = (d * sc) * q - dmin * m
+    (q4_k_terms)."""
+    scaled, minimum = q4_k_terms(raw)
+    return scaled - minimum
+
+
+def q5_k_terms(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_K bytes [..., whole blocks] -> the two parts of every value (_k_terms): Q4_K's levels, the
+    fifth bit being (qh[i] >> j) & 1 for value e = 32 j + i."""
     blocks = _blocks(raw, Q5_K_BLOCK)
     nb = blocks.shape[0]
     low = _bits(blocks["qs"].reshape(nb, 4, 32), 2, 4).reshape(nb, 8, 32)
     high = _bits(blocks["qh"], 8, 1)
-    return _k_minus_min(blocks, low | (high << np.uint8(4)), (*raw.shape[:-1], -1))
+    return _k_terms(blocks, low | (high << np.uint8(4)), (*raw.shape[:-1], -1))
+
+
+def dequantize_q5_k(raw: np.ndarray) -> np.ndarray:
+    """Q5_K bytes [..., whole blocks] -> float32 [..., 256 a block]: Q4_K's y (q5_k_terms)."""
+    scaled, minimum = q5_k_terms(raw)
+    return scaled - minimum
 
 
 def dequantize_q6_k(raw: np.ndarray) -> np.ndarray:

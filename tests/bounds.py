@@ -14,8 +14,8 @@ the oracle (host.numerics.linear / matmul_t: float64 sums, rounded once). Two ru
    drops a term or scales by 1% moves most outputs off (tests/test_mutants_products.py).
 2. every output, bf16 or fp32: |got - exact| <= half a bf16 ulp of got (bf16 output only) + E, with
    E = LAMBDA * sqrt(n) * u * A, `exact` the float64 product before any rounding, u = 2^-24,
-   A = sum_k |x_k w_k| and n = K (for the Q2_K kernels that add a value's two parts d sc q and
-   dmin m apart, A = sum_k |x_k| (|d sc q| + |dmin m|) and n = 2K: those are the terms they add).
+   A = sum_k |x_k w_k| and n = K (for the kernels that add a value's two parts d sc q and dmin m
+   apart, SPLIT_KERNELS, A = sum_k |x_k| (|d sc q| + |dmin m|) and n = 2K: those are the terms they add).
    Rounding the fp32 sum s to bf16 moves it by at most half an ulp of s, never more than half an ulp
    of the result (rounding to nearest never leaves the binade of s downwards).
 
@@ -87,20 +87,26 @@ def assert_within(got: np.ndarray, ref: np.ndarray, bound: np.ndarray, what: str
         )
 
 
-def q2_k_part_magnitudes(stored: np.ndarray, k: int) -> np.ndarray:
-    """|d sc q| + |dmin m| of every value of Q2_K rows (uint8 [N, row_bytes]) -> float32 [N, K]:
-    the magnitudes of the two terms per value that the stream and tensor-core kernels add apart."""
+# The kernels that add a weight value of these types as its two parts d sc q and dmin m apart (the
+# stream unit and the tensor-core pieces); every other kernel (gemm) dequantises it first.
+SPLIT_KERNELS = {GGMLType.Q2_K: ("stream", "tc")}
+PART_TERMS = {GGMLType.Q2_K: q2_k_terms}
+
+
+def part_magnitudes(gtype: GGMLType, stored: np.ndarray, k: int) -> np.ndarray:
+    """|d sc q| + |dmin m| of every value of rows (uint8 [N, row_bytes]) of a type with mins
+    (PART_TERMS) -> float32 [N, K]: the magnitudes of the two terms per value that SPLIT_KERNELS add."""
     rows = np.ascontiguousarray(stored).reshape(stored.shape[0], -1)
-    scaled, minimum = q2_k_terms(rows)  # each exact in float32; the sum rounds once
+    scaled, minimum = PART_TERMS[gtype](rows)  # each exact in float32; the sum rounds once
     return (np.abs(scaled) + np.abs(minimum)).reshape(rows.shape[0], k)
 
 
-def split_terms(gtype: GGMLType, stored: np.ndarray, k: int) -> dict:
-    """Keyword arguments for the product assertions when the kernel adds each weight value as more
-    than one term: Q2_K in the stream and tensor-core kernels (d sc q and dmin m apart; {} otherwise)."""
-    if gtype != GGMLType.Q2_K:
+def split_terms(gtype: GGMLType, stored: np.ndarray, k: int, kernel: str) -> dict:
+    """Keyword arguments for the product assertions when `kernel` ("stream", "tc", "gemm") adds
+    each weight value of rows `stored` as its two parts (SPLIT_KERNELS); {} otherwise."""
+    if kernel not in SPLIT_KERNELS.get(gtype, ()):
         return {}
-    return {"w_abs": q2_k_part_magnitudes(stored, k), "n_terms": 2 * k}
+    return {"w_abs": part_magnitudes(gtype, stored, k), "n_terms": 2 * k}
 
 
 def product_error(x: np.ndarray, w: np.ndarray, w_abs: np.ndarray | None = None, n_terms: int | None = None):

@@ -34,7 +34,6 @@ from flashv41.host.numerics import linear as oracle_linear
 from flashv41.host.oracle import Oracle
 from flashv41.host.oracle.engram import engram_gate as oracle_gate
 from flashv41.host.oracle.engram import engram_layer, engram_rows
-from flashv41.host.quants import GGMLType
 from flashv41.stages.backend import using_simulator
 from flashv41.stages.engram import EngramStage
 from flashv41.stages.engram_gate import engram_gate
@@ -221,12 +220,10 @@ def oracle(tiny):
 
 
 def wkv_terms(st: EngramStage, layer: int, n_tokens: int) -> dict:
-    """split_terms for the projection of n_tokens tokens: a Q2_K wkv's two parts per value when the
-    kernel that stages.linear picks adds them apart (stream; tc on a GPU), else nothing."""
+    """split_terms for the projection of n_tokens tokens: the wkv's two parts per value when the
+    kernel that stages.linear picks adds them apart (Q2_K's stream and, on a GPU, tc), else nothing."""
     w = st.layers[layer].wkv
-    if w.gtype != GGMLType.Q2_K or pick_kernel(w, True, n_tokens) not in ("stream", "tc"):
-        return {}
-    return split_terms(w.gtype, w.data.copy_to_host(), w.k)
+    return split_terms(w.gtype, w.data.copy_to_host(), w.k, pick_kernel(w, True, n_tokens))
 
 
 @pytest.mark.parametrize("tokens", [2, 9], ids=["stream", "gemm"])

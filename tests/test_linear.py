@@ -58,9 +58,7 @@ def check_linear(w: DeviceWeight, wq: np.ndarray, tokens: int, kernel: str = "",
     linear(cuda.to_device(x if x_f32 else to_bits(x)), w, y, tokens, group_rows=group_rows, kernel=kernel)
     got = from_bits(y.copy_to_host()) if out_bf16 else y.copy_to_host()
     picked = kernel or pick_kernel(w, not x_f32, tokens)
-    # stream and tc add a Q2_K value's two parts apart (gemm dequantises it first)
-    split = picked in ("stream", "tc") and w.gtype == GGMLType.Q2_K
-    terms = split_terms(w.gtype, w.data.copy_to_host(), w.k) if split else {}
+    terms = split_terms(w.gtype, w.data.copy_to_host(), w.k, picked)
     what = f"{w.gtype.name} {w.layout} [{w.n}, {w.k}] {picked} T={tokens} {'bf16' if out_bf16 else 'f32'} out"
     return check_groups(got, x, wq, group_rows or w.n, out_bf16, what, terms)
 
@@ -141,7 +139,7 @@ def test_stream_partials(gtype):
     partial = cuda.device_array((tokens + 1, w.n + 1, slices), np.float32)
     stream_partials(cuda.to_device(x), w, partial, tokens)
     got = partial.copy_to_host()[:tokens].astype(np.float64).sum(axis=2)  # exact for three fp32 terms
-    terms = split_terms(w.gtype, w.data.copy_to_host(), w.k) if gtype == GGMLType.Q2_K else {}
+    terms = split_terms(w.gtype, w.data.copy_to_host(), w.k, "stream")
     assert_f32_product(got[:, :w.n], x, wq, f"{gtype.name} stream_partials T={tokens}", **terms)
     squares = (x.astype(np.float64) ** 2).sum(axis=1)
     assert_within(got[:, w.n], squares, f32_sum_error(squares, w.k), "square sums")

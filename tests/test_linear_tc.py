@@ -50,7 +50,7 @@ def weight(n, k, gtype):
     magnitudes of the terms the kernel adds for it (split_terms: Q2_K's two parts)."""
     stored = stored_rows(np.random.default_rng(int(gtype) + n + k), n, k, gtype)
     w = DeviceWeight.from_stored("w", gtype, stored, k)
-    return w, dequantize(stored, gtype, k), split_terms(gtype, stored, k)
+    return w, dequantize(stored, gtype, k), split_terms(gtype, stored, k, "tc")
 
 
 def check_tc(gtype, tokens, groups, rows, width, out_bf16, seed) -> float:

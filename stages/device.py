@@ -170,6 +170,31 @@ else:
 
 
 if SIM:
+    def f16x2_f32(word):
+        """The two fp16 values of a 32-bit word (low half first) as float32."""
+        lo, hi = np.array([int(word) & 0xFFFFFFFF], np.uint32).view(np.float16)
+        return np.float32(lo), np.float32(hi)
+else:
+    @intrinsic
+    def f16x2_f32(typingctx, word):
+        """The two fp16 values of a 32-bit word (low half first) as float32: one `cvt.f32.f16` each
+        (exact), where converting on the bits (fp16_to_f32) takes a dozen integer instructions."""
+        sig = types.UniTuple(types.float32, 2)(types.uint32)
+
+        def codegen(context, builder, signature, args):
+            value = context.cast(builder, args[0], signature.args[0], types.uint32)
+            f32 = ir.FloatType()
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32, f32]), [ir.IntType(32)]),
+                               "{.reg .b16 %hlo, %hhi; mov.b32 {%hlo, %hhi}, $2; cvt.f32.f16 $0, %hlo; "
+                               "cvt.f32.f16 $1, %hhi;}", "=f,=f,r")
+            pair = builder.call(asm, [value])
+            return context.make_tuple(builder, signature.return_type,
+                                      [builder.extract_value(pair, j) for j in range(2)])
+
+        return sig, codegen
+
+
+if SIM:
     @cuda.jit(device=True)
     def warp_sum(v, scratch):
         """Sum of v over the 32 lanes of the calling warp, returned to every lane. `scratch` is a

@@ -405,7 +405,7 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     elif kernel == "stream":
         qt = DEVICE_TYPES[w.gtype]
         rows = qt.gemv_unit.rows
-        if group_rows % rows:
+        if groups > 1 and group_rows % rows:  # (one group: a last row group short of `rows` is the unit's to skip)
             raise ValueError(f"linear {w.name}: groups of {group_rows} rows do not split into the stream kernel's "
                              f"row groups of {rows}")
         row_groups = (w.n + rows - 1) // rows

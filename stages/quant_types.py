@@ -21,18 +21,21 @@ A record (`DeviceType`) holds, with one signature per piece:
   one 16-byte piece), then their K/32 exponent bytes. Each row is zero-padded to whole 16-byte
   pieces, under one block, so a row's K still reads off its width. Q4_K and Q5_K rows ("stored")
   are whole 16-byte pieces already (`padded_stored` would pad them: the kernels view rows as words).
-- `stream`: the decode GEMV's unit (stages.linear's stream kernels). `make(tokens, x_bf16)` builds
-  unit(ww, wf, row, x32, xo, k, n_tokens, acc, u), which adds the dot products of unit u of the
-  row with the inputs to acc[t] for t < n_tokens (<= tokens): ww / wf the weight rows as 32-bit
-  words / fp16, x32 the inputs as 32-bit words [T, K_total / 2] (bf16 pairs) or [T, K_total]
-  (fp32), this row's K-wide slice at word xo. A row is K >> shift units, each one 16-byte load
-  (Q2_K: a 32-bit quant word, its blocks being whole words, not whole 16-byte pieces; MXFP4: a
-  block's codes, and a word load for its exponent byte; Q6_K and Q3_K: 64 values of a block, three
-  and two 16-byte loads); a lane issues `in_flight` of them together. Q4_K and Q5_K take the
-  generic `chunk_unit` (any type with a chunk dequantiser): unit u is chunk u, dequantised by
-  `weight_dequant` and dotted with the inputs, correct but not tuned (their bytes read one at a
-  time). Integers become floats by an exponent trick (`small_int`, `int8_at`, `e2m1_at`,
-  `byte_less`), not by conversions.
+- `stream`: the unit of stages.linear's stream kernels (the partial-sum products; the decode GEMV
+  too where `gemv` is None). `make(tokens, x_bf16)` builds unit(ww, wf, row, x32, xo, k, n_tokens,
+  acc, u), which adds the dot products of unit u of the row with the inputs to acc[t] for
+  t < n_tokens (<= tokens): ww / wf the weight rows as 32-bit words / fp16, x32 the inputs as
+  32-bit words [T, K_total / 2] (bf16 pairs) or [T, K_total] (fp32), this row's K-wide slice at
+  word xo. A row is K >> shift units, each one 16-byte load (Q2_K: a 32-bit quant word, its blocks
+  being whole words, not whole 16-byte pieces; MXFP4: a block's codes, and a word load for its
+  exponent byte; Q6_K and Q3_K: 64 values of a block, three and two 16-byte loads; Q4_K and Q5_K:
+  32 level bytes, two loads, with the block's first 16-byte piece and Q5_K's 32 fifth-bit bytes);
+  a lane issues `in_flight` of them together. `gemv` (or None): the decode GEMV's unit where it
+  differs, a unit of two rows for Q8_0, Q4_K and Q5_K (the inputs read and unpacked once for both).
+  The generic `chunk_unit` (any type with a chunk dequantiser: unit u is chunk u, dequantised and
+  dotted with the inputs, correct but not tuned) is left to the ds4 table format, which no matrix
+  has. Integers become floats by an exponent trick (`small_int`, `int8_at`, `uint8_at`,
+  `e2m1_at`, `byte_less`), not by conversions.
 - `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc). None for Q3_K
   .. Q6_K and MXFP4: their prefill takes stages.linear's gemm kernel (weight_dequant).
 
@@ -75,6 +78,7 @@ from flashv41.stages.device import (
     bf16_to_f32,
     byte_perm,
     device,
+    f16x2_f32,
     f32_bits,
     f32_from_bits,
     fp16_to_f32,
@@ -114,10 +118,10 @@ assert Q8_0_VALUES == CHUNK  # a Q8_0 block is one chunk
 assert Q2_K_BYTES % WORD == 0 and Q2_K_SCALES % WORD == 0 and Q2_K_QS % WORD == 0 and Q2_K_D % WORD == 0
 assert Q2_K_DMIN == Q2_K_D + 2 and Q2_K_QS_WORDS == 16 and Q2_K_GROUPS * 16 == Q2_K_VALUES
 
-# The K-quants Q3_K .. Q6_K and MXFP4's fields (chunk dequantisers; the generic chunk stream unit,
-# but for Q3_K and Q6_K's own units on their split layouts, below). A K-quant block is K_CHUNKS
-# chunks, each two 16-value (Q3_K, Q6_K) or one 32-value (Q4_K, Q5_K) sub-blocks; the chunk
-# dequantisers read bytes one at a time (the 110- and 210-byte blocks are not whole words).
+# The K-quants Q3_K .. Q6_K and MXFP4's fields (chunk dequantisers, which read the bytes one at a
+# time: the 110- and 210-byte blocks are not whole words; each type's own stream unit below). A
+# K-quant block is K_CHUNKS chunks, each two 16-value (Q3_K, Q6_K) or one 32-value (Q4_K, Q5_K)
+# sub-blocks.
 K_VALUES = FORMATS[GGMLType.Q4_K].block_values
 K_CHUNKS = K_VALUES // CHUNK
 Q3_K_BYTES = Q3_K_BLOCK.itemsize
@@ -182,6 +186,19 @@ assert Q6_K_D + F16_BYTES == Q6_K_BYTES and Q6_K_D % ROW_ALIGN == 0 and Q6_K_SCA
 assert Q3_K_D + F16_BYTES == Q3_K_BYTES and Q3_K_PIECE % ROW_ALIGN == 0 and Q3_K_SCALE_BYTES % WORD == 0
 assert Q3_K_HMASK % ROW_ALIGN == 0 and Q3_K_QS % ROW_ALIGN == 0
 assert Q6_K_HALF_SCALES_WORDS == 2 and Q3_K_SCALE_WORDS == 3
+
+# Q4_K / Q5_K's word readers (their stream unit): a block is whole 16-byte pieces, the first d, dmin
+# and the 12 scale bytes (words 1 .. 3), the levels (and Q5_K's fifth bits) starting on pieces; the
+# masks pick fields out of every byte of a word at once.
+Q4_K_WORDS, Q5_K_WORDS = Q4_K_BYTES // WORD, Q5_K_BYTES // WORD
+Q4_K_QS_WORD, Q5_K_QS_WORD, Q5_K_QH_WORD = Q4_K_QS // WORD, Q5_K_QS // WORD, Q5_K_QH // WORD
+K_UNIT_SHIFT = 6  # a unit: 32 level bytes, 64 values
+LOW_NIBBLES, LOW_SIX = uint32(0x0F0F0F0F), uint32(0x3F3F3F3F)
+TOP_PAIRS, LOW_BITS = uint32(0x30303030), uint32(0x01010101)  # bits 4-5, bit 0 of every byte
+assert Q4_K_BYTES % ROW_ALIGN == 0 and Q5_K_BYTES % ROW_ALIGN == 0
+assert Q4_K_QS % ROW_ALIGN == 0 and Q5_K_QS % ROW_ALIGN == 0 and Q5_K_QH % ROW_ALIGN == 0
+assert (Q4_K_D, Q4_K_DMIN, Q4_K_SCALES) == (Q5_K_D, Q5_K_DMIN, Q5_K_SCALES) == (0, 2, WORD)
+assert Q4_K_BLOCK["scales"].shape[0] == 3 * WORD and K_VALUES >> K_UNIT_SHIFT == 4  # a unit's block: u >> 2
 
 # E4M3_ROW264, the ds4 engram-table format (a table format, no ggml type): a block is a row of
 # E4M3_CHUNKS chunks of E4M3 codes, then one E8M0 scale byte per chunk.
@@ -556,6 +573,9 @@ if SIM:
     def int8_at(flipped, byte):
         return np.float32(((int(flipped) >> (8 * byte)) & 0xFF) - 128)
 
+    def uint8_at(word, byte):
+        return np.float32((int(word) >> (8 * int(byte))) & 0xFF)
+
     def f32x4(x32, t, o):
         """Four fp32 inputs x[t, o .. o + 3] of the 32-bit-word view (o a multiple of 4)."""
         return tuple(np.asarray(x32[t, o:o + 4]).view(np.float32))
@@ -597,6 +617,11 @@ else:
         byte's top bit flipped (each byte then holds q + 128): one byte permute puts it under the
         exponent of 2^23 (bytes 4, 5, 7 of the pair are 0x4B000000's), one subtraction."""
         return f32_from_bits(byte_perm(flipped, INT8_MAGIC, INT8_SELECT | byte)) - float32(8388736.0)  # 2^23 + 128
+
+    @device
+    def uint8_at(word, byte):
+        """Byte `byte` of a 32-bit word (0 .. 255) as float32: int8_at's byte permute, without the flip."""
+        return f32_from_bits(byte_perm(word, INT8_MAGIC, INT8_SELECT | byte)) - float32(8388608.0)  # 2^23
 
     @device
     def f32x4(x32, t, o):
@@ -1092,12 +1117,141 @@ def q3_k_unit(tokens: int, x_bf16: bool):
     return q3_k_unit
 
 
+@device
+def k_unit_scales(ww, row, first, u):
+    """Q4_K / Q5_K: the scales d sc and mins dmin m (float32) of unit u's sub-blocks 2 p and 2 p + 1
+    (p = u % 4: k_nibble_unit) from the block at word `first`. Its first 16-byte piece is d and
+    dmin (fp16, in word dw) and the scale words s0, s1, s2 (host.quants.k_scale_min's 12 bytes, a
+    word at a time): the 6-bit scales and mins of sub-blocks 0 .. 3 are the low bits of s0's and
+    s1's bytes; those of 4 .. 7 are s2's low and high nibbles, topped by the top pairs of s0's and s1's."""
+    dw, s0, s1, s2 = load_words4(ww, row, first)
+    d, dmin = f16x2_f32(dw)
+    if u & U2:  # p >= 2: sub-blocks 4 .. 7
+        sc = (s2 & LOW_NIBBLES) | ((s0 >> 2) & TOP_PAIRS)
+        mn = ((s2 >> 4) & LOW_NIBBLES) | ((s1 >> 2) & TOP_PAIRS)
+    else:
+        sc = s0 & LOW_SIX
+        mn = s1 & LOW_SIX
+    b = (u & U1) << U1  # sub-block 2 p's byte of those words
+    return d * uint8_at(sc, b), dmin * uint8_at(mn, b), d * uint8_at(sc, b + U1), dmin * uint8_at(mn, b + U1)
+
+
+@device
+def q4_k_levels(ww, row, first, u):
+    """Q4_K unit u's levels, one a byte in 32-bit words: the low nibbles of its 32 level bytes
+    qs[32 p ..] (two 16-byte loads) in eight words, then their high nibbles in eight."""
+    o = first + uint64(Q4_K_QS_WORD) + U8 * (u & U3)
+    w0, w1, w2, w3 = load_words4(ww, row, o)
+    w4, w5, w6, w7 = load_words4(ww, row, o + U4)
+    return (w0 & LOW_NIBBLES, w1 & LOW_NIBBLES, w2 & LOW_NIBBLES, w3 & LOW_NIBBLES,
+            w4 & LOW_NIBBLES, w5 & LOW_NIBBLES, w6 & LOW_NIBBLES, w7 & LOW_NIBBLES,
+            (w0 >> 4) & LOW_NIBBLES, (w1 >> 4) & LOW_NIBBLES, (w2 >> 4) & LOW_NIBBLES, (w3 >> 4) & LOW_NIBBLES,
+            (w4 >> 4) & LOW_NIBBLES, (w5 >> 4) & LOW_NIBBLES, (w6 >> 4) & LOW_NIBBLES, (w7 >> 4) & LOW_NIBBLES)
+
+
+@device
+def fifth_bits(levels, qh, j):
+    """Four levels, one a byte, with bit j of the four bytes of qh as their bit 4."""
+    return levels | (((qh >> j) & LOW_BITS) << 4)
+
+
+@device
+def q5_k_levels(ww, row, first, u):
+    """Q5_K unit u's levels: Q4_K's nibbles with their fifth bits, bit 2 p (low nibbles) and 2 p + 1
+    (high) of the block's 32 qh bytes (bit j of qh[i] is value 32 j + i's; two more 16-byte loads)."""
+    o = first + uint64(Q5_K_QS_WORD) + U8 * (u & U3)
+    w0, w1, w2, w3 = load_words4(ww, row, o)
+    w4, w5, w6, w7 = load_words4(ww, row, o + U4)
+    q0, q1, q2, q3 = load_words4(ww, row, first + uint64(Q5_K_QH_WORD))
+    q4, q5, q6, q7 = load_words4(ww, row, first + uint64(Q5_K_QH_WORD) + U4)
+    j = (u & U3) << U1  # 2 p
+    h = j + U1
+    return (fifth_bits(w0 & LOW_NIBBLES, q0, j), fifth_bits(w1 & LOW_NIBBLES, q1, j),
+            fifth_bits(w2 & LOW_NIBBLES, q2, j), fifth_bits(w3 & LOW_NIBBLES, q3, j),
+            fifth_bits(w4 & LOW_NIBBLES, q4, j), fifth_bits(w5 & LOW_NIBBLES, q5, j),
+            fifth_bits(w6 & LOW_NIBBLES, q6, j), fifth_bits(w7 & LOW_NIBBLES, q7, j),
+            fifth_bits((w0 >> 4) & LOW_NIBBLES, q0, h), fifth_bits((w1 >> 4) & LOW_NIBBLES, q1, h),
+            fifth_bits((w2 >> 4) & LOW_NIBBLES, q2, h), fifth_bits((w3 >> 4) & LOW_NIBBLES, q3, h),
+            fifth_bits((w4 >> 4) & LOW_NIBBLES, q4, h), fifth_bits((w5 >> 4) & LOW_NIBBLES, q5, h),
+            fifth_bits((w6 >> 4) & LOW_NIBBLES, q6, h), fifth_bits((w7 >> 4) & LOW_NIBBLES, q7, h))
+
+
+@device
+def levels16(words):
+    """The sixteen levels of four words, one a byte, as float32."""
+    w0, w1, w2, w3 = words
+    return (uint8_at(w0, 0), uint8_at(w0, 1), uint8_at(w0, 2), uint8_at(w0, 3),
+            uint8_at(w1, 0), uint8_at(w1, 1), uint8_at(w1, 2), uint8_at(w1, 3),
+            uint8_at(w2, 0), uint8_at(w2, 1), uint8_at(w2, 2), uint8_at(w2, 3),
+            uint8_at(w3, 0), uint8_at(w3, 1), uint8_at(w3, 2), uint8_at(w3, 3))
+
+
+@device
+def sum16(a):
+    """The sum of a 16-tuple, pairwise."""
+    return ((((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])))
+            + (((a[8] + a[9]) + (a[10] + a[11])) + ((a[12] + a[13]) + (a[14] + a[15]))))
+
+
+def k_nibble_unit(block_words: int, levels, rows: int):
+    """The Q4_K / Q5_K stream unit of `rows` rows (1, or 2 for the GEMV: the inputs, read, unpacked
+    and summed once for both rows, cost half as much a row), blocks of `block_words` words whose
+    levels `levels` reads (q4_k_levels, q5_k_levels). Unit u (StreamUnit shift K_UNIT_SHIFT) is the
+    32 level bytes qs[32 p .. 32 p + 31] of block u // 4 (p = u % 4): their low nibbles are the
+    block's values 64 p .. 64 p + 31 (sub-block 2 p), their high nibbles the 32 after (2 p + 1).
+    The mins are folded in as in q2_k_unit, d sc * sum(q x) - dmin m * sum(x) per 16 values, so a
+    value enters as its two parts (tests/bounds.py's split terms); levels become floats by the
+    exponent trick (uint8_at), once for all the tokens."""
+    def make(tokens: int, x_bf16: bool):
+        x16 = x16_bf16 if x_bf16 else x16_f32
+
+        @device
+        def group(x32, xo, g, n_tokens, acc, a, scale_a, min_a, b, scale_b, min_b, second):
+            """Sixteen values of the row, levels a in four words (b: the second row's), times every
+            token's inputs 16 g .. 16 g + 15, into acc[t] (the second row's acc[tokens + t])."""
+            qa = levels16(a)
+            qb = levels16(b) if rows == 2 else qa
+            for t in range(tokens):
+                if t < n_tokens:
+                    xs = x16(x32, t, xo, g)
+                    sx = sum16(xs)
+                    acc[t] += scale_a * dot16(qa, xs) - min_a * sx
+                    if second:
+                        acc[tokens + t] += scale_b * dot16(qb, xs) - min_b * sx
+
+        @device
+        def k_nibble_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+            second = rows == 2 and row + 1 < ww.shape[0]
+            other = row + 1 if second else row
+            first = uint64(block_words) * (u >> U2)
+            la = levels(ww, row, first, u)
+            sa = k_unit_scales(ww, row, first, u)
+            lb = levels(ww, other, first, u) if rows == 2 else la
+            sb = k_unit_scales(ww, other, first, u) if rows == 2 else sa
+            g = U4 * u  # the inputs of sub-block 2 p are 16 g .. 16 g + 31, those of 2 p + 1 the 32 after
+            group(x32, xo, g, n_tokens, acc, la[0:4], sa[0], sa[1], lb[0:4], sb[0], sb[1], second)
+            group(x32, xo, g + U1, n_tokens, acc, la[4:8], sa[0], sa[1], lb[4:8], sb[0], sb[1], second)
+            group(x32, xo, g + U2, n_tokens, acc, la[8:12], sa[2], sa[3], lb[8:12], sb[2], sb[3], second)
+            group(x32, xo, g + U3, n_tokens, acc, la[12:], sa[2], sa[3], lb[12:], sb[2], sb[3], second)
+
+        return k_nibble_unit
+
+    return make
+
+
+def k_nibble_stream(block_words: int, levels) -> tuple[StreamUnit, StreamUnit]:
+    """Q4_K / Q5_K's stream units: one row a unit, two in flight (the partial-sum products), and the
+    GEMV's two rows a unit, one in flight."""
+    return (StreamUnit(k_nibble_unit(block_words, levels, 1), K_UNIT_SHIFT, 2),
+            StreamUnit(k_nibble_unit(block_words, levels, 2), K_UNIT_SHIFT, 1, rows=2))
+
+
 
 def chunk_unit(dequant):
     """The generic stream unit of a type with a chunk dequantiser (StreamUnit shift 5, one in
     flight): unit u is chunk u of the row, dequantised into a local array, then dotted with each
     token's 32 inputs (8 at a time: one 16-byte load of bf16, two of fp32). Correct for any type;
-    a type's own unit (Q8_0, Q2_K) is what makes it fast."""
+    a type's own unit (Q8_0, Q2_K, Q4_K, Q5_K) is what makes it fast."""
     def make(tokens: int, x_bf16: bool):
         x8 = x8_bf16 if x_bf16 else x8_f32
 
@@ -1299,6 +1453,8 @@ def _entry(gtype: GGMLType | RowType, dequant, stream: StreamUnit, tc: TcType | 
                              gemv)
 
 
+Q4_K_STREAM, Q4_K_GEMV = k_nibble_stream(Q4_K_WORDS, q4_k_levels)
+Q5_K_STREAM, Q5_K_GEMV = k_nibble_stream(Q5_K_WORDS, q5_k_levels)
 DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
     _entry(GGMLType.F32, dequant_f32, StreamUnit(f32_unit, 2, 2)),
     _entry(GGMLType.F16, dequant_f16, StreamUnit(f16_unit, 3, 2)),
@@ -1312,12 +1468,10 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
     # no tensor-core pieces (prefill takes the gemm kernel) for these yet
     _entry(GGMLType.Q3_K, dequant_q3_k, StreamUnit(q3_k_unit, 6, 2), layout="split", weight_rows=padded_split_q3_k,
            weight_dequant=dequant_q3_k_split),
+    _entry(GGMLType.Q4_K, dequant_q4_k, Q4_K_STREAM, weight_rows=padded_stored, gemv=Q4_K_GEMV),
+    _entry(GGMLType.Q5_K, dequant_q5_k, Q5_K_STREAM, weight_rows=padded_stored, gemv=Q5_K_GEMV),
     _entry(GGMLType.Q6_K, dequant_q6_k, StreamUnit(q6_k_unit, 6, 2), layout="split", weight_rows=padded_split_q6_k,
            weight_dequant=dequant_q6_k_split),
-    # the generic chunk unit for these
-    *[_entry(gtype, dequant, chunk_stream(dequant), weight_rows=padded_stored) for gtype, dequant in (
-        (GGMLType.Q4_K, dequant_q4_k), (GGMLType.Q5_K, dequant_q5_k))],
-    # its own stream unit on the split layout, no tensor-core pieces (prefill takes the gemm kernel)
     _entry(GGMLType.MXFP4, dequant_mxfp4, StreamUnit(mxfp4_unit, 5, 2), layout="split",
            weight_rows=padded_split_mxfp4, weight_dequant=dequant_mxfp4_split),
     # a table format: the engram row gather reads it (dequant); the loader refuses it for matrices,

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashv41.host.quants import GGMLType, q2_k_terms
+from flashv41.host.quants import GGMLType, q2_k_terms, q4_k_terms, q5_k_terms
 
 U = 2.0**-24  # float32 unit roundoff
 LAMBDA = 8.0  # the high-probability factor of the sqrt(K) product bound (see the module docstring)
@@ -88,9 +88,9 @@ def assert_within(got: np.ndarray, ref: np.ndarray, bound: np.ndarray, what: str
 
 
 # The kernels that add a weight value of these types as its two parts d sc q and dmin m apart (the
-# stream unit and the tensor-core pieces); every other kernel (gemm) dequantises it first.
-SPLIT_KERNELS = {GGMLType.Q2_K: ("stream", "tc")}
-PART_TERMS = {GGMLType.Q2_K: q2_k_terms}
+# stream units, and Q2_K's tensor-core pieces); every other kernel (gemm) dequantises it first.
+SPLIT_KERNELS = {GGMLType.Q2_K: ("stream", "tc"), GGMLType.Q4_K: ("stream",), GGMLType.Q5_K: ("stream",)}
+PART_TERMS = {GGMLType.Q2_K: q2_k_terms, GGMLType.Q4_K: q4_k_terms, GGMLType.Q5_K: q5_k_terms}
 
 
 def part_magnitudes(gtype: GGMLType, stored: np.ndarray, k: int) -> np.ndarray:

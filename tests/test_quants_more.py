@@ -29,7 +29,7 @@ from flashv41.stages.quant_types import DEVICE_TYPES, chunk_stream, e2m1_word
 from tests.bounds import BOUND_RULE, assert_bf16_product, assert_f32_product
 from tests.mutants import edited, mutant
 from tests.test_linear import check_linear
-from tests.test_mutants_products import MUTANTS, SCALE, rejected, run_mutant
+from tests.test_mutants_products import MUTANTS, SCALE, rejected, run_mutant, scaled_values
 
 NEW = [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.MXFP4]
 K_QUANTS = NEW[:4]
@@ -418,25 +418,22 @@ def test_mxfp4_corner_mutants(old, new, failure):
 # ------------------------------------------------------------------------------ mutants
 
 
-def scaled_chunk_types(gtype: GGMLType) -> dict:
-    """The table with `gtype`'s chunk stream unit built on a dequantiser 1% large."""
+def chunk_unit_types(gtype: GGMLType, dequant) -> dict:
+    """The table with `gtype`'s stream units (the GEMV's and the partial sums') the generic chunk
+    unit on `dequant`."""
     qt = DEVICE_TYPES[gtype]
-    dequant = qt.dequant  # a kernel reads a closure's functions, not a dataclass's attributes
-
-    @device
-    def scaled(w, row, chunk, out):
-        dequant(w, row, chunk, out)
-        for i in range(CHUNK):
-            out[i] *= SCALE
-
-    return {**DEVICE_TYPES, gtype: dataclasses.replace(qt, stream=chunk_stream(scaled))}
+    return {**DEVICE_TYPES, gtype: dataclasses.replace(qt, stream=chunk_stream(dequant), gemv=None)}
 
 
-def test_stream_mutant_scaled_dequant():
-    """A 1%-scaled Q4_K dequantiser inside the chunk unit: the stream check rejects it."""
+def test_chunk_unit_and_its_mutant():
+    """The generic chunk unit (Q3_K's, Q6_K's and MXFP4's) on Q4_K rows: the stream check passes it
+    on the real dequantiser and rejects it on one 1% large; then Q4_K's own units pass the same."""
     w, wq = random_weight(GGMLType.Q4_K, 24, 256, 8)
-    with mutant(stages.linear, DEVICE_TYPES=scaled_chunk_types(GGMLType.Q4_K)):
+    dequant = DEVICE_TYPES[GGMLType.Q4_K].dequant  # a kernel reads a closure's functions, not a dataclass's attributes
+    with mutant(stages.linear, DEVICE_TYPES=chunk_unit_types(GGMLType.Q4_K, scaled_values(dequant))):
         rejected(check_linear, w, wq, 3, "stream", seed=1)
+    with mutant(stages.linear, DEVICE_TYPES=chunk_unit_types(GGMLType.Q4_K, dequant)):
+        check_linear(w, wq, 3, "stream", seed=1)
     check_linear(w, wq, 3, "stream", seed=1)
 
 

@@ -5,8 +5,9 @@ mutants built by tests/mutants.py:
 - truncate: the bf16 output rounding truncates (f32_to_bf16 drops the low half of the bits);
 - drop: one term of each output's dot product is lost (gemm: the first value of every row, as a
   weight dequantiser that zeroes it; stream: the first unit of every row, 16 Q8_0 / Q2_K values,
-  64 Q6_K / Q3_K ones, 8 BF16 ones or an MXFP4 block's 32, taken back out of the sum; tc: the
-  first weight of every row in the staged tile, for Q2_K its d sc q part, the dmin m part staying);
+  64 Q6_K / Q3_K / Q4_K / Q5_K ones, 8 BF16 ones or an MXFP4 block's 32, taken back out of the sum;
+  tc: the first weight of every row in the staged tile, for Q2_K its d sc q part, the dmin m part
+  staying);
 - scale: a 1% scale error (gemm: every block's values 1.01x, as a wrong block scale; stream: every
   row's walked sums 1.01x; tc: every tensor-core step's contribution 1.01x).
 
@@ -53,7 +54,8 @@ from tests.test_linear_tc import FLASH, check_tc, stored_rows
 
 MUTANTS = ["truncate", "drop", "scale"]
 SCALE = float32(1.01)
-STREAM_TYPES = [GGMLType.Q8_0, GGMLType.BF16, GGMLType.Q2_K, GGMLType.MXFP4, GGMLType.Q6_K, GGMLType.Q3_K]
+STREAM_TYPES = [GGMLType.Q8_0, GGMLType.BF16, GGMLType.Q2_K, GGMLType.MXFP4, GGMLType.Q6_K, GGMLType.Q3_K,
+                GGMLType.Q4_K, GGMLType.Q5_K]
 
 
 @device
@@ -212,8 +214,8 @@ def test_f32_in_and_gemm_mutants(kernel, tokens, x_f32, kind):
 
 
 @pytest.mark.parametrize("kind", ["drop", "scale"])
-@pytest.mark.parametrize("kernel,gtype", [("stream", GGMLType.Q2_K), ("gemm", GGMLType.Q2_K)],
-                         ids=["stream-Q2_K", "gemm-Q2_K"])
+@pytest.mark.parametrize("kernel,gtype", [("stream", GGMLType.Q2_K), ("gemm", GGMLType.Q2_K),
+                                          ("stream", GGMLType.Q4_K)], ids=["stream-Q2_K", "gemm-Q2_K", "stream-Q4_K"])
 def test_f32_out_mutants(kernel, gtype, kind):
     """fp32 out: no bit-equality to check, so the sqrt(K) bound alone must catch these."""
     w, wq = small_weight(gtype)

@@ -26,7 +26,7 @@ from flashv41.host.quants import FORMATS, MXFP4_BLOCK, MXFP4_DOUBLED, GGMLType, 
 from flashv41.stages.device import CHUNK, device
 from flashv41.stages.linear import DeviceWeight, linear, stream_partials
 from flashv41.stages.quant_types import DEVICE_TYPES, chunk_stream, e2m1_word
-from tests.bounds import BOUND_RULE, assert_bf16_product, assert_f32_product
+from tests.bounds import BOUND_RULE, assert_bf16_product, assert_f32_product, split_terms
 from tests.mutants import edited, mutant
 from tests.test_linear import check_linear
 from tests.test_mutants_products import MUTANTS, SCALE, rejected, run_mutant, scaled_values
@@ -348,6 +348,54 @@ def test_mxfp4_stream_partials():
     stream_partials(cuda.to_device(x), w, partial, tokens)
     got = partial.copy_to_host().astype(np.float64).sum(axis=2)
     assert_f32_product(got[:, :w.n], x, wq, f"MXFP4 stream_partials T={tokens}")
+
+
+# Q4_K's and Q5_K's own stream units (stages.quant_types.k_nibble_unit): one row a unit for the
+# partial sums, two for the GEMV; each adds a value's two parts apart (tests/bounds.py's split
+# terms). A bf16-out check has at least 100 outputs a group, so the 99% rule allows an output whose
+# exact value sits at a bf16 rounding boundary (the fp32 sum lands either side of it).
+
+NIBBLE = [GGMLType.Q4_K, GGMLType.Q5_K]
+
+
+@pytest.mark.parametrize("gtype", NIBBLE, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k,tokens", [(101, 1024, 1), (35, 2304, 3), (13, 2304, 8)])
+def test_nibble_stream_long_rows(gtype, n, k, tokens):
+    """Rows of 4 and 9 blocks, odd row counts (the GEMV's last row a unit's alone), token caps 1, 4
+    and 8. Simulator: 100% bit-equal."""
+    w, wq = random_weight(gtype, n, k, int(gtype) + k + tokens)
+    check_linear(w, wq, tokens, "stream", seed=tokens)
+
+
+@pytest.mark.parametrize("gtype", NIBBLE, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,tokens,out", [(101, 1, "bf16"), (5, 3, "f32")])
+def test_nibble_stream_f32_in(gtype, n, tokens, out):
+    """fp32 inputs, bf16 and fp32 out. Simulator: 100% bit-equal; fp32 out: largest error 0.1% of
+    the bound."""
+    w, wq = random_weight(gtype, n, 512, int(gtype) + tokens)
+    check_linear(w, wq, tokens, "stream", out_bf16=out == "bf16", x_f32=True, seed=tokens)
+
+
+@pytest.mark.parametrize("gtype", NIBBLE, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,tokens", [(100, 1), (34, 3)])
+def test_nibble_stream_grouped(gtype, rows, tokens):
+    """Two groups of `rows` rows, each reading its own slice of the inputs."""
+    w, wq = random_weight(gtype, 2 * rows, 256, int(gtype) + 20 + tokens)
+    check_linear(w, wq, tokens, "stream", group_rows=rows, seed=tokens)
+
+
+@pytest.mark.parametrize("gtype", NIBBLE, ids=lambda t: t.name)
+def test_nibble_stream_partials(gtype):
+    """The hc mixes' product: 11 tokens (two token groups) over 3 uneven slices of K = 1024, fp32 x,
+    the slices' sum against the fp32 product bound of the split terms."""
+    w, wq = random_weight(gtype, 5, 1024, int(gtype) + 30)
+    tokens, slices = 11, 3
+    x = np.random.default_rng(6).standard_normal((tokens, w.k)).astype(np.float32)
+    partial = cuda.device_array((tokens, w.n + 1, slices), np.float32)
+    stream_partials(cuda.to_device(x), w, partial, tokens)
+    got = partial.copy_to_host().astype(np.float64).sum(axis=2)
+    terms = split_terms(gtype, w.data.copy_to_host(), w.k, "stream")
+    assert_f32_product(got[:, :w.n], x, wq, f"{gtype.name} stream_partials T={tokens}", **terms)
     squares = (x.astype(np.float64) ** 2).sum(axis=1)
     assert np.allclose(got[:, w.n], squares, rtol=1e-5)
 
@@ -435,6 +483,32 @@ def test_chunk_unit_and_its_mutant():
     with mutant(stages.linear, DEVICE_TYPES=chunk_unit_types(GGMLType.Q4_K, dequant)):
         check_linear(w, wq, 3, "stream", seed=1)
     check_linear(w, wq, 3, "stream", seed=1)
+
+
+# decoding mistakes in Q4_K's and Q5_K's own units, each an edit of stages.quant_types' source
+NIBBLE_MUTANTS = {
+    "fifth-bits-of-the-low-nibbles": (GGMLType.Q5_K, "q5_k_levels", "h = j + U1", "h = j"),
+    "mins-without-top-bits": (GGMLType.Q4_K, "k_unit_scales", " | ((s1 >> 2) & TOP_PAIRS)", ""),
+    "second-row-reads-the-first": (GGMLType.Q4_K, "k_nibble_unit", "other = row + 1 if second else row",
+                                   "other = row"),
+}
+
+
+@pytest.mark.parametrize("name", NIBBLE_MUTANTS)
+def test_nibble_decode_mutants(name):
+    """The stream check rejects each decoding mistake (the units rebuilt on the edited function
+    inside the mutant), then passes the real units on the same rows."""
+    gtype, function, old, new = NIBBLE_MUTANTS[name]
+    w, wq = random_weight(gtype, 24, 512, 10)
+    qt = stages.quant_types
+    with mutant(qt, **{function: edited(qt, function, old, new)}):
+        levels, words = (qt.q4_k_levels, qt.Q4_K_WORDS) if gtype == GGMLType.Q4_K else (qt.q5_k_levels, qt.Q5_K_WORDS)
+        stream, gemv = qt.k_nibble_stream(words, levels)
+        table = {**DEVICE_TYPES, gtype: dataclasses.replace(DEVICE_TYPES[gtype], stream=stream, gemv=gemv)}
+        with mutant(stages.linear, DEVICE_TYPES=table):
+            rejected(check_linear, w, wq, 3, "stream", seed=5)
+    check_linear(w, wq, 3, "stream", seed=5)
+
 
 
 @pytest.mark.parametrize("gtype", SPLIT, ids=lambda t: t.name)

@@ -296,19 +296,26 @@ def test_split_grouped(gtype, kernel, tokens, x_f32):
     check_linear(w, wq, tokens, kernel, group_rows=5, x_f32=x_f32, seed=tokens)
 
 
-@pytest.mark.parametrize("gtype", SPLIT, ids=lambda t: t.name)
-def test_stream_partials(gtype):
-    """The hc mixes' product: 3 slices of K = 1280 (5 blocks: the slices' ends inside blocks), fp32 x,
-    against the fp32 product bound."""
-    w, wq = random_weight(gtype, 5, 1280, 3)
-    tokens, slices = 3, 3
-    x = np.random.default_rng(4).standard_normal((tokens, w.k)).astype(np.float32)
+def check_stream_partials(gtype: GGMLType, k: int, tokens: int, seed: int, x_seed: int) -> None:
+    """The hc mixes' product of 5 rows: `tokens` tokens of fp32 x over 3 slices of K, the slices'
+    sum against the fp32 product bound (of the split terms where the unit adds a value's two parts
+    apart), and the inputs' square sums."""
+    w, wq = random_weight(gtype, 5, k, seed)
+    slices = 3
+    x = np.random.default_rng(x_seed).standard_normal((tokens, w.k)).astype(np.float32)
     partial = cuda.device_array((tokens, w.n + 1, slices), np.float32)
     stream_partials(cuda.to_device(x), w, partial, tokens)
     got = partial.copy_to_host().astype(np.float64).sum(axis=2)
-    assert_f32_product(got[:, :w.n], x, wq, f"{gtype.name} stream_partials T={tokens}")
+    terms = split_terms(gtype, w.data.copy_to_host(), w.k, "stream")
+    assert_f32_product(got[:, :w.n], x, wq, f"{gtype.name} stream_partials T={tokens}", **terms)
     squares = (x.astype(np.float64) ** 2).sum(axis=1)
     assert np.allclose(got[:, w.n], squares, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gtype", SPLIT, ids=lambda t: t.name)
+def test_stream_partials(gtype):
+    """3 tokens over 3 slices of K = 1280 (5 blocks: the slices' ends inside blocks)."""
+    check_stream_partials(gtype, 1280, 3, 3, 4)
 
 
 # MXFP4's own stream unit (split layout): rows of odd block counts, odd row counts, fp32 x, groups,
@@ -339,15 +346,8 @@ def test_mxfp4_grouped(tokens):
 
 
 def test_mxfp4_stream_partials():
-    """The hc mixes' product with MXFP4 rows: fp32 x, 11 tokens (two token groups) over 3 slices of
-    K = 2080's 65 blocks, the slices' sum against the fp32 product bound."""
-    w, wq = random_weight(GGMLType.MXFP4, 5, 2080, 40)
-    tokens, slices = 11, 3
-    x = np.random.default_rng(41).standard_normal((tokens, w.k)).astype(np.float32)
-    partial = cuda.device_array((tokens, w.n + 1, slices), np.float32)
-    stream_partials(cuda.to_device(x), w, partial, tokens)
-    got = partial.copy_to_host().astype(np.float64).sum(axis=2)
-    assert_f32_product(got[:, :w.n], x, wq, f"MXFP4 stream_partials T={tokens}")
+    """11 tokens (two token groups) over 3 slices of K = 2080's 65 blocks."""
+    check_stream_partials(GGMLType.MXFP4, 2080, 11, 40, 41)
 
 
 # Q4_K's and Q5_K's own stream units (stages.quant_types.k_nibble_unit): one row a unit for the
@@ -386,18 +386,8 @@ def test_nibble_stream_grouped(gtype, rows, tokens):
 
 @pytest.mark.parametrize("gtype", NIBBLE, ids=lambda t: t.name)
 def test_nibble_stream_partials(gtype):
-    """The hc mixes' product: 11 tokens (two token groups) over 3 uneven slices of K = 1024, fp32 x,
-    the slices' sum against the fp32 product bound of the split terms."""
-    w, wq = random_weight(gtype, 5, 1024, int(gtype) + 30)
-    tokens, slices = 11, 3
-    x = np.random.default_rng(6).standard_normal((tokens, w.k)).astype(np.float32)
-    partial = cuda.device_array((tokens, w.n + 1, slices), np.float32)
-    stream_partials(cuda.to_device(x), w, partial, tokens)
-    got = partial.copy_to_host().astype(np.float64).sum(axis=2)
-    terms = split_terms(gtype, w.data.copy_to_host(), w.k, "stream")
-    assert_f32_product(got[:, :w.n], x, wq, f"{gtype.name} stream_partials T={tokens}", **terms)
-    squares = (x.astype(np.float64) ** 2).sum(axis=1)
-    assert np.allclose(got[:, w.n], squares, rtol=1e-5)
+    """11 tokens (two token groups) over 3 uneven slices of K = 1024, the split terms' bound."""
+    check_stream_partials(gtype, 1024, 11, int(gtype) + 30, 6)
 
 
 FINITE_EXPONENTS = [0, 1, 2, 3, 64, 127, 200, 240]  # Gaussian x times any codes: finite products

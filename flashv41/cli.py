@@ -191,9 +191,24 @@ def info_command(args: argparse.Namespace) -> int:
         print(describe_tensors(model))
         print()
         print(estimate.table())
+        if cfg.engram is not None:
+            print()
+            print(describe_residencies(cfg, model, max_seq, args.max_tokens))
     finally:
         model.close()
     return 0
+
+
+def describe_residencies(cfg: ModelConfig, model: Model, max_seq: int, max_tokens: int) -> str:
+    """One line per table residency: the device memory of an engine with one sequence, and the host
+    memory its engram tables take beside it (`info`, whichever residency it was given)."""
+    lines = ["by table residency (one sequence):"]
+    for residency in TABLE_RESIDENCIES:
+        e = estimate_memory(cfg, model.weights, max_seq, max_tokens, residency)
+        where = {"device": "", "pinned": f", {format_bytes(e.host_table_bytes)} of pinned host memory",
+                 "host": f", tables read from the file ({format_bytes(e.host_table_bytes)})"}[residency]
+        lines.append(f"  {residency:<7} {format_bytes(e.total_bytes(1)):>10} on the device{where}")
+    return "\n".join(lines)
 
 
 # ModelConfig fields by topic, for `info`; a field missing here still prints, under "other".

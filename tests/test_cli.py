@@ -62,6 +62,9 @@ def test_info_with_host_tables(tiny_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["info", str(tiny_path), "--table-residency", "host"]) == 0
     out = capsys.readouterr().out
     assert "engram tables on the host" in out and "(host)" in out
+    plans = out[out.index("by table residency (one sequence):"):].splitlines()[1:]
+    assert [line.split()[0] for line in plans] == ["device", "pinned", "host"]
+    assert "pinned host memory" in plans[1] and "read from the file" in plans[2]
 
 
 def test_module_help() -> None:

@@ -155,3 +155,8 @@ def test_realtables_full_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]
             assert float(weights.group(1)) > 60, out
         else:
             assert f"{HOST_TABLE_LINE[residency]} " in out and table_total in out and float(weights.group(1)) < 10
+    # whichever residency it is given, info ends with every residency's plan side by side
+    plans = out[out.index("by table residency"):].splitlines()[1:]
+    assert [line.split()[0] for line in plans] == list(RESIDENCIES)
+    assert f"{table_total} of pinned host memory" in plans[1] and "read from the file" in plans[2]
+    assert float(plans[0].split()[1]) > 60 and float(plans[1].split()[1]) < 10

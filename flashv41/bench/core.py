@@ -82,6 +82,7 @@ MIN_REPS = 20
 L2_FALLBACK = 50 << 20  # an H200's L2, when the driver does not report one
 HBM_FACTOR = 4  # data >= 4x L2 is read from HBM whatever the previous repetition left
 EVICT_FACTOR = 3  # the evictor reads 3x L2: every line the previous repetition left is replaced
+PEAK_TFLOPS = 790.0  # H200 dense bf16, as docs/performance.md gives it (the rows' compute bounds)
 
 T = TypeVar("T")
 

@@ -50,6 +50,7 @@ import numpy as np
 
 from flashv41.bench.core import (
     HOST,
+    PEAK_TFLOPS,
     BenchCase,
     BenchContext,
     BenchOptions,
@@ -273,7 +274,6 @@ def real_case(residency: str) -> BenchCase:
 
         from numba import cuda
 
-        from flashv41.bench.prefill import PEAK_TFLOPS
         from flashv41.host.engram_hash_fast import FastEngramHasher
         from flashv41.stages.engram import EngramStage
 

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashv41.bench.core import BenchCase, BenchContext, BenchOptions, BenchRow, L2Plan
+from flashv41.bench.core import PEAK_TFLOPS, BenchCase, BenchContext, BenchOptions, BenchRow, L2Plan
 from flashv41.bench.gemv import SHAPES, time_product
 
 PREFILL_TOKENS = 4096
-PEAK_TFLOPS = 790.0  # H200 dense bf16, as docs/performance.md gives it
 
 
 def cublas_time(ctx: BenchContext, t: int, n: int, k: int, groups: int) -> tuple[float, L2Plan] | None:

@@ -104,9 +104,11 @@ def test_truncated_in_the_data(tiny_path: Path, tmp_path: Path, keep: float) -> 
 def test_damaged_headers_fail_cleanly_and_quickly(tiny_path: Path, tmp_path: Path) -> None:
     """300 copies of the tiny model with one to three header bytes overwritten at random (seeded):
     each loads (the bytes were padding, a name's letter, or a value that is still valid) or raises a
-    FlashError, never another exception, and within a second. Before host.gguf_model guarded it, a
-    damaged array length made gguf-py loop 2^40 times, and a damaged vocab_size padded the token
-    map to gigabytes."""
+    FlashError, never another exception, and within a second (a load of these takes 7-25 ms; one
+    that takes a second is loaded again, and the faster of the two must be under it, so that a
+    pause of the machine's own, a GC or a page-cache flush, fails nothing, while a parse that is
+    slow in itself fails both times). Before host.gguf_model guarded it, a damaged array length
+    made gguf-py loop 2^40 times, and a damaged vocab_size padded the token map to gigabytes."""
     data = bytearray(tiny_path.read_bytes())
     header = int(GGUFReader(tiny_path).data_offset)
     rng = np.random.default_rng(8)
@@ -117,14 +119,23 @@ def test_damaged_headers_fail_cleanly_and_quickly(tiny_path: Path, tmp_path: Pat
         for _ in range(int(rng.integers(1, 4))):
             damaged[int(rng.integers(0, header))] = int(rng.integers(0, 256))
         path.write_bytes(damaged)
-        start = time.perf_counter()
-        try:
-            flashv41.load_model(path).close()
-            outcomes["loaded"] += 1
-        except FlashError:
-            outcomes["refused"] += 1
-        assert time.perf_counter() - start < 1.0, "a damaged header took over a second"
+        outcome, seconds = timed_load(path)
+        if seconds >= 1.0:
+            seconds = min(seconds, timed_load(path)[1])
+        outcomes[outcome] += 1
+        assert seconds < 1.0, "a damaged header took over a second, twice"
     assert outcomes["refused"] > 250, outcomes
+
+
+def timed_load(path: Path) -> tuple[str, float]:
+    """("loaded" or "refused", the seconds load_model took); any error but a FlashError propagates."""
+    start = time.perf_counter()
+    try:
+        flashv41.load_model(path).close()
+        outcome = "loaded"
+    except FlashError:
+        outcome = "refused"
+    return outcome, time.perf_counter() - start
 
 
 def test_huge_metadata_array_length(tiny_path: Path, tmp_path: Path) -> None:

@@ -570,11 +570,8 @@ if SIM:
     def small_int(bits):
         return np.float32(int(bits))
 
-    def int8_at(flipped, byte):
-        return np.float32(((int(flipped) >> (8 * byte)) & 0xFF) - 128)
-
-    def uint8_at(word, byte):
-        return np.float32((int(word) >> (8 * int(byte))) & 0xFF)
+    def byte_less(word, byte, magic):
+        return np.float32(((int(word) >> (8 * int(byte))) & 0xFF) + 8388608) - magic
 
     def f32x4(x32, t, o):
         """Four fp32 inputs x[t, o .. o + 3] of the 32-bit-word view (o a multiple of 4)."""
@@ -612,16 +609,11 @@ else:
         return f32_from_bits(0x4B000000 | bits) - float32(8388608.0)
 
     @device
-    def int8_at(flipped, byte):
-        """Byte `byte` of a 32-bit word as a signed int8 value q, in float32, given the word with every
-        byte's top bit flipped (each byte then holds q + 128): one byte permute puts it under the
-        exponent of 2^23 (bytes 4, 5, 7 of the pair are 0x4B000000's), one subtraction."""
-        return f32_from_bits(byte_perm(flipped, INT8_MAGIC, INT8_SELECT | byte)) - float32(8388736.0)  # 2^23 + 128
-
-    @device
-    def uint8_at(word, byte):
-        """Byte `byte` of a 32-bit word (0 .. 255) as float32: int8_at's byte permute, without the flip."""
-        return f32_from_bits(byte_perm(word, INT8_MAGIC, INT8_SELECT | byte)) - float32(8388608.0)  # 2^23
+    def byte_less(word, byte, magic):
+        """Byte `byte` of a 32-bit word less an offset o, in float32, exactly, given magic = 2^23 + o:
+        one byte permute puts the byte under the exponent of 2^23 (bytes 4, 5, 7 of the pair are
+        0x4B000000's), one subtraction: two full-rate instructions, no int-to-float conversion."""
+        return f32_from_bits(byte_perm(word, INT8_MAGIC, INT8_SELECT | byte)) - magic
 
     @device
     def f32x4(x32, t, o):
@@ -635,6 +627,23 @@ else:
         x0, x1 = bf16_pair(x32[t, o])
         x2, x3 = bf16_pair(x32[t, o + U1])
         return x0, x1, x2, x3
+
+
+INT8_LESS = float32(8388736.0)  # 2^23 + 128: int8_at's magic
+UINT8_LESS = float32(8388608.0)  # 2^23: uint8_at's
+
+
+@device
+def int8_at(flipped, byte):
+    """Byte `byte` of a 32-bit word as a signed int8 value q, in float32, given the word with every
+    byte's top bit flipped (each byte then holds q + 128): byte_less of 128."""
+    return byte_less(flipped, byte, INT8_LESS)
+
+
+@device
+def uint8_at(word, byte):
+    """Byte `byte` of a 32-bit word (0 .. 255) as float32: byte_less of nothing."""
+    return byte_less(word, byte, UINT8_LESS)
 
 
 @device
@@ -888,15 +897,10 @@ def q2_k_unit(tokens: int, x_bf16: bool):
     return q2_k_unit
 
 
-if SIM:
-    def e2m1_at(offsets, byte):
-        return np.float32(((int(offsets) >> (8 * byte)) & 0xFF) - E2M1_BIAS)
-else:
-    @device
-    def e2m1_at(offsets, byte):
-        """Byte `byte` of an e2m1_offsets word as the doubled E2M1 value it holds, in float32: as
-        int8_at, one byte permute puts it under the exponent of 2^23, one subtraction."""
-        return f32_from_bits(byte_perm(offsets, INT8_MAGIC, INT8_SELECT | byte)) - E2M1_MAGIC
+@device
+def e2m1_at(offsets, byte):
+    """Byte `byte` of an e2m1_offsets word as the doubled E2M1 value it holds, in float32 (byte_less)."""
+    return byte_less(offsets, byte, E2M1_MAGIC)
 
 
 @device
@@ -980,17 +984,6 @@ def mxfp4_unit(tokens: int, x_bf16: bool):
 # levels are built four at a time on whole words, each level enters as one exact small integer
 # (byte_less), and each row's scale is decoded once. The rows are four calls with s a literal (a
 # loop over s stays a loop in the PTX, its shifts and word choices decided at run time).
-
-if SIM:
-    def byte_less(word, byte, magic):
-        return np.float32(((int(word) >> (8 * byte)) & 0xFF) + 8388608) - magic
-else:
-    @device
-    def byte_less(word, byte, magic):
-        """Byte `byte` of a 32-bit word less an offset o, in float32, exactly, given magic = 2^23 + o:
-        one byte permute puts the byte under the exponent of 2^23 (as int8_at), one subtraction."""
-        return f32_from_bits(byte_perm(word, INT8_MAGIC, INT8_SELECT | byte)) - magic
-
 
 @device
 def bytes_less16(w0, w1, w2, w3, magic):

@@ -423,7 +423,8 @@ class AttentionStage:
         call's shareds[b]. The products (wq_a, wq_b, wkv, wo_a, wo_b), the q norm and the RoPE run
         once for the B rows, each weight read once; the compressor, indexer, entries, sparse
         attention and ring write run sequence by sequence on its own state, rows and caches, each
-        as `forward` would for that one token (the same kernels on the same values)."""
+        as `forward` would for that one token (the same kernels on the same values; a sequence's
+        ring takes its row right after its own attention read it, no other sequence reading it)."""
         self._check_batch(layer, x, out, states, shareds, starts, n_tokens)
         cfg, s, t = self.cfg, self.stream, n_tokens
         w = self.layers[layer]
@@ -436,19 +437,19 @@ class AttentionStage:
             self._sources_batch(layer, w, states, shareds, x, starts, t, cos, sin)
         for b in range(t):
             rows = slice(b, b + 1)
+            ring = states[b].layers[layer].ring
             entries, comp_rows, selection = self.entries_window[rows], self.kv, None
             if role.ratio > 0:
                 assert self.entries_all is not None  # allocated for a model with ratio > 0 layers
                 entries, comp_rows, selection = self.entries_all[rows], shareds[b].compressed, shareds[b].selection
             # the token's own kv row is the one chunk row its entries name
             build_entries(pos[rows], selection, cfg.window, 1, entries, 1, stream=s)
-            sparse_attention(self.q[rows], states[b].layers[layer].ring, self.kv[rows], comp_rows, entries, w.sinks,
-                             self.scale, self.o[rows], 1, stream=s, workspace=self.sparse_ws)
-        self._project_out(w, out, pos, cos, sin, t)
-        for b in range(t):
-            rows = slice(b, b + 1)
+            sparse_attention(self.q[rows], ring, self.kv[rows], comp_rows, entries, w.sinks, self.scale, self.o[rows],
+                             1, stream=s, workspace=self.sparse_ws)
+            # only this sequence reads its ring, and it has: the token's row goes in
             _ring_write_kernel[grid_1d(cfg.head_dim, COPY_THREADS), COPY_THREADS, s](
-                self.kv[rows], states[b].layers[layer].ring, pos[rows], 1, cfg.head_dim)
+                self.kv[rows], ring, pos[rows], 1, cfg.head_dim)
+        self._project_out(w, out, pos, cos, sin, t)
 
     def _sources_batch(self, layer: int, w: LayerWeights, states: list[AttentionState], shareds: list[SharedRuntime],
                        x: DeviceArray, starts: list[int], t: int, cos: DeviceArray, sin: DeviceArray) -> None:
@@ -545,11 +546,10 @@ class AttentionStage:
         the candidate mask) into `shared`."""
         cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
         assert w.indexer is not None and self.selection is not None and self.candidates is not None
-        selection, candidates = self.selection, self.candidates
-        shared.selection = selection
+        shared.selection = self.selection
         if width == 0:
             # no group is complete yet: nothing to score (the reference skips its indexer too)
-            fill(selection[:t], -1, s)
+            fill(self.selection[:t], -1, s)
             self._mark("select")
             return
         assert shared.index_keys is not None
@@ -559,10 +559,10 @@ class AttentionStage:
         indexer.index_scores(self.iq, self.hw, shared.index_keys, self.index_scale, self.score, t, pos, role.ratio,
                              grid_width, stream=s)
         self._mark("index_scores")
-        indexer.select(cfg, role, self.score, pos, candidates, selection, t, stream=s)
+        indexer.select(cfg, role, self.score, pos, self.candidates, self.selection, t, stream=s)
         self._mark("select")
         if role.candidate_source:
-            shared.candidates, shared.candidate_width = candidates, width
+            shared.candidates, shared.candidate_width = self.candidates, width
         if capture is not None:
             capture["index_score"] = from_bits(self._download(self.score, t)[:, :width])
 

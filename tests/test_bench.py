@@ -305,3 +305,15 @@ def test_real_table_rows_have_the_official_table() -> None:
     names = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q8_0",)))]
     assert [n for n in names if n.startswith("engram.step.real.")] == [
         f"engram.step.real.{r}" for r in ("device", "pinned", "host")]
+
+
+def test_host_link_is_measured_once_a_run() -> None:
+    """A case that needs the host link's bandwidth reads the run's `copy.host_link` row when an
+    earlier case measured it, and adds no second one."""
+    from flashv41.bench import engram
+    from flashv41.bench.core import BenchContext, BenchRow
+
+    link = BenchRow("copy.host_link", 4e-3, 4e-3, bytes=engram.HOST_LINK_BYTES)
+    ctx = BenchContext(BenchOptions(), "a GPU", 4e12, rows=[link])
+    rows: list = []
+    assert engram.host_link_seconds(ctx, rows) == 4e-3 / engram.HOST_LINK_BYTES and rows == []

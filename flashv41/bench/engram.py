@@ -7,8 +7,8 @@
   GEMV, gate) queued behind a sleeping kernel so that Python's launch cost is excluded, as in a
   replayed graph, the table on the device or in pinned host memory; bound = wkv bytes / copy
   bandwidth + the token's row bytes / the bandwidth they cross (the copy bandwidth, or for pinned
-  tables the host link's, measured in the same case: `copy.host_link`, a pinned host-to-device
-  copy of HOST_LINK_BYTES).
+  tables the host link's, measured once in the same run: `copy.host_link`, a pinned
+  host-to-device copy of HOST_LINK_BYTES, in the first case that needs it).
 - `engram.step.<type>.<residency>.python` (P3): whole steps as Python issues them back to back
   (hash, row upload, the three kernels), launch cost included: what the engine gets without a
   graph.
@@ -63,6 +63,7 @@ from flashv41.host.config import EngramConfig
 from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
 from flashv41.host.quants import FORMATS, GGMLType, ggml_type, random_blocks
 from flashv41.host.synth import REAL_ENGRAM_VOCAB, preset
+from flashv41.memory import TABLE_PLACES
 
 HASH_TOKENS = 65536
 HASH_TARGET = 20e6  # token-layers per second (docs/performance.md P6)
@@ -178,9 +179,20 @@ def step_model(options: BenchOptions, real: bool = False):
 HOST_LINK_BYTES = 256 << 20  # the pinned host-to-device copy that measures the host link
 
 
+def host_link_seconds(ctx: BenchContext, rows: list[BenchRow]) -> float:
+    """Seconds a byte takes over the host link (what a pinned or host table's rows cross), from the
+    run's `copy.host_link` row: measured by the first case that needs it, which adds the row to its
+    `rows`; later cases read it from the run's rows."""
+    link = next((r for r in ctx.rows + rows if r.name == "copy.host_link"), None)
+    if link is None:
+        link = host_link_row(ctx)
+        rows.append(link)
+    return link.median_s / HOST_LINK_BYTES
+
+
 def host_link_row(ctx: BenchContext) -> BenchRow:
-    """`copy.host_link`: the median device time of a pinned host-to-device copy of HOST_LINK_BYTES
-    (the link a pinned table's rows cross); not a ratio (bound = its own time)."""
+    """`copy.host_link`: the median device time of a pinned host-to-device copy of HOST_LINK_BYTES;
+    not a ratio (bound = its own time)."""
     from numba import cuda
 
     stream = cuda.stream()
@@ -220,12 +232,10 @@ def step_case(wtype: str, residency: str) -> BenchCase:
             h = cuda.to_device(rng.standard_normal((1, cfg.hc, cfg.dim), dtype=np.float32), stream=stream)
             row_bytes = cfg.engram.cols * weights.table.row_bytes
             nbytes = weights.wkv.nbytes + row_bytes
-            rows = []
+            rows: list[BenchRow] = []
             bound = ctx.memory_bound(nbytes)
             if residency == "pinned":
-                link = host_link_row(ctx)
-                rows.append(link)
-                bound = ctx.memory_bound(weights.wkv.nbytes) + row_bytes * link.median_s / HOST_LINK_BYTES
+                bound = ctx.memory_bound(weights.wkv.nbytes) + row_bytes * host_link_seconds(ctx, rows)
 
             def python_step() -> None:
                 ids = hasher.hash(token, 16)[:, 0]
@@ -234,12 +244,7 @@ def step_case(wtype: str, residency: str) -> BenchCase:
             if residency in ("device", "pinned"):
                 stage.upload_rows(layer, hasher.hash(token, 16)[:, 0], 1)
 
-                def device_step() -> None:
-                    stage.dequantize_rows(layer, 1)
-                    stage.project(layer, 1)
-                    stage.gate(layer, h, 1)
-
-                median, plan = ctx.stage_time(device_step, nbytes, stream)
+                median, plan = ctx.stage_time(lambda: stage.run(layer, h, 1), nbytes, stream)
                 where = "" if residency == "device" else ", the rows read from pinned host memory"
                 rows.append(BenchRow(name, median, bound, bytes=nbytes,
                                      note=f"rows + wkv {wtype} + gate, 1 token, launch cost excluded{where}", l2=plan))
@@ -300,13 +305,9 @@ def real_case(residency: str) -> BenchCase:
             row_bytes = cfg.engram.cols * table.row_bytes
             wkv = weights.wkv.nbytes
             rows: list[BenchRow] = []
-            link_s = 1 / ctx.copy_bandwidth  # seconds a row byte takes over the bandwidth it crosses
-            if residency != "device":
-                link = host_link_row(ctx)
-                rows.append(link)
-                link_s = link.median_s / HOST_LINK_BYTES
-            where = {"device": "on the device", "pinned": "in pinned host memory",
-                     "host": "read from the file"}[residency]
+            # seconds a row byte takes over the bandwidth it crosses
+            link_s = 1 / ctx.copy_bandwidth if residency == "device" else host_link_seconds(ctx, rows)
+            where = TABLE_PLACES[residency]
             size = table.rows * table.row_bytes / 1e9
             setup = f"{table.rows:,} rows ({size:.1f} GB) {where}, set up in {setup_s:.1f} s"
             bound = ctx.memory_bound(wkv) + row_bytes * link_s

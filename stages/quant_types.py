@@ -1171,12 +1171,9 @@ def q5_k_levels(ww, row, first, u):
 
 @device
 def levels16(words):
-    """The sixteen levels of four words, one a byte, as float32."""
+    """The sixteen levels of four words, one a byte, as float32 (bytes_less16 of nothing)."""
     w0, w1, w2, w3 = words
-    return (uint8_at(w0, 0), uint8_at(w0, 1), uint8_at(w0, 2), uint8_at(w0, 3),
-            uint8_at(w1, 0), uint8_at(w1, 1), uint8_at(w1, 2), uint8_at(w1, 3),
-            uint8_at(w2, 0), uint8_at(w2, 1), uint8_at(w2, 2), uint8_at(w2, 3),
-            uint8_at(w3, 0), uint8_at(w3, 1), uint8_at(w3, 2), uint8_at(w3, 3))
+    return bytes_less16(w0, w1, w2, w3, UINT8_LESS)
 
 
 @device
@@ -1239,12 +1236,12 @@ def k_nibble_stream(block_words: int, levels) -> tuple[StreamUnit, StreamUnit]:
             StreamUnit(k_nibble_unit(block_words, levels, 2), K_UNIT_SHIFT, 1, rows=2))
 
 
-
 def chunk_unit(dequant):
     """The generic stream unit of a type with a chunk dequantiser (StreamUnit shift 5, one in
     flight): unit u is chunk u of the row, dequantised into a local array, then dotted with each
     token's 32 inputs (8 at a time: one 16-byte load of bf16, two of fp32). Correct for any type;
-    a type's own unit (Q8_0, Q2_K, Q4_K, Q5_K) is what makes it fast."""
+    every weight type has its own unit now, which is what makes it fast, so only the ds4 table
+    format (never a matrix) takes this one."""
     def make(tokens: int, x_bf16: bool):
         x8 = x8_bf16 if x_bf16 else x8_f32
 

@@ -8,6 +8,7 @@ good model must still load and run through the engine.
 
 from __future__ import annotations
 
+import gc
 import shutil
 import time
 from collections.abc import Callable
@@ -104,11 +105,12 @@ def test_truncated_in_the_data(tiny_path: Path, tmp_path: Path, keep: float) -> 
 def test_damaged_headers_fail_cleanly_and_quickly(tiny_path: Path, tmp_path: Path) -> None:
     """300 copies of the tiny model with one to three header bytes overwritten at random (seeded):
     each loads (the bytes were padding, a name's letter, or a value that is still valid) or raises a
-    FlashError, never another exception, and within a second (a load of these takes 7-25 ms; one
-    that takes a second is loaded again, and the faster of the two must be under it, so that a
-    pause of the machine's own, a GC or a page-cache flush, fails nothing, while a parse that is
-    slow in itself fails both times). Before host.gguf_model guarded it, a damaged array length
-    made gguf-py loop 2^40 times, and a damaged vocab_size padded the token map to gigabytes."""
+    FlashError, never another exception, and within a second (a load of these takes 7-25 ms; the
+    interpreter's cyclic garbage collector is held off while one is timed, so that a collection of
+    the whole suite's heap is not counted against it: the likely cause, not a proven one, of the one
+    1.07 s reading seen late in a whole-suite run). Before host.gguf_model guarded it, a damaged
+    array length made gguf-py loop 2^40 times, and a damaged vocab_size padded the token map to
+    gigabytes."""
     data = bytearray(tiny_path.read_bytes())
     header = int(GGUFReader(tiny_path).data_offset)
     rng = np.random.default_rng(8)
@@ -120,22 +122,25 @@ def test_damaged_headers_fail_cleanly_and_quickly(tiny_path: Path, tmp_path: Pat
             damaged[int(rng.integers(0, header))] = int(rng.integers(0, 256))
         path.write_bytes(damaged)
         outcome, seconds = timed_load(path)
-        if seconds >= 1.0:
-            seconds = min(seconds, timed_load(path)[1])
         outcomes[outcome] += 1
-        assert seconds < 1.0, "a damaged header took over a second, twice"
+        assert seconds < 1.0, "a damaged header took over a second"
     assert outcomes["refused"] > 250, outcomes
 
 
 def timed_load(path: Path) -> tuple[str, float]:
-    """("loaded" or "refused", the seconds load_model took); any error but a FlashError propagates."""
-    start = time.perf_counter()
+    """("loaded" or "refused", the seconds load_model took, the cyclic garbage collector held off
+    meanwhile); any error but a FlashError propagates."""
+    gc.disable()
     try:
-        flashv41.load_model(path).close()
-        outcome = "loaded"
-    except FlashError:
-        outcome = "refused"
-    return outcome, time.perf_counter() - start
+        start = time.perf_counter()
+        try:
+            flashv41.load_model(path).close()
+            outcome = "loaded"
+        except FlashError:
+            outcome = "refused"
+        return outcome, time.perf_counter() - start
+    finally:
+        gc.enable()
 
 
 def test_huge_metadata_array_length(tiny_path: Path, tmp_path: Path) -> None:

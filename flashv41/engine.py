@@ -23,7 +23,10 @@ replayed from a CUDA graph of the sequence (flashv41.graphs), one graph per `gra
 step decides on the host. Profiling and captures watch the walk as observers (`StageTimer`,
 `LayerCapture`); a watched call, like a prefill chunk, launches eagerly. `decode_batch` walks a
 second plan, `batch_plan`, built the same way but for one token of each of B sequences (its
-attention step is AttentionStage.forward_batch); it launches eagerly.
+attention step is AttentionStage.forward_batch, which reads each sequence's state through address
+tables and decides on the device what depends on a sequence's position); its device part is
+replayed from one CUDA graph per batch size (and mask or none), whichever sequences, wherever
+they stand.
 
 The engine's workspaces are shared by its sequences, so calls on one engine must not run
 concurrently (one Python thread drives an engine). A prompt longer than `max_tokens` is prefilled
@@ -146,6 +149,8 @@ class Engine:
         self._ratios = sorted({role.ratio for role in cfg.roles if role.ratio > 0})
         self.graphs = graphs and graphs_available() and table_residency != "host"
         self._runner = GraphRunner() if self.graphs else None
+        self._batch_graphs: dict[tuple[int, bool], Any] = {}  # decode_batch graphs by (B, masked)
+        self._batch_keys_seen: set[tuple[int, bool]] = set()
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self.closed = False
         say("engine ready")
@@ -176,6 +181,9 @@ class Engine:
             return
         for seq in list(self._sequences):
             seq.release()
+        for graph in self._batch_graphs.values():
+            graph.close()
+        self._batch_graphs = {}
         self.hyper.free()
         self.attention.free()
         if self.engram is not None:
@@ -275,11 +283,14 @@ class Engine:
         anything runs (a bad token, a full, released or failed sequence, one given twice or from
         another engine: an error naming the sequence's index, the others untouched).
 
-        The products read each weight once for the batch; the per-sequence stages (window,
-        compressor, indexer, sparse attention) run one sequence after another on its own state,
-        and the step is launched eagerly (no CUDA graph). Results are those of decoding each
-        sequence alone wherever the products' kernel is the same for B tokens as for one (the
-        stream kernel, B <= 8); past that, the tensor cores' sums within the oracle's bound."""
+        Every stage is one launch for the B sequences: the products read each weight once, the
+        per-sequence stages (window, compressor, indexer, sparse attention) read each sequence's own
+        state through address tables. The step replays a CUDA graph per batch size (captured the
+        second time a size comes up, as a sequence's are), whatever the sequences and positions.
+        Results are those of decoding each sequence alone wherever the kernels are the same for B
+        tokens as for one (the products' stream kernel and the sparse attention's split path, B
+        <= 8); past that, the tensor cores' sums and the one-block attention path within the
+        oracle's bounds."""
         self._check_open()
         seqs = list(seqs)
         ids, mask = self._check_batch(seqs, token_ids, token_masks)
@@ -291,7 +302,10 @@ class Engine:
         try:
             walk(self.batch_plan.upload, call)
             self._copy_inputs(call)
-            walk(self.batch_plan.device, call)
+            if self.graphs:
+                self._replay_batch(call)
+            else:
+                walk(self.batch_plan.device, call)
             walk(self.batch_plan.download, call)
         except BaseException:
             for seq in seqs:  # validated input failed on the way: every state may be partly written
@@ -339,6 +353,8 @@ class Engine:
             self.mask[:t].copy_to_device(call.token_mask.astype(np.uint8))
         self.pre[0][:t].copy_to_device(self._one_hot[:t])
         self.attention.upload_positions(call.start, t)
+        if isinstance(call.state, list):
+            self.attention.upload_rows(call.state)
 
     def graph_key(self, start: int, masked: bool) -> tuple:
         """What a one-token step at `start` decides on the host, for every compressor ratio r of
@@ -349,19 +365,30 @@ class Engine:
 
     def _replay(self, seq: Sequence, call: Call) -> None:
         """The device part of a one-token step as a CUDA graph: the sequence's graph for this
-        step's key, captured the second time the key comes up (the first runs eagerly, which
-        also compiles every kernel the capture will record)."""
+        step's key."""
         assert isinstance(call.start, int)  # a single sequence's call
-        key = self.graph_key(call.start, call.mask is not None)
-        graph = seq.graphs.get(key)
-        if graph is None and key not in seq.graph_keys_seen:
-            seq.graph_keys_seen.add(key)
-            walk(self.plan.device, call)
+        self._replay_graph(self.plan, seq.graphs, seq.graph_keys_seen,
+                           self.graph_key(call.start, call.mask is not None), call)
+
+    def _replay_batch(self, call: Call) -> None:
+        """The device part of a decode_batch step as a CUDA graph, one per (B, masked): it reads
+        the positions and the sequences' address tables from the device, so it serves any batch
+        of B."""
+        self._replay_graph(self.batch_plan, self._batch_graphs, self._batch_keys_seen,
+                           (call.tokens, call.mask is not None), call)
+
+    def _replay_graph(self, plan: Plan, graphs: dict, seen: set, key: tuple, call: Call) -> None:
+        """Launch graphs[key] of the plan's device part, captured the second time the key comes up
+        (the first runs eagerly, which also compiles every kernel the capture will record)."""
+        graph = graphs.get(key)
+        if graph is None and key not in seen:
+            seen.add(key)
+            walk(plan.device, call)
             return
         assert self._runner is not None
         if graph is None:
-            graph = self._runner.capture_stages(self.plan.device_stages(), lambda: walk(self.plan.device, call))
-            seq.graphs[key] = graph
+            graph = self._runner.capture_stages(plan.device_stages(), lambda: walk(plan.device, call))
+            graphs[key] = graph
         self._cuda.synchronize()  # eager work queued on other streams comes first
         self._runner.launch(graph)
 

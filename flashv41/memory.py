@@ -147,11 +147,11 @@ def _workspaces(config: ModelConfig, max_seq: int, max_tokens: int) -> tuple[tup
         (f"q bf16 [{t}, {config.n_heads * config.head_dim}]",
          t * config.n_heads * config.head_dim * BF16_BYTES),
     ]
-    from flashv41.stages.sparse_attention import split_workspace_bytes
+    from flashv41.stages.sparse_attention import SPLIT_BATCH_TOKENS, split_workspace_bytes
 
     entries = config.window + (config.index_topk if any(role.ratio > 0 for role in config.roles) else 0)
-    items.append((f"sparse attention decode scratch fp32 ({entries} entries)",
-                  split_workspace_bytes(t, config.n_heads, config.head_dim, entries)))
+    items.append((f"sparse attention decode scratch fp32 ({entries} entries, {min(t, SPLIT_BATCH_TOKENS)} tokens)",
+                  split_workspace_bytes(t, config.n_heads, config.head_dim, entries, SPLIT_BATCH_TOKENS)))
     if any(role.index_source for role in config.roles):
         items.append((f"index scores fp32 [{t}, {max_seq}]", t * max_seq * FP32_BYTES))
     e = config.engram

@@ -43,6 +43,7 @@ points at are the stage's workspaces.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,14 +61,39 @@ from flashv41.stages.indexer import IndexerWeights
 from flashv41.stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
 from flashv41.stages.linear import DeviceWeight, linear
 from flashv41.stages.norm_rope_quant import norm_rope_quant, rms_norm, rope
-from flashv41.stages.sparse_attention import SparseWorkspace, build_entries, sparse_attention
+from flashv41.stages.row_tables import table_row, u16_rows
+from flashv41.stages.sparse_attention import (
+    SPLIT_BATCH_TOKENS,
+    SparseWorkspace,
+    build_entries,
+    sparse_attention,
+    sparse_attention_tables,
+)
 
 COPY_THREADS = 64 if SIM else 256
 ROLES = {**L.ATTENTION_ROLES, **L.OPTIONAL_ATTENTION_ROLES}  # blk.{i}.{role}.weight by weight name
 
 # The stage's device workspaces (attribute names), sized once for max_tokens.
 WORKSPACES = ("positions", "qa", "qr", "q", "kv_raw", "kv", "o", "oa", "entries_window", "entries_all", "selection",
-              "score", "candidates", "iq", "hw", "source_ws", "sparse_ws")
+              "score", "candidates", "iq", "hw", "source_ws", "sparse_ws", "batch_rows")
+# A sequence's arrays that a batched step reads through address tables (stages.row_tables), per
+# layer: its ring, and the compressor state and caches of the kv source the layer reads.
+RING, KV_STATE, SCORE_STATE, COMPRESSED, INDEX_KEYS = range(5)
+ROW_KINDS = 5
+_SERIALS = itertools.count()
+
+
+@cuda.jit
+def _ring_write_batch_kernel(kv, rings, positions, n_tokens, width):
+    """A batch, token r its sequence's only one: its ring (address table rings [T, 2] of bf16
+    [W, D] rings) at slot positions[r] % W = kv[r]."""
+    i = cuda.grid(1)
+    if i >= n_tokens * width:
+        return
+    r = i // width
+    c = i % width
+    ring = u16_rows(rings, r, width)
+    ring[positions[r] % ring.shape[0], c] = kv[r, c]
 
 
 @cuda.jit
@@ -134,7 +160,25 @@ class AttentionState:
             ring = cuda.device_array((cfg.window, cfg.head_dim), np.uint16)
             fill(ring, 0, stage.stream)
             self.layers.append(LayerState(ring, source))
+        self.address_rows = self._address_rows(stage)
+        self.serial = next(_SERIALS)  # names the state in upload_rows' key (an id may be reused)
         self.freed = False
+
+    def _address_rows(self, stage: AttentionStage) -> np.ndarray:
+        """uint64 [layers, ROW_KINDS, 2]: the address-table rows (stages.row_tables) of what each
+        layer's batched step reads of this sequence (zeros for what a layer has none of)."""
+        rows = np.zeros((len(self.layers), ROW_KINDS, 2), np.uint64)
+        for i, layer in enumerate(self.layers):
+            rows[i, RING] = table_row(layer.ring)
+            j = stage.cache_source[i]
+            source = self.layers[j].source if j >= 0 else None
+            if source is not None:
+                for kind, a in ((COMPRESSED, source.compressed), (INDEX_KEYS, source.index_keys)):
+                    rows[i, kind] = table_row(a)
+                if j == i:
+                    rows[i, KV_STATE] = table_row(source.kv_state)
+                    rows[i, SCORE_STATE] = table_row(source.score_state)
+        return rows
 
     def reset(self) -> None:
         """Back to an empty sequence (zero rings and caches, empty compressor groups), cleared on the
@@ -193,11 +237,22 @@ class AttentionStage:
         self.scale = np.float32(cfg.head_dim ** -0.5)
         self.index_scale = np.float32(cfg.index_head_dim ** -0.5 * cfg.index_heads ** -0.5)
         self.layers = [self._load_layer(model, role) for role in cfg.roles]
+        self.cache_source = self._cache_sources()
         tables = rope_tables(cfg, max_seq)
         self.tables = {False: tuple(cuda.to_device(a) for a in tables.plain),
                        True: tuple(cuda.to_device(a) for a in tables.compressed)}
         self._allocate_workspaces()
         self.freed = False
+
+    def _cache_sources(self) -> list[int]:
+        """For each layer, the kv-source layer whose caches it reads (the last one at or before it,
+        as forward hands them down the stack), or -1."""
+        out, last = [], -1
+        for role in self.cfg.roles:
+            if role.kv_source:
+                last = role.layer
+            out.append(last if role.ratio > 0 else -1)
+        return out
 
     def _load_layer(self, model: Model, role: LayerRole) -> LayerWeights:
         cfg, i = self.cfg, role.layer
@@ -262,10 +317,14 @@ class AttentionStage:
             self.candidates = cuda.device_array((t, max(1, blocks)), np.uint8)  # [T, NB]
         # the sparse attention's split (decode) path: scratch for its few tokens and longest entry list
         self.sparse_ws = SparseWorkspace.allocate(t, cfg.n_heads, cfg.head_dim,
-                                                  cfg.window + (cfg.index_topk if ratios else 0))
+                                                  cfg.window + (cfg.index_topk if ratios else 0), SPLIT_BATCH_TOKENS)
         self.source_ws = None
         if any(r.kv_source for r in cfg.roles):
             self.source_ws = KvSourceWorkspace.allocate(t, cfg.head_dim, cfg.index_head_dim)
+        # a batched step's address tables: row b = sequence b's AttentionState.address_rows
+        self.batch_rows = cuda.device_array((t, len(cfg.roles), ROW_KINDS, 2), np.uint64)
+        self.row_tables = [[self.batch_rows[:, i, kind] for kind in range(ROW_KINDS)] for i in range(len(cfg.roles))]
+        self._rows_for: tuple | None = None  # the states whose rows batch_rows holds
 
     def new_state(self) -> AttentionState:
         self._check_live()
@@ -291,6 +350,7 @@ class AttentionStage:
         self.tables = {}
         for name in (*WORKSPACES, "q_rows", "o_rows"):
             setattr(self, name, None)
+        self.row_tables = []
         self.freed = True
 
     def _check_live(self) -> None:
@@ -339,6 +399,15 @@ class AttentionStage:
             found = "none" if shared.candidates is None else f"one of {shared.candidate_width} groups"
             raise InputError(f"{where} respects a candidate mask of {width} groups, but the candidate source "
                              f"published {found}")
+
+    def upload_rows(self, states: list[AttentionState]) -> None:
+        """The batch's address tables onto the device (forward_batch does it when the states
+        changed; a captured forward_batch needs them there before it runs)."""
+        key = tuple(st.serial for st in states)
+        if self._rows_for != key:
+            self.batch_rows[:len(states)].copy_to_device(np.stack([st.address_rows for st in states]),
+                                                         stream=self.stream)
+            self._rows_for = key
 
     def upload_positions(self, start: int | list[int], n_tokens: int) -> None:
         """The positions start .. start+T-1 onto the device, or for a batch (start a list) each
@@ -420,78 +489,78 @@ class AttentionStage:
                       shareds: list[SharedRuntime], starts: list[int], n_tokens: int) -> None:
         """out[:B] = layer `layer`'s attention for B sequences, one token each (B = n_tokens): row b
         of x is sequence b's token at position starts[b], with its state states[b] and its forward
-        call's shareds[b]. The products (wq_a, wq_b, wkv, wo_a, wo_b), the q norm and the RoPE run
-        once for the B rows, each weight read once; the compressor, indexer, entries, sparse
-        attention and ring write run sequence by sequence on its own state, rows and caches, each
-        as `forward` would for that one token (the same kernels on the same values; a sequence's
-        ring takes its row right after its own attention read it, no other sequence reading it)."""
+        call's shareds[b]. Every stage is one launch for the B rows: the products read each weight
+        once, and the per-sequence stages (compressor, index scores, selection, entries, sparse
+        attention, ring write) read each row's own state and caches through the address tables
+        (upload_rows), deciding on the device what depends on a row's position (whether it
+        completes a compressor group, how many groups it sees), so nothing here depends on the
+        positions but the index-score grid. Each row's result is what `forward` gives its token
+        alone on the same kernel paths (the products' kernel follows B: the stream kernel for B <=
+        8, as for one token; the sparse split path likewise)."""
         self._check_batch(layer, x, out, states, shareds, starts, n_tokens)
         cfg, s, t = self.cfg, self.stream, n_tokens
         w = self.layers[layer]
         role = w.role
         self.upload_positions(list(starts), t)
+        self.upload_rows(states)
         pos = self.positions
         cos, sin = self.tables[role.ratio > 0]
+        rows = self.row_tables[layer]
         self._project_in(w, x, pos, cos, sin, t)
+        entries, selection = self.entries_window, None
         if role.ratio > 0:
             self._sources_batch(layer, w, states, shareds, x, starts, t, cos, sin)
-        for b in range(t):
-            rows = slice(b, b + 1)
-            ring = states[b].layers[layer].ring
-            entries, comp_rows, selection = self.entries_window[rows], self.kv, None
-            if role.ratio > 0:
-                assert self.entries_all is not None  # allocated for a model with ratio > 0 layers
-                entries, comp_rows, selection = self.entries_all[rows], shareds[b].compressed, shareds[b].selection
-            # the token's own kv row is the one chunk row its entries name
-            build_entries(pos[rows], selection, cfg.window, 1, entries, 1, stream=s)
-            sparse_attention(self.q[rows], ring, self.kv[rows], comp_rows, entries, w.sinks, self.scale, self.o[rows],
-                             1, stream=s, workspace=self.sparse_ws)
-            # only this sequence reads its ring, and it has: the token's row goes in
-            _ring_write_kernel[grid_1d(cfg.head_dim, COPY_THREADS), COPY_THREADS, s](
-                self.kv[rows], ring, pos[rows], 1, cfg.head_dim)
+            assert self.entries_all is not None and self.selection is not None  # allocated for ratio > 0 layers
+            entries, selection = self.entries_all, self.selection
+        build_entries(pos, selection, cfg.window, self.kv.shape[0], entries, t, stream=s, own_rows=True)
+        self._mark("entries")
+        # a ratio-0 layer names no compressed row: its ring table stands in for the caches'
+        comps = rows[COMPRESSED] if role.ratio > 0 else rows[RING]
+        sparse_attention_tables(self.q, rows[RING], self.kv, comps, entries, w.sinks, self.scale, self.o, t, stream=s,
+                                workspace=self.sparse_ws)
+        self._mark("sparse_attention")
         self._project_out(w, out, pos, cos, sin, t)
+        _ring_write_batch_kernel[grid_1d(t * cfg.head_dim, COPY_THREADS), COPY_THREADS, s](
+            self.kv, rows[RING], pos, t, cfg.head_dim)
+        self._mark("ring_write")
 
     def _sources_batch(self, layer: int, w: LayerWeights, states: list[AttentionState], shareds: list[SharedRuntime],
                        x: DeviceArray, starts: list[int], t: int, cos: DeviceArray, sin: DeviceArray) -> None:
-        """forward_batch's kv-source and index-source work: the compressor's and the indexer's
-        query products once for the B rows, then each sequence's groups, caches, scores and
-        selection on its own state and rows (its selection stays in its row of the workspace for
-        the layers after it)."""
+        """forward_batch's kv-source and index-source work, one launch a stage for the B rows (the
+        selection in the workspace's first B rows, for the layers after it). Each sequence's
+        `shared` is told what its later layers read, for their checks."""
         cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
+        rows = self.row_tables[layer]
         if w.source is not None:
             assert self.source_ws is not None
             ws = self.source_ws
             kv_sources.compress_products(role, w.source, x, ws, t, s)
-            for b in range(t):
-                rows = slice(b, b + 1)
-                source = states[b].layers[layer].source
+            latents, group_pos = kv_sources.compress_groups_batch(cfg, role, w.source, rows[KV_STATE],
+                                                                  rows[SCORE_STATE], ws, pos, t, s)
+            self._mark("compress")
+            kv_sources.publish_batch(cfg, role, w.source, rows[INDEX_KEYS], rows[COMPRESSED], latents, group_pos, cos,
+                                     sin, ws, pos, t, s)
+            self._mark("publish")
+            for state, shared in zip(states, shareds, strict=True):
+                source = state.layers[layer].source
                 assert source is not None
-                latents, groups = kv_sources.compress_groups(cfg, role, w.source, source, starts[b], ws, pos[rows], 1,
-                                                             s, rows)
-                kv_sources.publish(cfg, role, w.source, source, latents, groups, cos, sin, ws, pos[rows], s)
-                shareds[b].compressed, shareds[b].index_keys = source.compressed, source.index_keys
+                shared.compressed, shared.index_keys = source.compressed, source.index_keys
         if w.indexer is None:
             return
         assert self.selection is not None and self.candidates is not None and self.score is not None
         assert self.iq is not None and self.hw is not None  # allocated for a model with index sources
-        widths = [(start + 1) // role.ratio for start in starts]
-        if any(widths):
-            indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
-        for b, width in enumerate(widths):
-            rows = slice(b, b + 1)
-            shared = shareds[b]
-            shared.selection = selection = self.selection[rows]
-            if width == 0:  # no group is complete yet: nothing to score
-                fill(selection, -1, s)
-                continue
-            assert shared.index_keys is not None
-            grid_width = shared.index_keys.shape[0] if self.capturing else width
-            indexer.index_scores(self.iq[rows], self.hw[rows], shared.index_keys, self.index_scale, self.score[rows],
-                                 1, pos[rows], role.ratio, grid_width, stream=s)
-            candidates = self.candidates[rows]
-            indexer.select(cfg, role, self.score[rows], pos[rows], candidates, selection, 1, stream=s)
+        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
+        self._mark("index_queries")
+        width = self.max_seq // role.ratio if self.capturing else max(start + 1 for start in starts) // role.ratio
+        indexer.index_scores_tables(self.iq, self.hw, rows[INDEX_KEYS], self.index_scale, self.score, t, pos,
+                                    role.ratio, width, cfg.index_head_dim, stream=s)
+        self._mark("index_scores")
+        indexer.select(cfg, role, self.score, pos, self.candidates, self.selection, t, stream=s, own_rows=True)
+        self._mark("select")
+        for shared, start in zip(shareds, starts, strict=True):
+            shared.selection = self.selection
             if role.candidate_source:
-                shared.candidates, shared.candidate_width = candidates, width
+                shared.candidates, shared.candidate_width = self.candidates, (start + 1) // role.ratio
 
     def _check_batch(self, layer: int, x: DeviceArray, out: DeviceArray, states: list[AttentionState],
                      shareds: list[SharedRuntime], starts: list[int], n_tokens: int) -> None:

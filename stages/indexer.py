@@ -56,6 +56,7 @@ from flashv41.stages.device import (
 )
 from flashv41.stages.linear import DeviceWeight, linear
 from flashv41.stages.norm_rope_quant import norm_rope_quant
+from flashv41.stages.row_tables import u16_rows
 
 FP4_BLOCK = 32  # the fp4 (E8M0) block of the index queries and keys
 # Score tiles: SCORE_GROUPS groups per block, SCORE_HEAD_THREADS threads over the heads; a block
@@ -99,15 +100,17 @@ def score_key(bits):
 
 
 @cache
-def score_kernel(index_heads: int, index_dim: int, head_threads: int, groups: int):
+def score_kernel(index_heads: int, index_dim: int, head_threads: int, groups: int, tables: bool = False):
     """Block (head_threads, groups) per tile of `groups` groups of one query row. iq bf16 [T, IH * ID],
-    hw bf16 [T, IH], keys bf16 [>= G, ID], score bf16 [T, >= G], positions int32 [T]."""
+    hw bf16 [T, IH], keys bf16 [>= G, ID], score bf16 [T, >= G], positions int32 [T]. tables: keys
+    is an address table [T, 2] of each row's own keys (a batch of sequences, stages.row_tables), and
+    row t's width is its own, (positions[t] + 1) // ratio."""
     nt = head_threads * groups
     sync = nt > 1
     dims = index_dim + 1  # padded shared rows: threads of a warp read different heads' rows
 
     @jit_for(nt)
-    def kernel(iq, hw, keys, score, positions, n_tokens, ratio, w_scale):
+    def kernel(iq, hw, key_rows, score, positions, n_tokens, ratio, w_scale):
         qs = cuda.shared.array((index_heads, dims), float32)  # [IH, ID + 1]: the row's queries
         ks = cuda.shared.array((groups, dims), float32)  # [groups, ID + 1]: the tile's keys
         ws = cuda.shared.array(index_heads, float32)  # [IH]: the scaled head weights
@@ -116,7 +119,8 @@ def score_kernel(index_heads: int, index_dim: int, head_threads: int, groups: in
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         tid = ty * head_threads + tx
-        width = (positions[n_tokens - 1] + 1) // ratio
+        keys = u16_rows(key_rows, t, index_dim) if tables else key_rows
+        width = (positions[t if tables else n_tokens - 1] + 1) // ratio
         for i in range(tid, index_heads * index_dim, nt):
             qs[i // index_dim, i % index_dim] = bf16_to_f32(iq[t, i])
         for h in range(tid, index_heads, nt):
@@ -151,9 +155,10 @@ def score_kernel(index_heads: int, index_dim: int, head_threads: int, groups: in
 
 
 @cache
-def select_kernel(threads: int, radix_bits: int):
+def select_kernel(threads: int, radix_bits: int, own_rows: bool = False):
     """One block of `threads` threads per query row: candidate blocks (candidate source), then the
-    top-k positions."""
+    top-k positions. own_rows: each row is its own sequence's (a batch), its candidate blocks those
+    of its own width."""
     nt = threads
     sync = nt > 1
     bins = 1 << radix_bits
@@ -275,7 +280,7 @@ def select_kernel(threads: int, radix_bits: int):
         found = cuda.shared.array(2, int64)  # the pass's digit of the k-th key, and the count above it
         t = cuda.blockIdx.x
         tid = cuda.threadIdx.x
-        width = (positions[n_tokens - 1] + 1) // ratio
+        width = (positions[t if own_rows else n_tokens - 1] + 1) // ratio
         visible = (positions[t] + 1) // ratio
         if candidate_source:
             nb = (width + blk - 1) // blk
@@ -334,16 +339,46 @@ def index_scores(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, scale: flo
         raise InputError(f"index_scores: {width} groups, keys {keys.shape}, score {score.shape}")
     if n_tokens == 0 or width == 0:
         return
+    _launch_scores(iq, hw, keys, scale, score, n_tokens, positions, ratio, width, heads, index_dim, tile, False,
+                   stream)
+
+
+def index_scores_tables(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, scale: float, score: DeviceArray,
+                        n_tokens: int, positions: DeviceArray, ratio: int, width: int, index_dim: int,
+                        stream=0) -> None:
+    """index_scores for a batch of T sequences, row t its sequence's only token: keys is an address
+    table (uint64 [>= T, 2], stages.row_tables) of each row's own key cache [>= G_t, ID], and row t's
+    scores are those of its own G_t = (positions[t] + 1) // ratio groups (what index_scores gives it
+    alone). width: the largest G_t as the host knows it (it sizes the grid only)."""
+    for a, what in ((iq, "iq"), (hw, "hw"), (score, "score")):
+        check_array(a, (np.uint16,), 2, f"index_scores_tables {what}")
+    check_array(keys, (np.uint64,), 2, "index_scores_tables keys")
+    check_array(positions, (np.int32,), 1, "index_scores_tables positions")
+    for a, what in ((iq, "iq"), (hw, "hw"), (score, "score"), (positions, "positions"), (keys, "keys")):
+        check_rows(a, n_tokens, f"index_scores_tables {what}")
+    heads = hw.shape[1]
+    if iq.shape[1] != heads * index_dim or index_dim % FP4_BLOCK or width > score.shape[1]:
+        raise InputError(f"index_scores_tables: iq {iq.shape} is not {heads} heads of {index_dim}, or {width} "
+                         f"groups exceed score {score.shape}")
+    if n_tokens == 0 or width == 0:
+        return
+    _launch_scores(iq, hw, keys, scale, score, n_tokens, positions, ratio, width, heads, index_dim, (0, 0), True,
+                   stream)
+
+
+def _launch_scores(iq, hw, keys, scale, score, n_tokens, positions, ratio, width, heads, index_dim, tile, tables,
+                   stream) -> None:
     head_threads = tile[0] or min(SCORE_HEAD_THREADS, heads)
     groups = tile[1] or SCORE_GROUPS
     blocks = min((width + groups - 1) // groups, score_block_cap())
-    kernel = score_kernel(heads, index_dim, head_threads, groups)
+    kernel = score_kernel(heads, index_dim, head_threads, groups, tables)
     kernel[(blocks, n_tokens), (head_threads, groups), stream](
         iq, hw, keys, score, positions, n_tokens, ratio, np.float32(scale))
 
 
 def select(cfg: ModelConfig, role: LayerRole, score: DeviceArray, positions: DeviceArray, candidates: DeviceArray,
-           selection: DeviceArray, n_tokens: int, stream=0, threads: int = 0, radix_bits: int = 0) -> None:
+           selection: DeviceArray, n_tokens: int, stream=0, threads: int = 0, radix_bits: int = 0,
+           own_rows: bool = False) -> None:
     """selection[:T] (int32 [T, K], K = cfg.index_topk): the top min(K, visible) visible positions
     of each row by (score desc, position asc), ascending, -1 padded; visible = (positions[t] + 1) //
     role.ratio.
@@ -352,7 +387,8 @@ def select(cfg: ModelConfig, role: LayerRole, score: DeviceArray, positions: Dev
     of cfg.candidate_block_size, cfg.candidate_topk_blocks of them); on a later index source
     (role.uses_candidates) positions in blocks with candidates[t, b] == 0 rank as -inf.
     threads (a power of two), radix_bits (4 or 8): the kernel's shape (0 = the defaults; tests
-    force others).
+    force others). own_rows: the rows are a batch of sequences' tokens, one each (each row's
+    candidate blocks cover its own visible width; a row with none visible selects nothing).
     """
     check_array(score, (np.uint16,), 2, "select score")
     check_array(positions, (np.int32,), 1, "select positions")
@@ -365,6 +401,6 @@ def select(cfg: ModelConfig, role: LayerRole, score: DeviceArray, positions: Dev
     if n_tokens == 0:
         return
     nt = threads or SELECT_THREADS
-    select_kernel(nt, radix_bits or RADIX_BITS)[n_tokens, nt, stream](
+    select_kernel(nt, radix_bits or RADIX_BITS, own_rows)[n_tokens, nt, stream](
         score, candidates, selection, positions, n_tokens, role.ratio, bool(role.candidate_source),
         bool(role.uses_candidates), cfg.candidate_block_size, cfg.candidate_topk_blocks)

@@ -35,60 +35,88 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from flashv41.host.config import LayerRole, ModelConfig
-from flashv41.stages.device import SIM, DeviceArray, exp_f32, f32_to_bf16, fill, grid_1d, mul_rn
+from flashv41.stages.device import SIM, DeviceArray, device, exp_f32, f32_to_bf16, fill, grid_1d, mul_rn
 from flashv41.stages.linear import DeviceWeight, linear
 from flashv41.stages.norm_rope_quant import norm_rope_quant, rms_norm
+from flashv41.stages.row_tables import f32_rows, u16_rows
 
 POOL_THREADS = 64 if SIM else 128
 COPY_THREADS = 64 if SIM else 256
 NEG_INF = float32(-np.inf)
 
 
-@cuda.jit
-def _pool_kernel(kv, score, kv_state, score_state, pooled, group_pos, positions, n_tokens, n_groups, ratio,
-                 width):
-    """Threads over channels, blockIdx.y over the completed groups (at least one block row).
-
-    Group gi's tokens come from the chunk, or (for the first group only) from the state where they
-    precede the chunk. Block row 0 then stores the chunk's last token of each slot into the state,
-    after it pooled: the only reader of the state is that same thread, so no barrier is needed.
-    kv, score fp32 [T, D]; kv_state, score_state fp32 [ratio, D]; pooled bf16 [>= n_groups, D];
-    group_pos int32 [>= n_groups]; positions int32 [T]."""
-    d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    gi = cuda.blockIdx.y
-    if d >= width:
-        return
-    start = positions[0]
+@device
+def _pool_channel(kv, score, row0, kv_state, score_state, pooled, group_pos, out_row, start, n_tokens, gi, n_groups,
+                  ratio, d):
+    """Channel d of group gi of the n_groups that the chunk at positions start .. start+T-1 (its
+    projections in rows row0 .. row0+T-1 of kv and score) completes, into pooled[out_row] (and its
+    position into group_pos[out_row]). Group gi's tokens come from the chunk, or (for the first
+    group only) from the state where they precede the chunk. Group 0's caller then stores the
+    chunk's last token of each slot into the state, after it pooled: the only reader of the state
+    is that same thread, so no barrier is needed."""
     first_end = start + (ratio - 1 - start % ratio) % ratio
     if gi < n_groups:
         p0 = (first_end // ratio + gi) * ratio
         m = NEG_INF
         for s in range(ratio):
             p = p0 + s
-            sc = score[p - start, d] if p >= start else score_state[s, d]
+            sc = score[row0 + p - start, d] if p >= start else score_state[s, d]
             m = max(m, sc)
         den = float64(0)
         for s in range(ratio):
             p = p0 + s
-            sc = score[p - start, d] if p >= start else score_state[s, d]
+            sc = score[row0 + p - start, d] if p >= start else score_state[s, d]
             den += float64(exp_f32(sc - m))
         den32 = float32(den)
         acc = float64(0)
         for s in range(ratio):
             p = p0 + s
-            sc = score[p - start, d] if p >= start else score_state[s, d]
-            v = kv[p - start, d] if p >= start else kv_state[s, d]
+            sc = score[row0 + p - start, d] if p >= start else score_state[s, d]
+            v = kv[row0 + p - start, d] if p >= start else kv_state[s, d]
             acc += float64(mul_rn(v, exp_f32(sc - m) / den32))
-        pooled[gi, d] = f32_to_bf16(float32(acc))
+        pooled[out_row, d] = f32_to_bf16(float32(acc))
         if d == 0:
-            group_pos[gi] = p0
+            group_pos[out_row] = p0
     if gi == 0:
         last = start + n_tokens - 1
         for s in range(ratio):
             p = last - (last - s) % ratio  # the chunk's last position in slot s
             if p >= start:
-                kv_state[s, d] = kv[p - start, d]
-                score_state[s, d] = score[p - start, d]
+                kv_state[s, d] = kv[row0 + p - start, d]
+                score_state[s, d] = score[row0 + p - start, d]
+
+
+@cuda.jit
+def _pool_kernel(kv, score, kv_state, score_state, pooled, group_pos, positions, n_tokens, n_groups, ratio,
+                 width):
+    """Threads over channels, blockIdx.y over the completed groups (at least one block row; row 0
+    updates the state). kv, score fp32 [T, D]; kv_state, score_state fp32 [ratio, D]; pooled bf16
+    [>= n_groups, D]; group_pos int32 [>= n_groups]; positions int32 [T]."""
+    d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    gi = cuda.blockIdx.y
+    if d >= width:
+        return
+    _pool_channel(kv, score, 0, kv_state, score_state, pooled, group_pos, gi, positions[0], n_tokens, gi, n_groups,
+                  ratio, d)
+
+
+@cuda.jit
+def _pool_batch_kernel(kv, score, kv_states, score_states, pooled, group_pos, positions, ratio, width):
+    """A batch, token t its sequence's only one (blockIdx.y = t): its group, if it completes one,
+    pooled into row t, else row t zero and group_pos[t] the start of its open group; then its state
+    (address tables kv_states, score_states [T, 2] of each sequence's fp32 [ratio, D]) updated."""
+    d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    t = cuda.blockIdx.y
+    if d >= width:
+        return
+    start = positions[t]
+    n_groups = 1 if start % ratio == ratio - 1 else 0
+    if n_groups == 0:
+        pooled[t, d] = 0
+        if d == 0:
+            group_pos[t] = start - start % ratio
+    _pool_channel(kv, score, t, f32_rows(kv_states, t, width), f32_rows(score_states, t, width), pooled, group_pos, t,
+                  start, 1, 0, n_groups, ratio, d)
 
 
 @cuda.jit
@@ -103,6 +131,20 @@ def _scatter_rows_kernel(src, dst, positions, n_rows, ratio, width):
     start = positions[0]
     g0 = (start + (ratio - 1 - start % ratio) % ratio) // ratio
     dst[g0 + r, c] = src[r, c]
+
+
+@cuda.jit
+def _scatter_batch_kernel(src, caches, positions, n_rows, ratio, width):
+    """A batch's rows: caches (an address table [T, 2] of each sequence's cache [groups, width])
+    row p // ratio = src[r] where token r (at p = positions[r]) completes its group."""
+    i = cuda.grid(1)
+    if i >= n_rows * width:
+        return
+    r = i // width
+    c = i % width
+    p = positions[r]
+    if p % ratio == ratio - 1:
+        u16_rows(caches, r, width)[p // ratio, c] = src[r, c]
 
 
 def completed_groups(start: int, n_tokens: int, ratio: int) -> tuple[int, int]:
@@ -258,3 +300,38 @@ def publish(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, state: KvSour
         width = src.shape[1]
         _scatter_rows_kernel[grid_1d(n * width, COPY_THREADS), COPY_THREADS, stream](
             src, dst, positions, n, role.ratio, width)
+
+
+def compress_groups_batch(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, kv_states: DeviceArray,
+                          score_states: DeviceArray, ws: KvSourceWorkspace, positions: DeviceArray, n_tokens: int,
+                          stream=0) -> tuple[DeviceArray, DeviceArray]:
+    """compress_groups for a batch of T sequences, token t its sequence's only one (products in
+    ws's first T rows, compress_products): (latents, group positions), row t the group token t
+    completes, if it does (ratio 1: every token does; ratio r: position % r == r - 1, decided on
+    the device), else a row that publish_batch leaves out. kv_states, score_states: address tables
+    of each sequence's compressor state (ratio > 1)."""
+    if role.ratio == 1:
+        rms_norm(ws.raw, w.comp_norm, cfg.norm_eps, ws.latent, n_tokens, stream=stream)
+        return ws.latent, positions
+    width = ws.proj_kv.shape[1]
+    _pool_batch_kernel[(grid_1d(width, POOL_THREADS), n_tokens), POOL_THREADS, stream](
+        ws.proj_kv, ws.proj_score, kv_states, score_states, ws.raw, ws.group_pos, positions, role.ratio, width)
+    rms_norm(ws.raw, w.comp_norm, cfg.norm_eps, ws.latent, n_tokens, stream=stream)
+    return ws.latent, ws.group_pos
+
+
+def publish_batch(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, index_keys: DeviceArray,
+                  compressed: DeviceArray, latents: DeviceArray, group_positions: DeviceArray, cos: DeviceArray,
+                  sin: DeviceArray, ws: KvSourceWorkspace, positions: DeviceArray, n_tokens: int,
+                  stream=0) -> None:
+    """publish for a batch (compress_groups_batch's rows): the keys and rows of every token's
+    group are made, and those of the tokens that complete one go into their sequence's caches
+    (address tables index_keys and compressed), at group positions[t] // ratio."""
+    linear(latents, w.wk, ws.key_raw, n_tokens, stream=stream)
+    norm_rope_quant(ws.key_raw, w.k_norm, cfg.norm_eps, cos, sin, group_positions, False, "fp4_e8m0_32", n_tokens,
+                    out=ws.keys, stream=stream)
+    norm_rope_quant(latents, None, None, cos, sin, group_positions, False, "fp4_e4m3_16", n_tokens, stream=stream)
+    for src, dst in ((ws.keys, index_keys), (latents, compressed)):
+        width = src.shape[1]
+        _scatter_batch_kernel[grid_1d(n_tokens * width, COPY_THREADS), COPY_THREADS, stream](
+            src, dst, positions, n_tokens, role.ratio, width)

@@ -6,7 +6,10 @@ Shapes (T tokens, H heads x D head_dim, W window slots, E entries per query; bf1
   (this chunk's window rows); comp_rows bf16 [G, D] (the compressed cache); entries int32 [T, E]:
   e < 0 skipped, e < W -> ring[e], e < W + Cn -> chunk_rows[e - W], else comp_rows[e - W - Cn];
   sinks fp32 [H]; out bf16 [T, H, D]. K = V = the row (MQA). With a `SparseWorkspace` and
-  T <= its token capacity (SPLIT_MAX_TOKENS at most) it takes the split path below.
+  T <= its token capacity and SPLIT_MAX_TOKENS it takes the split path below.
+- `sparse_attention_tables(q, rings, chunk_rows, comps, ...)`: the same for a batch of sequences,
+  token t its sequence's only one, reading its own ring and compressed rows through address tables
+  (stages.row_tables); the split path for up to SPLIT_BATCH_TOKENS tokens.
 - `build_entries(positions, selection, window, chunk_capacity, entries, n_tokens)`: the canonical
   list of each query at position p in that encoding: the W window positions p - W + 1 .. p oldest
   first (-1 before 0; ring slots for positions before the chunk, chunk rows from the chunk's
@@ -65,6 +68,7 @@ from flashv41.stages.device import (
     mul_rn,
     warp_sum,
 )
+from flashv41.stages.row_tables import u16_rows, u32_rows
 
 if SIM:
     from flashv41.stages.device import _BF16_VALUES
@@ -80,7 +84,8 @@ LANES = 1 if SIM else WARP
 ENTRY_THREADS = 64 if SIM else 256
 
 # The split path (GPU sizes; the simulator runs lanes of one and a few threads a block).
-SPLIT_MAX_TOKENS = 8
+SPLIT_MAX_TOKENS = 8  # sparse_attention's split path: decode steps (prefill chunks take the other)
+SPLIT_BATCH_TOKENS = 64  # sparse_attention_tables': batched decode steps of up to this many sequences
 # Scores: a warp = SCORE_HEADS heads x SCORE_ENTRIES entries; a lane holds D / 32 dims of its heads'
 # queries (16 at D = 512: two 16-byte units a row) and loads the same dims of each entry's row. A
 # block = up to SCORE_HEAD_WARPS head groups x SCORE_ENTRY_WARPS entry groups: its head groups read the
@@ -299,15 +304,16 @@ def _resolve(e, window, chunk_rows):
 
 
 @cache
-def sparse_kernel(head_dim: int, threads: int, lanes: int):
+def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False):
     """Block of `threads` threads (warps of `lanes`) per (head, token). q bf16 [T, H, D]; ring
-    [W, D], chunk [Cn, D], comp [G, D] bf16; entries int32 [T, E]; sinks fp32 [H]; out bf16 [T, H, D]."""
+    [W, D], chunk [Cn, D], comp [G, D] bf16 (tables: ring and comp are address tables [T, 2] of
+    each token's own, stages.row_tables); entries int32 [T, E]; sinks fp32 [H]; out bf16 [T, H, D]."""
     sync = threads > 1
     warps = threads // lanes
     per_thread = head_dim // threads
 
     @jit_for(threads)
-    def kernel(q, ring, chunk, comp, entries, sinks, out, n_entries, scale):
+    def kernel(q, rings, chunk, comps, entries, sinks, out, n_entries, scale):
         qs = cuda.shared.array(head_dim, float32)  # [D]: the query, fp32
         ss = cuda.shared.array(SPARSE_BLOCK, float32)  # [64]: the block's scores (-inf: skipped)
         ps = cuda.shared.array(SPARSE_BLOCK, float32)  # [64]: their probabilities, fp32
@@ -319,6 +325,7 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int):
         tid = cuda.threadIdx.x
         lane = tid % lanes
         warp = tid // lanes
+        ring, comp = (u16_rows(rings, t, head_dim), u16_rows(comps, t, head_dim)) if tables else (rings, comps)
         window = ring.shape[0]
         chunk_rows = chunk.shape[0]
         for d in range(tid, head_dim, threads):
@@ -376,11 +383,13 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int):
 
 
 @cache
-def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, entry_warps: int, per_warp: int):
+def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, entry_warps: int, per_warp: int,
+                       tables: bool = False):
     """Split path, scores: a warp of `lanes` lanes per (token, `heads` heads, `per_warp` entries);
     a block of head_warps x entry_warps warps per (tile of per_warp x entry_warps entries, heads x
     head_warps heads, token). q32 [T * H, D / 2] and ring32, chunk32, comp32 [*, D / 2]: the bf16
-    arrays as 32-bit words; entries int32 [T, E]; scores fp32 [>= T, H, >= E] (-inf: skipped);
+    arrays as 32-bit words (tables: ring32 and comp32 are address tables of each token's own);
+    entries int32 [T, E]; scores fp32 [>= T, H, >= E] (-inf: skipped);
     tile_max fp32 [>= T, >= NT, H] (NT = ceil(E / tile))."""
     units = head_dim // 8  # 16-byte units of a row
     per_lane = -(-units // lanes)  # units a lane holds
@@ -396,7 +405,7 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
     n_out = 1 if lanes > 1 else n_sums  # the sums each lane finishes
 
     @jit_for(threads)
-    def kernel(q32, ring32, chunk32, comp32, entries, scores, tile_max, n_entries, n_heads, scale):
+    def kernel(q32, rings, chunk32, comps, entries, scores, tile_max, n_entries, n_heads, scale):
         tile_s = cuda.shared.array((tile, block_heads), float32)  # [tile, heads]: the block's scores
         tid = cuda.threadIdx.x
         lane = tid % lanes
@@ -408,6 +417,8 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
         h0 = hb + hw * heads
         t = cuda.blockIdx.z
         e0 = tile_i * tile + ew * per_warp
+        ring32, comp32 = (u32_rows(rings, t, head_dim // 2), u32_rows(comps, t, head_dim // 2)) if tables else (
+            rings, comps)
         window = ring32.shape[0]
         chunk_rows = chunk32.shape[0]
         qv = cuda.local.array((heads, q_dims), float32)  # [heads, D / lanes]: the lane's query dims
@@ -451,11 +462,12 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
 
 
 @cache
-def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_heads: int, thread_heads: int):
+def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_heads: int, thread_heads: int,
+                       tables: bool = False):
     """Split path, values: a block per (entry block b, `block_heads` heads x slice of D, token), its
     threads word_threads (over the slice's words, per_thread each) x block_heads / thread_heads (over
-    the heads, thread_heads each), so the head groups of a block read the same row words. Rows as in
-    split_score_kernel; scores and tile_max as it writes them; pv fp32 [>= T, >= NB, H, D] (NB =
+    the heads, thread_heads each), so the head groups of a block read the same row words. Rows (and
+    tables) as in split_score_kernel; scores and tile_max as it writes them; pv fp32 [>= T, >= NB, H, D] (NB =
     ceil(E / 64)): sum_j bf16(p_j) row_j of block b; block_sum, block_max, rescale fp32 [>= T, >= NB, H]:
     float32(float64 sum_j p_j), m_b and exp(m_{b-1} - m_b)."""
     threads = word_threads * (block_heads // thread_heads)
@@ -468,7 +480,7 @@ def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_
     sync = threads > 1
 
     @jit_for(threads)
-    def kernel(ring32, chunk32, comp32, entries, scores, tile_max, pv, block_sum, block_max, rescale, n_entries):
+    def kernel(rings, chunk32, comps, entries, scores, tile_max, pv, block_sum, block_max, rescale, n_entries):
         src = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: the source of each entry's row (_resolve)
         row = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: its row there
         # [64, heads]: p_j in fp32 and rounded to bf16, an entry's heads side by side
@@ -484,6 +496,8 @@ def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_
         hb = cuda.blockIdx.y // slices * block_heads
         t = cuda.blockIdx.z
         b0 = b * SPARSE_BLOCK
+        ring32, comp32 = (u32_rows(rings, t, head_dim // 2), u32_rows(comps, t, head_dim // 2)) if tables else (
+            rings, comps)
         window = ring32.shape[0]
         chunk_rows = chunk32.shape[0]
         n_tiles = (n_entries + SCORE_TILE - 1) // SCORE_TILE
@@ -602,22 +616,24 @@ def split_combine_kernel(head_dim: int, per_thread: int):
 
 
 @cuda.jit
-def _entries_kernel(positions, selection, entries, n_tokens, window, chunk_rows, n_selected):
+def _entries_kernel(positions, selection, entries, n_tokens, window, chunk_rows, n_selected, own_rows):
     """One thread per (token, entry): the window entries, then the selection shifted past the ring
-    and the chunk rows. positions int32 [T]; selection int32 [T, K]; entries int32 [T, W + K]."""
+    and the chunk rows. positions int32 [T]; selection int32 [T, K]; entries int32 [T, W + K].
+    own_rows: every token is its own sequence's only one (a batch), in chunk row t."""
     i = cuda.grid(1)
     width = window + n_selected
     if i >= n_tokens * width:
         return
     t = i // width
     j = i % width
-    start = positions[0]
+    start = positions[t] if own_rows else positions[0]
+    first = t if own_rows else 0  # the chunk row of position `start`
     if j < window:
         wp = positions[t] - window + 1 + j
         if wp < 0:
             e = -1
         elif wp >= start:
-            e = window + (wp - start)
+            e = window + first + (wp - start)
         else:
             e = wp % window
     else:
@@ -627,8 +643,10 @@ def _entries_kernel(positions, selection, entries, n_tokens, window, chunk_rows,
 
 
 def build_entries(positions: DeviceArray, selection: DeviceArray | None, window: int, chunk_capacity: int,
-                  entries: DeviceArray, n_tokens: int, stream=0) -> None:
-    """entries[:T, :W + K] as sparse_attention reads them (K = selection.shape[1], 0 without one)."""
+                  entries: DeviceArray, n_tokens: int, stream=0, own_rows: bool = False) -> None:
+    """entries[:T, :W + K] as sparse_attention reads them (K = selection.shape[1], 0 without one).
+    own_rows: the T tokens are a batch of T sequences' (token t its sequence's only one, its window
+    row in chunk row t; each sequence's ring and compressed rows its own, sparse_attention_tables)."""
     check_array(positions, (np.int32,), 1, "build_entries positions")
     check_array(entries, (np.int32,), 2, "build_entries entries")
     n_selected = 0
@@ -645,12 +663,12 @@ def build_entries(positions: DeviceArray, selection: DeviceArray | None, window:
         # without a selection the kernel reads none: any int32 [T, *] array stands in for it
         _entries_kernel[grid_1d(total, ENTRY_THREADS), ENTRY_THREADS, stream](
             positions, entries if selection is None else selection, entries, n_tokens, window, chunk_capacity,
-            n_selected)
+            n_selected, own_rows)
 
 
 @dataclass
 class SparseWorkspace:
-    """The split path's scratch for T <= SPLIT_MAX_TOKENS tokens, H heads x D, up to E entries
+    """The split path's scratch for T tokens (SPLIT_BATCH_TOKENS at most), H heads x D, up to E entries
     (NB = ceil(E / 64) blocks, NT = ceil(E / SCORE_TILE) tiles). A call uses a prefix of each."""
 
     scores: DeviceArray  # fp32 [T, H, E]: s_j = q . row_j * scale, -inf for a skipped entry
@@ -661,13 +679,15 @@ class SparseWorkspace:
     rescale: DeviceArray  # fp32 [T, NB, H]: exp(m_{b-1} - m_b), m_{-1} = START_MAX
 
     @classmethod
-    def allocate(cls, max_tokens: int, heads: int, head_dim: int, n_entries: int) -> SparseWorkspace:
-        """For calls of up to min(max_tokens, SPLIT_MAX_TOKENS) tokens and n_entries entries (more
-        tokens take the one-block-a-head path)."""
+    def allocate(cls, max_tokens: int, heads: int, head_dim: int, n_entries: int,
+                 most: int = SPLIT_MAX_TOKENS) -> SparseWorkspace:
+        """For calls of up to min(max_tokens, most) tokens and n_entries entries (more tokens take
+        the one-block-a-head path): most = SPLIT_MAX_TOKENS for sparse_attention, up to
+        SPLIT_BATCH_TOKENS where sparse_attention_tables shares it."""
         if head_dim % 8 or heads < 1 or max_tokens < 1 or n_entries < 0:
             raise InputError(f"SparseWorkspace: {max_tokens} tokens x {heads} heads x {head_dim} x {n_entries} "
                              "entries (the split path reads rows in 16-byte units: head_dim a multiple of 8)")
-        shapes = _workspace_shapes(min(max_tokens, SPLIT_MAX_TOKENS), heads, head_dim, max(n_entries, 1))
+        shapes = _workspace_shapes(min(max_tokens, most, SPLIT_BATCH_TOKENS), heads, head_dim, max(n_entries, 1))
         return cls(**{name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()})
 
     @property
@@ -700,9 +720,10 @@ def _workspace_shapes(tokens: int, heads: int, head_dim: int, n_entries: int) ->
             "rescale": per_block}
 
 
-def split_workspace_bytes(max_tokens: int, heads: int, head_dim: int, n_entries: int) -> int:
-    """Device bytes of SparseWorkspace.allocate(max_tokens, heads, head_dim, n_entries) (fp32 arrays)."""
-    shapes = _workspace_shapes(min(max_tokens, SPLIT_MAX_TOKENS), heads, head_dim, max(n_entries, 1))
+def split_workspace_bytes(max_tokens: int, heads: int, head_dim: int, n_entries: int,
+                          most: int = SPLIT_MAX_TOKENS) -> int:
+    """Device bytes of SparseWorkspace.allocate(max_tokens, heads, head_dim, n_entries, most) (fp32 arrays)."""
+    shapes = _workspace_shapes(min(max_tokens, most, SPLIT_BATCH_TOKENS), heads, head_dim, max(n_entries, 1))
     return sum(4 * int(np.prod(shape)) for shape in shapes.values())
 
 
@@ -715,7 +736,7 @@ def _widest(n: int, most: int) -> int:
 
 
 def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-                     ws: SparseWorkspace) -> None:
+                     ws: SparseWorkspace, tables: bool) -> None:
     """The split path (module docstring): scores, values and combine on `stream`, each sized for the
     call (heads per block shrink until the grid covers the GPU)."""
     heads, head_dim = q.shape[1], q.shape[2]
@@ -727,14 +748,15 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
         if words % nt:
             raise InputError(f"sparse_attention: {nt} threads do not divide the {words} words of head_dim {head_dim}")
         q32 = q.reshape(q.shape[0] * heads, head_dim).view(np.uint32)
-        rows = tuple(a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
+        rows = (ring, chunk_rows.view(np.uint32), comp_rows) if tables else tuple(
+            a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
         hw = _widest(heads, SCORE_HEADS)
         head_warps = _widest(heads // hw, SCORE_HEAD_WARPS)
         n_tiles = -(-n_entries // SCORE_TILE)
         while head_warps > 1 and n_tokens * n_tiles * (heads // (hw * head_warps)) < SCORE_FILL:
             head_warps //= 2
         grid = (n_tiles, heads // (hw * head_warps), n_tokens)
-        split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES)[
+        split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES, tables)[
             grid, LANES * head_warps * SCORE_ENTRY_WARPS, stream](
             q32, *rows, entries, ws.scores, ws.tile_max, n_entries, heads, np.float32(scale))
         per_thread = words // nt if SIM else 1  # the simulator's threads take all of D between them
@@ -743,7 +765,7 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
         while block_heads > 1 and n_tokens * n_blocks * slices * (heads // block_heads) < VALUE_FILL:
             block_heads //= 2
         thread_heads = min(VALUE_THREAD_HEADS, block_heads)
-        split_value_kernel(head_dim, nt, per_thread, block_heads, thread_heads)[
+        split_value_kernel(head_dim, nt, per_thread, block_heads, thread_heads, tables)[
             (n_blocks, slices * (heads // block_heads), n_tokens), nt * (block_heads // thread_heads), stream](
             *rows, entries, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max, ws.rescale, n_entries)
     per_thread = head_dim if SIM else 1
@@ -756,7 +778,7 @@ def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray,
                      entries: DeviceArray, sinks: DeviceArray, scale: float, out: DeviceArray, n_tokens: int,
                      stream=0, threads: int = 0, workspace: SparseWorkspace | None = None) -> None:
     """out[:T] = attention of q[:T] over the rows its entries name (see the module docstring).
-    workspace: the split path's, taken when T <= workspace.tokens. threads: the block size of the
+    workspace: the split path's, taken when T <= its tokens and SPLIT_MAX_TOKENS. threads: the block size of the
     one-block-a-head kernel, or of the split path's values kernel (0 = the default; tests force others)."""
     check_array(q, (np.uint16,), 3, "sparse_attention q")
     check_array(out, (np.uint16,), 3, "sparse_attention out")
@@ -771,19 +793,52 @@ def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray,
             or any(a.shape[1] != head_dim for a in (ring, chunk_rows, comp_rows))):
         raise InputError(f"sparse_attention: q {q.shape}, out {out.shape}, sinks {sinks.shape}, ring {ring.shape}, "
                          f"chunk_rows {chunk_rows.shape}, comp_rows {comp_rows.shape} do not agree")
+    _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads, workspace,
+            SPLIT_MAX_TOKENS, False)
+
+
+def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: DeviceArray, comps: DeviceArray,
+                            entries: DeviceArray, sinks: DeviceArray, scale: float, out: DeviceArray, n_tokens: int,
+                            stream=0, workspace: SparseWorkspace | None = None) -> None:
+    """sparse_attention for a batch of T sequences, token t its sequence's only one: rings and comps
+    are address tables (uint64 [>= T, 2], stages.row_tables) of each token's own ring [W, D] and
+    compressed rows [G, D], chunk_rows the batch's window rows (token t's in row t), entries as
+    build_entries(..., own_rows=True) makes them. Token t's result is what sparse_attention gives
+    for it alone over its own arrays, on the same path (split or not)."""
+    check_array(q, (np.uint16,), 3, "sparse_attention_tables q")
+    check_array(out, (np.uint16,), 3, "sparse_attention_tables out")
+    check_array(chunk_rows, (np.uint16,), 2, "sparse_attention_tables chunk_rows")
+    for a, what in ((rings, "rings"), (comps, "comps")):
+        check_array(a, (np.uint64,), 2, f"sparse_attention_tables {what}")
+        check_rows(a, n_tokens, f"sparse_attention_tables {what}")
+    check_array(entries, (np.int32,), 2, "sparse_attention_tables entries")
+    for a, what in ((q, "q"), (out, "out"), (entries, "entries"), (chunk_rows, "chunk_rows")):
+        check_rows(a, n_tokens, f"sparse_attention_tables {what}")
+    if out.shape[1:] != q.shape[1:] or chunk_rows.shape[1] != q.shape[2]:
+        raise InputError(f"sparse_attention_tables: q {q.shape}, out {out.shape}, chunk_rows {chunk_rows.shape} "
+                         "do not agree")
+    _attend(q, rings, chunk_rows, comps, entries, sinks, scale, out, n_tokens, stream, 0, workspace,
+            SPLIT_BATCH_TOKENS, True)
+
+
+def _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
+            workspace: SparseWorkspace | None, split_tokens: int, tables: bool) -> None:
+    """The launch of sparse_attention (tables: of sparse_attention_tables), its arguments checked:
+    the split path for up to split_tokens tokens that the workspace holds."""
+    heads, head_dim = q.shape[1], q.shape[2]
     if workspace is not None:
         if head_dim % 8:
             raise InputError(f"sparse_attention: the split path needs head_dim a multiple of 8, not {head_dim}")
         workspace.check(heads, head_dim, entries.shape[1])
     if n_tokens == 0:
         return
-    if workspace is not None and n_tokens <= workspace.tokens:
+    if workspace is not None and n_tokens <= min(workspace.tokens, split_tokens):
         _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-                         workspace)
+                         workspace, tables)
         return
     nt = threads or min(ATTN_THREADS, head_dim)
     lanes = min(LANES, nt)
     if head_dim % nt or nt % lanes:
         raise InputError(f"sparse_attention: {nt} threads do not divide head_dim {head_dim}")
-    sparse_kernel(head_dim, nt, lanes)[(heads, n_tokens), nt, stream](
+    sparse_kernel(head_dim, nt, lanes, tables)[(heads, n_tokens), nt, stream](
         q, ring, chunk_rows, comp_rows, entries, sinks, out, entries.shape[1], np.float32(scale))

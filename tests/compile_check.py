@@ -52,6 +52,7 @@ class _FakeDevice:
     compute_capability = (9, 0)
     name = b"compile-check sm_90"
     id = 0
+    MULTIPROCESSOR_COUNT = 132  # an H200's (grids sized per SM)
 
 
 class _FakeStream:

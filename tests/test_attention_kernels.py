@@ -43,6 +43,7 @@ from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
 from flashv41.stages.device import SIM  # noqa: E402
 from flashv41.stages.linear import DeviceWeight  # noqa: E402
 from flashv41.stages.sparse_attention import (  # noqa: E402
+    SPLIT_BATCH_TOKENS,
     SPLIT_MAX_TOKENS,
     SparseWorkspace,
     build_entries,
@@ -627,9 +628,11 @@ def test_sparse_split_matches_one_block(case):
 
 
 def test_sparse_workspace_capacity():
-    """At most SPLIT_MAX_TOKENS tokens; a call of more tokens than the workspace holds runs the
-    one-block-a-head kernel (the same bits as without a workspace)."""
+    """At most SPLIT_MAX_TOKENS tokens (SPLIT_BATCH_TOKENS for a batched step's); a call of more
+    tokens than the workspace holds runs the one-block-a-head kernel (the same bits as without a
+    workspace)."""
     assert SparseWorkspace.allocate(100, 2, 64, 140).tokens == SPLIT_MAX_TOKENS
+    assert SparseWorkspace.allocate(100, 2, 64, 140, most=1000).tokens == SPLIT_BATCH_TOKENS
     ws = SparseWorkspace.allocate(2, 4, 64, 28)
     assert ws.tokens == 2 and ws.nbytes == sum(getattr(ws, f.name).nbytes for f in dataclasses.fields(ws))
     args = sparse_inputs(*SPARSE_CASES[1])  # T = 3

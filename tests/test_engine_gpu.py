@@ -118,15 +118,17 @@ def test_graph_decode_is_eager_decode(synth_model, preset):
 
 def test_flash_batch_decode_equals_each_alone(synth_model):
     """decode_batch at V4.1-Flash sizes (the three layers above, Q8_0): three sequences at
-    positions 9, 120 and 130 (before the window's first wrap, at it and past it; odd and even, so
-    the ratio-2 groups complete in some and not others) decode two steps together; each row must
-    equal the sequence's own graph-replayed decode bit for bit (B <= 8: the same stream kernels)."""
+    positions 9, 127 and 130 (before the window's first wrap, across it and past it; odd and even,
+    so the ratio-2 groups complete in some and not others) decode five steps together, the batch's
+    graph captured at the second and replayed from the third; each row must equal the sequence's
+    own graph-replayed decode bit for bit (B <= 8: the same stream kernels and attention path)."""
     path = synth_model("flash", vocab=2048, compress_ratios=(0, 2, 2), kv_sources=(1,), index_sources=(1,),
                        candidate_source=99, engram_layers=(0, 1), engram_rows=120_000, context_length=4096)
     model = flashv41.load_model(path)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 2048, n) for n in (9, 127, 130)]
-    nexts = [rng.integers(0, 2048, 2) for _ in prompts]
+    steps = 5
+    nexts = [rng.integers(0, 2048, steps) for _ in prompts]
     with flashv41.Engine(model, max_seq=512, max_tokens=64) as engine:
         alone = []
         for prompt, nxt in zip(prompts, nexts, strict=True):
@@ -137,7 +139,7 @@ def test_flash_batch_decode_equals_each_alone(synth_model):
         seqs = [engine.new_sequence() for _ in prompts]
         for seq, prompt in zip(seqs, prompts, strict=True):
             seq.prefill(prompt)
-        for step in range(2):
+        for step in range(steps):
             got = engine.decode_batch(seqs, [int(n[step]) for n in nexts])
             for b in range(len(seqs)):
                 differ = int((got[b] != alone[b][step][0]).sum())

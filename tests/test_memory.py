@@ -38,8 +38,9 @@ def test_estimate_for_tiny(tiny_path: Path) -> None:
         assert est.state_bytes_per_sequence == state
 
         t = max_tokens
-        # the sparse attention's decode scratch: scores, tile maxima, block value sums and 3 per-block rows
-        st, entries = min(t, sa.SPLIT_MAX_TOKENS), cfg.window + cfg.index_topk
+        # the sparse attention's decode (and batched decode) scratch: scores, tile maxima, block value sums and
+        # 3 per-block rows
+        st, entries = min(t, sa.SPLIT_BATCH_TOKENS), cfg.window + cfg.index_topk
         blocks = -(-entries // sa.SPARSE_BLOCK)
         sparse = 4 * st * cfg.n_heads * (entries + -(-entries // sa.SCORE_TILE) + blocks * cfg.head_dim + 3 * blocks)
         workspace = (2 * t * cfg.hc * cfg.dim * 4 + t * cfg.n_heads * cfg.head_dim * 2 + sparse + t * max_seq * 4

@@ -14,9 +14,10 @@ a few decode steps so that every graph key has its graph, then the rows below.
 `--rows 'stack.*'` both (and the batch rows below).
 
 `stack.decode.batch` (P7, issue 19; rows `stack.decode.batch.<B>` for B in BATCHES): the flash40
-stack stepping B sequences together (`Engine.decode_batch`), each prefilled with BATCH_PROMPT
-tokens of its own. Wall clock of a whole step as a user makes it (the hash, uploads, launches:
-decode_batch is not captured in a graph yet), the median of --reps steps; bound = the step's
+stack stepping B sequences together (`Engine.decode_batch`), each prefilled with BATCH_PROMPT +
+(its index mod BATCH_SPREAD) tokens of its own, so the rows of a step sit at different positions.
+Wall clock of a whole step as a user makes it (the hash, uploads, the batch's graph replayed, the
+download), the median of --reps steps after the warm-up calls that capture the graph; bound = the step's
 weight bytes once + every sequence's cache bytes (window rows, selected compressed rows, index
 keys, as the attention rows count them, at its position) and engram rows, at the copy
 bandwidth. The note gives tokens per second (B tokens a step) and the step time against B = 1's.
@@ -51,7 +52,8 @@ from flashv41.memory import device_free_bytes
 
 PROMPT = 512  # prefill tokens before the steps: two chunks of 256, quick on 40 layers too
 BATCHES = (1, 8, 32, 64)  # stack.decode.batch's batch sizes
-BATCH_PROMPT = 64  # each batched sequence's prompt
+BATCH_PROMPT = 64  # each batched sequence's prompt, plus its index modulo BATCH_SPREAD
+BATCH_SPREAD = 8
 DECODE_STEPS = 32
 TABLE_ROWS = 3_000_000
 
@@ -163,15 +165,16 @@ def batch_case() -> BenchCase:
         rng = np.random.default_rng(9)
         rows: list[BenchRow] = []
         try:
-            with flashv41.Engine(model, max_seq=BATCH_PROMPT + steps + 8, max_tokens=max(BATCHES)) as engine:
+            with flashv41.Engine(model, max_seq=BATCH_PROMPT + BATCH_SPREAD + steps + 8,
+                                 max_tokens=max(BATCHES)) as engine:
                 weights = step_bytes(engine)
                 engram_rows = 0 if engine.engram is None else sum(
                     engine.engram.cols * w.table.row_bytes for w in engine.engram.layers.values())
                 first = 0.0
                 for b in BATCHES:
                     seqs = [engine.new_sequence() for _ in range(b)]
-                    for seq in seqs:
-                        seq.prefill(rng.integers(0, cfg.vocab_size, BATCH_PROMPT))
+                    for i, seq in enumerate(seqs):  # at different positions: groups complete in some rows only
+                        seq.prefill(rng.integers(0, cfg.vocab_size, BATCH_PROMPT + i % BATCH_SPREAD))
                     position = BATCH_PROMPT + o.warmup  # about where the timed steps run
                     per_seq = sum(cache_bytes(cfg, role, position) for role in cfg.roles) + engram_rows
                     nbytes = weights - engram_rows + b * per_seq
@@ -182,7 +185,9 @@ def batch_case() -> BenchCase:
                     median, plan = ctx.wall_time(step, nbytes)
                     first = first or median
                     rows.append(BenchRow(f"stack.decode.batch.{b}", median, ctx.memory_bound(nbytes), bytes=nbytes,
-                                         note=f"{len(cfg.roles)} layers, {b} sequences a step (decode_batch, eager): "
+                                         note=f"{len(cfg.roles)} layers, {b} sequences a step (decode_batch, "
+                                              f"{'graph' if engine.graphs else 'eager'}, positions "
+                                              f"{BATCH_PROMPT}..{BATCH_PROMPT + min(b, BATCH_SPREAD) - 1}): "
                                               f"{b / median:.0f} tokens/s, {median / first:.2f}x the 1-sequence step",
                                          l2=plan))
                     for seq in seqs:

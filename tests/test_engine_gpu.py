@@ -116,19 +116,14 @@ def test_graph_decode_is_eager_decode(synth_model, preset):
         f"graph decode differs from eager decode: agreement {agreement(outs[True], outs[False])}"
 
 
-def test_flash_batch_decode_equals_each_alone(synth_model):
-    """decode_batch at V4.1-Flash sizes (the three layers above, Q8_0): three sequences at
-    positions 9, 127 and 130 (before the window's first wrap, across it and past it; odd and even,
-    so the ratio-2 groups complete in some and not others) decode five steps together, the batch's
-    graph captured at the second and replayed from the third; each row must equal the sequence's
+def check_batch_equals_each_alone(model, prompt_lengths: tuple[int, ...], steps: int) -> None:
+    """Sequences prefilled to prompt_lengths decode `steps` steps together (the batch's graph
+    captured at the second step and replayed from the third); each row must equal the sequence's
     own graph-replayed decode bit for bit (B <= 8: the same stream kernels and attention path)."""
-    path = synth_model("flash", vocab=2048, compress_ratios=(0, 2, 2), kv_sources=(1,), index_sources=(1,),
-                       candidate_source=99, engram_layers=(0, 1), engram_rows=120_000, context_length=4096)
-    model = flashv41.load_model(path)
+    vocab = model.config.vocab_size
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, 2048, n) for n in (9, 127, 130)]
-    steps = 5
-    nexts = [rng.integers(0, 2048, steps) for _ in prompts]
+    prompts = [rng.integers(0, vocab, n) for n in prompt_lengths]
+    nexts = [rng.integers(0, vocab, steps) for _ in prompts]
     with flashv41.Engine(model, max_seq=512, max_tokens=64) as engine:
         alone = []
         for prompt, nxt in zip(prompts, nexts, strict=True):
@@ -144,3 +139,19 @@ def test_flash_batch_decode_equals_each_alone(synth_model):
             for b in range(len(seqs)):
                 differ = int((got[b] != alone[b][step][0]).sum())
                 assert differ == 0, f"step {step}: sequence {b} differs from its own decode in {differ} values"
+        assert len(engine._batch_graphs) == 1, "the batch's steps share one graph"
+
+
+def test_small_batch_decode_equals_each_alone(synth_model):
+    """The small preset (window 16, every block type): eight sequences at positions 3 to 40, across
+    the window's wrap and both compressor ratios' groups, six steps together."""
+    model = flashv41.load_model(synth_model("small"))
+    check_batch_equals_each_alone(model, (3, 14, 15, 16, 17, 30, 33, 40), 6)
+
+
+def test_flash_batch_decode_equals_each_alone(synth_model):
+    """decode_batch at V4.1-Flash sizes (the three layers above, Q8_0): three sequences at
+    positions 9, 127 and 130 (before the window's first wrap, across it and past it; odd and even,
+    so the ratio-2 groups complete in some and not others), five steps together."""
+    model = flashv41.load_model(synth_model("flash", **FLASH3))
+    check_batch_equals_each_alone(model, (9, 127, 130), 5)

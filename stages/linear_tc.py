@@ -32,9 +32,9 @@ issued before the current step's mma, into registers. One launch covers every gr
 Launch bounds hold a thread to 128 registers (two blocks of 256 threads an SM; ptxas sm_90: BF16
 and Q8_0 fit, Q2_K spills 24 to 92 bytes).
 
-On the simulator the mma is emulated (the lanes of a warp pool their fragments in shared memory,
-then each computes its outputs), so the kernel's indexing is tested there, slowly: `supports` says
-no on the simulator, for callers that want the fast path.
+On the simulator the mma is emulated (the lanes of a warp pool their fragments, one barrier a
+call, then each computes its own outputs), so the kernel's indexing is tested there, slowly:
+`supports` says no on the simulator, for callers that want the fast path.
 """
 
 from __future__ import annotations
@@ -66,26 +66,39 @@ TILE_B = (BN, KW + PAD)  # [output, word]
 FRAGS = (FM, FN, 4)  # a warp's accumulators: [fragment m, fragment n, register]
 
 if SIM:
+    import threading
+
     from flashv41.stages.device import _BF16_VALUES
 
+    # The lanes of a warp pool their fragments here. The simulator runs a launch's blocks one after
+    # another, so one pool serves them all; its two slots, taken in turn, let a lane write its next
+    # call's fragments while another still reads this call's, so a call needs one barrier, not two.
+    _FRAGMENTS = np.zeros((2, THREADS // WARP, WARP, 6), np.uint32)  # [slot, warp, lane, register]
+    _CALLS = threading.local()  # a simulated thread's count of mma calls: its slot is the parity
+
+    def bf16_halves(regs):
+        """The bf16 values of 32-bit registers [...], as [..., 2]: the low half first."""
+        return _BF16_VALUES[np.stack([regs & 0xFFFF, regs >> 16], axis=-1)]
+
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """The warp's 16x8 tile D = A @ B + C, from the lanes' fragments (PTX m16n8k16 layout)."""
-        regs = cuda.shared.array((THREADS // WARP, WARP, 6), np.uint32)
+        """The warp's 16x8 tile D = A @ B + C, from the lanes' fragments (PTX m16n8k16 layout): lane
+        (g, t) takes A's rows g, g + 8 from lanes 4g .. 4g + 3 and B's columns 2t, 2t + 1 from lanes
+        8t .. 8t + 7, and computes its own four outputs."""
+        calls = getattr(_CALLS, "n", 0)
+        _CALLS.n = calls + 1
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP, tid % WARP
-        regs[warp, lane] = (a0, a1, a2, a3, b0, b1)
-        cuda.syncthreads()
-        # [g, t, reg, half]: lane 4g + t's registers, each two bf16 (the lower column in the low half)
-        vals = _BF16_VALUES[np.stack([regs[warp] & 0xFFFF, regs[warp] >> 16], axis=-1).reshape(8, 4, 6, 2)]
-        a = np.empty((16, 16), np.float64)
-        a[:8, :8], a[8:, :8] = vals[:, :, 0].reshape(8, 8), vals[:, :, 1].reshape(8, 8)
-        a[:8, 8:], a[8:, 8:] = vals[:, :, 2].reshape(8, 8), vals[:, :, 3].reshape(8, 8)
-        bt = np.concatenate([vals[:, :, 4].reshape(8, 8), vals[:, :, 5].reshape(8, 8)], axis=1)  # B^T [n, k]
-        d = a @ bt.T
+        regs = _FRAGMENTS[calls & 1, warp]
+        regs[lane] = (a0, a1, a2, a3, b0, b1)
         cuda.syncthreads()
         g, t = lane >> 2, lane & 3
-        return (np.float32(d[g, 2 * t] + c0), np.float32(d[g, 2 * t + 1] + c1),
-                np.float32(d[g + 8, 2 * t] + c2), np.float32(d[g + 8, 2 * t + 1] + c3))
+        a = bf16_halves(regs[4 * g:4 * g + 4, :4])  # [t', register, half]: a0 and a2 row g, a1 and a3 row g + 8
+        rows = np.stack([a[:, 0::2].transpose(1, 0, 2).reshape(16), a[:, 1::2].transpose(1, 0, 2).reshape(16)])
+        b = bf16_halves(regs[8 * t:8 * t + 8, 4:])  # [4 (n - 2t) + t', register, half]: B^T row n
+        cols = b.reshape(2, 4, 2, 2).transpose(0, 2, 1, 3).reshape(2, 16)
+        d = rows.astype(np.float64) @ cols.astype(np.float64).T
+        return (np.float32(d[0, 0] + c0), np.float32(d[0, 1] + c1),
+                np.float32(d[1, 0] + c2), np.float32(d[1, 1] + c3))
 else:
     from llvmlite import ir
     from numba import types

@@ -32,6 +32,12 @@ def device(fn):
     return fn if SIM else cuda.jit(device=True)(fn)
 
 
+def inlined(fn):
+    """A device helper that Numba inlines where it is called, before typing: on the GPU the kernel
+    compiles as if the helper's body were written out there (no function of its own in the PTX)."""
+    return fn if SIM else cuda.jit(device=True, inline="always")(fn)
+
+
 if SIM:
     import struct
 

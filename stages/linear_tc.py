@@ -45,8 +45,16 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from flashv41.host.quants import FORMATS
-from flashv41.stages.device import CHUNK, SIM, WARP, bf16_to_f32, device, f32_to_bf16
-from flashv41.stages.quant_types import DEVICE_TYPES, Q2_K_CHUNKS, Q2_K_GROUPS, TC_STEP_WORDS, DeviceType, pack
+from flashv41.stages.device import CHUNK, SIM, WARP, bf16_to_f32, device, f32_to_bf16, inlined
+from flashv41.stages.quant_types import (
+    DEVICE_TYPES,
+    NO_SCALES,
+    TC_BLOCK_GROUPS,
+    TC_BLOCK_STEPS,
+    TC_STEP_WORDS,
+    DeviceType,
+    pack,
+)
 
 BK = CHUNK  # values of k per step: the table's tensor-core pieces fetch a chunk a step
 KW = TC_STEP_WORDS  # 32-bit words (bf16 pairs) per tile row per step
@@ -133,6 +141,16 @@ def split3(s):
     return hi, mid, f32_to_bf16(r - bf16_to_f32(mid))
 
 
+@inlined
+def add_scaled(acc, part, d_s, h, wn, t4):
+    """acc += d_s[h, output] * part over a warp's fragments, and part back to zero."""
+    for fm in range(FM):
+        for fn in range(FN):
+            for i in range(4):
+                acc[fm, fn, i] += d_s[h, wn + fn * 8 + 2 * t4 + i % 2] * part[fm, fn, i]
+                part[fm, fn, i] = float32(0)
+
+
 @cache
 def tc_kernel(qt: DeviceType, out_bf16: bool):
     """Tiles of BM tokens x BN outputs of one group; block = THREADS, grid = (output tiles per group,
@@ -140,20 +158,21 @@ def tc_kernel(qt: DeviceType, out_bf16: bool):
     tc = qt.tc
     assert tc is not None
     fetch, put, fetch_scales, put_scales = tc.fetch, tc.put, tc.fetch_scales, tc.put_scales
-    words, scaled, mins = tc.words, tc.scaled, tc.mins
+    words, scaled, mins, halves = tc.words, tc.scaled, tc.mins, tc.halves
     # stored weight words each thread loads per step: consecutive ones of one row (a Q2_K thread's
     # are in one group of 16 values, so it reads the group's scale once)
     b_loads = BN * words // THREADS
     assert b_loads * THREADS == BN * words
-    mins_shape = (BN, Q2_K_CHUNKS + PAD) if mins else (1, 1)  # [output, group pair] min nibbles, bf16 pairs
-    sums_shape = (BM, Q2_K_GROUPS + 1) if mins else (1, 1)  # [token, group] the groups' input sums
+    scales_shape = (2 if halves else 1, BN)  # [half-step, output]
+    mins_shape = (BN, TC_BLOCK_STEPS + PAD) if mins else (1, 1)  # [output, group pair] the mins, bf16 pairs
+    sums_shape = (BM, TC_BLOCK_GROUPS + 1) if mins else (1, 1)  # [token, group] the groups' input sums
 
     @cuda.jit if SIM else cuda.jit(launch_bounds=(THREADS, 2))  # type: ignore[call-arg]
     def gemm_tc(x, w, y, n_tokens, n_rows, width):
         a_s = cuda.shared.array(TILE_A, uint32)  # [token, word] the step's inputs, bf16 pairs
         b_s = cuda.shared.array(TILE_B, uint32)  # [output, word] the step's weights, bf16 pairs
-        d_s = cuda.shared.array(BN, float32)  # [output] the block's scale d
-        m_s = cuda.shared.array(BN, float32)  # [output] Q2_K: the block's dmin
+        d_s = cuda.shared.array(scales_shape, float32)  # [half-step, output] the step's scale (halves: each half's)
+        m_s = cuda.shared.array(BN, float32)  # [output] types with mins: the block's dmin
         mins_s = cuda.shared.array(mins_shape, uint32)
         sums_s = cuda.shared.array(sums_shape, float32)
         xw = x.view(np.uint32)  # [T, K_total / 2] bf16 pairs
@@ -188,8 +207,7 @@ def tc_kernel(qt: DeviceType, out_bf16: bool):
                     acc[fm, fn, i] = float32(0)
                     part[fm, fn, i] = float32(0)
         n_steps = k // BK
-        su = uint32(0)
-        sv = uint32(0)
+        s0, s1, s2, s3 = NO_SCALES  # the scale words of row n0 + tid (threads tid < BN)
         # Iteration `it` stores step it - 1's words (fetched by the previous iteration) in shared
         # memory, issues step it's global loads, and runs step it - 1's mma while those are in flight.
         for it in range(n_steps + 1):
@@ -202,7 +220,7 @@ def tc_kernel(qt: DeviceType, out_bf16: bool):
                     idx = tid * b_loads + i
                     put(b_s, idx // words, idx % words, pb[i], pbx[i], step)
                 if tid < BN:
-                    put_scales(d_s, m_s, mins_s, tid, step, su, sv)
+                    put_scales(d_s, m_s, mins_s, tid, step, s0, s1, s2, s3)
                 cuda.syncthreads()
             if it < n_steps:
                 for i in range(A_LOADS):
@@ -218,9 +236,9 @@ def tc_kernel(qt: DeviceType, out_bf16: bool):
                     pb[i] = word
                     pbx[i] = aux
                 if tid < BN:
-                    su, sv = uint32(0), uint32(0)
+                    s0, s1, s2, s3 = NO_SCALES
                     if n0 + tid < group_rows:
-                        su, sv = fetch_scales(w32, w16, row0 + n0 + tid, it, k)
+                        s0, s1, s2, s3 = fetch_scales(w32, w16, row0 + n0 + tid, it, k)
             if it == 0:
                 continue
             if mins and tid < 2 * BM:  # the sums of the step's two groups of 16 inputs, every token
@@ -230,7 +248,7 @@ def tc_kernel(qt: DeviceType, out_bf16: bool):
                     word = a_s[r, 8 * h + j]
                     s += bf16_to_f32(word & 0xFFFF)
                     s += bf16_to_f32(word >> 16)
-                sums_s[r, 2 * (step % Q2_K_CHUNKS) + h] = s
+                sums_s[r, 2 * (step % TC_BLOCK_STEPS) + h] = s
             for kk in range(2):  # two k16 mma steps
                 kw = kk * 8 + t4
                 for fm in range(FM):
@@ -252,13 +270,11 @@ def tc_kernel(qt: DeviceType, out_bf16: bool):
                         dst[fm, fn, 1] = d1
                         dst[fm, fn, 2] = d2
                         dst[fm, fn, 3] = d3
-            if scaled:  # the step's sums, times their block's scale d, into acc
-                for fm in range(FM):
-                    for fn in range(FN):
-                        for i in range(4):
-                            acc[fm, fn, i] += d_s[wn + fn * 8 + 2 * t4 + i % 2] * part[fm, fn, i]
-                            part[fm, fn, i] = float32(0)
-            if mins and step % Q2_K_CHUNKS == Q2_K_CHUNKS - 1:  # a Q2_K block's end: minus dmin * sum_j m_j S_j
+                if halves:  # this half-step's sums, times its scales, into acc
+                    add_scaled(acc, part, d_s, kk, wn, t4)
+            if scaled and not halves:  # the step's sums, times their scales, into acc
+                add_scaled(acc, part, d_s, 0, wn, t4)
+            if mins and step % TC_BLOCK_STEPS == TC_BLOCK_STEPS - 1:  # a block's end: minus dmin * sum_j m_j S_j
                 cuda.syncthreads()  # every group's sums are in sums_s
                 for fm in range(FM):
                     for i in range(4):  # the A fragment of the sums [token, group], in three bf16 pieces

@@ -82,6 +82,7 @@ from flashv41.stages.device import (
     f32_bits,
     f32_from_bits,
     fp16_to_f32,
+    inlined,
     load_words4,
     read_u16,
 )
@@ -1017,15 +1018,19 @@ def row_adder(tokens: int, x_bf16: bool):
     return add_row
 
 
+@inlined
+def q6_k_levels(ql, qh, s):
+    """Four Q6_K levels (+ 32), one a byte, of row s: nibble s // 2 of a ql word, below pair s of
+    the qh word."""
+    return ((ql >> (4 * (s // 2))) & 0x0F0F0F0F) | (((qh >> (2 * s)) & 0x03030303) << 4)
+
+
 @device
 def q6_k_row(l0, l1, l2, l3, h0, h1, h2, h3, s):
     """The sixteen Q6_K levels (less 32) of row s from its four ql words (of ql[64 h + 32 (s % 2) +
-    i]: nibble s // 2) and the four qh words (qh[32 h + i]: pair s, above the nibble)."""
-    lo, sh = 4 * (s // 2), 2 * s
-    return bytes_less16(((l0 >> lo) & 0x0F0F0F0F) | (((h0 >> sh) & 0x03030303) << 4),
-                        ((l1 >> lo) & 0x0F0F0F0F) | (((h1 >> sh) & 0x03030303) << 4),
-                        ((l2 >> lo) & 0x0F0F0F0F) | (((h2 >> sh) & 0x03030303) << 4),
-                        ((l3 >> lo) & 0x0F0F0F0F) | (((h3 >> sh) & 0x03030303) << 4), Q6_K_LEVEL_MAGIC)
+    i]) and the four qh words (qh[32 h + i])."""
+    return bytes_less16(q6_k_levels(l0, h0, s), q6_k_levels(l1, h1, s), q6_k_levels(l2, h2, s),
+                        q6_k_levels(l3, h3, s), Q6_K_LEVEL_MAGIC)
 
 
 def q6_k_unit(tokens: int, x_bf16: bool):
@@ -1057,14 +1062,19 @@ def q6_k_unit(tokens: int, x_bf16: bool):
     return q6_k_unit
 
 
+@inlined
+def q3_k_levels(qs, hmask, s):
+    """Four Q3_K levels (+ 4), one a byte, of row s: pair s of a qs word as bits 0-1, bit s of the
+    hmask word (shifted down to its half's bits) as bit 2."""
+    return ((qs >> (2 * s)) & 0x03030303) | (((hmask >> s) & 0x01010101) << 2)
+
+
 @device
 def q3_k_row(q0, q1, q2, q3, m0, m1, m2, m3, s):
-    """The sixteen Q3_K levels of row s: pair s of the four qs words (of qs[32 h + i]) as bits 0-1,
-    bit s of the four hmask words (hmask[i] >> 4 h) as bit 2, less 4."""
-    return bytes_less16(((q0 >> (2 * s)) & 0x03030303) | (((m0 >> s) & 0x01010101) << 2),
-                        ((q1 >> (2 * s)) & 0x03030303) | (((m1 >> s) & 0x01010101) << 2),
-                        ((q2 >> (2 * s)) & 0x03030303) | (((m2 >> s) & 0x01010101) << 2),
-                        ((q3 >> (2 * s)) & 0x03030303) | (((m3 >> s) & 0x01010101) << 2), Q3_K_LEVEL_MAGIC)
+    """The sixteen Q3_K levels of row s from the four qs words (of qs[32 h + i]) and the four hmask
+    words (hmask[i] >> 4 h), less 4."""
+    return bytes_less16(q3_k_levels(q0, m0, s), q3_k_levels(q1, m1, s), q3_k_levels(q2, m2, s),
+                        q3_k_levels(q3, m3, s), Q3_K_LEVEL_MAGIC)
 
 
 @device
@@ -1110,21 +1120,25 @@ def q3_k_unit(tokens: int, x_bf16: bool):
     return q3_k_unit
 
 
+@inlined
+def k_scale_words(s0, s1, s2, high):
+    """Q4_K / Q5_K: the 6-bit scales and the 6-bit mins of sub-blocks 0 .. 3 (high false) or 4 .. 7,
+    one a byte of two words, from the 12 scale bytes as words s0, s1, s2 (host.quants.k_scale_min a
+    word at a time): those of 0 .. 3 are the low bits of s0's and s1's bytes; those of 4 .. 7 are
+    s2's low and high nibbles, topped by the top pairs of s0's and s1's."""
+    if high:
+        return (s2 & LOW_NIBBLES) | ((s0 >> 2) & TOP_PAIRS), ((s2 >> 4) & LOW_NIBBLES) | ((s1 >> 2) & TOP_PAIRS)
+    return s0 & LOW_SIX, s1 & LOW_SIX
+
+
 @device
 def k_unit_scales(ww, row, first, u):
     """Q4_K / Q5_K: the scales d sc and mins dmin m (float32) of unit u's sub-blocks 2 p and 2 p + 1
     (p = u % 4: k_nibble_unit) from the block at word `first`. Its first 16-byte piece is d and
-    dmin (fp16, in word dw) and the scale words s0, s1, s2 (host.quants.k_scale_min's 12 bytes, a
-    word at a time): the 6-bit scales and mins of sub-blocks 0 .. 3 are the low bits of s0's and
-    s1's bytes; those of 4 .. 7 are s2's low and high nibbles, topped by the top pairs of s0's and s1's."""
+    dmin (fp16, in word dw) and the scale words s0, s1, s2 (k_scale_words)."""
     dw, s0, s1, s2 = load_words4(ww, row, first)
     d, dmin = f16x2_f32(dw)
-    if u & U2:  # p >= 2: sub-blocks 4 .. 7
-        sc = (s2 & LOW_NIBBLES) | ((s0 >> 2) & TOP_PAIRS)
-        mn = ((s2 >> 4) & LOW_NIBBLES) | ((s1 >> 2) & TOP_PAIRS)
-    else:
-        sc = s0 & LOW_SIX
-        mn = s1 & LOW_SIX
+    sc, mn = k_scale_words(s0, s1, s2, u & U2)  # p >= 2: sub-blocks 4 .. 7
     b = (u & U1) << U1  # sub-block 2 p's byte of those words
     return d * uint8_at(sc, b), dmin * uint8_at(mn, b), d * uint8_at(sc, b + U1), dmin * uint8_at(mn, b + U1)
 
@@ -1283,10 +1297,18 @@ def chunk_stream(dequant) -> StreamUnit:
 # values), w32 / w16 the weight rows viewed as 32- / 16-bit words [N, row words]:
 # - fetch(w32, w16, n, ks, c, k) -> (word, aux): word c of row n's stored words for the step;
 #   put(b_s, r, c, word, aux, ks) writes them to b_s row r as bf16 pairs.
-# - fetch_scales(w32, w16, n, ks, k) -> (u, v): row n's scales for the step;
-#   put_scales(d_s, m_s, mins_s, r, ks, u, v) writes them to the block's scale arrays.
+# - fetch_scales(w32, w16, n, ks, k) -> four words: row n's scale words for the step (0 where a
+#   type needs fewer); put_scales(d_s, m_s, mins_s, r, ks, words) writes them to the block's scale
+#   arrays: d_s[h, r] the step's scale (h = 0; a type with `halves`, one for each k16 half-step h),
+#   and for a type with mins the block's dmin m_s[r] and its mins mins_s[r, ks % TC_BLOCK_STEPS].
+# The fetches only load: what a word holds is worked out in the puts, after the loads have had the
+# previous step's mma to arrive in.
 
 TC_STEP_WORDS = CHUNK // 2  # bf16 pairs a tile row holds per step
+TC_BLOCK_STEPS = K_CHUNKS  # K steps of a 256-value block (the types with mins)
+TC_BLOCK_GROUPS = 16  # its 16-value groups, one min each: the k of the mins' mma
+NO_SCALES = (uint32(0), uint32(0), uint32(0), uint32(0))
+assert Q2_K_CHUNKS == TC_BLOCK_STEPS and Q2_K_GROUPS == TC_BLOCK_GROUPS
 
 
 @device
@@ -1313,11 +1335,11 @@ def put_bf16(b_s, r, c, word, aux, ks):
 
 @device
 def fetch_scales_none(w32, w16, n, ks, k):
-    return uint32(0), uint32(0)
+    return NO_SCALES
 
 
 @device
-def put_scales_none(d_s, m_s, mins_s, r, ks, u, v):
+def put_scales_none(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
     return
 
 
@@ -1340,12 +1362,12 @@ def put_q8_0(b_s, r, c, word, aux, ks):
 
 @device
 def fetch_scales_q8_0(w32, w16, n, ks, k):
-    return uint32(w16[n, k // 2 + ks]), uint32(0)  # the scales follow the row's K levels
+    return uint32(w16[n, k // 2 + ks]), uint32(0), uint32(0), uint32(0)  # the scales follow the row's K levels
 
 
 @device
-def put_scales_q8_0(d_s, m_s, mins_s, r, ks, u, v):
-    d_s[r] = fp16_to_f32(u)
+def put_scales_q8_0(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
+    d_s[0, r] = fp16_to_f32(s0)
 
 
 # Q2_K: step ks is sub-block sub = ks % 8 of block ks // 8: levels (qs[32 * (sub // 4) + i] >> 2 *
@@ -1374,14 +1396,15 @@ def put_q2_k(b_s, r, c, word, aux, ks):
 @device
 def fetch_scales_q2_k(w32, w16, n, ks, k):
     b, sub = ks // Q2_K_CHUNKS, ks % Q2_K_CHUNKS
-    return uint32(w16[n, Q2_K_HALVES * b + Q2_K_SCALES_HALF + sub]), w32[n, Q2_K_WORDS * b + Q2_K_D_WORD]
+    return (uint32(w16[n, Q2_K_HALVES * b + Q2_K_SCALES_HALF + sub]), w32[n, Q2_K_WORDS * b + Q2_K_D_WORD],
+            uint32(0), uint32(0))
 
 
 @device
-def put_scales_q2_k(d_s, m_s, mins_s, r, ks, u, v):
-    d_s[r] = fp16_to_f32(v & 0xFFFF)
-    m_s[r] = fp16_to_f32(v >> 16)
-    mins_s[r, ks % Q2_K_CHUNKS] = pack(bf16_int((u >> 4) & 15), bf16_int(u >> 12))
+def put_scales_q2_k(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
+    d_s[0, r] = fp16_to_f32(s1 & 0xFFFF)
+    m_s[r] = fp16_to_f32(s1 >> 16)
+    mins_s[r, ks % Q2_K_CHUNKS] = pack(bf16_int((s0 >> 4) & 15), bf16_int(s0 >> 12))
 
 
 # the table
@@ -1402,8 +1425,9 @@ class StreamUnit:
 @dataclass(frozen=True)
 class TcType:
     """How a weight type enters the tensor-core GEMM: its helpers, the stored words a row reads per
-    step, whether the values are scaled (per step: a Q8_0 block, a Q2_K block's eighth) and whether
-    a block's mins are taken away at its end (Q2_K)."""
+    step, whether the values are scaled (per step: a Q8_0 block, a Q2_K block's eighth), whether
+    a block's mins are taken away at its end (Q2_K) and whether the scales change every k16
+    half-step (`halves`: one scale per 16 values) rather than every step."""
 
     fetch: Callable
     put: Callable
@@ -1412,6 +1436,7 @@ class TcType:
     words: int
     scaled: bool
     mins: bool
+    halves: bool = False
 
 
 @dataclass(frozen=True)

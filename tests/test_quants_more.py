@@ -478,7 +478,7 @@ def test_chunk_unit_and_its_mutant():
 # decoding mistakes in Q4_K's and Q5_K's own units, each an edit of stages.quant_types' source
 NIBBLE_MUTANTS = {
     "fifth-bits-of-the-low-nibbles": (GGMLType.Q5_K, "q5_k_levels", "h = j + U1", "h = j"),
-    "mins-without-top-bits": (GGMLType.Q4_K, "k_unit_scales", " | ((s1 >> 2) & TOP_PAIRS)", ""),
+    "mins-without-top-bits": (GGMLType.Q4_K, "k_scale_words", " | ((s1 >> 2) & TOP_PAIRS)", ""),
     "second-row-reads-the-first": (GGMLType.Q4_K, "k_nibble_unit", "other = row + 1 if second else row",
                                    "other = row"),
 }

@@ -32,9 +32,9 @@ issued before the current step's mma, into registers. One launch covers every gr
 Launch bounds hold a thread to 128 registers (two blocks of 256 threads an SM; ptxas sm_90: BF16
 and Q8_0 fit, Q2_K spills 24 to 92 bytes).
 
-On the simulator the mma is emulated (the lanes of a warp pool their fragments, one barrier a
-call, then each computes its own outputs), so the kernel's indexing is tested there, slowly:
-`supports` says no on the simulator, for callers that want the fast path.
+On the simulator the mma is emulated (the lanes of a warp meet at each call, the last to come
+computing the warp's tile), so the kernel's indexing is tested there, slowly: `supports` says no on
+the simulator, for callers that want the fast path.
 """
 
 from __future__ import annotations
@@ -78,35 +78,65 @@ if SIM:
 
     from flashv41.stages.device import _BF16_VALUES
 
-    # The lanes of a warp pool their fragments here. The simulator runs a launch's blocks one after
-    # another, so one pool serves them all; its two slots, taken in turn, let a lane write its next
-    # call's fragments while another still reads this call's, so a call needs one barrier, not two.
-    _FRAGMENTS = np.zeros((2, THREADS // WARP, WARP, 6), np.uint32)  # [slot, warp, lane, register]
-    _CALLS = threading.local()  # a simulated thread's count of mma calls: its slot is the parity
+    MMA_WAIT_S = 30.0  # a lane that waits longer for the rest of its warp: one of them has failed
 
-    def bf16_halves(regs):
-        """The bf16 values of 32-bit registers [...], as [..., 2]: the low half first."""
-        return _BF16_VALUES[np.stack([regs & 0xFFFF, regs >> 16], axis=-1)]
+    class WarpMeeting:
+        """Where the 32 lanes of a simulated warp meet at each mma: the last to come computes the
+        warp's tile from all their fragments while the others wait. A barrier of the warp alone:
+        the simulator's barrier of the block costs several times more."""
+
+        def __init__(self):
+            self.ready = threading.Condition()
+            self.regs = np.zeros((WARP, 6), np.uint32)  # [lane, register] this call's fragments
+            self.come = 0  # lanes whose fragments are in
+            self.calls = 0  # calls completed
+            self.d = np.zeros((16, 8))  # the last call's A @ B
+
+    _LANE = threading.local()  # a simulated thread's meeting place
+    _FIRST = threading.Lock()
+
+    def meeting(tid):
+        """The meeting of thread tid's warp: one a warp of each block (they live in a shared array,
+        which the simulator allocates once a block), found at a thread's first call."""
+        place = getattr(_LANE, "meeting", None)
+        if place is None:
+            warps = cuda.shared.array(THREADS // WARP, np.object_)  # [warp]
+            with _FIRST:
+                if warps[tid // WARP] is None:
+                    warps[tid // WARP] = WarpMeeting()
+            place = _LANE.meeting = warps[tid // WARP]
+        return place
+
+    def warp_tile(regs):
+        """A @ B (float64, exact: 16 products of 8-bit values) from the 32 lanes' registers [lane, 6]."""
+        # [g, t, reg, half]: lane 4g + t's registers, each two bf16 (the lower column in the low half)
+        vals = _BF16_VALUES[np.stack([regs & 0xFFFF, regs >> 16], axis=-1).reshape(8, 4, 6, 2)]
+        a = np.empty((16, 16), np.float64)
+        a[:8, :8], a[8:, :8] = vals[:, :, 0].reshape(8, 8), vals[:, :, 1].reshape(8, 8)
+        a[:8, 8:], a[8:, 8:] = vals[:, :, 2].reshape(8, 8), vals[:, :, 3].reshape(8, 8)
+        bt = np.concatenate([vals[:, :, 4].reshape(8, 8), vals[:, :, 5].reshape(8, 8)], axis=1)  # B^T [n, k]
+        return a @ bt.T
 
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """The warp's 16x8 tile D = A @ B + C, from the lanes' fragments (PTX m16n8k16 layout): lane
-        (g, t) takes A's rows g, g + 8 from lanes 4g .. 4g + 3 and B's columns 2t, 2t + 1 from lanes
-        8t .. 8t + 7, and computes its own four outputs."""
-        calls = getattr(_CALLS, "n", 0)
-        _CALLS.n = calls + 1
+        """The warp's 16x8 tile D = A @ B + C, from the lanes' fragments (PTX m16n8k16 layout)."""
         tid = cuda.threadIdx.x
-        warp, lane = tid // WARP, tid % WARP
-        regs = _FRAGMENTS[calls & 1, warp]
-        regs[lane] = (a0, a1, a2, a3, b0, b1)
-        cuda.syncthreads()
-        g, t = lane >> 2, lane & 3
-        a = bf16_halves(regs[4 * g:4 * g + 4, :4])  # [t', register, half]: a0 and a2 row g, a1 and a3 row g + 8
-        rows = np.stack([a[:, 0::2].transpose(1, 0, 2).reshape(16), a[:, 1::2].transpose(1, 0, 2).reshape(16)])
-        b = bf16_halves(regs[8 * t:8 * t + 8, 4:])  # [4 (n - 2t) + t', register, half]: B^T row n
-        cols = b.reshape(2, 4, 2, 2).transpose(0, 2, 1, 3).reshape(2, 16)
-        d = rows.astype(np.float64) @ cols.astype(np.float64).T
-        return (np.float32(d[0, 0] + c0), np.float32(d[0, 1] + c1),
-                np.float32(d[1, 0] + c2), np.float32(d[1, 1] + c3))
+        place = meeting(tid)
+        with place.ready:
+            call = place.calls
+            place.regs[tid % WARP] = (a0, a1, a2, a3, b0, b1)
+            place.come += 1
+            if place.come == WARP:
+                place.d = warp_tile(place.regs)
+                place.come = 0
+                place.calls += 1
+                place.ready.notify_all()
+            while place.calls == call:
+                if not place.ready.wait(MMA_WAIT_S):
+                    raise RuntimeError(f"mma: the rest of warp {tid // WARP} never came")
+            d = place.d
+        g, t = (tid % WARP) >> 2, tid & 3
+        return (np.float32(d[g, 2 * t] + c0), np.float32(d[g, 2 * t + 1] + c1),
+                np.float32(d[g + 8, 2 * t] + c2), np.float32(d[g + 8, 2 * t + 1] + c3))
 else:
     from llvmlite import ir
     from numba import types

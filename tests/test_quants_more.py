@@ -26,6 +26,7 @@ from flashv41.host.quants import FORMATS, MXFP4_BLOCK, MXFP4_DOUBLED, GGMLType, 
 from flashv41.stages.device import CHUNK, device
 from flashv41.stages.linear import DeviceWeight, linear, stream_partials
 from flashv41.stages.quant_types import DEVICE_TYPES, chunk_stream, e2m1_word
+from tests.blocks import corner_rows
 from tests.bounds import BOUND_RULE, assert_bf16_product, assert_f32_product, split_terms
 from tests.mutants import edited, mutant
 from tests.test_linear import check_linear
@@ -43,31 +44,6 @@ def bits(a: np.ndarray) -> np.ndarray:
 def gguf_values(raw: np.ndarray, gtype: GGMLType) -> np.ndarray:
     with np.errstate(over="ignore"):  # MXFP4's largest exponents: inf
         return np.asarray(gguf.quants.dequantize(raw, GQ(int(gtype))), dtype=np.float32)
-
-
-def corner_rows(gtype: GGMLType) -> np.ndarray:
-    """Stored rows, one corner a row: zero scales, the largest fp16 scales with every scale bit set,
-    all-ones and all-zeros levels, negative and subnormal fp16 scales; for MXFP4 the exponents 0,
-    1, 2, 127, 253, 254 and 255 (2^127 times 12 overflows to inf in gguf-py as in float32) over
-    every code."""
-    fmt = FORMATS[gtype]
-    fields = fmt.block.fields
-    if gtype == GGMLType.MXFP4:
-        exps = [0, 1, 2, 127, 253, 254, 255]
-        blocks = np.zeros((len(exps), 2), fmt.block)
-        blocks["e"] = np.array(exps)[:, None]
-        blocks["qs"] = np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4)
-        blocks["qs"][:, 1] = 0xFF
-        return blocks.view(np.uint8).reshape(len(exps), -1)
-    cases = []
-    for scale, fill in [(0.0, 0xFF), (65504.0, 0xFF), (65504.0, 0x00), (1e-3, 0xFF), (1e-3, 0x00),
-                        (-2.0**-24, 0xFF), (-0.0, 0x5A)]:
-        block = np.frombuffer(bytes([fill]) * fmt.block_bytes, fmt.block).copy()
-        for name in ("d", "dmin"):
-            if name in fields:
-                block[name] = scale
-        cases.append(block)
-    return np.concatenate(cases).view(np.uint8).reshape(len(cases), -1)
 
 
 @pytest.mark.parametrize("gtype", NEW, ids=lambda t: t.name)

@@ -25,9 +25,9 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
 - `tc` (more tokens, bf16 x; BF16, Q8_0, Q2_K weights; GPU only): stages.linear_tc, bf16 tensor
   cores with exact integer weights and fp32 scales.
 - `gemm` (more tokens, what tc does not take: every product on the simulator, where tc's inline
-  PTX does not run; on a GPU fp32 x, F16 / F32 weights and Q8_0 rows of odd block counts): a
-  shared-memory tile of tokens x outputs, K in steps of 32, the weight chunk dequantised once per
-  tile (the type's weight_dequant); a grouped product is one launch per group.
+  PTX does not run; on a GPU fp32 x and F16 / F32 weights): a shared-memory tile of tokens x
+  outputs, K in steps of 32, the weight chunk dequantised once per tile (the type's
+  weight_dequant); a grouped product is one launch per group.
 
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out). The GPU sums in fp32
 in its own order, so a result may differ from the oracle's (float64-accumulated) by the fp32

@@ -350,7 +350,7 @@ def _takes(w, x_dtype) -> bool:
     fmt = FORMATS[w.gtype]
     return (np.dtype(x_dtype) == np.uint16 and DEVICE_TYPES[w.gtype].tc is not None
             and w.k % max(BK, fmt.block_values) == 0
-            and fmt.row_bytes(w.k) % 4 == 0)  # stored rows of whole 32-bit words (Q8_0: K % 64 == 0)
+            and w.data.shape[1] % 4 == 0)  # device rows of whole 32-bit words (padded ones are)
 
 
 def linear_tc(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:

@@ -87,14 +87,22 @@ def test_grouped():
     check_tc(GGMLType.Q8_0, 20, 3, 24, 64, True, 5)
 
 
+def test_q8_0_odd_block_count():
+    """Q8_0 rows of 3 blocks: the split layout pads them to whole 16-byte pieces, so the kernel
+    takes them (the scales start at byte K, whatever the count). Simulator: 100% bit-equal."""
+    check_tc(GGMLType.Q8_0, 20, 1, 24, 96, True, 6)
+
+
 def test_refuses_what_it_does_not_take():
     w, _, _ = weight(8, 64, GGMLType.BF16)
     assert supports(w, np.uint16) == (not SIM)
     assert not supports(w, np.float32)
     with pytest.raises(ValueError, match="not supported"):
         linear_tc(cuda.to_device(np.zeros((2, 64), np.float32)), w, cuda.device_array((2, 8), np.float32), 2)
-    odd, _, _ = weight(8, 96, GGMLType.Q8_0)  # 3 blocks: rows are not whole 32-bit words
-    assert not supports(odd, np.uint16)
+    short, _, _ = weight(8, 48, GGMLType.BF16)  # K not a multiple of the step
+    assert not supports(short, np.uint16)
+    f16 = DeviceWeight.from_values("w", np.zeros((8, 64), np.float32), GGMLType.F16)  # no tc pieces
+    assert not supports(f16, np.uint16)
     with pytest.raises(ValueError, match="linear_tc w"):
         linear_tc(cuda.to_device(np.zeros((2, 32), np.uint16)), w, cuda.device_array((2, 8), np.uint16), 2)
 

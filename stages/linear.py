@@ -22,8 +22,8 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
   decodes is the type's (stages.quant_types). `stream_partials` is the same walk with the slices'
   sums written out instead (any T, in groups of GEMV_MAX_TOKENS tokens), plus a row of the inputs'
   square sums: the hyper-connection mixes' product (stages.hyper sums the slices).
-- `tc` (more tokens, bf16 x; BF16, Q8_0, Q2_K weights; GPU only): stages.linear_tc, bf16 tensor
-  cores with exact integer weights and fp32 scales.
+- `tc` (more tokens, bf16 x; BF16, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 weights; GPU
+  only): stages.linear_tc, bf16 tensor cores with exact integer weights and fp32 scales.
 - `gemm` (more tokens, what tc does not take: every product on the simulator, where tc's inline
   PTX does not run; on a GPU fp32 x and F16 / F32 weights): a shared-memory tile of tokens x
   outputs, K in steps of 32, the weight chunk dequantised once per tile (the type's

@@ -2,35 +2,56 @@
 `mma.sync.m16n8k16` with fp32 accumulation.
 
 Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16; fp32 inputs are
-refused), w a stages.linear.DeviceWeight of BF16, Q8_0 (row-split layout: a row's K int8 levels,
-then its K/32 fp16 scales) or Q2_K (the GGUF blocks), y [T, N] bf16 bits (rounded to nearest even)
-or float32. Grouped product (group_rows > 0): output row n reads x[:, (n // group_rows) * K :][:K].
+refused), w a stages.linear.DeviceWeight of BF16, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or MXFP4 in its
+device layout (stages.quant_types: Q8_0, Q3_K, Q6_K and MXFP4 rows split, quants first; the others
+the GGUF blocks), y [T, N] bf16 bits (rounded to nearest even) or float32. Grouped product
+(group_rows > 0): output row n reads x[:, (n // group_rows) * K :][:K].
 
 The tensor cores only ever multiply exact values: the inputs are bf16 already, and a quantised
-weight enters as the integer part of its value, which bf16 holds exactly (a Q8_0 level, |q| <= 127;
-a Q2_K sub-scale times level, sc * q <= 45). The fp32 scales are applied to fp32 partial sums:
+weight enters as an integer, which bf16 holds exactly when it has at most 8 significant bits (every
+integer of magnitude <= 256). The fp32 scales, each an exact product of an fp16 or power-of-two
+scale and small integers, are applied to fp32 partial sums:
 - BF16: the weights themselves; the mma accumulates straight into the result.
-- Q8_0: per 32-value block b, acc += d_b * (sum of x * q over the block).
-- Q2_K: value = d * sc_j * q - dmin * m_j in 16-value group j of a 256-value block, so
-  acc += d * (sum of x * (sc * q) over each 32 values), and at a block's end
+- Q8_0: the level q (|q| <= 128) enters; per 32-value block b, acc += d_b * (sum of x * q over it).
+- Q2_K: value = d * sc_j * q - dmin * m_j in 16-value group j of a 256-value block: sc * q (<= 45)
+  enters, acc += d * (sum of x * (sc * q) over each 32 values), and at a block's end
   acc -= dmin * sum_j m_j * S_j, S_j the sum of group j's 16 inputs (fp32): one more mma a block,
   S_j split exactly into three bf16 pieces (8 + 8 + 8 significant bits) against the integer m_j.
+- Q4_K, Q5_K: value = d * sc_j * q - dmin * m_j in 32-value sub-block j (sc, m 6-bit): a K step is
+  one sub-block; q (0..15, 0..31) enters, acc += (d * sc_j) * (sum of x * q) with d * sc_j exact in
+  fp32 (11 + 6 bits); the mins as Q2_K's, m_j (6 bits) for both 16-value groups of sub-block j.
+- Q3_K: value = d * (sc_j - 32) * q in 16-value group j, q in -4..3: q enters and each k16
+  half-step's sums are scaled by d * (sc_j - 32) (11 + 6 bits). (sc_j - 32) * q (|.| <= 128) would
+  be exact in bf16 as well, but putting it would take three stored words for each word of levels
+  (low bits, high bits, scale bytes), one more than a fetch brings.
+- Q6_K: value = d * sc_j * (q - 32) in 16-value group j (sc_j int8): q - 32 (-32..31) enters, as
+  sc_j * (q - 32), up to 128 * 32, would not be exact; each half-step's sums are scaled by d * sc_j
+  (11 + 8 bits).
+- MXFP4: value = v * 2^(e - 128), v a doubled E2M1 level (an integer in -12..12), e the exponent
+  byte of its 32-value block: v enters and 2^(e - 128) scales the step's sums (exactly: a power of
+  two, the subnormal 2^-128 and 2^-127 included; a sum it scales into fp32's subnormals rounds once
+  there, as each product would). From MXFP4_INF_E on, where a value can be inf, a block enters as
+  its values, d * v as the host's dequantiser has them (two significant bits, or inf: exact in bf16
+  as well), under a step scale of 1, so that inf and NaN come out where the oracle's do.
 
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with the rules of
 tests/bounds.py (>= 99% of bf16 outputs bit-equal to the oracle's, every output within half a bf16
 ulp plus 8 sqrt(n) 2^-24 sum_k |x_k w_k| of the exact product). The result is an fp32 sum of the
 exact products x * w in another order: each passes through about K/16 + 16 (BF16) or K/32 + 34
-(Q8_0) roundings. Q2_K sums a weight's two parts apart (d sc q and dmin m), which the bound counts
-as 2K terms of those magnitudes. Measured on the H200 at flash shapes: 99.53-100% of outputs
-bit-equal for BF16 (the lowest at K = 8192, where one accumulation chain runs the whole K), 99.91%
-and up for Q2_K, 99.98% and up for Q8_0.
+(Q8_0; the other quantised types about as many) roundings. Q2_K, Q4_K and Q5_K sum a weight's two
+parts apart (d sc q and dmin m), which the bound counts as 2K terms of those magnitudes. Measured
+on the H200 at flash shapes: 99.53-100% of outputs bit-equal for BF16 (the lowest at K = 8192,
+where one accumulation chain runs the whole K), 99.91% and up for Q2_K, 99.98% and up for Q8_0;
+the K-quants and MXFP4 have not been run on a GPU yet (tests/test_linear_tc.py holds their pieces
+to the host's dequantiser bit for bit and their products to the oracle on the simulator).
 
 Kernel: a block computes BM tokens x BN outputs in K steps of BK = 32 values; each warp a WM x WN
 tile of 16 x 8 mma fragments held in registers. A step's inputs and weights are staged in shared
 memory as bf16 pairs (the weights converted on the way in); the next step's global loads are
 issued before the current step's mma, into registers. One launch covers every group (grid z).
-Launch bounds hold a thread to 128 registers (two blocks of 256 threads an SM; ptxas sm_90: BF16
-and Q8_0 fit, Q2_K spills 24 to 92 bytes).
+Launch bounds hold a thread to 128 registers (two blocks of 256 threads an SM; ptxas 13.5 for
+sm_90: BF16, Q8_0, Q3_K, Q6_K and MXFP4 fit; the types with mins, whose mins' mma holds twelve
+registers more, spill: Q2_K 12 to 88 bytes, Q4_K 24 to 28, Q5_K 32 to 36).
 
 On the simulator the mma is emulated (the lanes of a warp meet at each call, the last to come
 computing the warp's tile), so the kernel's indexing is tested there, slowly: `supports` says no on
@@ -340,6 +361,9 @@ def tc_kernel(qt: DeviceType, out_bf16: bool):
     return gemm_tc
 
 
+TC_TYPES = ", ".join(gtype.name for gtype, qt in DEVICE_TYPES.items() if qt.tc is not None)
+
+
 def supports(w, x_dtype) -> bool:
     """Whether linear_tc takes this weight and input dtype. Never on the simulator, where the
     emulated mma is far slower than stages.linear's gemm (linear_tc itself still runs there)."""
@@ -361,7 +385,8 @@ def linear_tc(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     """
     if not _takes(w, x.dtype):
         raise ValueError(f"linear_tc {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs "
-                         f"is not supported (bf16 inputs; BF16, split Q8_0 or Q2_K rows of whole words)")
+                         f"is not supported (bf16 inputs; {TC_TYPES} weights, K a multiple of their block "
+                         f"and of {BK})")
     groups = w.n // group_rows if group_rows else 1
     group_rows = group_rows or w.n
     if (groups * group_rows != w.n or x.shape[1] < groups * w.k or y.shape[1] < w.n

@@ -36,8 +36,8 @@ A record (`DeviceType`) holds, with one signature per piece:
   dotted with the inputs, correct but not tuned) is left to the ds4 table format, which no matrix
   has. Integers become floats by an exponent trick (`small_int`, `int8_at`, `uint8_at`,
   `e2m1_at`, `byte_less`), not by conversions.
-- `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc). None for Q3_K
-  .. Q6_K and MXFP4: their prefill takes stages.linear's gemm kernel (weight_dequant).
+- `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc), for every
+  matrix type but F32 and F16 (whose prefill takes stages.linear's gemm kernel: weight_dequant).
 
 Oracle: host.quants.dequantize holds the dequantisers (tests/test_engram_stages.py's rows, bit for bit);
 the units and tc pieces are held through the products (tests/test_linear.py, test_linear_tc.py).
@@ -1407,6 +1407,198 @@ def put_scales_q2_k(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
     mins_s[r, ks % Q2_K_CHUNKS] = pack(bf16_int((s0 >> 4) & 15), bf16_int(s0 >> 12))
 
 
+# The K-quants and MXFP4. Their levels become bf16 by the exponent trick (byte_less: each level a
+# small integer, exact in float32, whose top 16 bits are then its bf16), two a word by one byte
+# permute. Step ks of a K-quant row is chunk j = ks % 8 of block ks // 8; MXFP4's is block ks.
+
+BF16_HIGH_HALVES = uint32(0x7632)  # byte_perm selector: a's high half, then b's
+
+
+@device
+def bf16_pair_of(a, b):
+    """Two float32 values that bf16 holds exactly as one word of bf16 pairs, a in the low half."""
+    return byte_perm(f32_bits(a), f32_bits(b), BF16_HIGH_HALVES)
+
+
+@device
+def level_pairs(levels, magic):
+    """A word's four levels (one a byte, each less o: byte_less's magic = 2^23 + o) as two words of
+    bf16 pairs, bytes 0 and 1 in the first (exact: every level here is under 2^8 in magnitude)."""
+    return (bf16_pair_of(byte_less(levels, 0, magic), byte_less(levels, 1, magic)),
+            bf16_pair_of(byte_less(levels, 2, magic), byte_less(levels, 3, magic)))
+
+
+@device
+def put_levels(b_s, r, c, levels, magic):
+    """Word c of a step's levels (one a byte, less o) into b_s row r, words 2 c and 2 c + 1."""
+    lo, hi = level_pairs(levels, magic)
+    b_s[r, 2 * c] = lo
+    b_s[r, 2 * c + 1] = hi
+
+
+# Q4_K / Q5_K: a step is one 32-value sub-block j, its levels nibble j % 2 of qs[32 (j // 2) + i]
+# (Q5_K: bit j of qh[i] above it). The integer level enters; d sc_j is the step's scale and dmin the
+# block's, its mins m_j taken away at its end as Q2_K's are (both 16-value groups of sub-block j
+# with m_j): the fetch of the scales is the block's first 16-byte piece, d and dmin and the 12
+# scale bytes (k_scale_words).
+
+@device
+def fetch_q4_k(w32, w16, n, ks, c, k):
+    b, j = ks // K_CHUNKS, ks % K_CHUNKS
+    return w32[n, Q4_K_WORDS * b + Q4_K_QS_WORD + (CHUNK // WORD) * (j // 2) + c], uint32(0)
+
+
+@device
+def put_q4_k(b_s, r, c, word, aux, ks):
+    put_levels(b_s, r, c, (word >> (4 * (ks % 2))) & LOW_NIBBLES, UINT8_LESS)
+
+
+@device
+def fetch_q5_k(w32, w16, n, ks, c, k):
+    b, j = ks // K_CHUNKS, ks % K_CHUNKS
+    return (w32[n, Q5_K_WORDS * b + Q5_K_QS_WORD + (CHUNK // WORD) * (j // 2) + c],
+            w32[n, Q5_K_WORDS * b + Q5_K_QH_WORD + c])
+
+
+@device
+def put_q5_k(b_s, r, c, word, aux, ks):
+    j = ks % K_CHUNKS
+    put_levels(b_s, r, c, fifth_bits((word >> (4 * (j % 2))) & LOW_NIBBLES, aux, j), UINT8_LESS)
+
+
+@device
+def put_scales_k_nibble(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
+    """d sc_j, dmin and m_j (twice: the mins' mma takes one a 16-value group) from d and dmin in s0,
+    the scale words in s1 .. s3."""
+    j = ks % K_CHUNKS
+    sc, mn = k_scale_words(s1, s2, s3, j >= 4)
+    d, dmin = f16x2_f32(s0)
+    d_s[0, r] = d * uint8_at(sc, j % 4)
+    m_s[r] = dmin
+    m = bf16_int(uint8_at(mn, j % 4))
+    mins_s[r, j] = pack(m, m)
+
+
+def k_nibble_tc(block_words: int, fetch, put) -> TcType:
+    """Q4_K's / Q5_K's tc pieces, for blocks of `block_words` words whose levels fetch and put read."""
+    @device
+    def fetch_scales_k_nibble(w32, w16, n, ks, k):
+        return load_words4(w32, n, block_words * (ks // K_CHUNKS))
+
+    return TcType(fetch, put, fetch_scales_k_nibble, put_scales_k_nibble, CHUNK // WORD, True, True)
+
+
+# Q6_K (split layout): levels nibble (j % 4) // 2 of ql[64 (j // 4) + 32 (j % 2) + i] below pair
+# j % 4 of qh[32 (j // 4) + i], less 32: the level - 32 enters (its int8 scale times it would not be
+# exact in bf16), and each 16 values' d sc is a half-step's scale.
+
+@device
+def fetch_q6_k(w32, w16, n, ks, c, k):
+    b, j = ks // K_CHUNKS, ks % K_CHUNKS
+    piece = Q6_K_PIECE_WORDS * b
+    return (w32[n, piece + Q6_K_QL_WORD + Q6_K_HALF_QL_WORDS * (j // 4) + (CHUNK // WORD) * (j % 2) + c],
+            w32[n, piece + Q6_K_QH_WORD + Q6_K_HALF_QH_WORDS * (j // 4) + c])
+
+
+@device
+def put_q6_k(b_s, r, c, word, aux, ks):
+    put_levels(b_s, r, c, q6_k_levels(word, aux, ks % 4), Q6_K_LEVEL_MAGIC)
+
+
+@device
+def fetch_scales_q6_k(w32, w16, n, ks, k):
+    """The int8 scales 2 j, 2 j + 1 (one 16-bit half of the block's scales) and d (after the row's blocks)."""
+    b, j = ks // K_CHUNKS, ks % K_CHUNKS
+    piece_halves = Q6_K_D // 2  # a block's ql, qh and scales; the row's d's start at its blocks' end
+    return (uint32(w16[n, piece_halves * b + Q6_K_SCALES // 2 + j]), uint32(w16[n, piece_halves * (k // K_VALUES) + b]),
+            uint32(0), uint32(0))
+
+
+@device
+def put_scales_q6_k(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
+    d = fp16_to_f32(s1)
+    flipped = s0 ^ 0x8080  # int8_at's bytes: the top bits flipped
+    d_s[0, r] = d * int8_at(flipped, 0)
+    d_s[1, r] = d * int8_at(flipped, 1)
+
+
+# Q3_K (split layout): levels pair j % 4 of qs[32 (j // 4) + i] and bit j of hmask[i], less 4; the
+# level enters and each 16 values' d (sc - 32) is a half-step's scale (q3_k_scale: the low nibbles of
+# sub-blocks 2 j, 2 j + 1 are in scale word (j % 4) // 2, their top pairs in word 2, both in bytes
+# 2 (j % 2), 2 (j % 2) + 1 shifted by 4 (j // 4)).
+
+@device
+def fetch_q3_k(w32, w16, n, ks, c, k):
+    b, j = ks // K_CHUNKS, ks % K_CHUNKS
+    piece = Q3_K_PIECE_WORDS * b
+    return (w32[n, piece + Q3_K_QS_WORD + Q3_K_HALF_QS_WORDS * (j // 4) + c], w32[n, piece + Q3_K_HMASK_WORD + c])
+
+
+@device
+def put_q3_k(b_s, r, c, word, aux, ks):
+    j = ks % K_CHUNKS
+    put_levels(b_s, r, c, q3_k_levels(word, aux >> (4 * (j // 4)), j % 4), Q3_K_LEVEL_MAGIC)
+
+
+@device
+def fetch_scales_q3_k(w32, w16, n, ks, k):
+    """Two of the block's three scale words and d (the scales after the row's pieces, d after them)."""
+    b, j = ks // K_CHUNKS, ks % K_CHUNKS
+    n_blocks = k // K_VALUES
+    sc = Q3_K_PIECE_WORDS * n_blocks + Q3_K_SCALE_WORDS * b
+    return w32[n, sc + (j % 4) // 2], w32[n, sc + 2], uint32(w16[n, (Q3_K_D // 2) * n_blocks + b]), uint32(0)
+
+
+@device
+def put_scales_q3_k(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
+    j = ks % K_CHUNKS
+    shift = 4 * (j // 4)
+    d = fp16_to_f32(s2)
+    d_s[0, r] = d * q3_k_scale(s0 >> shift, s1 >> shift, j % 4)
+    d_s[1, r] = d * q3_k_scale(s0 >> (8 + shift), s1 >> (8 + shift), j % 4)
+
+
+# MXFP4 (split layout): a step is a block, its doubled E2M1 levels (integers -12 .. 12) entering and
+# 2^(e - 128) its scale. From MXFP4_INF_E on a value can be inf: then each value is scaled in the put
+# instead, to what the host's dequantiser makes of it (exact in bf16 as in float32: two significant
+# bits, or inf), and the step's scale is 1, so that inf and NaN come out where the host's do.
+
+@device
+def fetch_mxfp4(w32, w16, n, ks, c, k):
+    """Code word c of block ks and the word of its exponent byte (byte ks % 4 of word K / 8 + ks // 4)."""
+    return w32[n, (MXFP4_PAIRS // WORD) * ks + c], w32[n, k // 8 + ks // 4]
+
+
+@device
+def mxfp4_exponent(word, ks):
+    return (word >> (8 * (ks % 4))) & 0xFF
+
+
+@device
+def put_mxfp4(b_s, r, c, word, aux, ks):
+    """Values 4 c .. 4 c + 3 (the word's low nibbles) into b_s words 2 c, 2 c + 1, values 16 + 4 c ..
+    (its high nibbles) into 8 + 2 c, 9 + 2 c."""
+    e = mxfp4_exponent(aux, ks)
+    q = e2m1_word(word)
+    if e >= MXFP4_INF_E:
+        q = e2m1_scaled(q, e8m0_half(e))
+    b_s[r, 2 * c] = bf16_pair_of(q[0], q[1])
+    b_s[r, 2 * c + 1] = bf16_pair_of(q[2], q[3])
+    b_s[r, 8 + 2 * c] = bf16_pair_of(q[4], q[5])
+    b_s[r, 9 + 2 * c] = bf16_pair_of(q[6], q[7])
+
+
+@device
+def fetch_scales_mxfp4(w32, w16, n, ks, k):
+    return w32[n, k // 8 + ks // 4], uint32(0), uint32(0), uint32(0)
+
+
+@device
+def put_scales_mxfp4(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
+    e = mxfp4_exponent(s0, ks)
+    d_s[0, r] = e8m0_half(e) if e < MXFP4_INF_E else float32(1)
+
+
 # the table
 
 
@@ -1425,9 +1617,10 @@ class StreamUnit:
 @dataclass(frozen=True)
 class TcType:
     """How a weight type enters the tensor-core GEMM: its helpers, the stored words a row reads per
-    step, whether the values are scaled (per step: a Q8_0 block, a Q2_K block's eighth), whether
-    a block's mins are taken away at its end (Q2_K) and whether the scales change every k16
-    half-step (`halves`: one scale per 16 values) rather than every step."""
+    step, whether the values are scaled (per step: a Q8_0 or MXFP4 block, a K-quant block's
+    eighth), whether a block's mins are taken away at its end (Q2_K, Q4_K, Q5_K) and whether the
+    scales change every k16 half-step (`halves`: one scale per 16 values, Q3_K and Q6_K) rather
+    than every step."""
 
     fetch: Callable
     put: Callable
@@ -1480,15 +1673,19 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
            "split", padded_split_q8_0, dequant_q8_0_split, StreamUnit(q8_0_pair_unit, 4, 1, rows=2)),
     _entry(GGMLType.Q2_K, dequant_q2_k, StreamUnit(q2_k_unit, 4, 4),
            TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, CHUNK // WORD, True, True)),
-    # no tensor-core pieces (prefill takes the gemm kernel) for these yet
-    _entry(GGMLType.Q3_K, dequant_q3_k, StreamUnit(q3_k_unit, 6, 2), layout="split", weight_rows=padded_split_q3_k,
-           weight_dequant=dequant_q3_k_split),
-    _entry(GGMLType.Q4_K, dequant_q4_k, Q4_K_STREAM, weight_rows=padded_stored, gemv=Q4_K_GEMV),
-    _entry(GGMLType.Q5_K, dequant_q5_k, Q5_K_STREAM, weight_rows=padded_stored, gemv=Q5_K_GEMV),
-    _entry(GGMLType.Q6_K, dequant_q6_k, StreamUnit(q6_k_unit, 6, 2), layout="split", weight_rows=padded_split_q6_k,
-           weight_dequant=dequant_q6_k_split),
-    _entry(GGMLType.MXFP4, dequant_mxfp4, StreamUnit(mxfp4_unit, 5, 2), layout="split",
-           weight_rows=padded_split_mxfp4, weight_dequant=dequant_mxfp4_split),
+    _entry(GGMLType.Q3_K, dequant_q3_k, StreamUnit(q3_k_unit, 6, 2),
+           TcType(fetch_q3_k, put_q3_k, fetch_scales_q3_k, put_scales_q3_k, CHUNK // WORD, True, False, halves=True),
+           "split", padded_split_q3_k, dequant_q3_k_split),
+    _entry(GGMLType.Q4_K, dequant_q4_k, Q4_K_STREAM, k_nibble_tc(Q4_K_WORDS, fetch_q4_k, put_q4_k),
+           weight_rows=padded_stored, gemv=Q4_K_GEMV),
+    _entry(GGMLType.Q5_K, dequant_q5_k, Q5_K_STREAM, k_nibble_tc(Q5_K_WORDS, fetch_q5_k, put_q5_k),
+           weight_rows=padded_stored, gemv=Q5_K_GEMV),
+    _entry(GGMLType.Q6_K, dequant_q6_k, StreamUnit(q6_k_unit, 6, 2),
+           TcType(fetch_q6_k, put_q6_k, fetch_scales_q6_k, put_scales_q6_k, CHUNK // WORD, True, False, halves=True),
+           "split", padded_split_q6_k, dequant_q6_k_split),
+    _entry(GGMLType.MXFP4, dequant_mxfp4, StreamUnit(mxfp4_unit, 5, 2),
+           TcType(fetch_mxfp4, put_mxfp4, fetch_scales_mxfp4, put_scales_mxfp4, MXFP4_PAIRS // WORD, True, False),
+           "split", padded_split_mxfp4, dequant_mxfp4_split),
     # a table format: the engram row gather reads it (dequant); the loader refuses it for matrices,
     # the generic chunk unit being there for completeness
     _entry(RowType.E4M3_ROW264, dequant_e4m3_row264, chunk_stream(dequant_e4m3_row264), weight_rows=padded_stored),

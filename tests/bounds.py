@@ -10,8 +10,9 @@ the oracle (host.numerics.linear / matmul_t: float64 sums, rounded once). Two ru
    butterfly, chains of k16 tensor-core steps rounding to nearest) differ on 0-0.13% of outputs at
    K = 256-8192; a chain of k16 steps that truncates (what tensor cores' additions are reported to
    do) on 0.06-0.2% at K = 1280 and 0.5-0.85% at K = 8192 (the BF16 tensor-core kernel's chain runs
-   the whole K; Q8_0 and Q2_K restart theirs every 32 values). A kernel that truncates its output,
-   drops a term or scales by 1% moves most outputs off (tests/test_mutants_products.py).
+   the whole K; the quantised types' restart theirs every 32 values, Q3_K's and Q6_K's every 16). A
+   kernel that truncates its output, drops a term or scales by 1% moves most outputs off
+   (tests/test_mutants_products.py).
 2. every output, bf16 or fp32: |got - exact| <= half a bf16 ulp of got (bf16 output only) + E, with
    E = LAMBDA * sqrt(n) * u * A, `exact` the float64 product before any rounding, u = 2^-24,
    A = sum_k |x_k w_k| and n = K (for the kernels that add a value's two parts d sc q and dmin m
@@ -88,8 +89,8 @@ def assert_within(got: np.ndarray, ref: np.ndarray, bound: np.ndarray, what: str
 
 
 # The kernels that add a weight value of these types as its two parts d sc q and dmin m apart (the
-# stream units, and Q2_K's tensor-core pieces); every other kernel (gemm) dequantises it first.
-SPLIT_KERNELS = {GGMLType.Q2_K: ("stream", "tc"), GGMLType.Q4_K: ("stream",), GGMLType.Q5_K: ("stream",)}
+# stream units and the tensor-core pieces); every other kernel (gemm) dequantises it first.
+SPLIT_KERNELS = {GGMLType.Q2_K: ("stream", "tc"), GGMLType.Q4_K: ("stream", "tc"), GGMLType.Q5_K: ("stream", "tc")}
 PART_TERMS = {GGMLType.Q2_K: q2_k_terms, GGMLType.Q4_K: q4_k_terms, GGMLType.Q5_K: q5_k_terms}
 
 

@@ -4,7 +4,8 @@ the device chunk dequantisers against the host bit for bit (every chunk of a few
 products (stages.linear's stream and gemm kernels, stream_partials) against the oracle through
 test_linear's checks and tests/bounds.py's rules, with mutants that those checks must reject.
 MXFP4's own stream unit and split layout besides: its code decoding, rows of odd block and row
-counts, fp32 x, groups, the hc mixes' partial sums and every exponent corner."""
+counts, fp32 x, groups, the hc mixes' partial sums and every exponent corner (the tensor-core
+GEMM's too)."""
 
 from __future__ import annotations
 
@@ -409,8 +410,10 @@ CORNERS_FILTER = pytest.mark.filterwarnings("ignore:overflow encountered", "igno
 
 @CORNERS_FILTER
 @pytest.mark.parametrize("kernel,tokens,out", [("stream", 1, "bf16"), ("stream", 3, "bf16"), ("stream", 3, "f32"),
-                                               ("gemm", 9, "bf16")])
+                                               ("gemm", 9, "bf16"), ("tc", 20, "bf16"), ("tc", 20, "f32")])
 def test_mxfp4_exponent_corners(kernel, tokens, out):
+    """tc: the blocks with infinite values enter scaled (the host's values, inf included) under a
+    step scale of 1; the others as doubled integers under 2^(e - 128), the subnormal ones too."""
     check_exponent_corners(kernel, tokens, out)
 
 
@@ -427,6 +430,22 @@ def test_mxfp4_corner_mutants(old, new, failure):
         with pytest.raises(AssertionError, match=re.escape(failure)):
             check_exponent_corners("stream", 3, "bf16")
     check_exponent_corners("stream", 3, "bf16")
+
+
+@CORNERS_FILTER
+def test_mxfp4_tc_corner_mutant():
+    """The tc pieces scaling the sums of blocks with infinite values too, as they do the others'
+    (each value is then the host's, so test_linear_tc's piece check cannot tell; the sum is not): the
+    corner check rejects it, inf where the host has NaN (then passes the real pieces). The exponents
+    0 and 1 taken for normal ones are that piece check's to reject (their values differ)."""
+    qt = DEVICE_TYPES[GGMLType.MXFP4]
+    put = edited(stages.quant_types, "put_mxfp4", "if e >= MXFP4_INF_E:", "if e > 255:")
+    put_scales = edited(stages.quant_types, "put_scales_mxfp4", "if e < MXFP4_INF_E", "if e < 256")
+    tc = dataclasses.replace(qt.tc, put=put, put_scales=put_scales)
+    with mutant(stages.linear_tc, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: dataclasses.replace(qt, tc=tc)}):
+        with pytest.raises(AssertionError, match="rows with inf values give"):
+            check_exponent_corners("tc", 20, "bf16")
+    check_exponent_corners("tc", 20, "bf16")
 
 
 # ------------------------------------------------------------------------------ mutants

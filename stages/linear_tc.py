@@ -42,8 +42,8 @@ exact products x * w in another order: each passes through about K/16 + 16 (BF16
 parts apart (d sc q and dmin m), which the bound counts as 2K terms of those magnitudes. Measured
 on the H200 at flash shapes: 99.53-100% of outputs bit-equal for BF16 (the lowest at K = 8192,
 where one accumulation chain runs the whole K), 99.91% and up for Q2_K, 99.98% and up for Q8_0;
-the K-quants and MXFP4 have not been run on a GPU yet (tests/test_linear_tc.py holds their pieces
-to the host's dequantiser bit for bit and their products to the oracle on the simulator).
+the K-quants and MXFP4 99.967% and up (wq_b, wo_b, the index wq_b and the grouped wo_a, T = 64;
+tests/test_linear_tc.py also holds their pieces to the host's dequantiser bit for bit).
 
 Kernel: a block computes BM tokens x BN outputs in K steps of BK = 32 values; each warp a WM x WN
 tile of 16 x 8 mma fragments held in registers. A step's inputs and weights are staged in shared

@@ -52,7 +52,8 @@ def table(arrays) -> object:
 
 def test_sparse_attention_tables():
     """Entries (own_rows) and sparse_attention_tables over each sequence's ring and compressed
-    rows, against build_entries + sparse_attention of that token alone on its own arrays."""
+    rows, on the split path and on the one-block-a-head one, against build_entries +
+    sparse_attention of that token alone on its own arrays, on the same path."""
     rng = np.random.default_rng(21)
     rings = [dev_bf16(act_quant(bf16(rng.standard_normal((WINDOW, DIM)).astype(np.float32)))) for _ in range(B)]
     comps = [dev_bf16(fp4_act_quant(bf16(rng.standard_normal((GROUPS, DIM)).astype(np.float32)), 16, True))
@@ -74,6 +75,10 @@ def test_sparse_attention_tables():
     assert ws.tokens == B  # the split path takes the whole batch
     sparse_attention_tables(q, table(rings), rows, table(comps), entries, sinks, scale, out, B, workspace=ws)
     got = out.copy_to_host()
+    # a batch the workspace cannot hold (or none) takes the one-block-a-head path, tables and all
+    wide = cuda.device_array((B, HEADS, DIM), np.uint16)
+    sparse_attention_tables(q, table(rings), rows, table(comps), entries, sinks, scale, wide, B)
+    wide_rows = wide.copy_to_host()
     one_ws = SparseWorkspace.allocate(1, HEADS, DIM, WINDOW + TOPK)
     for b in range(B):
         alone = cuda.device_array((1, WINDOW + TOPK), np.int32)
@@ -88,6 +93,8 @@ def test_sparse_attention_tables():
         one = cuda.device_array((1, HEADS, DIM), np.uint16)
         sparse_attention(q[b:b + 1], rings[b], rows[b:b + 1], comps[b], alone, sinks, scale, one, 1, workspace=one_ws)
         assert np.array_equal(got[b], one.copy_to_host()[0]), f"row {b} (position {POSITIONS[b]})"
+        sparse_attention(q[b:b + 1], rings[b], rows[b:b + 1], comps[b], alone, sinks, scale, one, 1)
+        assert np.array_equal(wide_rows[b], one.copy_to_host()[0]), f"row {b}, one block a head"
     assert (got != 0).any()
 
 

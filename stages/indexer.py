@@ -326,15 +326,9 @@ def index_scores(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, scale: flo
     the row, so a captured graph may pass the cache's length). tile: (head threads, groups) per
     block (0 = the default; tests force others).
     """
-    for a, what in ((iq, "iq"), (hw, "hw"), (keys, "keys"), (score, "score")):
-        check_array(a, (np.uint16,), 2, f"index_scores {what}")
-    check_array(positions, (np.int32,), 1, "index_scores positions")
-    for a, what in ((iq, "iq"), (hw, "hw"), (score, "score"), (positions, "positions")):
-        check_rows(a, n_tokens, f"index_scores {what}")
-    heads = hw.shape[1]
+    check_array(keys, (np.uint16,), 2, "index_scores keys")
     index_dim = keys.shape[1]
-    if iq.shape[1] != heads * index_dim or index_dim % FP4_BLOCK:
-        raise InputError(f"index_scores: iq {iq.shape} is not {heads} heads of {index_dim} (keys {keys.shape})")
+    heads = _check_queries(iq, hw, score, positions, n_tokens, index_dim, "index_scores")
     if width > min(keys.shape[0], score.shape[1]):
         raise InputError(f"index_scores: {width} groups, keys {keys.shape}, score {score.shape}")
     if n_tokens == 0 or width == 0:
@@ -350,20 +344,28 @@ def index_scores_tables(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, sca
     table (uint64 [>= T, 2], stages.row_tables) of each row's own key cache [>= G_t, ID], and row t's
     scores are those of its own G_t = (positions[t] + 1) // ratio groups (what index_scores gives it
     alone). width: the largest G_t as the host knows it (it sizes the grid only)."""
-    for a, what in ((iq, "iq"), (hw, "hw"), (score, "score")):
-        check_array(a, (np.uint16,), 2, f"index_scores_tables {what}")
     check_array(keys, (np.uint64,), 2, "index_scores_tables keys")
-    check_array(positions, (np.int32,), 1, "index_scores_tables positions")
-    for a, what in ((iq, "iq"), (hw, "hw"), (score, "score"), (positions, "positions"), (keys, "keys")):
-        check_rows(a, n_tokens, f"index_scores_tables {what}")
-    heads = hw.shape[1]
-    if iq.shape[1] != heads * index_dim or index_dim % FP4_BLOCK or width > score.shape[1]:
-        raise InputError(f"index_scores_tables: iq {iq.shape} is not {heads} heads of {index_dim}, or {width} "
-                         f"groups exceed score {score.shape}")
+    check_rows(keys, n_tokens, "index_scores_tables keys")
+    heads = _check_queries(iq, hw, score, positions, n_tokens, index_dim, "index_scores_tables")
+    if width > score.shape[1]:
+        raise InputError(f"index_scores_tables: {width} groups, score {score.shape}")
     if n_tokens == 0 or width == 0:
         return
     _launch_scores(iq, hw, keys, scale, score, n_tokens, positions, ratio, width, heads, index_dim, (0, 0), True,
                    stream)
+
+
+def _check_queries(iq, hw, score, positions, n_tokens: int, index_dim: int, what: str) -> int:
+    """The arguments index_scores and index_scores_tables share, checked: the index heads."""
+    for a, name in ((iq, "iq"), (hw, "hw"), (score, "score")):
+        check_array(a, (np.uint16,), 2, f"{what} {name}")
+    check_array(positions, (np.int32,), 1, f"{what} positions")
+    for a, name in ((iq, "iq"), (hw, "hw"), (score, "score"), (positions, "positions")):
+        check_rows(a, n_tokens, f"{what} {name}")
+    heads = hw.shape[1]
+    if iq.shape[1] != heads * index_dim or index_dim % FP4_BLOCK:
+        raise InputError(f"{what}: iq {iq.shape} is not {heads} heads of {index_dim}")
+    return heads
 
 
 def _launch_scores(iq, hw, keys, scale, score, n_tokens, positions, ratio, width, heads, index_dim, tile, tables,

@@ -46,6 +46,12 @@ NEG_INF = float32(-np.inf)
 
 
 @device
+def _completes_group(p, ratio):
+    """Whether the token at position p completes its group (a batched row's, decided on the device)."""
+    return p % ratio == ratio - 1
+
+
+@device
 def _pool_channel(kv, score, row0, kv_state, score_state, pooled, group_pos, out_row, start, n_tokens, gi, n_groups,
                   ratio, d):
     """Channel d of group gi of the n_groups that the chunk at positions start .. start+T-1 (its
@@ -110,7 +116,7 @@ def _pool_batch_kernel(kv, score, kv_states, score_states, pooled, group_pos, po
     if d >= width:
         return
     start = positions[t]
-    n_groups = 1 if start % ratio == ratio - 1 else 0
+    n_groups = 1 if _completes_group(start, ratio) else 0
     if n_groups == 0:
         pooled[t, d] = 0
         if d == 0:
@@ -143,7 +149,7 @@ def _scatter_batch_kernel(src, caches, positions, n_rows, ratio, width):
     r = i // width
     c = i % width
     p = positions[r]
-    if p % ratio == ratio - 1:
+    if _completes_group(p, ratio):
         u16_rows(caches, r, width)[p // ratio, c] = src[r, c]
 
 

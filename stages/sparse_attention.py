@@ -780,19 +780,11 @@ def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray,
     """out[:T] = attention of q[:T] over the rows its entries name (see the module docstring).
     workspace: the split path's, taken when T <= its tokens and SPLIT_MAX_TOKENS. threads: the block size of the
     one-block-a-head kernel, or of the split path's values kernel (0 = the default; tests force others)."""
-    check_array(q, (np.uint16,), 3, "sparse_attention q")
-    check_array(out, (np.uint16,), 3, "sparse_attention out")
-    for a, what in ((ring, "ring"), (chunk_rows, "chunk_rows"), (comp_rows, "comp_rows")):
+    _, head_dim = _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens, "sparse_attention")
+    for a, what in ((ring, "ring"), (comp_rows, "comp_rows")):
         check_array(a, (np.uint16,), 2, f"sparse_attention {what}")
-    check_array(entries, (np.int32,), 2, "sparse_attention entries")
-    check_array(sinks, (np.float32,), 1, "sparse_attention sinks")
-    for a, what in ((q, "q"), (out, "out"), (entries, "entries")):
-        check_rows(a, n_tokens, f"sparse_attention {what}")
-    heads, head_dim = q.shape[1], q.shape[2]
-    if (out.shape[1:] != q.shape[1:] or sinks.shape[0] != heads
-            or any(a.shape[1] != head_dim for a in (ring, chunk_rows, comp_rows))):
-        raise InputError(f"sparse_attention: q {q.shape}, out {out.shape}, sinks {sinks.shape}, ring {ring.shape}, "
-                         f"chunk_rows {chunk_rows.shape}, comp_rows {comp_rows.shape} do not agree")
+    if ring.shape[1] != head_dim or comp_rows.shape[1] != head_dim:
+        raise InputError(f"sparse_attention: q {q.shape}, ring {ring.shape}, comp_rows {comp_rows.shape} do not agree")
     _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads, workspace,
             SPLIT_MAX_TOKENS, False)
 
@@ -805,20 +797,30 @@ def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: Devi
     compressed rows [G, D], chunk_rows the batch's window rows (token t's in row t), entries as
     build_entries(..., own_rows=True) makes them. Token t's result is what sparse_attention gives
     for it alone over its own arrays, on the same path (split or not)."""
-    check_array(q, (np.uint16,), 3, "sparse_attention_tables q")
-    check_array(out, (np.uint16,), 3, "sparse_attention_tables out")
-    check_array(chunk_rows, (np.uint16,), 2, "sparse_attention_tables chunk_rows")
-    for a, what in ((rings, "rings"), (comps, "comps")):
-        check_array(a, (np.uint64,), 2, f"sparse_attention_tables {what}")
-        check_rows(a, n_tokens, f"sparse_attention_tables {what}")
-    check_array(entries, (np.int32,), 2, "sparse_attention_tables entries")
-    for a, what in ((q, "q"), (out, "out"), (entries, "entries"), (chunk_rows, "chunk_rows")):
-        check_rows(a, n_tokens, f"sparse_attention_tables {what}")
-    if out.shape[1:] != q.shape[1:] or chunk_rows.shape[1] != q.shape[2]:
-        raise InputError(f"sparse_attention_tables: q {q.shape}, out {out.shape}, chunk_rows {chunk_rows.shape} "
-                         "do not agree")
+    what = "sparse_attention_tables"
+    _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens, what)
+    check_rows(chunk_rows, n_tokens, f"{what} chunk_rows")
+    for a, name in ((rings, "rings"), (comps, "comps")):
+        check_array(a, (np.uint64,), 2, f"{what} {name}")
+        check_rows(a, n_tokens, f"{what} {name}")
     _attend(q, rings, chunk_rows, comps, entries, sinks, scale, out, n_tokens, stream, 0, workspace,
             SPLIT_BATCH_TOKENS, True)
+
+
+def _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens: int, what: str) -> tuple[int, int]:
+    """The arguments sparse_attention and sparse_attention_tables share, checked: (heads, head_dim)."""
+    check_array(q, (np.uint16,), 3, f"{what} q")
+    check_array(out, (np.uint16,), 3, f"{what} out")
+    check_array(chunk_rows, (np.uint16,), 2, f"{what} chunk_rows")
+    check_array(entries, (np.int32,), 2, f"{what} entries")
+    check_array(sinks, (np.float32,), 1, f"{what} sinks")
+    for a, name in ((q, "q"), (out, "out"), (entries, "entries")):
+        check_rows(a, n_tokens, f"{what} {name}")
+    heads, head_dim = q.shape[1], q.shape[2]
+    if out.shape[1:] != q.shape[1:] or sinks.shape[0] != heads or chunk_rows.shape[1] != head_dim:
+        raise InputError(f"{what}: q {q.shape}, out {out.shape}, sinks {sinks.shape}, chunk_rows {chunk_rows.shape} "
+                         "do not agree")
+    return heads, head_dim
 
 
 def _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,

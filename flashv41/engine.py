@@ -289,8 +289,10 @@ class Engine:
         second time a size comes up, as a sequence's are), whatever the sequences and positions.
         Results are those of decoding each sequence alone wherever the kernels are the same for B
         tokens as for one (the products' stream kernel and the sparse attention's split path, B
-        <= 8); past that, the tensor cores' sums and the one-block attention path within the
-        oracle's bounds."""
+        <= 8). For B = 9 to 64 the products run on the narrow tensor-core kernel, whose sums do not
+        depend on the batch: each sequence's result is then within the oracle's bounds of its
+        result alone and bit for bit the same in any batch of more than eight. With profile=True
+        the step is walked stage by stage into `stage_seconds` instead of replayed."""
         self._check_open()
         seqs = list(seqs)
         ids, mask = self._check_batch(seqs, token_ids, token_masks)
@@ -299,14 +301,15 @@ class Engine:
         call = Call(tokens=b, start=starts, ids=ids, token_mask=mask, mask=None if mask is None else self.mask,
                     hasher=BatchHasher([seq.hasher for seq in seqs]), state=[seq.state for seq in seqs],
                     shared=[self.attention.new_shared() for _ in seqs])
+        observers = self._observers(False)  # profile: the steps one by one, timed (no graph)
         try:
-            walk(self.batch_plan.upload, call)
+            walk(self.batch_plan.upload, call, observers)
             self._copy_inputs(call)
-            if self.graphs:
+            if self.graphs and not observers:
                 self._replay_batch(call)
             else:
-                walk(self.batch_plan.device, call)
-            walk(self.batch_plan.download, call)
+                walk(self.batch_plan.device, call, observers)
+            walk(self.batch_plan.download, call, observers)
         except BaseException:
             for seq in seqs:  # validated input failed on the way: every state may be partly written
                 seq.failed = True

@@ -115,33 +115,49 @@ if SIM:
     def load_words4(a, row, i):
         """a[row, i .. i + 3] of a uint32 array, i a multiple of 4 (one 16-byte load on a GPU)."""
         return a[row, i], a[row, i + 1], a[row, i + 2], a[row, i + 3]
+
+    def load_words2(a, row, i):
+        """a[row, i], a[row, i + 1] of a uint32 array, i even (one 8-byte load on a GPU)."""
+        return a[row, i], a[row, i + 1]
 else:
     from llvmlite import ir
     from numba import types
     from numba.cuda import cgutils  # type: ignore[attr-defined]
     from numba.cuda.extending import intrinsic
 
-    @intrinsic
-    def load_words4(typingctx, a, row, i):
-        """a[row, i .. i + 3] of a uint32 array as one 16-byte load through the read-only data
-        path (`ld.global.nc.v4.u32`; the address must be 16-byte aligned). Numba has no vector
-        loads, and four scalar loads cost four load instructions for the same bytes."""
-        sig = types.UniTuple(types.uint32, 4)(a, row, i)
+    def vector_load(words: int):
+        """An intrinsic (a, row, i) -> a[row, i .. i + words - 1] of a uint32 array as one load of
+        4 * words bytes through the read-only data path (`ld.global.nc.v<words>.u32`; the address
+        must be aligned to its size). Numba has no vector loads, and scalar loads cost one load
+        instruction a word for the same bytes."""
+        outs = ", ".join(f"${j}" for j in range(words))
+        asm_text = f"ld.global.nc.v{words}.u32 {{{outs}}}, [${words}];"
+        constraints = ",".join(["=r"] * words + ["l"])
 
-        def codegen(context, builder, signature, args):
-            array_type, row_type, i_type = signature.args
-            array = context.make_array(array_type)(context, builder, args[0])
-            index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], (row_type, i_type), strict=True)]
-            pointer = cgutils.get_item_pointer(context, builder, array_type, array, index)
-            address = builder.ptrtoint(pointer, ir.IntType(64))
-            word = ir.IntType(32)
-            load = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([word] * 4), [ir.IntType(64)]),
-                                "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
-            words = builder.call(load, [address])
-            return context.make_tuple(builder, signature.return_type,
-                                      [builder.extract_value(words, j) for j in range(4)])
+        @intrinsic
+        def load(typingctx, a, row, i):
+            sig = types.UniTuple(types.uint32, words)(a, row, i)
 
-        return sig, codegen
+            def codegen(context, builder, signature, args):
+                array_type, row_type, i_type = signature.args
+                array = context.make_array(array_type)(context, builder, args[0])
+                index = [context.cast(builder, v, t, types.intp)
+                         for v, t in zip(args[1:], (row_type, i_type), strict=True)]
+                pointer = cgutils.get_item_pointer(context, builder, array_type, array, index)
+                address = builder.ptrtoint(pointer, ir.IntType(64))
+                word = ir.IntType(32)
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([word] * words), [ir.IntType(64)]),
+                                   asm_text, constraints)
+                loaded = builder.call(asm, [address])
+                return context.make_tuple(builder, signature.return_type,
+                                          [builder.extract_value(loaded, j) for j in range(words)])
+
+            return sig, codegen
+
+        return load
+
+    load_words4 = vector_load(4)  # a[row, i .. i + 3], i a multiple of 4: one 16-byte load
+    load_words2 = vector_load(2)  # a[row, i .. i + 1], i even: one 8-byte load
 
 
 if SIM:

@@ -22,6 +22,9 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
   decodes is the type's (stages.quant_types). `stream_partials` is the same walk with the slices'
   sums written out instead (any T, in groups of GEMV_MAX_TOKENS tokens), plus a row of the inputs'
   square sums: the hyper-connection mixes' product (stages.hyper sums the slices).
+- `narrow` (more tokens, up to NARROW_MAX_TOKENS: a batch of decode steps; bf16 x; BF16 and Q8_0
+  weights; GPU only): stages.linear_narrow, the tensor cores with the weights as the mma's rows and
+  the tokens its columns, each weight byte read once for the whole batch, no shared-memory tiles.
 - `tc` (more tokens, bf16 x; BF16, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 weights; GPU
   only): stages.linear_tc, bf16 tensor cores with exact integer weights and fp32 scales.
 - `gemm` (more tokens, what tc does not take: every product on the simulator, where tc's inline
@@ -46,8 +49,9 @@ from numba import cuda, float32, uint32, uint64
 from flashv41.host.errors import UnsupportedError
 from flashv41.host.gguf_model import TensorRef
 from flashv41.host.quants import FORMATS, GGMLType, quantize
-from flashv41.stages import linear_tc
+from flashv41.stages import linear_narrow, linear_tc
 from flashv41.stages.device import CHUNK, SIM, WARP, device, f32_to_bf16, load_f32, warp_sum
+from flashv41.stages.linear_narrow import NARROW_MAX_TOKENS
 from flashv41.stages.quant_types import (
     DEVICE_TYPES,
     U1,
@@ -376,19 +380,24 @@ def gemm_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool):
     return gemm
 
 
-def pick_kernel(w: DeviceWeight, x_bf16: bool, n_tokens: int) -> str:
-    """The default kernel for a product: stream for up to GEMV_MAX_TOKENS tokens; for more, the
-    tensor cores (stages.linear_tc) where they apply (GPU, bf16 x), else gemm."""
+def pick_kernel(w: DeviceWeight, x_bf16: bool, n_tokens: int, group_rows: int = 0) -> str:
+    """The default kernel for a product: stream for up to GEMV_MAX_TOKENS tokens; for more, up to
+    NARROW_MAX_TOKENS, the narrow tensor-core product (stages.linear_narrow) where it applies (GPU,
+    bf16 x, BF16 and Q8_0 weights); past that the tensor cores (stages.linear_tc) where they apply
+    (GPU, bf16 x), else gemm."""
+    x_dtype = np.uint16 if x_bf16 else np.float32
     if n_tokens <= GEMV_MAX_TOKENS:
         return "stream"
-    return "tc" if linear_tc.supports(w, np.uint16 if x_bf16 else np.float32) else "gemm"
+    if n_tokens <= NARROW_MAX_TOKENS and linear_narrow.supports(w, x_dtype, group_rows):
+        return "narrow"
+    return "tc" if linear_tc.supports(w, x_dtype) else "gemm"
 
 
 def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, kernel: str = "") -> None:
     """y[:n_tokens] = x[:n_tokens] @ w^T on the device (dtypes of x and y pick the variant).
 
     group_rows > 0: grouped product, output row n reads x[:, (n // group_rows) * K : ... + K].
-    kernel: "stream", "gemm" or "tc" to force one (tests); by default `pick_kernel` decides.
+    kernel: "stream", "narrow", "gemm" or "tc" to force one (tests); by default `pick_kernel` decides.
     """
     x_bf16 = x.dtype == np.uint16
     out_bf16 = y.dtype == np.uint16
@@ -397,11 +406,13 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
         group_rows = w.n
     if w.k % CHUNK or x.shape[1] < groups * w.k or y.shape[1] < w.n or n_tokens > min(x.shape[0], y.shape[0]):
         raise ValueError(f"linear {w.name}: x {x.shape}, y {y.shape}, weight [{w.n}, {w.k}], {n_tokens} tokens")
-    kernel = kernel or pick_kernel(w, x_bf16, n_tokens)
+    kernel = kernel or pick_kernel(w, x_bf16, n_tokens, group_rows if groups > 1 else 0)
     if kernel == "stream" and n_tokens > GEMV_MAX_TOKENS:
         raise ValueError(f"linear {w.name}: {kernel} takes at most {GEMV_MAX_TOKENS} tokens, got {n_tokens}")
     if kernel == "tc":
         linear_tc.linear_tc(x, w, y, n_tokens, group_rows if groups > 1 else 0, stream)
+    elif kernel == "narrow":
+        linear_narrow.linear_narrow(x, w, y, n_tokens, group_rows if groups > 1 else 0, stream)
     elif kernel == "stream":
         qt = DEVICE_TYPES[w.gtype]
         rows = qt.gemv_unit.rows

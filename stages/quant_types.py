@@ -83,6 +83,7 @@ from flashv41.stages.device import (
     f32_from_bits,
     fp16_to_f32,
     inlined,
+    load_words2,
     load_words4,
     read_u16,
 )
@@ -1599,6 +1600,51 @@ def put_scales_mxfp4(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
     d_s[0, r] = e8m0_half(e) if e < MXFP4_INF_E else float32(1)
 
 
+# The narrow tensor-core product's pieces (stages.linear_narrow). Lane (g, t) of a warp takes,
+# from each 32-value block of a row, the values 8 t .. 8 t + 7; they enter the block's two k16
+# mma steps s as its values 8 t + 4 s .. 8 t + 4 s + 3 (the inputs are permuted alike):
+# - fetch(w32, row, b, t) -> four words: what the row stores of those values in block b (Q8_0:
+#   two words of int8 levels, then two zeros; BF16: four words of bf16 pairs), one load;
+# - pairs(w0, w1, w2, w3, s) -> the A fragment's two words for step s: bf16 pairs of values
+#   8 t + 4 s, + 1 and 8 t + 4 s + 2, + 3 (Q8_0: the levels, exact in bf16);
+# - scales(w32, row, b, k) -> the scales of blocks b .. b + 3 (b a multiple of 4) as float32, one
+#   load (Q8_0's fp16 d, after the row's K levels; 1 for BF16).
+
+
+@device
+def narrow_fetch_q8_0(w32, row, b, t):
+    lo, hi = load_words2(w32, row, uint32(8) * b + uint32(2) * t)
+    return lo, hi, uint32(0), uint32(0)
+
+
+@device
+def narrow_pairs_q8_0(w0, w1, w2, w3, s):
+    return level_pairs((w1 if s else w0) ^ uint32(0x80808080), INT8_LESS)
+
+
+@device
+def narrow_scales_q8_0(w32, row, b, k):
+    s01, s23 = load_words2(w32, row, (k >> 2) + (b >> 1))  # fp16 scale j at byte K + 2 j
+    d0, d1 = f16x2_f32(s01)
+    d2, d3 = f16x2_f32(s23)
+    return d0, d1, d2, d3
+
+
+@device
+def narrow_fetch_bf16(w32, row, b, t):
+    return load_words4(w32, row, uint32(16) * b + uint32(4) * t)
+
+
+@device
+def narrow_pairs_bf16(w0, w1, w2, w3, s):
+    return (w2, w3) if s else (w0, w1)
+
+
+@device
+def narrow_scales_none(w32, row, b, k):
+    return float32(1), float32(1), float32(1), float32(1)
+
+
 # the table
 
 
@@ -1633,6 +1679,17 @@ class TcType:
 
 
 @dataclass(frozen=True)
+class NarrowType:
+    """How a weight type enters the narrow tensor-core product (stages.linear_narrow): its fetch,
+    pairs and scales pieces, and whether its blocks are scaled."""
+
+    fetch: Callable
+    pairs: Callable
+    scales: Callable
+    scaled: bool
+
+
+@dataclass(frozen=True)
 class DeviceType:
     """One GGUF type's device pieces (module docstring); `host` is its host.quants.FORMATS row."""
 
@@ -1644,6 +1701,7 @@ class DeviceType:
     stream: StreamUnit  # one row a unit: the partial-sum products (stages.hyper's mixes)
     tc: TcType | None
     gemv: StreamUnit | None = None  # the decode GEMV's unit where it differs from `stream`
+    narrow: NarrowType | None = None  # the narrow tensor-core product's pieces (BF16, Q8_0)
 
     @property
     def gemv_unit(self) -> StreamUnit:
@@ -1655,10 +1713,10 @@ class DeviceType:
 
 
 def _entry(gtype: GGMLType | RowType, dequant, stream: StreamUnit, tc: TcType | None = None, layout: str = "stored",
-           weight_rows=stored_rows, weight_dequant=None,
-           gemv: StreamUnit | None = None) -> tuple[GGMLType | RowType, DeviceType]:
+           weight_rows=stored_rows, weight_dequant=None, gemv: StreamUnit | None = None,
+           narrow: NarrowType | None = None) -> tuple[GGMLType | RowType, DeviceType]:
     return gtype, DeviceType(FORMATS[gtype], dequant, layout, weight_rows, weight_dequant or dequant, stream, tc,
-                             gemv)
+                             gemv, narrow)
 
 
 Q4_K_STREAM, Q4_K_GEMV = k_nibble_stream(Q4_K_WORDS, q4_k_levels)
@@ -1667,10 +1725,12 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
     _entry(GGMLType.F32, dequant_f32, StreamUnit(f32_unit, 2, 2)),
     _entry(GGMLType.F16, dequant_f16, StreamUnit(f16_unit, 3, 2)),
     _entry(GGMLType.BF16, dequant_bf16, StreamUnit(bf16_unit, 3, 2),
-           TcType(fetch_bf16, put_bf16, fetch_scales_none, put_scales_none, TC_STEP_WORDS, False, False)),
+           TcType(fetch_bf16, put_bf16, fetch_scales_none, put_scales_none, TC_STEP_WORDS, False, False),
+           narrow=NarrowType(narrow_fetch_bf16, narrow_pairs_bf16, narrow_scales_none, False)),
     _entry(GGMLType.Q8_0, dequant_q8_0, StreamUnit(q8_0_unit, 4, 2),
            TcType(fetch_q8_0, put_q8_0, fetch_scales_q8_0, put_scales_q8_0, CHUNK // WORD, True, False),
-           "split", padded_split_q8_0, dequant_q8_0_split, StreamUnit(q8_0_pair_unit, 4, 1, rows=2)),
+           "split", padded_split_q8_0, dequant_q8_0_split, StreamUnit(q8_0_pair_unit, 4, 1, rows=2),
+           NarrowType(narrow_fetch_q8_0, narrow_pairs_q8_0, narrow_scales_q8_0, True)),
     _entry(GGMLType.Q2_K, dequant_q2_k, StreamUnit(q2_k_unit, 4, 4),
            TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, CHUNK // WORD, True, True)),
     _entry(GGMLType.Q3_K, dequant_q3_k, StreamUnit(q3_k_unit, 6, 2),

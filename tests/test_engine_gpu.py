@@ -155,3 +155,45 @@ def test_flash_batch_decode_equals_each_alone(synth_model):
     so the ratio-2 groups complete in some and not others), five steps together."""
     model = flashv41.load_model(synth_model("flash", **FLASH3))
     check_batch_equals_each_alone(model, (9, 127, 130), 5)
+
+
+def check_batch_split_agrees(model, prompt_lengths: tuple[int, ...], steps: int) -> None:
+    """Past eight sequences a batch's products run on the narrow tensor-core kernel, which a
+    sequence alone (the stream kernel) does not, so there the check is that a sequence's outputs
+    do not depend on its batch: the sequences decoded `steps` steps as one batch and, from the same
+    prompts, as two batches of the halves (each still past eight) must agree bit for bit."""
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, vocab, n) for n in prompt_lengths]
+    nexts = [rng.integers(0, vocab, steps) for _ in prompts]
+    half = len(prompts) // 2
+    assert half > 8, "both halves must be batches past the stream kernel's eight tokens"
+    with flashv41.Engine(model, max_seq=512, max_tokens=64) as engine:
+        whole = [engine.new_sequence() for _ in prompts]
+        parts = [engine.new_sequence() for _ in prompts]
+        for seq, other, prompt in zip(whole, parts, prompts, strict=True):
+            seq.prefill(prompt)
+            other.prefill(prompt)
+        for step in range(steps):
+            ids = [int(n[step]) for n in nexts]
+            got = engine.decode_batch(whole, ids)
+            split = np.concatenate([engine.decode_batch(parts[:half], ids[:half]),
+                                    engine.decode_batch(parts[half:], ids[half:])])
+            for b in range(len(prompts)):
+                differ = int((got[b] != split[b]).sum())
+                assert differ == 0, (f"step {step}: sequence {b} differs by {differ} values between the batch of "
+                                     f"{len(prompts)} and its half")
+
+
+def test_small_large_batch_is_batch_independent(synth_model):
+    """The small preset: 20 sequences at positions 3 to 41 (across the window's wrap and the
+    compressor groups), four steps, as one batch of 20 and two of 10."""
+    model = flashv41.load_model(synth_model("small"))
+    check_batch_split_agrees(model, tuple(3 + 2 * i for i in range(20)), 4)
+
+
+def test_flash_large_batch_is_batch_independent(synth_model):
+    """V4.1-Flash sizes (FLASH3, Q8_0): 18 sequences at positions 9 to 144, three steps, as one
+    batch of 18 and two of 9."""
+    model = flashv41.load_model(synth_model("flash", **FLASH3))
+    check_batch_split_agrees(model, tuple(9 + 8 * i for i in range(18)), 3)

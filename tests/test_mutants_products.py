@@ -138,10 +138,8 @@ def tc_dropping_types():
             for t, qt in DEVICE_TYPES.items()}
 
 
-def tc_scaled_mma():
-    """linear_tc's mma with every step's contribution (D - C) 1% large."""
-    real = stages.linear_tc.mma
-
+def scaled_mma(real):
+    """An mma (linear_tc's, or linear_narrow's) with every step's contribution (D - C) 1% large."""
     @device
     def mma_scaled(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         d0, d1, d2, d3 = real(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
@@ -151,14 +149,40 @@ def tc_scaled_mma():
     return mma_scaled
 
 
+# the first value of every row that narrow_dropping_types' fetch zeroes: a Q8_0 level byte, a bf16 half
+NARROW_FIRST = {GGMLType.Q8_0: uint32(0xFFFFFF00), GGMLType.BF16: uint32(0xFFFF0000)}
+
+
+def narrow_dropping_types():
+    """The quant-type table with narrow pieces whose `fetch` zeroes value 0 of every row (lane t = 0,
+    block 0, the low byte or half of its first word)."""
+    def dropping(fetch, keep):
+        @device
+        def fetch_dropping(w32, row, b, t):
+            w0, w1, w2, w3 = fetch(w32, row, b, t)
+            if b == 0 and t == 0:
+                w0 = w0 & keep
+            return w0, w1, w2, w3
+
+        return fetch_dropping
+
+    return {t: dataclasses.replace(qt, narrow=dataclasses.replace(qt.narrow, fetch=dropping(qt.narrow.fetch,
+                                                                                            NARROW_FIRST[t])))
+            if qt.narrow else qt for t, qt in DEVICE_TYPES.items()}
+
+
 def replacements(kernel: str, kind: str) -> dict:
-    """The globals a mutant of `kernel` ("stream", "gemm", "tc") swaps (tests/mutants.py)."""
+    """The globals a mutant of `kernel` ("stream", "gemm", "tc", "narrow") swaps (tests/mutants.py)."""
     if kind == "truncate":
         return {"f32_to_bf16": truncating_bf16}
+    if kernel == "narrow":
+        if kind == "drop":
+            return {"DEVICE_TYPES": narrow_dropping_types()}
+        return {"mma": scaled_mma(stages.linear_narrow.mma)}
     if kernel == "stream":
         return {"stream_walker": stream_walker_mutant(kind)}
     if kernel == "tc":
-        return {"DEVICE_TYPES": tc_dropping_types()} if kind == "drop" else {"mma": tc_scaled_mma()}
+        return {"DEVICE_TYPES": tc_dropping_types()} if kind == "drop" else {"mma": scaled_mma(stages.linear_tc.mma)}
     wrap = dropping_first_value if kind == "drop" else scaled_values
     return {"DEVICE_TYPES": {t: dataclasses.replace(qt, weight_dequant=wrap(qt.weight_dequant))
                              for t, qt in DEVICE_TYPES.items()}}
@@ -175,7 +199,7 @@ def rejected(check, *args, **kwargs) -> str:
 
 def run_mutant(kernel: str, kind: str, check, *args, **kwargs) -> None:
     """The mutant through `check` (rejected), then the real kernel through it (passes)."""
-    module = stages.linear_tc if kernel == "tc" else stages.linear
+    module = {"tc": stages.linear_tc, "narrow": stages.linear_narrow}.get(kernel, stages.linear)
     with mutant(module, **replacements(kernel, kind)):
         rules = rejected(check, *args, **kwargs)
     print(f"mutant {kernel} {kind}: rejected by the {rules}")
@@ -203,6 +227,14 @@ def small_weight(gtype: GGMLType):
 def test_stream_mutants(gtype, kind):
     w, wq = small_weight(gtype)
     run_mutant("stream", kind, check_linear, w, wq, T, "stream", seed=1)
+
+
+@pytest.mark.parametrize("kind", MUTANTS)
+@pytest.mark.parametrize("gtype", [GGMLType.Q8_0, GGMLType.BF16], ids=lambda t: t.name)
+def test_narrow_mutants(gtype, kind):
+    """The narrow tensor-core product at T = 9 (batched decode's first token count past stream's)."""
+    w, wq = small_weight(gtype)
+    run_mutant("narrow", kind, check_linear, w, wq, 9, "narrow", seed=4)
 
 
 @pytest.mark.parametrize("kind", MUTANTS)
@@ -254,6 +286,17 @@ def test_flash_gemm_mutants(kind):
     n, k = FLASH["wq_a"]
     w, wq = flash_weight(n, k, GGMLType.Q8_0)
     run_mutant("gemm", kind, check_linear, w, wq, 64, "gemm", seed=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", MUTANTS)
+@pytest.mark.parametrize("gtype,name,tokens", [(GGMLType.Q8_0, "wq_b", 1), (GGMLType.BF16, "wo_b", 32)],
+                         ids=lambda v: getattr(v, "name", v))
+def test_flash_narrow_mutants(gtype, name, tokens, kind):
+    """The narrow tensor-core product on a flash shape per type."""
+    n, k = FLASH[name]
+    w, wq = flash_weight(n, k, gtype)
+    run_mutant("narrow", kind, check_linear, w, wq, tokens, "narrow", seed=5)
 
 
 TC_SHAPES = [(GGMLType.BF16, "wo_b"), (GGMLType.Q8_0, "wq_b"), (GGMLType.Q2_K, "engram_wkv"),

@@ -51,7 +51,7 @@ TOKEN_CAPS = (8, 16, 32, 64)  # compiled per cap: accumulators for cap / 8 token
 UNROLL = 4  # blocks of 32 values a walk step loads together (the Q8_0 scales: one 8-byte load)
 MAX_WARPS = 4 if SIM else 8  # a block's warps (the simulator's emulated mma meets at most four)
 TARGET_WARPS = 4 if SIM else 2048  # warps a launch aims for (measured on the H200 at T = 32: see `plan`)
-FM = 1  # 16-row fragments a warp holds (two lost to one at every shape measured: fewer tiles)
+FM = 1  # 16-row fragments a warp holds (two: half the tiles; on the H200 a tie at best, up to 2x slower)
 RED_SHAPE = (MAX_WARPS, 4 * FM, WARP)  # [warp, register, lane]: the slices' sums
 
 

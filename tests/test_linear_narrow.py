@@ -24,7 +24,7 @@ TYPES = [GGMLType.Q8_0, GGMLType.BF16]
 
 
 @pytest.mark.parametrize("gtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("tokens,out", [(1, "bf16"), (8, "f32"), (9, "bf16"), (20, "f32")])
+@pytest.mark.parametrize("tokens,out", [(1, "bf16"), (9, "f32"), (20, "bf16")])
 def test_narrow(gtype, tokens, out):
     """40 outputs (two whole tiles of 16 and a partial one) of K = 352: 11 blocks, so the warps'
     slices end inside a walk step of four. Simulator: 100% bit-equal (bf16 out); fp32 out within
@@ -61,10 +61,10 @@ def assert_batch_independent(w: DeviceWeight, tokens: int, alone: list[int], gro
 
 @pytest.mark.parametrize("gtype", TYPES, ids=lambda t: t.name)
 def test_a_token_is_the_same_in_any_batch(gtype):
-    """Tokens 0, 9 and 19 of a batch of 20 (three token fragments, another compiled cap than a
-    token's alone) give the same bits alone."""
+    """Tokens 0 and 11 of a batch of 12 (two token fragments, another compiled cap than a token's
+    alone) give the same bits alone."""
     w, _ = weight(np.random.default_rng(7), 40, 352, gtype)
-    assert_batch_independent(w, 20, [0, 9, 19])
+    assert_batch_independent(w, 12, [0, 11])
 
 
 def test_refuses_what_it_does_not_take():

@@ -339,10 +339,9 @@ class Engine:
             if id(seq) in seen:
                 raise InputError(f"decode_batch: sequence {i} appears twice (one token a sequence a step)")
             seen.add(id(seq))
-            if m is not None and not isinstance(m, (bool, np.bool_)):
-                raise InputError(f"decode_batch: token mask {i} is one bool or None, got {type(m).__name__}")
+            one = one_token_mask(m, f"decode_batch: token mask {i}")
             try:
-                seq._validate(ids[i:i + 1], None if m is None else np.array([bool(m)]))
+                seq._validate(ids[i:i + 1], one)
             except (InputError, CapacityError, SequenceStateError) as e:
                 raise type(e)(f"decode_batch: sequence {i}: {e}") from e
         mask = None if all(m is None for m in masks) else np.array([True if m is None else bool(m) for m in masks])
@@ -394,6 +393,16 @@ class Engine:
             graphs[key] = graph
         self._cuda.synchronize()  # eager work queued on other streams comes first
         self._runner.launch(graph)
+
+
+def one_token_mask(mask: Any, what: str) -> np.ndarray | None:
+    """A one-token step's mask (decode's, each of decode_batch's) as prefill takes it: None, or
+    bool [1]; anything but one bool or None is an InputError naming `what`."""
+    if mask is None:
+        return None
+    if not isinstance(mask, (bool, np.bool_)):
+        raise InputError(f"{what} is one bool or None, got {type(mask).__name__}")
+    return np.array([bool(mask)])
 
 
 class BatchHasher:
@@ -463,10 +472,8 @@ class Sequence:
         """One token at the current position; returns h [1, hc, dim]."""
         if not isinstance(token_id, (int, np.integer)) or isinstance(token_id, bool):
             raise InputError(f"decode takes one integer token id, got {type(token_id).__name__}")
-        if token_mask is not None and not isinstance(token_mask, (bool, np.bool_)):
-            raise InputError(f"decode's token_mask is one bool or None, got {type(token_mask).__name__}")
-        mask = None if token_mask is None else np.array([bool(token_mask)])
-        return self.prefill(np.array([token_id], np.int64), mask, capture)
+        return self.prefill(np.array([token_id], np.int64), one_token_mask(token_mask, "decode's token_mask"),
+                            capture)
 
     def attention_state(self) -> list[dict[str, np.ndarray]]:
         """Every layer's attention state copied to the host, in the oracle's form (bf16 values as

@@ -55,6 +55,8 @@ BAD_CALLS: list[tuple[str, Call, type[FlashError], str]] = [
     ("decode bool", lambda s: s.decode(True), InputError, "got bool"),
     ("decode array", lambda s: s.decode(np.array([3])), InputError, "got ndarray"),  # type: ignore[arg-type]
     ("decode None", lambda s: s.decode(None), InputError, "got NoneType"),  # type: ignore[arg-type]
+    ("decode mask of int", lambda s: s.decode(3, 1), InputError,  # type: ignore[arg-type]
+     "decode's token_mask is one bool or None, got int"),
     ("mask of ints", lambda s: s.prefill([1, 2], token_mask=np.array([1, 0])), InputError, "token_mask"),
     ("mask of floats", lambda s: s.prefill([1, 2], token_mask=[1.0, 0.0]), InputError, "float64"),
     ("mask too short", lambda s: s.prefill([1, 2, 3], token_mask=np.ones(2, bool)), InputError, "shape (3,)"),

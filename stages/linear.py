@@ -402,17 +402,18 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     x_bf16 = x.dtype == np.uint16
     out_bf16 = y.dtype == np.uint16
     groups = w.n // group_rows if group_rows else 1
+    grouped = group_rows if groups > 1 else 0  # what the tensor-core wrappers take: 0 for one group
     if not group_rows:
         group_rows = w.n
     if w.k % CHUNK or x.shape[1] < groups * w.k or y.shape[1] < w.n or n_tokens > min(x.shape[0], y.shape[0]):
         raise ValueError(f"linear {w.name}: x {x.shape}, y {y.shape}, weight [{w.n}, {w.k}], {n_tokens} tokens")
-    kernel = kernel or pick_kernel(w, x_bf16, n_tokens, group_rows if groups > 1 else 0)
+    kernel = kernel or pick_kernel(w, x_bf16, n_tokens, grouped)
     if kernel == "stream" and n_tokens > GEMV_MAX_TOKENS:
         raise ValueError(f"linear {w.name}: {kernel} takes at most {GEMV_MAX_TOKENS} tokens, got {n_tokens}")
     if kernel == "tc":
-        linear_tc.linear_tc(x, w, y, n_tokens, group_rows if groups > 1 else 0, stream)
+        linear_tc.linear_tc(x, w, y, n_tokens, grouped, stream)
     elif kernel == "narrow":
-        linear_narrow.linear_narrow(x, w, y, n_tokens, group_rows if groups > 1 else 0, stream)
+        linear_narrow.linear_narrow(x, w, y, n_tokens, grouped, stream)
     elif kernel == "stream":
         qt = DEVICE_TYPES[w.gtype]
         rows = qt.gemv_unit.rows

@@ -118,6 +118,7 @@ def narrow_kernel(qt_narrow: NarrowType, fragments: int, out_bf16: bool):
         held = cuda.local.array(held_shape, uint32)
         d = cuda.local.array(scales_shape, float32)
         af = cuda.local.array(frags_shape, uint32)
+        part = cuda.local.array(4, float32)  # a block's sums of one fragment pair
         for f in range(fm):
             for nf in range(fragments):
                 for i in range(4):
@@ -139,21 +140,17 @@ def narrow_kernel(qt_narrow: NarrowType, fragments: int, out_bf16: bool):
                         xt = min(uint32(nf * 8) + g, last_token)  # (past the tokens: a real row, not stored)
                         xa, xb, xc, xd = load_words4(x32, xt, x0 + uint32(16) * b + uint32(4) * t4)
                         for f in range(fm):
-                            if scaled:
-                                p0, p1, p2, p3 = mma(af[f, 0, 0], af[f, 0, 1], af[f, 0, 2], af[f, 0, 3], xa, xb,
-                                                     float32(0), float32(0), float32(0), float32(0))
-                                p0, p1, p2, p3 = mma(af[f, 1, 0], af[f, 1, 1], af[f, 1, 2], af[f, 1, 3], xc, xd,
-                                                     p0, p1, p2, p3)
-                                acc[f, nf, 0] += d[j, f, 0] * p0  # rows g (registers 0, 1) and g + 8
-                                acc[f, nf, 1] += d[j, f, 0] * p1
-                                acc[f, nf, 2] += d[j, f, 1] * p2
-                                acc[f, nf, 3] += d[j, f, 1] * p3
-                            else:
-                                p0, p1, p2, p3 = mma(af[f, 0, 0], af[f, 0, 1], af[f, 0, 2], af[f, 0, 3], xa, xb,
-                                                     acc[f, nf, 0], acc[f, nf, 1], acc[f, nf, 2], acc[f, nf, 3])
-                                p0, p1, p2, p3 = mma(af[f, 1, 0], af[f, 1, 1], af[f, 1, 2], af[f, 1, 3], xc, xd,
-                                                     p0, p1, p2, p3)
-                                acc[f, nf, 0], acc[f, nf, 1], acc[f, nf, 2], acc[f, nf, 3] = p0, p1, p2, p3
+                            # the block's two steps: a scaled type's sum from zero, then d times it
+                            # into acc; BF16's straight into acc
+                            for i in range(4):
+                                part[i] = float32(0) if scaled else acc[f, nf, i]
+                            p0, p1, p2, p3 = mma(af[f, 0, 0], af[f, 0, 1], af[f, 0, 2], af[f, 0, 3], xa, xb,
+                                                 part[0], part[1], part[2], part[3])
+                            p0, p1, p2, p3 = mma(af[f, 1, 0], af[f, 1, 1], af[f, 1, 2], af[f, 1, 3], xc, xd,
+                                                 p0, p1, p2, p3)
+                            part[0], part[1], part[2], part[3] = p0, p1, p2, p3
+                            for i in range(4):  # registers 0, 1: row g; 2, 3: row g + 8
+                                acc[f, nf, i] = acc[f, nf, i] + part[i] * d[j, f, i // 2] if scaled else part[i]
         # the slices' sums, in warp order, then out: lane (g, t) holds rows g, g + 8 of each
         # fragment and tokens 2 t, 2 t + 1 of each token fragment
         for nf in range(fragments):

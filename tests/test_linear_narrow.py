@@ -13,12 +13,13 @@ import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
 from flashv41.host.numerics import bf16, to_bits
-from flashv41.host.quants import GGMLType, dequantize
+from flashv41.host.quants import GGMLType
 from flashv41.stages.device import SIM
 from flashv41.stages.linear import DeviceWeight, pick_kernel
 from flashv41.stages.linear_narrow import NARROW_MAX_TOKENS, linear_narrow, plan, supports
 from tests.test_linear import check_linear, weight
-from tests.test_linear_tc import FLASH, stored_rows
+from tests.test_linear_tc import FLASH
+from tests.test_linear_tc import weight as tc_weight
 
 TYPES = [GGMLType.Q8_0, GGMLType.BF16]
 
@@ -85,12 +86,6 @@ def test_refuses_what_it_does_not_take():
 
 # ------------------------------------------------------------------------ flash sizes (GPU)
 
-def flash_weight(n: int, k: int, gtype: GGMLType):
-    """Random stored rows [n, k] (test_linear_tc.stored_rows) as a DeviceWeight, and their values."""
-    stored = stored_rows(np.random.default_rng(int(gtype) + n + k), n, k, gtype)
-    return DeviceWeight.from_stored("w", gtype, stored, k), dequantize(stored, gtype, k)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 32, 64])
 @pytest.mark.parametrize("name", list(FLASH))
@@ -98,7 +93,7 @@ def flash_weight(n: int, k: int, gtype: GGMLType):
 def test_flash_shapes(tokens, name, gtype):
     """Every decode shape at the batch sizes a step runs (-s prints each check's bit-equal fraction)."""
     n, k = FLASH[name]
-    w, wq = flash_weight(n, k, gtype)
+    w, wq, _ = tc_weight(n, k, gtype)
     check_linear(w, wq, tokens, "narrow", seed=tokens)
 
 
@@ -106,7 +101,7 @@ def test_flash_shapes(tokens, name, gtype):
 @pytest.mark.parametrize("tokens,out", [(1, "bf16"), (32, "f32")])
 @pytest.mark.parametrize("gtype", TYPES, ids=lambda t: t.name)
 def test_flash_grouped_wo_a(gtype, tokens, out):
-    w, wq = flash_weight(8 * 1024, 4096, gtype)
+    w, wq, _ = tc_weight(8 * 1024, 4096, gtype)
     check_linear(w, wq, tokens, "narrow", group_rows=1024, out_bf16=out == "bf16", seed=tokens)
 
 
@@ -114,7 +109,7 @@ def test_flash_grouped_wo_a(gtype, tokens, out):
 @pytest.mark.parametrize("gtype", TYPES, ids=lambda t: t.name)
 def test_flash_a_token_is_the_same_in_any_batch(gtype):
     """wo_b and the grouped wo_a: tokens of a batch of 64 alone."""
-    w, _ = flash_weight(*FLASH["wo_b"], gtype)
+    w, _, _ = tc_weight(*FLASH["wo_b"], gtype)
     assert_batch_independent(w, 64, [0, 31, 63])
-    grouped, _ = flash_weight(8 * 1024, 4096, gtype)
+    grouped, _, _ = tc_weight(8 * 1024, 4096, gtype)
     assert_batch_independent(grouped, 33, [0, 32], group_rows=1024)

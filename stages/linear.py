@@ -14,7 +14,8 @@ values; the quants of consecutive blocks become contiguous and aligned, so a war
 aligned, coalesced 16-byte loads (a stored block starts on a 2-byte boundary, an MXFP4 one on any).
 
 Kernels, chosen by the token count and the weight type (`pick_kernel`):
-- `stream` (T <= GEMV_MAX_TOKENS, every type, bf16 or fp32 x; the decode GEMV): warps over output
+- `stream` (every type, bf16 or fp32 x; the decode GEMV; launches of up to GEMV_MAX_TOKENS tokens,
+  so a token's sums never depend on the others of its call): warps over output
   rows, and for short matrices several warps a row, each a slice of K (`stream_split`: enough warps
   in all to keep the memory busy; slices summed in shared memory). The lanes of a warp walk the
   row's units (the type's stream unit: 16-byte pieces, Q2_K 32-bit quant words), two or four in
@@ -27,10 +28,13 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
   the tokens its columns, each weight byte read once for the whole batch, no shared-memory tiles.
 - `tc` (more tokens, bf16 x; BF16, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 weights; GPU
   only): stages.linear_tc, bf16 tensor cores with exact integer weights and fp32 scales.
+- on a GPU, a batch of up to NARROW_MAX_TOKENS tokens that neither narrow nor tc takes (fp32 x,
+  F16 / F32 weights: the indexer's head weights) runs `stream` in launches of GEMV_MAX_TOKENS: gemm
+  would cover such a short matrix with one tile block.
 - `gemm` (more tokens, what tc does not take: every product on the simulator, where tc's inline
-  PTX does not run; on a GPU fp32 x and F16 / F32 weights): a shared-memory tile of tokens x
-  outputs, K in steps of 32, the weight chunk dequantised once per tile (the type's
-  weight_dequant); a grouped product is one launch per group.
+  PTX does not run; on a GPU fp32 x and F16 / F32 weights past NARROW_MAX_TOKENS tokens): a
+  shared-memory tile of tokens x outputs, K in steps of 32, the weight chunk dequantised once per
+  tile (the type's weight_dequant); a grouped product is one launch per group.
 
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out). The GPU sums in fp32
 in its own order, so a result may differ from the oracle's (float64-accumulated) by the fp32
@@ -384,13 +388,16 @@ def pick_kernel(w: DeviceWeight, x_bf16: bool, n_tokens: int, group_rows: int = 
     """The default kernel for a product: stream for up to GEMV_MAX_TOKENS tokens; for more, up to
     NARROW_MAX_TOKENS, the narrow tensor-core product (stages.linear_narrow) where it applies (GPU,
     bf16 x, BF16 and Q8_0 weights); past that the tensor cores (stages.linear_tc) where they apply
-    (GPU, bf16 x), else gemm."""
+    (GPU, bf16 x); else, on a GPU and up to NARROW_MAX_TOKENS tokens, stream in launches of
+    GEMV_MAX_TOKENS tokens; else gemm."""
     x_dtype = np.uint16 if x_bf16 else np.float32
     if n_tokens <= GEMV_MAX_TOKENS:
         return "stream"
     if n_tokens <= NARROW_MAX_TOKENS and linear_narrow.supports(w, x_dtype, group_rows):
         return "narrow"
-    return "tc" if linear_tc.supports(w, x_dtype) else "gemm"
+    if linear_tc.supports(w, x_dtype):
+        return "tc"
+    return "stream" if not SIM and n_tokens <= NARROW_MAX_TOKENS else "gemm"
 
 
 def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, kernel: str = "") -> None:
@@ -408,8 +415,6 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     if w.k % CHUNK or x.shape[1] < groups * w.k or y.shape[1] < w.n or n_tokens > min(x.shape[0], y.shape[0]):
         raise ValueError(f"linear {w.name}: x {x.shape}, y {y.shape}, weight [{w.n}, {w.k}], {n_tokens} tokens")
     kernel = kernel or pick_kernel(w, x_bf16, n_tokens, grouped)
-    if kernel == "stream" and n_tokens > GEMV_MAX_TOKENS:
-        raise ValueError(f"linear {w.name}: {kernel} takes at most {GEMV_MAX_TOKENS} tokens, got {n_tokens}")
     if kernel == "tc":
         linear_tc.linear_tc(x, w, y, n_tokens, grouped, stream)
     elif kernel == "narrow":
@@ -424,8 +429,11 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
         split = stream_split(row_groups)
         per_block = STREAM_WARPS // split
         blocks = 1 if SIM else (row_groups + per_block - 1) // per_block
-        stream_kernel(qt, x_bf16, out_bf16, gemv_token_cap(n_tokens), split)[
-            blocks, (LANES, STREAM_WARPS), stream](x, w.data, y, n_tokens, w.k, group_rows)
+        for t0 in range(0, n_tokens, GEMV_MAX_TOKENS):
+            live = min(GEMV_MAX_TOKENS, n_tokens - t0)
+            xt, yt = (x, y) if t0 == 0 else (x[t0:], y[t0:])
+            stream_kernel(qt, x_bf16, out_bf16, gemv_token_cap(live), split)[
+                blocks, (LANES, STREAM_WARPS), stream](xt, w.data, yt, live, w.k, group_rows)
     else:
         gemm = gemm_kernel(DEVICE_TYPES[w.gtype], x_bf16, out_bf16)
         grid = ((group_rows + TN - 1) // TN, (n_tokens + TM - 1) // TM)

@@ -13,7 +13,9 @@ from numba import cuda  # noqa: E402  (after conftest chose the backend)
 from flashv41.host.numerics import bf16, from_bits, to_bits
 from flashv41.host.numerics import linear as oracle_linear
 from flashv41.host.quants import Q8_0_BLOCK, GGMLType, dequantize, quantize
+from flashv41.stages.device import SIM
 from flashv41.stages.linear import GEMV_MAX_TOKENS, DeviceWeight, linear, pick_kernel, stream_partials  # noqa: E402
+from flashv41.stages.linear_narrow import NARROW_MAX_TOKENS
 from flashv41.stages.quant_types import split_q8_0  # noqa: E402
 from tests.bounds import assert_bf16_product, assert_f32_product, assert_within, f32_sum_error, split_terms
 
@@ -77,11 +79,12 @@ STREAM = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16]
 
 
 @pytest.mark.parametrize("gtype", STREAM, ids=lambda t: t.name)
-@pytest.mark.parametrize("tokens,out", [(1, "bf16"), (3, "f32"), (GEMV_MAX_TOKENS, "bf16")])
+@pytest.mark.parametrize("tokens,out", [(1, "bf16"), (3, "f32"), (GEMV_MAX_TOKENS, "bf16"),
+                                        (GEMV_MAX_TOKENS + 3, "bf16")])
 def test_stream(gtype, tokens, out):
     """The decode kernel: each type's decoding, K split over warps (two on the simulator), tokens
-    under a cap, fp32 and bf16 out. Simulator: 100% bit-equal (bf16 out); fp32 out: largest error
-    0.3% of the bound."""
+    under a cap and past it (launches of GEMV_MAX_TOKENS), fp32 and bf16 out. Simulator: 100%
+    bit-equal (bf16 out); fp32 out: largest error 0.3% of the bound."""
     rng = np.random.default_rng(int(gtype) * 10 + tokens)
     k = 320 if gtype == GGMLType.BF16 else 512
     w, wq = weight(rng, 6, k, gtype)
@@ -170,6 +173,36 @@ def test_shape_errors_are_clear():
     x = cuda.to_device(np.zeros((2, 32), np.uint16))
     with pytest.raises(ValueError, match="linear w"):
         linear(x, w, cuda.device_array((2, 8), np.uint16), 2)
-    with pytest.raises(ValueError, match="stream takes at most"):
-        linear(cuda.to_device(np.zeros((9, 64), np.uint16)), w, cuda.device_array((9, 8), np.uint16), 9,
-               kernel="stream")
+
+
+
+def test_pick_stream_for_a_batch_without_tensor_cores():
+    """A batch of 9 .. NARROW_MAX_TOKENS tokens through weights no tensor-core kernel takes (F32,
+    the indexer's head weights) runs stream in launches of GEMV_MAX_TOKENS on a GPU; past that, and
+    on the simulator, gemm."""
+    w, _ = weight(np.random.default_rng(1), 32, 64, GGMLType.F32)
+    assert pick_kernel(w, True, GEMV_MAX_TOKENS + 1) == ("gemm" if SIM else "stream")
+    assert pick_kernel(w, True, NARROW_MAX_TOKENS) == ("gemm" if SIM else "stream")
+    assert pick_kernel(w, True, NARROW_MAX_TOKENS + 1) == "gemm"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_f32", [False, True], ids=["bf16_x", "f32_x"])
+def test_batch_of_steps_without_tensor_cores(x_f32):
+    """The indexer's head weights at flash size (F32 [32, 5120]) for a batch of 20 tokens: the
+    picked kernel (stream, three launches) within the oracle's product bounds, and each token's
+    outputs bit for bit its own product alone (T = 1), as batched decode needs."""
+    rng = np.random.default_rng(31)
+    w, wq = weight(rng, 32, 5120, GGMLType.F32)
+    tokens = 20
+    assert pick_kernel(w, not x_f32, tokens) == "stream"
+    check_linear(w, wq, tokens, out_bf16=False, x_f32=x_f32, seed=5)
+    x = np.random.default_rng(5).standard_normal((tokens, w.k)).astype(np.float32)
+    xd = cuda.to_device(x if x_f32 else to_bits(bf16(x)))
+    batch = cuda.device_array((tokens, w.n), np.float32)
+    linear(xd, w, batch, tokens)
+    alone = cuda.device_array((1, w.n), np.float32)
+    for t in range(tokens):
+        linear(xd[t:], w, alone, 1)
+        assert (alone.copy_to_host()[0].view(np.uint32) == batch.copy_to_host()[t].view(np.uint32)).all(), (
+            f"token {t} of the batch differs from its product alone")

@@ -33,16 +33,17 @@ Two paths compute that same recurrence:
   so the walk is cut into three kernels over the whole GPU, with the workspace between them.
   Scores: a warp per (token, 4 heads, 4 entries), lanes over D (16-byte row loads, the queries in
   registers), each block also writing its 16 entries' max per head. Values: a block per (token,
-  block b of 64 entries, heads, slice of D): the running max m_b is a prefix max, so it comes from
-  the tile maxima of blocks 0..b alone; then p, the block's float64 sum and its value sums in the
-  same order as the first path. Combine: a thread per (token, head, dim) runs the rescaling over
-  b in order and adds the sink. Only the fp32 order of q . k over D differs from the first path
-  (on the simulator, lanes of one, not even that: the two agree bit for bit).
+  block b of 64 entries, heads): the running max m_b is a prefix max, so it comes from the tile
+  maxima of blocks 0..b alone; then p, the block's float64 sum and its value sums (a thread per
+  16-byte unit of the row, a few heads and a run of the block's entries, the runs' sums added in
+  run order). Combine: a thread per (token, head, dim) runs the rescaling over b in order and adds
+  the sink. Only fp32 orders differ from the first path: q . k over D, and a block's value sums
+  over its runs of entries (on the simulator, lanes of one and one run, not even those: the two
+  agree bit for bit).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from functools import cache
 
@@ -100,16 +101,20 @@ SCORE_FILL = 1 if SIM else 128
 LANE_SUMS = 16  # the dot products a warp reduces together (_lane_sums): SCORE_ENTRIES x SCORE_HEADS at most
 SCORE_TILE = SCORE_ENTRIES * SCORE_ENTRY_WARPS  # the entries of a scores block: it writes their max per head
 assert SPARSE_BLOCK % SCORE_TILE == 0, "an entry block's max must come from whole tiles"
-# Values: a block per (token, entry block, VALUE_HEADS heads at most, slice of D): VALUE_THREADS threads
-# over the slice's 32-bit words (two dims, one word a thread on the GPU) times the block's heads in
-# groups of VALUE_THREAD_HEADS, one group a thread, so a block's head groups read each row word once
-# from L2. Rows are loaded VALUE_BATCH entries at a time before they are used. Heads per block halve
-# until there are VALUE_FILL blocks (about one an SM: 132 on an H200).
+# Values: a block per (token, entry block, VALUE_HEADS heads at most): its threads are the row's
+# 16-byte units (8 dims each, all of D on the GPU) x the block's heads in groups of VALUE_THREAD_HEADS
+# (one group a thread, so a block's head groups read each row unit once from L2) x groups of the
+# block's 64 entries, as many as make VALUE_THREADS threads (at most VALUE_ENTRY_GROUPS; their sums
+# are added in group order at the end). Rows are loaded VALUE_BATCH entries at a time before they
+# are used. Heads per block halve until there are VALUE_FILL blocks (about one an SM: 132 on an H200).
+# The simulator runs one thread a block over all of D, one head and one entry group.
 VALUE_THREADS = 1 if SIM else 256
 VALUE_HEADS = 16
 VALUE_THREAD_HEADS = 1 if SIM else 4
+VALUE_ENTRY_GROUPS = 1 if SIM else 4
 VALUE_FILL = 1 if SIM else 128
-VALUE_BATCH = 16
+VALUE_BATCH = 8
+assert SPARSE_BLOCK % (VALUE_ENTRY_GROUPS * VALUE_BATCH) == 0, "an entry group must be whole batches"
 # Combine: a thread per (token, head, dim) on the GPU (per (token, head) on the simulator), reading
 # COMBINE_BATCH blocks' partial results before it folds them in.
 COMBINE_THREADS = 8 if SIM else 256
@@ -169,8 +174,11 @@ if SIM:
     def _dot_words(qv, k, rw, i, per_lane):
         return np.float32(np.dot(qv[k], _pairs(rw[i])))
 
-    def _load_words(words, c, ring, chunk, comp, src, ix, w0, step, per_thread):
-        words[c] = _source(ring, chunk, comp, src)[ix, w0:w0 + per_thread * step:step] if src >= 0 else 0
+    def _load_units(words, c, ring, chunk, comp, src, ix, u0, step, per_thread, units):
+        if src < 0:
+            words[c] = 0
+        else:
+            words[c] = _source(ring, chunk, comp, src)[ix].reshape(-1, 4)[u0:u0 + per_thread * step:step].reshape(-1)
 
     def _decode(vals, words, c, per_thread):
         vals[:] = _pairs(words[c])
@@ -178,8 +186,8 @@ if SIM:
     def _axpy(acc, k, p, vals, per_thread):
         acc[k] += np.float32(p) * vals
 
-    def _store_pairs(pv, t, b, h, acc, k, w0, step, per_thread):
-        pv[t, b, h].reshape(-1, 2)[w0:w0 + per_thread * step:step] = acc[k].reshape(-1, 2)
+    def _store_units(pv, t, b, h, acc, k, u0, step, per_thread):
+        pv[t, b, h].reshape(-1, 8)[u0:u0 + per_thread * step:step] = acc[k].reshape(-1, 8)
 else:
     @cuda.jit(device=True)
     def _pair(word):
@@ -259,36 +267,49 @@ else:
         return n, total
 
     @cuda.jit(device=True)
-    def _load_words(words, c, ring, chunk, comp, src, ix, w0, step, per_thread):
+    def _load_units(words, c, ring, chunk, comp, src, ix, u0, step, per_thread, units):
+        """words[c] = the row's 16-byte units u0, u0 + step, ... (per_thread of them; zeros for a
+        skipped entry)."""
         for i in range(per_thread):
-            w = w0 + i * step
-            word = uint32(0)
-            if src == 0:
-                word = ring[ix, w]
-            elif src == 1:
-                word = chunk[ix, w]
-            elif src == 2:
-                word = comp[ix, w]
-            words[c, i] = word
+            w0, w1, w2, w3 = _unit(ring, chunk, comp, src, ix, u0 + i * step, units)
+            words[c, 4 * i] = w0
+            words[c, 4 * i + 1] = w1
+            words[c, 4 * i + 2] = w2
+            words[c, 4 * i + 3] = w3
 
     @cuda.jit(device=True)
     def _decode(vals, words, c, per_thread):
-        for i in range(per_thread):
+        for i in range(4 * per_thread):
             a, b = _pair(words[c, i])
             vals[2 * i] = a
             vals[2 * i + 1] = b
 
     @cuda.jit(device=True)
     def _axpy(acc, k, p, vals, per_thread):
-        for i in range(2 * per_thread):
+        for i in range(8 * per_thread):
             acc[k, i] += p * vals[i]
 
     @cuda.jit(device=True)
-    def _store_pairs(pv, t, b, h, acc, k, w0, step, per_thread):
+    def _store_units(pv, t, b, h, acc, k, u0, step, per_thread):
         for i in range(per_thread):
-            w = w0 + i * step
-            pv[t, b, h, 2 * w] = acc[k, 2 * i]
-            pv[t, b, h, 2 * w + 1] = acc[k, 2 * i + 1]
+            d0 = 8 * (u0 + i * step)
+            for m in range(8):
+                pv[t, b, h, d0 + m] = acc[k, 8 * i + m]
+
+
+@device
+def _store_later(later, g, h, acc, k, u0, step, per_thread):
+    """later[g, h, :] = a thread's value sums acc[k] (of units u0, u0 + step, ...), value m of its
+    i-th unit at (8 i + m) * step + u0: consecutive threads, consecutive words."""
+    for i in range(8 * per_thread):
+        later[g, h, i * step + u0] = acc[k, i]
+
+
+@device
+def _add_later(acc, k, later, g, h, u0, step, per_thread):
+    """acc[k] += what _store_later(later, g, h, ...) stored for this thread."""
+    for i in range(8 * per_thread):
+        acc[k, i] += later[g, h, i * step + u0]
 
 
 @device
@@ -462,22 +483,28 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
 
 
 @cache
-def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_heads: int, thread_heads: int,
-                       tables: bool = False):
-    """Split path, values: a block per (entry block b, `block_heads` heads x slice of D, token), its
-    threads word_threads (over the slice's words, per_thread each) x block_heads / thread_heads (over
-    the heads, thread_heads each), so the head groups of a block read the same row words. Rows (and
-    tables) as in split_score_kernel; scores and tile_max as it writes them; pv fp32 [>= T, >= NB, H, D] (NB =
-    ceil(E / 64)): sum_j bf16(p_j) row_j of block b; block_sum, block_max, rescale fp32 [>= T, >= NB, H]:
-    float32(float64 sum_j p_j), m_b and exp(m_{b-1} - m_b)."""
-    threads = word_threads * (block_heads // thread_heads)
-    span = word_threads * per_thread  # the words of a slice
-    slices = head_dim // 2 // span
-    dims = 2 * per_thread  # (local array shapes must be compile-time constants)
+def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_heads: int, thread_heads: int,
+                       entry_groups: int, tables: bool = False):
+    """Split path, values: a block per (entry block b, `block_heads` heads, token), its threads
+    unit_threads (over the row's 16-byte units, per_thread each: all of D) x block_heads /
+    thread_heads (over the heads, thread_heads each, so the head groups of a block read the same row
+    units) x entry_groups (over the block's 64 entries, in runs of 64 / entry_groups; each run's sums
+    in entry order, the runs' added in run order). Rows (and tables) as in split_score_kernel; scores
+    and tile_max as it writes them; pv fp32 [>= T, >= NB, H, D] (NB = ceil(E / 64)): sum_j bf16(p_j)
+    row_j of block b; block_sum, block_max, rescale fp32 [>= T, >= NB, H]: float32(float64 sum_j
+    p_j), m_b and exp(m_{b-1} - m_b)."""
+    head_groups = block_heads // thread_heads
+    threads = unit_threads * head_groups * entry_groups
+    units = head_dim // 8
+    run = SPARSE_BLOCK // entry_groups  # the entries of a group
+    dims = 8 * per_thread  # (local array shapes must be compile-time constants)
+    batch_words = (VALUE_BATCH, 4 * per_thread)
     tiles = SPARSE_BLOCK // SCORE_TILE  # score tiles a block of entries
     head_threads = max(1, threads // block_heads)  # threads reading one head's tile maxima
     tile_reads = head_threads * block_heads  # (shared array shapes must be compile-time constants)
     sync = threads > 1
+    # the value sums of entry groups 1 .. groups - 1, for group 0 to add
+    later_shape = (max(1, entry_groups - 1), block_heads, head_dim)
 
     @jit_for(threads)
     def kernel(rings, chunk32, comps, entries, scores, tile_max, pv, block_sum, block_max, rescale, n_entries):
@@ -490,10 +517,10 @@ def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_
         tile_new = cuda.shared.array(tile_reads, float32)  # [threads]: block b's partial maxima
         prev_max = cuda.shared.array(block_heads, float32)  # [heads]: m_{b-1}
         new_max = cuda.shared.array(block_heads, float32)  # [heads]: m_b
+        later = cuda.shared.array(later_shape, float32)  # [groups - 1, heads, D] (_store_later's order)
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.x
-        sl = cuda.blockIdx.y % slices
-        hb = cuda.blockIdx.y // slices * block_heads
+        hb = cuda.blockIdx.y * block_heads
         t = cuda.blockIdx.z
         b0 = b * SPARSE_BLOCK
         ring32, comp32 = (u32_rows(rings, t, head_dim // 2), u32_rows(comps, t, head_dim // 2)) if tables else (
@@ -540,34 +567,44 @@ def split_value_kernel(head_dim: int, word_threads: int, per_thread: int, block_
             pr[j, k] = bf16_round(p)
         if sync:
             cuda.syncthreads()
-        if sl == 0:
-            for k in range(tid, block_heads, threads):
-                block = float64(0)
-                for j in range(SPARSE_BLOCK):
-                    block += float64(ps[j, k])
-                block_sum[t, b, hb + k] = float32(block)
-                block_max[t, b, hb + k] = new_max[k]
-                rescale[t, b, hb + k] = exp_f32(prev_max[k] - new_max[k])
-        w0 = sl * span + tid % word_threads
-        k0 = tid // word_threads * thread_heads  # this thread's first head in the block
-        acc = cuda.local.array((thread_heads, dims), float32)  # [heads, dims]: the block's value sums
-        words = cuda.local.array((VALUE_BATCH, per_thread), uint32)  # [batch, words]: rows loaded ahead
+        for k in range(tid, block_heads, threads):
+            block = float64(0)
+            for j in range(SPARSE_BLOCK):
+                block += float64(ps[j, k])
+            block_sum[t, b, hb + k] = float32(block)
+            block_max[t, b, hb + k] = new_max[k]
+            rescale[t, b, hb + k] = exp_f32(prev_max[k] - new_max[k])
+        u0 = tid % unit_threads
+        k0 = tid // unit_threads % head_groups * thread_heads  # this thread's first head in the block
+        group = tid // (unit_threads * head_groups)
+        acc = cuda.local.array((thread_heads, dims), float32)  # [heads, dims]: the group's value sums
+        words = cuda.local.array(batch_words, uint32)  # [batch, words]: rows loaded ahead
         vals = cuda.local.array(dims, float32)  # [dims]: one row's, fp32
         for k in range(thread_heads):
             for i in range(dims):
                 acc[k, i] = float32(0)
         # a skipped entry (or one past E) reads as zeros with p = 0, adding +0 to sums that are never
         # -0 (they start at +0), so they come out as if it were left out, as the first path does
-        for j0 in range(0, min(SPARSE_BLOCK, n_entries - b0), VALUE_BATCH):
+        for j0 in range(group * run, min((group + 1) * run, n_entries - b0), VALUE_BATCH):
             for c in range(VALUE_BATCH):
-                _load_words(words, c, ring32, chunk32, comp32, src[j0 + c], row[j0 + c], w0, word_threads,
-                            per_thread)
+                _load_units(words, c, ring32, chunk32, comp32, src[j0 + c], row[j0 + c], u0, unit_threads,
+                            per_thread, units)
             for c in range(VALUE_BATCH):
                 _decode(vals, words, c, per_thread)
                 for k in range(thread_heads):
                     _axpy(acc, k, pr[j0 + c, k0 + k], vals, per_thread)
-        for k in range(thread_heads):
-            _store_pairs(pv, t, b, hb + k0 + k, acc, k, w0, word_threads, per_thread)
+        if entry_groups > 1:
+            if group > 0:
+                for k in range(thread_heads):
+                    _store_later(later, group - 1, k0 + k, acc, k, u0, unit_threads, per_thread)
+            cuda.syncthreads()
+            if group == 0:
+                for g in range(entry_groups - 1):
+                    for k in range(thread_heads):
+                        _add_later(acc, k, later, g, k0 + k, u0, unit_threads, per_thread)
+        if group == 0:
+            for k in range(thread_heads):
+                _store_units(pv, t, b, hb + k0 + k, acc, k, u0, unit_threads, per_thread)
 
     return kernel
 
@@ -742,11 +779,7 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
     heads, head_dim = q.shape[1], q.shape[2]
     n_entries = entries.shape[1]
     n_blocks = -(-n_entries // SPARSE_BLOCK)
-    words = head_dim // 2
     if n_entries:
-        nt = threads or math.gcd(VALUE_THREADS, words)
-        if words % nt:
-            raise InputError(f"sparse_attention: {nt} threads do not divide the {words} words of head_dim {head_dim}")
         q32 = q.reshape(q.shape[0] * heads, head_dim).view(np.uint32)
         rows = (ring, chunk_rows.view(np.uint32), comp_rows) if tables else tuple(
             a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
@@ -759,14 +792,21 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
         split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES, tables)[
             grid, LANES * head_warps * SCORE_ENTRY_WARPS, stream](
             q32, *rows, entries, ws.scores, ws.tile_max, n_entries, heads, np.float32(scale))
-        per_thread = words // nt if SIM else 1  # the simulator's threads take all of D between them
-        slices = words // (nt * per_thread)
+        units = head_dim // 8
+        unit_threads = threads or (1 if SIM else units)  # the simulator's thread takes all of D
+        if units % unit_threads:
+            raise InputError(f"sparse_attention: {unit_threads} threads do not divide the {units} 16-byte units "
+                             f"of head_dim {head_dim}")
         block_heads = _widest(heads, VALUE_HEADS)
-        while block_heads > 1 and n_tokens * n_blocks * slices * (heads // block_heads) < VALUE_FILL:
+        while block_heads > 1 and n_tokens * n_blocks * (heads // block_heads) < VALUE_FILL:
             block_heads //= 2
         thread_heads = min(VALUE_THREAD_HEADS, block_heads)
-        split_value_kernel(head_dim, nt, per_thread, block_heads, thread_heads, tables)[
-            (n_blocks, slices * (heads // block_heads), n_tokens), nt * (block_heads // thread_heads), stream](
+        head_groups = block_heads // thread_heads
+        entry_groups = _widest(SPARSE_BLOCK // VALUE_BATCH,
+                               min(VALUE_ENTRY_GROUPS, max(1, VALUE_THREADS // (unit_threads * head_groups))))
+        split_value_kernel(head_dim, unit_threads, units // unit_threads, block_heads, thread_heads, entry_groups,
+                           tables)[(n_blocks, heads // block_heads, n_tokens),
+                                   unit_threads * head_groups * entry_groups, stream](
             *rows, entries, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max, ws.rescale, n_entries)
     per_thread = head_dim if SIM else 1
     total = n_tokens * heads * (head_dim // per_thread)

@@ -555,7 +555,8 @@ def sparse_bound(q, rows, entries, sinks, scale, ref) -> np.ndarray:
 # on 60 seeds and 99.977% at the flash shape (23 of 98304 values). The mutants that the bound lets
 # through (tests/test_mutants_attention.py) keep at most 62%: p or the output truncated (50-60%),
 # the output 1% off (0%). The split path gives the same bits as the one-block-a-head kernel on the
-# simulator; on a GPU its share has yet to be measured (its q . k sums D in another fp32 order).
+# simulator; on a GPU its share has yet to be measured (its q . k sums D, and its value sums a
+# block's entries, in another fp32 order).
 SPARSE_EQUAL_MIN = 0.99
 SPARSE_CASE = (12, 4, 2, 64, 8, 6, 160, 132)  # seed, T, H, D, W, chunk rows, groups, selected (E = 140)
 FLASH_SPARSE_CASE = (14, 4, 64, 512, 128, 64, 1024, 512)  # 64 heads x 512, window 128 + top-512
@@ -608,9 +609,9 @@ def test_sparse_attention_within_bound(case, threads, split):
 
 def check_split_matches_one_block(case) -> None:
     """The two paths against each other. They compute the same recurrence in the same roundings but
-    for the fp32 order of q . k over D: on the simulator (lanes of one) not even that, so they must
-    agree bit for bit; on a GPU each is within sparse_bound of the oracle, so within twice it of each
-    other."""
+    for the fp32 orders of q . k over D and of a block's value sums: on the simulator (lanes of one,
+    one run of entries) not even those, so they must agree bit for bit; on a GPU each is within
+    sparse_bound of the oracle, so within twice it of each other."""
     args = sparse_inputs(*case)
     split, one = run_sparse(args, split=True), run_sparse(args)
     if SIM:

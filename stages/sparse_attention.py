@@ -90,12 +90,14 @@ SPLIT_BATCH_TOKENS = 64  # sparse_attention_tables': batched decode steps of up 
 # Scores: a warp = SCORE_HEADS heads x SCORE_ENTRIES entries; a lane holds D / 32 dims of its heads'
 # queries (16 at D = 512: two 16-byte units a row) and loads the same dims of each entry's row. A
 # block = up to SCORE_HEAD_WARPS head groups x SCORE_ENTRY_WARPS entry groups: its head groups read the
-# same rows and its entry groups the same queries, so L1 serves the repeats (512 threads: 16 entries x
-# 16 heads; at D = 512 and 640 entries, T = 1: 40 x 4 blocks). Head groups per block halve until there
-# are SCORE_FILL blocks (about one an SM).
+# same rows and its entry groups the same queries, so L1 serves the repeats. Head groups per block
+# halve until there are SCORE_FILL blocks (about one an SM). One head group a block (128 threads: 16
+# entries x 4 heads; at D = 512 and 640 entries, T = 1: 40 x 16 blocks) measured best on the H200
+# (2026-12-02, 64 heads x 512, 640 entries): the scores took 8.3 / 35.1 / 130.4 us at T = 1 / 8 / 32
+# against 9.0 / 36.9 / 136.7 with two head groups and 9.3 / 38.0 / 141.1 with four.
 SCORE_HEADS = 4
 SCORE_ENTRIES = 16 if SIM else 4
-SCORE_HEAD_WARPS = 1 if SIM else 4
+SCORE_HEAD_WARPS = 1
 SCORE_ENTRY_WARPS = 2 if SIM else 4
 SCORE_FILL = 1 if SIM else 128
 LANE_SUMS = 16  # the dot products a warp reduces together (_lane_sums): SCORE_ENTRIES x SCORE_HEADS at most

@@ -31,8 +31,10 @@ Two paths compute that same recurrence:
   products (lanes over D), then every thread owns D / threads output dims, block after block.
 - split (decode, T <= 8): a decode step has only H blocks of that kind, each walking every entry,
   so the walk is cut into three kernels over the whole GPU, with the workspace between them.
-  Scores: a warp per (token, 4 heads, 4 entries), lanes over D (16-byte row loads, the queries in
-  registers), each block also writing its 16 entries' max per head. Values: a block per (token,
+  Scores: on a GPU on the tensor cores, a warp per (token, 16 heads, 16 entries: the mma's rows
+  and columns), q and the rows read in 16-byte units; on the simulator (or a head_dim that is not
+  whole 32-dim blocks) a warp per (token, 4 heads, 4 entries), lanes over D (16-byte row loads, the
+  queries in registers); each block also writes its 16 entries' max per head. Values: a block per (token,
   block b of 64 entries, heads): the running max m_b is a prefix max, so it comes from the tile
   maxima of blocks 0..b alone; then p, the block's float64 sum and its value sums (a thread per
   16-byte unit of the row, a few heads and a run of the block's entries, the runs' sums added in
@@ -51,6 +53,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32, uint32
 
 from flashv41.host.errors import InputError
+from flashv41.stages import linear_tc
 from flashv41.stages.device import (
     SIM,
     WARP,
@@ -73,6 +76,10 @@ from flashv41.stages.row_tables import u16_rows, u32_rows
 
 if SIM:
     from flashv41.stages.device import _BF16_VALUES
+
+# linear_tc's mma; on the simulator as a device function, which gets that module's simulated `cuda`
+# (the thread indices) when called from a kernel of this one
+mma = cuda.jit(device=True)(linear_tc.mma) if SIM else linear_tc.mma
 
 SPARSE_BLOCK = 64
 START_MAX = float32(-1e30)
@@ -100,6 +107,11 @@ SCORE_ENTRIES = 16 if SIM else 4
 SCORE_HEAD_WARPS = 1
 SCORE_ENTRY_WARPS = 2 if SIM else 4
 SCORE_FILL = 1 if SIM else 128
+# The tensor-core scores (split_score_tc_kernel, the GPU's default): a warp per 16 heads x 16 entries
+# (one score tile), a block SCORE_TC_WARPS warps over consecutive head groups (64 heads: one block a
+# tile reads each row once from L2).
+SCORE_TC_WARPS = 4
+SCORE_TC_UNROLL = 4  # 32-dim blocks of D a lane loads together (at D = 512: four rounds of loads)
 LANE_SUMS = 16  # the dot products a warp reduces together (_lane_sums): SCORE_ENTRIES x SCORE_HEADS at most
 SCORE_TILE = SCORE_ENTRIES * SCORE_ENTRY_WARPS  # the entries of a scores block: it writes their max per head
 assert SPARSE_BLOCK % SCORE_TILE == 0, "an entry block's max must come from whole tiles"
@@ -166,6 +178,12 @@ if SIM:
 
     def _lane_words(a, ix, lane, lanes):
         return np.asarray(a[ix]).reshape(-1, 4)[lane::lanes].reshape(-1)
+
+    def _unit(ring, chunk, comp, src, ix, unit, units):
+        if src < 0 or unit >= units:
+            return np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0)
+        w = _source(ring, chunk, comp, src)[ix, 4 * unit:4 * unit + 4]
+        return w[0], w[1], w[2], w[3]
 
     def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units):
         qv[k] = _pairs(_lane_words(q32, ix, lane, lanes))
@@ -485,6 +503,96 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
 
 
 @cache
+def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
+    """Split path, scores on the tensor cores (mma m16n8k16, bf16 in, fp32 sums): what
+    split_score_kernel computes, another fp32 order of q . k over D. A warp is 16 heads (the mma's
+    rows; heads past H read head H - 1 and are not written) x the SCORE_TILE entries of one score
+    tile (fragments of 8, the mma's columns); a block is `warps` warps over consecutive head groups,
+    for (tile, head groups, token) = blockIdx. Lane (g, t) loads, for each 32 dims of D, dims 8 t ..
+    8 t + 7 of heads g, g + 8 and of entry g of each fragment (16-byte units), and they enter the
+    two k16 steps permuted alike, as stages.linear_narrow's weights and inputs do. Arguments as
+    split_score_kernel's."""
+    units = head_dim // 8  # 16-byte units of a row
+    blocks = head_dim // 32
+    threads = WARP * warps
+    block_heads = 16 * warps
+    fragments = SCORE_TILE // 8
+    tile_shape = (SCORE_TILE, block_heads)
+    acc_shape = (fragments, 4)  # [entry fragment, register]
+    rows_shape = (fragments, 2)  # [entry fragment, (source, row)]
+    unroll = _widest(blocks, SCORE_TC_UNROLL)  # 32-dim blocks whose loads a lane issues together
+    q_held = (unroll, 8)  # [block, word]: heads g and g + 8
+    r_held = (unroll, fragments, 4)  # [block, fragment, word]
+    assert SCORE_TILE % 8 == 0, "a score tile is whole fragments of 8 entries"
+
+    @jit_for(threads)
+    def kernel(q32, rings, chunk32, comps, entries, scores, tile_max, n_entries, n_heads, scale):
+        tile_s = cuda.shared.array(tile_shape, float32)  # [tile, heads]: the block's scores
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        g = lane >> 2
+        t4 = lane & 3
+        tile_i = cuda.blockIdx.x
+        hb = cuda.blockIdx.y * block_heads
+        h0 = hb + 16 * warp
+        t = cuda.blockIdx.z
+        e0 = tile_i * SCORE_TILE
+        ring32, comp32 = (u32_rows(rings, t, head_dim // 2), u32_rows(comps, t, head_dim // 2)) if tables else (
+            rings, comps)
+        window = ring32.shape[0]
+        chunk_rows = chunk32.shape[0]
+        qa = t * n_heads + min(h0 + g, n_heads - 1)  # this lane's two query rows
+        qb = t * n_heads + min(h0 + g + 8, n_heads - 1)
+        rows = cuda.local.array(rows_shape, int32)  # its entry of each fragment
+        acc = cuda.local.array(acc_shape, float32)
+        for f in range(fragments):
+            e = entries[t, e0 + 8 * f + g] if e0 + 8 * f + g < n_entries else -1
+            rows[f, 0], rows[f, 1] = _resolve(e, window, chunk_rows)
+            for i in range(4):
+                acc[f, i] = float32(0)
+        qw = cuda.local.array(q_held, uint32)
+        rw = cuda.local.array(r_held, uint32)
+        for c0 in range(0, blocks, unroll):
+            for j in range(unroll):  # every load of the step issued before the first is used
+                unit = 4 * (c0 + j) + t4
+                qw[j, 0], qw[j, 1], qw[j, 2], qw[j, 3] = _unit(q32, q32, q32, 0, qa, unit, units)
+                qw[j, 4], qw[j, 5], qw[j, 6], qw[j, 7] = _unit(q32, q32, q32, 0, qb, unit, units)
+                for f in range(fragments):
+                    rw[j, f, 0], rw[j, f, 1], rw[j, f, 2], rw[j, f, 3] = _unit(
+                        ring32, chunk32, comp32, rows[f, 0], rows[f, 1], unit, units)
+            for j in range(unroll):
+                for f in range(fragments):
+                    # step 0: words 0 (slots 2 t, 2 t + 1) and 1 (slots 2 t + 8, 2 t + 9); step 1: words 2, 3
+                    p0, p1, p2, p3 = mma(qw[j, 0], qw[j, 4], qw[j, 1], qw[j, 5], rw[j, f, 0], rw[j, f, 1],
+                                         acc[f, 0], acc[f, 1], acc[f, 2], acc[f, 3])
+                    acc[f, 0], acc[f, 1], acc[f, 2], acc[f, 3] = mma(qw[j, 2], qw[j, 6], qw[j, 3], qw[j, 7],
+                                                                     rw[j, f, 2], rw[j, f, 3], p0, p1, p2, p3)
+        # lane (g, t) holds heads g (registers 0, 1) and g + 8 (2, 3) at entries 2 t, 2 t + 1 of each
+        # fragment
+        for f in range(fragments):
+            for i in range(4):
+                j = 8 * f + 2 * t4 + i % 2  # the entry within the tile
+                k = 16 * warp + g + 8 * (i // 2)  # the head within the block
+                e = entries[t, e0 + j] if e0 + j < n_entries else -1
+                sr, ix = _resolve(e, window, chunk_rows)
+                part = acc[f, i]
+                v = mul_rn(part, scale) if sr >= 0 else NEG_INF
+                tile_s[j, k] = v
+                if e0 + j < n_entries and hb + k < n_heads:
+                    scores[t, hb + k, e0 + j] = v
+        cuda.syncthreads()
+        for k in range(tid, block_heads, threads):
+            if hb + k < n_heads:
+                m = NEG_INF
+                for j in range(SCORE_TILE):
+                    m = max(m, tile_s[j, k])
+                tile_max[t, tile_i, hb + k] = m
+
+    return kernel
+
+
+@cache
 def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_heads: int, thread_heads: int,
                        entry_groups: int, tables: bool = False):
     """Split path, values: a block per (entry block b, `block_heads` heads, token), its threads
@@ -774,8 +882,20 @@ def _widest(n: int, most: int) -> int:
     return w
 
 
+def scores_kernel_for(head_dim: int, scores: str = "") -> str:
+    """The split path's scores kernel: `scores` if given ("tc", split_score_tc_kernel; "cuda",
+    split_score_kernel), else the tensor cores on a GPU where D is whole 32-dim blocks, and the CUDA
+    cores on the simulator (whose emulated mma is slow, and whose CUDA-core kernel gives the first
+    path's bits)."""
+    if scores not in ("", "tc", "cuda"):
+        raise InputError(f"sparse_attention: scores kernel {scores!r} is not one of 'tc', 'cuda'")
+    if scores == "tc" and head_dim % 32:
+        raise InputError(f"sparse_attention: the tensor-core scores need head_dim a multiple of 32, not {head_dim}")
+    return scores or ("cuda" if SIM or head_dim % 32 else "tc")
+
+
 def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-                     ws: SparseWorkspace, tables: bool) -> None:
+                     ws: SparseWorkspace, tables: bool, scores: str) -> None:
     """The split path (module docstring): scores, values and combine on `stream`, each sized for the
     call (heads per block shrink until the grid covers the GPU)."""
     heads, head_dim = q.shape[1], q.shape[2]
@@ -785,15 +905,20 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
         q32 = q.reshape(q.shape[0] * heads, head_dim).view(np.uint32)
         rows = (ring, chunk_rows.view(np.uint32), comp_rows) if tables else tuple(
             a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
-        hw = _widest(heads, SCORE_HEADS)
-        head_warps = _widest(heads // hw, SCORE_HEAD_WARPS)
         n_tiles = -(-n_entries // SCORE_TILE)
-        while head_warps > 1 and n_tokens * n_tiles * (heads // (hw * head_warps)) < SCORE_FILL:
-            head_warps //= 2
-        grid = (n_tiles, heads // (hw * head_warps), n_tokens)
-        split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES, tables)[
-            grid, LANES * head_warps * SCORE_ENTRY_WARPS, stream](
-            q32, *rows, entries, ws.scores, ws.tile_max, n_entries, heads, np.float32(scale))
+        score_args = (q32, *rows, entries, ws.scores, ws.tile_max, n_entries, heads, np.float32(scale))
+        if scores_kernel_for(head_dim, scores) == "tc":
+            warps = min(SCORE_TC_WARPS, -(-heads // 16))
+            split_score_tc_kernel(head_dim, warps, tables)[
+                (n_tiles, -(-heads // (16 * warps)), n_tokens), WARP * warps, stream](*score_args)
+        else:
+            hw = _widest(heads, SCORE_HEADS)
+            head_warps = _widest(heads // hw, SCORE_HEAD_WARPS)
+            while head_warps > 1 and n_tokens * n_tiles * (heads // (hw * head_warps)) < SCORE_FILL:
+                head_warps //= 2
+            split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES, tables)[
+                (n_tiles, heads // (hw * head_warps), n_tokens), LANES * head_warps * SCORE_ENTRY_WARPS, stream](
+                *score_args)
         units = head_dim // 8
         unit_threads = threads or (1 if SIM else units)  # the simulator's thread takes all of D
         if units % unit_threads:
@@ -818,22 +943,23 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
 
 def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray, comp_rows: DeviceArray,
                      entries: DeviceArray, sinks: DeviceArray, scale: float, out: DeviceArray, n_tokens: int,
-                     stream=0, threads: int = 0, workspace: SparseWorkspace | None = None) -> None:
+                     stream=0, threads: int = 0, workspace: SparseWorkspace | None = None, scores: str = "") -> None:
     """out[:T] = attention of q[:T] over the rows its entries name (see the module docstring).
     workspace: the split path's, taken when T <= its tokens and SPLIT_MAX_TOKENS. threads: the block size of the
-    one-block-a-head kernel, or of the split path's values kernel (0 = the default; tests force others)."""
+    one-block-a-head kernel, or the row-unit threads of the split path's values kernel (0 = the default; tests
+    force others). scores: the split path's scores kernel (scores_kernel_for; "" = the default)."""
     _, head_dim = _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens, "sparse_attention")
     for a, what in ((ring, "ring"), (comp_rows, "comp_rows")):
         check_array(a, (np.uint16,), 2, f"sparse_attention {what}")
     if ring.shape[1] != head_dim or comp_rows.shape[1] != head_dim:
         raise InputError(f"sparse_attention: q {q.shape}, ring {ring.shape}, comp_rows {comp_rows.shape} do not agree")
     _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads, workspace,
-            SPLIT_MAX_TOKENS, False)
+            SPLIT_MAX_TOKENS, False, scores)
 
 
 def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: DeviceArray, comps: DeviceArray,
                             entries: DeviceArray, sinks: DeviceArray, scale: float, out: DeviceArray, n_tokens: int,
-                            stream=0, workspace: SparseWorkspace | None = None) -> None:
+                            stream=0, workspace: SparseWorkspace | None = None, scores: str = "") -> None:
     """sparse_attention for a batch of T sequences, token t its sequence's only one: rings and comps
     are address tables (uint64 [>= T, 2], stages.row_tables) of each token's own ring [W, D] and
     compressed rows [G, D], chunk_rows the batch's window rows (token t's in row t), entries as
@@ -846,7 +972,7 @@ def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: Devi
         check_array(a, (np.uint64,), 2, f"{what} {name}")
         check_rows(a, n_tokens, f"{what} {name}")
     _attend(q, rings, chunk_rows, comps, entries, sinks, scale, out, n_tokens, stream, 0, workspace,
-            SPLIT_BATCH_TOKENS, True)
+            SPLIT_BATCH_TOKENS, True, scores)
 
 
 def _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens: int, what: str) -> tuple[int, int]:
@@ -866,7 +992,7 @@ def _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens: int, what: s
 
 
 def _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-            workspace: SparseWorkspace | None, split_tokens: int, tables: bool) -> None:
+            workspace: SparseWorkspace | None, split_tokens: int, tables: bool, scores: str) -> None:
     """The launch of sparse_attention (tables: of sparse_attention_tables), its arguments checked:
     the split path for up to split_tokens tokens that the workspace holds."""
     heads, head_dim = q.shape[1], q.shape[2]
@@ -878,7 +1004,7 @@ def _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens
         return
     if workspace is not None and n_tokens <= min(workspace.tokens, split_tokens):
         _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-                         workspace, tables)
+                         workspace, tables, scores)
         return
     nt = threads or min(ATTN_THREADS, head_dim)
     lanes = min(LANES, nt)

@@ -64,6 +64,7 @@ from flashv41.stages.device import (
     check_rows,
     device,
     exp_f32,
+    f32_bits,
     f32_from_bits,
     f32_to_bf16,
     grid_1d,
@@ -112,6 +113,9 @@ SCORE_FILL = 1 if SIM else 128
 # tile reads each row once from L2).
 SCORE_TC_WARPS = 4
 SCORE_TC_UNROLL = 4  # 32-dim blocks of D a lane loads together (at D = 512: four rounds of loads)
+# The tensor-core values (split_value_tc_kernel): a block per (token, entry block, 16 x SCORE_TC_WARPS
+# heads, VALUE_TC_SLICE dims), its slice of the 64 rows staged in shared memory (18 KB at 128 dims).
+VALUE_TC_SLICE = 128
 LANE_SUMS = 16  # the dot products a warp reduces together (_lane_sums): SCORE_ENTRIES x SCORE_HEADS at most
 SCORE_TILE = SCORE_ENTRIES * SCORE_ENTRY_WARPS  # the entries of a scores block: it writes their max per head
 assert SPARSE_BLOCK % SCORE_TILE == 0, "an entry block's max must come from whole tiles"
@@ -330,6 +334,51 @@ def _add_later(acc, k, later, g, h, u0, step, per_thread):
     """acc[k] += what _store_later(later, g, h, ...) stored for this thread."""
     for i in range(8 * per_thread):
         acc[k, i] += later[g, h, i * step + u0]
+
+
+@device
+def _entry_sources(entries, t, b0, n_entries, window, chunk_rows, src, row, tid, threads):
+    """src[j], row[j] = _resolve of token t's entry b0 + j, j < 64 (-1 past E), the block's threads
+    sharing them out."""
+    for j in range(tid, SPARSE_BLOCK, threads):
+        e = entries[t, b0 + j] if b0 + j < n_entries else -1
+        sr, ix = _resolve(e, window, chunk_rows)
+        src[j] = sr
+        row[j] = ix
+
+
+@device
+def _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads, tiles, n_heads, tile_prev,
+                  tile_new, prev_max, new_max, sync):
+    """prev_max[k], new_max[k] = m_{b-1} and m_b of heads hb + k < H: the maxima of the score tiles of
+    entry blocks 0 .. b - 1, and of 0 .. b (each block `tiles` tiles), read by head_threads threads a
+    head at once (a one-thread walk waits on each read in turn: about a microsecond per ten tiles),
+    then reduced per head. tile_prev and tile_new: head_threads x block_heads scratch."""
+    n_tiles = (n_entries + SCORE_TILE - 1) // SCORE_TILE
+    last = min(n_tiles, (b + 1) * tiles)
+    k = tid % block_heads
+    m_prev = START_MAX
+    m_new = START_MAX
+    if tid < head_threads * block_heads:
+        if hb + k < n_heads:
+            for i in range(tid // block_heads, last, head_threads):
+                v = tile_max[t, i, hb + k]
+                if i < b * tiles:
+                    m_prev = max(m_prev, v)
+                else:
+                    m_new = max(m_new, v)
+        tile_prev[tid] = m_prev
+        tile_new[tid] = m_new
+    if sync:
+        cuda.syncthreads()
+    if tid < block_heads:
+        for j in range(1, head_threads):
+            m_prev = max(m_prev, tile_prev[j * block_heads + tid])
+            m_new = max(m_new, tile_new[j * block_heads + tid])
+        prev_max[tid] = m_prev
+        new_max[tid] = max(m_prev, m_new)
+    if sync:
+        cuda.syncthreads()
 
 
 @device
@@ -637,37 +686,9 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
             rings, comps)
         window = ring32.shape[0]
         chunk_rows = chunk32.shape[0]
-        n_tiles = (n_entries + SCORE_TILE - 1) // SCORE_TILE
-        for j in range(tid, SPARSE_BLOCK, threads):
-            e = entries[t, b0 + j] if b0 + j < n_entries else -1
-            sr, ix = _resolve(e, window, chunk_rows)
-            src[j] = sr
-            row[j] = ix
-        # the tile maxima of blocks 0 .. b, read by head_threads threads a head at once (a one-thread
-        # walk waits on each read in turn: about a microsecond per ten tiles), then reduced per head
-        last = min(n_tiles, (b + 1) * tiles)
-        k = tid % block_heads
-        m_prev = START_MAX
-        m_new = START_MAX
-        if tid < tile_reads:
-            for i in range(tid // block_heads, last, head_threads):
-                v = tile_max[t, i, hb + k]
-                if i < b * tiles:
-                    m_prev = max(m_prev, v)
-                else:
-                    m_new = max(m_new, v)
-            tile_prev[tid] = m_prev
-            tile_new[tid] = m_new
-        if sync:
-            cuda.syncthreads()
-        if tid < block_heads:
-            for j in range(1, head_threads):
-                m_prev = max(m_prev, tile_prev[j * block_heads + tid])
-                m_new = max(m_new, tile_new[j * block_heads + tid])
-            prev_max[tid] = m_prev
-            new_max[tid] = max(m_prev, m_new)
-        if sync:
-            cuda.syncthreads()
+        _entry_sources(entries, t, b0, n_entries, window, chunk_rows, src, row, tid, threads)
+        _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads, tiles, tile_max.shape[2],
+                      tile_prev, tile_new, prev_max, new_max, sync)
         for i in range(tid, SPARSE_BLOCK * block_heads, threads):
             j = i // block_heads
             k = i % block_heads
@@ -715,6 +736,121 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
         if group == 0:
             for k in range(thread_heads):
                 _store_units(pv, t, b, hb + k0 + k, acc, k, u0, unit_threads, per_thread)
+
+    return kernel
+
+
+@cache
+def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool = False):
+    """Split path, values on the tensor cores (mma m16n8k16: bf16(p) and the rows are exact in bf16,
+    fp32 sums): what split_value_kernel computes, another fp32 order of a block's value sums. A block
+    per (entry block b, 16 * warps heads x a slice of d_slice dims, token), a warp per 16 heads: the
+    mma's rows are heads, its columns dims, its k the block's entries. The block stages its slice of
+    the 64 rows in shared memory transposed (a word = one dim of two consecutive entries) and bf16(p)
+    as [head, entry pair] words, so every fragment is one 32-bit shared load; the rows' pitch of 36
+    words keeps a warp's loads on distinct banks. block_sum, block_max and rescale come from the
+    blocks of the first slice. Arguments as split_value_kernel's."""
+    threads = WARP * warps
+    block_heads = 16 * warps
+    slices = head_dim // d_slice
+    frags = d_slice // 8  # a warp's column fragments
+    pairs = SPARSE_BLOCK // 2  # entry pairs: the words of a staged row
+    pitch = pairs + 4
+    vt_shape = (d_slice, pitch)  # [dim, entry pair]: the slice's rows, bf16 pairs
+    pt_shape = (block_heads, pitch)  # [head, entry pair]: bf16(p), pairs
+    acc_shape = (frags, 4)
+    units = head_dim // 8  # 16-byte units of a row
+    slice_units = d_slice // 8
+    tiles = SPARSE_BLOCK // SCORE_TILE
+    head_threads = max(1, threads // block_heads)
+    tile_reads = head_threads * block_heads
+    assert d_slice % 8 == 0 and head_dim % d_slice == 0
+
+    @jit_for(threads)
+    def kernel(rings, chunk32, comps, entries, scores, tile_max, pv, block_sum, block_max, rescale, n_entries):
+        src = cuda.shared.array(SPARSE_BLOCK, int32)
+        row = cuda.shared.array(SPARSE_BLOCK, int32)
+        vt = cuda.shared.array(vt_shape, uint32)
+        pt = cuda.shared.array(pt_shape, uint32)
+        tile_prev = cuda.shared.array(tile_reads, float32)
+        tile_new = cuda.shared.array(tile_reads, float32)
+        prev_max = cuda.shared.array(block_heads, float32)
+        new_max = cuda.shared.array(block_heads, float32)
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        g = lane >> 2
+        t4 = lane & 3
+        b = cuda.blockIdx.x
+        sl = cuda.blockIdx.y % slices
+        hb = cuda.blockIdx.y // slices * block_heads
+        t = cuda.blockIdx.z
+        b0 = b * SPARSE_BLOCK
+        n_heads = pv.shape[2]
+        ring32, comp32 = (u32_rows(rings, t, head_dim // 2), u32_rows(comps, t, head_dim // 2)) if tables else (
+            rings, comps)
+        _entry_sources(entries, t, b0, n_entries, ring32.shape[0], chunk32.shape[0], src, row, tid, threads)
+        _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads, tiles, n_heads, tile_prev,
+                      tile_new, prev_max, new_max, True)
+        # bf16(p) of entry pairs, [head, pair]; heads past H and entries past E get p = 0
+        for i in range(tid, pairs * block_heads, threads):
+            k = i // pairs
+            j = 2 * (i % pairs)
+            lo = uint32(0)
+            hi = uint32(0)
+            if hb + k < n_heads:
+                s0 = scores[t, hb + k, b0 + j] if b0 + j < n_entries else NEG_INF
+                s1 = scores[t, hb + k, b0 + j + 1] if b0 + j + 1 < n_entries else NEG_INF
+                lo = f32_bits(bf16_round(exp_f32(s0 - new_max[k]))) >> 16  # (exact: bf16 values)
+                hi = f32_bits(bf16_round(exp_f32(s1 - new_max[k]))) >> 16
+            pt[k, j // 2] = lo | (hi << 16)
+        # the slice of the rows, transposed: word [d, j / 2] = dims d of entries j and j + 1
+        for i in range(tid, pairs * slice_units, threads):
+            jp = i % pairs  # consecutive threads, consecutive pairs: the stores hit distinct banks
+            u = i // pairs
+            unit = sl * slice_units + u
+            a0, a1, a2, a3 = _unit(ring32, chunk32, comp32, src[2 * jp], row[2 * jp], unit, units)
+            c0, c1, c2, c3 = _unit(ring32, chunk32, comp32, src[2 * jp + 1], row[2 * jp + 1], unit, units)
+            d = 8 * u
+            vt[d, jp] = (a0 & 0xFFFF) | (c0 << 16)
+            vt[d + 1, jp] = (a0 >> 16) | (c0 & 0xFFFF0000)
+            vt[d + 2, jp] = (a1 & 0xFFFF) | (c1 << 16)
+            vt[d + 3, jp] = (a1 >> 16) | (c1 & 0xFFFF0000)
+            vt[d + 4, jp] = (a2 & 0xFFFF) | (c2 << 16)
+            vt[d + 5, jp] = (a2 >> 16) | (c2 & 0xFFFF0000)
+            vt[d + 6, jp] = (a3 & 0xFFFF) | (c3 << 16)
+            vt[d + 7, jp] = (a3 >> 16) | (c3 & 0xFFFF0000)
+        cuda.syncthreads()
+        if sl == 0:
+            for k in range(tid, block_heads, threads):
+                if hb + k < n_heads:
+                    block = float64(0)
+                    for j in range(SPARSE_BLOCK):
+                        s = scores[t, hb + k, b0 + j] if b0 + j < n_entries else NEG_INF
+                        block += float64(exp_f32(s - new_max[k]))
+                    block_sum[t, b, hb + k] = float32(block)
+                    block_max[t, b, hb + k] = new_max[k]
+                    rescale[t, b, hb + k] = exp_f32(prev_max[k] - new_max[k])
+        acc = cuda.local.array(acc_shape, float32)
+        for f in range(frags):
+            for i in range(4):
+                acc[f, i] = float32(0)
+        h = 16 * warp + g  # this lane's rows: heads h and h + 8 of the block
+        for s16 in range(SPARSE_BLOCK // 16):
+            w = 8 * s16 + t4  # entry pairs 2 t, 2 t + 1 of the step's 16 entries (slots 2 t .. 2 t + 1), then + 8
+            a0 = pt[h, w]
+            a1 = pt[h + 8, w]
+            a2 = pt[h, w + 4]
+            a3 = pt[h + 8, w + 4]
+            for f in range(frags):
+                acc[f, 0], acc[f, 1], acc[f, 2], acc[f, 3] = mma(a0, a1, a2, a3, vt[8 * f + g, w], vt[8 * f + g, w + 4],
+                                                                 acc[f, 0], acc[f, 1], acc[f, 2], acc[f, 3])
+        # lane (g, t) holds heads h (registers 0, 1) and h + 8 (2, 3) at dims 2 t, 2 t + 1 of each fragment
+        for f in range(frags):
+            for i in range(4):
+                k = h + 8 * (i // 2)
+                if hb + k < n_heads:
+                    pv[t, b, hb + k, sl * d_slice + 8 * f + 2 * t4 + i % 2] = acc[f, i]
 
     return kernel
 
@@ -882,20 +1018,20 @@ def _widest(n: int, most: int) -> int:
     return w
 
 
-def scores_kernel_for(head_dim: int, scores: str = "") -> str:
-    """The split path's scores kernel: `scores` if given ("tc", split_score_tc_kernel; "cuda",
-    split_score_kernel), else the tensor cores on a GPU where D is whole 32-dim blocks, and the CUDA
-    cores on the simulator (whose emulated mma is slow, and whose CUDA-core kernel gives the first
-    path's bits)."""
-    if scores not in ("", "tc", "cuda"):
-        raise InputError(f"sparse_attention: scores kernel {scores!r} is not one of 'tc', 'cuda'")
-    if scores == "tc" and head_dim % 32:
-        raise InputError(f"sparse_attention: the tensor-core scores need head_dim a multiple of 32, not {head_dim}")
-    return scores or ("cuda" if SIM or head_dim % 32 else "tc")
+def split_cores(head_dim: int, cores: str = "") -> str:
+    """Where the split path's scores and values run: `cores` if given ("tc": split_score_tc_kernel
+    and split_value_tc_kernel; "cuda": split_score_kernel and split_value_kernel), else the tensor
+    cores on a GPU where D is whole 32-dim blocks, and the CUDA cores on the simulator (whose
+    emulated mma is slow, and whose CUDA-core kernels give the first path's bits)."""
+    if cores not in ("", "tc", "cuda"):
+        raise InputError(f"sparse_attention: cores {cores!r} is not one of 'tc', 'cuda'")
+    if cores == "tc" and head_dim % 32:
+        raise InputError(f"sparse_attention: the tensor-core kernels need head_dim a multiple of 32, not {head_dim}")
+    return cores or ("cuda" if SIM or head_dim % 32 else "tc")
 
 
 def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-                     ws: SparseWorkspace, tables: bool, scores: str) -> None:
+                     ws: SparseWorkspace, tables: bool, cores: str) -> None:
     """The split path (module docstring): scores, values and combine on `stream`, each sized for the
     call (heads per block shrink until the grid covers the GPU)."""
     heads, head_dim = q.shape[1], q.shape[2]
@@ -907,10 +1043,16 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
             a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
         n_tiles = -(-n_entries // SCORE_TILE)
         score_args = (q32, *rows, entries, ws.scores, ws.tile_max, n_entries, heads, np.float32(scale))
-        if scores_kernel_for(head_dim, scores) == "tc":
+        value_args = (*rows, entries, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max, ws.rescale,
+                      n_entries)
+        if split_cores(head_dim, cores) == "tc":
             warps = min(SCORE_TC_WARPS, -(-heads // 16))
+            head_blocks = -(-heads // (16 * warps))
             split_score_tc_kernel(head_dim, warps, tables)[
-                (n_tiles, -(-heads // (16 * warps)), n_tokens), WARP * warps, stream](*score_args)
+                (n_tiles, head_blocks, n_tokens), WARP * warps, stream](*score_args)
+            d_slice = _widest(head_dim, VALUE_TC_SLICE)
+            split_value_tc_kernel(head_dim, warps, d_slice, tables)[
+                (n_blocks, head_dim // d_slice * head_blocks, n_tokens), WARP * warps, stream](*value_args)
         else:
             hw = _widest(heads, SCORE_HEADS)
             head_warps = _widest(heads // hw, SCORE_HEAD_WARPS)
@@ -919,22 +1061,21 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
             split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES, tables)[
                 (n_tiles, heads // (hw * head_warps), n_tokens), LANES * head_warps * SCORE_ENTRY_WARPS, stream](
                 *score_args)
-        units = head_dim // 8
-        unit_threads = threads or (1 if SIM else units)  # the simulator's thread takes all of D
-        if units % unit_threads:
-            raise InputError(f"sparse_attention: {unit_threads} threads do not divide the {units} 16-byte units "
-                             f"of head_dim {head_dim}")
-        block_heads = _widest(heads, VALUE_HEADS)
-        while block_heads > 1 and n_tokens * n_blocks * (heads // block_heads) < VALUE_FILL:
-            block_heads //= 2
-        thread_heads = min(VALUE_THREAD_HEADS, block_heads)
-        head_groups = block_heads // thread_heads
-        entry_groups = _widest(SPARSE_BLOCK // VALUE_BATCH,
-                               min(VALUE_ENTRY_GROUPS, max(1, VALUE_THREADS // (unit_threads * head_groups))))
-        split_value_kernel(head_dim, unit_threads, units // unit_threads, block_heads, thread_heads, entry_groups,
-                           tables)[(n_blocks, heads // block_heads, n_tokens),
-                                   unit_threads * head_groups * entry_groups, stream](
-            *rows, entries, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max, ws.rescale, n_entries)
+            units = head_dim // 8
+            unit_threads = threads or (1 if SIM else units)  # the simulator's thread takes all of D
+            if units % unit_threads:
+                raise InputError(f"sparse_attention: {unit_threads} threads do not divide the {units} 16-byte units "
+                                 f"of head_dim {head_dim}")
+            block_heads = _widest(heads, VALUE_HEADS)
+            while block_heads > 1 and n_tokens * n_blocks * (heads // block_heads) < VALUE_FILL:
+                block_heads //= 2
+            thread_heads = min(VALUE_THREAD_HEADS, block_heads)
+            head_groups = block_heads // thread_heads
+            entry_groups = _widest(SPARSE_BLOCK // VALUE_BATCH,
+                                   min(VALUE_ENTRY_GROUPS, max(1, VALUE_THREADS // (unit_threads * head_groups))))
+            split_value_kernel(head_dim, unit_threads, units // unit_threads, block_heads, thread_heads, entry_groups,
+                               tables)[(n_blocks, heads // block_heads, n_tokens),
+                                       unit_threads * head_groups * entry_groups, stream](*value_args)
     per_thread = head_dim if SIM else 1
     total = n_tokens * heads * (head_dim // per_thread)
     split_combine_kernel(head_dim, per_thread)[grid_1d(total, COMBINE_THREADS), COMBINE_THREADS, stream](
@@ -943,23 +1084,23 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
 
 def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray, comp_rows: DeviceArray,
                      entries: DeviceArray, sinks: DeviceArray, scale: float, out: DeviceArray, n_tokens: int,
-                     stream=0, threads: int = 0, workspace: SparseWorkspace | None = None, scores: str = "") -> None:
+                     stream=0, threads: int = 0, workspace: SparseWorkspace | None = None, cores: str = "") -> None:
     """out[:T] = attention of q[:T] over the rows its entries name (see the module docstring).
     workspace: the split path's, taken when T <= its tokens and SPLIT_MAX_TOKENS. threads: the block size of the
     one-block-a-head kernel, or the row-unit threads of the split path's values kernel (0 = the default; tests
-    force others). scores: the split path's scores kernel (scores_kernel_for; "" = the default)."""
+    force others). cores: where the split path's scores and values run (split_cores; "" = the default)."""
     _, head_dim = _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens, "sparse_attention")
     for a, what in ((ring, "ring"), (comp_rows, "comp_rows")):
         check_array(a, (np.uint16,), 2, f"sparse_attention {what}")
     if ring.shape[1] != head_dim or comp_rows.shape[1] != head_dim:
         raise InputError(f"sparse_attention: q {q.shape}, ring {ring.shape}, comp_rows {comp_rows.shape} do not agree")
     _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads, workspace,
-            SPLIT_MAX_TOKENS, False, scores)
+            SPLIT_MAX_TOKENS, False, cores)
 
 
 def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: DeviceArray, comps: DeviceArray,
                             entries: DeviceArray, sinks: DeviceArray, scale: float, out: DeviceArray, n_tokens: int,
-                            stream=0, workspace: SparseWorkspace | None = None, scores: str = "") -> None:
+                            stream=0, workspace: SparseWorkspace | None = None, cores: str = "") -> None:
     """sparse_attention for a batch of T sequences, token t its sequence's only one: rings and comps
     are address tables (uint64 [>= T, 2], stages.row_tables) of each token's own ring [W, D] and
     compressed rows [G, D], chunk_rows the batch's window rows (token t's in row t), entries as
@@ -972,7 +1113,7 @@ def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: Devi
         check_array(a, (np.uint64,), 2, f"{what} {name}")
         check_rows(a, n_tokens, f"{what} {name}")
     _attend(q, rings, chunk_rows, comps, entries, sinks, scale, out, n_tokens, stream, 0, workspace,
-            SPLIT_BATCH_TOKENS, True, scores)
+            SPLIT_BATCH_TOKENS, True, cores)
 
 
 def _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens: int, what: str) -> tuple[int, int]:
@@ -992,7 +1133,7 @@ def _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens: int, what: s
 
 
 def _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-            workspace: SparseWorkspace | None, split_tokens: int, tables: bool, scores: str) -> None:
+            workspace: SparseWorkspace | None, split_tokens: int, tables: bool, cores: str) -> None:
     """The launch of sparse_attention (tables: of sparse_attention_tables), its arguments checked:
     the split path for up to split_tokens tokens that the workspace holds."""
     heads, head_dim = q.shape[1], q.shape[2]
@@ -1004,7 +1145,7 @@ def _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens
         return
     if workspace is not None and n_tokens <= min(workspace.tokens, split_tokens):
         _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-                         workspace, tables, scores)
+                         workspace, tables, cores)
         return
     nt = threads or min(ATTN_THREADS, head_dim)
     lanes = min(LANES, nt)

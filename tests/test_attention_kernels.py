@@ -47,8 +47,8 @@ from flashv41.stages.sparse_attention import (  # noqa: E402
     SPLIT_MAX_TOKENS,
     SparseWorkspace,
     build_entries,
-    scores_kernel_for,
     sparse_attention,
+    split_cores,
 )
 from tests.bounds import assert_within, bf16_ulp
 
@@ -573,27 +573,27 @@ def sparse_inputs(seed, t, heads, dim, window, chunk, groups, selected) -> tuple
     return q, ring, chunk_rows, comp, entries, sinks, dim ** -0.5
 
 
-def run_sparse(args: tuple, threads: int = 0, split: bool = False, scores: str = "") -> np.ndarray:
+def run_sparse(args: tuple, threads: int = 0, split: bool = False, cores: str = "") -> np.ndarray:
     """sparse_attention over the oracle's arguments: the one-block-a-head kernel, or with split the
-    split path (its scores kernel `scores`, "" the default), through a workspace with room to spare
+    split path (its kernels on the cores `cores`, "" the default), through a workspace with room to spare
     (a token and 70 entries more than the call)."""
     q, entries = args[0], args[4]
     t, heads, dim = q.shape
     ws = SparseWorkspace.allocate(t + 1, heads, dim, entries.shape[1] + 70) if split else None
     out = cuda.device_array((t, heads, dim), np.uint16)
-    sparse_attention(*dev(args, fp32=(5,)), out, t, threads=threads, workspace=ws, scores=scores)
+    sparse_attention(*dev(args, fp32=(5,)), out, t, threads=threads, workspace=ws, cores=cores)
     return host_bf16(out)
 
 
 def check_sparse_attention(seed, t, heads, dim, window, chunk, groups, selected, what, threads=0, split=False,
-                           scores=""):
-    """attention_inputs through the kernel (the split path with `split`, its scores kernel `scores`)
+                           cores=""):
+    """attention_inputs through the kernel (the split path with `split`, on the cores `cores`)
     and the oracle: zeros for the row without entries, every value within sparse_bound, and at least
     SPARSE_EQUAL_MIN of the others bit-equal. Returns (got, ref)."""
     args = sparse_inputs(seed, t, heads, dim, window, chunk, groups, selected)
     q, ring, chunk_rows, comp, entries, sinks, scale = args
     ref = oracle.sparse_attention(*args)
-    got = run_sparse(args, threads, split, scores)
+    got = run_sparse(args, threads, split, cores)
     rows = np.concatenate([ring, chunk_rows, comp])
     assert np.all(got[1] == 0) and np.all(ref[1] == 0), "a row without entries gives zeros"
     assert_within(got, ref, sparse_bound(q, rows, entries, sinks, scale, ref), what)
@@ -607,28 +607,28 @@ def check_sparse_attention(seed, t, heads, dim, window, chunk, groups, selected,
 @pytest.mark.parametrize("threads", [0, 2])
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: f"T{c[1]}H{c[2]}D{c[3]}E{c[4] + c[7]}")
 def test_sparse_attention_within_bound(case, threads, split):
-    """Both paths; the split path with its CUDA-core scores (test_sparse_tc_scores_within_bound has
-    the tensor-core ones)."""
+    """Both paths; the split path on the CUDA cores (test_sparse_tc_within_bound has its
+    tensor-core kernels)."""
     check_sparse_attention(*case, f"sparse attention ({'split' if split else 'one block a head'})", threads, split,
                            "cuda" if split else "")
 
 
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: f"T{c[1]}H{c[2]}D{c[3]}E{c[4] + c[7]}")
-def test_sparse_tc_scores_within_bound(case):
-    """The split path with its tensor-core scores (the GPU's default; on the simulator the emulated
-    mma, heads padded to the mma's 16 rows). Simulator: 100% bit-equal to the oracle."""
-    check_sparse_attention(*case, "sparse attention (split, tensor-core scores)", split=True, scores="tc")
+def test_sparse_tc_within_bound(case):
+    """The split path's scores and values on the tensor cores (the GPU's default; on the simulator
+    the emulated mma, heads padded to the mma's 16 rows). Simulator: 100% bit-equal to the oracle."""
+    check_sparse_attention(*case, "sparse attention (split, tensor cores)", split=True, cores="tc")
 
 
-def test_sparse_scores_kernel_choice():
-    """The default scores kernel: the CUDA cores on the simulator, the tensor cores on a GPU where
+def test_sparse_cores_choice():
+    """The split path's default: the CUDA cores on the simulator, the tensor cores on a GPU where
     head_dim is whole 32-dim blocks; an unknown name, or tc for another head_dim, is an InputError."""
-    assert scores_kernel_for(512) == ("cuda" if SIM else "tc")
-    assert scores_kernel_for(40) == "cuda"
+    assert split_cores(512) == ("cuda" if SIM else "tc")
+    assert split_cores(40) == "cuda"
     with pytest.raises(InputError, match="not one of"):
-        scores_kernel_for(512, "fast")
+        split_cores(512, "fast")
     with pytest.raises(InputError, match="multiple of 32"):
-        scores_kernel_for(40, "tc")
+        split_cores(40, "tc")
 
 
 def check_split_matches_one_block(case) -> None:
@@ -715,10 +715,10 @@ def test_flash_select_exact(tiny_cfg):
 @pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc"])
 def test_flash_sparse_attention_within_bound(path):
     """64 heads x 512, a 128-slot window plus top-512 entries (ten blocks of 64), T = 4: the
-    one-block-a-head kernel and the split path with either scores kernel."""
+    one-block-a-head kernel and the split path on either cores."""
     split = path != "one_block"
-    scores = path.removeprefix("split_") if split else ""
-    got, ref = check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash)", split=split, scores=scores)
+    cores = path.removeprefix("split_") if split else ""
+    got, ref = check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash)", split=split, cores=cores)
     print(f"\nflash sparse attention ({path}): {np.mean(got == ref):.4f} of values equal, max error "
           f"{np.abs(got - ref).max():.3e}")
 

@@ -19,8 +19,9 @@ What rejects each (measured on the simulator, at the CI shape and, for the `gpu`
   window row because its queries' entries are the layer's own lists (each names every window row).
   The split path's kernels carry the same mutants (sparse_mutants) and fail the same checks: on the
   simulator with the same numbers, since there the two paths give the same bits, mutated or not.
-  Its tensor-core scores kernel (split_score_tc_kernel, the GPU's default) carries them too, its
-  check on the simulator the smaller case of 3 tokens and 28 entries (the emulated mma is slow).
+  Its tensor-core kernels (split_score_tc_kernel and split_value_tc_kernel, the GPU's default)
+  carry them too, their check on the simulator the smaller case of 3 tokens and 28 entries (the
+  emulated mma is slow).
 - entries: the oracle's entry lists (exact).
 - index scores: exact scores (14-52 of 65 differ; 5919-11752 of 12288 at flash).
 - selection: exact selections and masks. The short visible width shows in the candidate blocks
@@ -258,10 +259,10 @@ def _every(check: Callable[..., Any], cases) -> None:
 CHECKS: dict[str, Callable[[Any], Any]] = {
     "sparse_attention": lambda cfg: check_sparse_attention(*SPARSE_CASE, "sparse attention"),
     "sparse_split": lambda cfg: check_sparse_attention(*SPARSE_CASE, "sparse attention (split)", split=True,
-                                                       scores="cuda"),
+                                                       cores="cuda"),
     # the emulated mma is slow on the simulator: the case of 3 tokens x 4 heads, 28 entries
-    "sparse_split_tc": lambda cfg: check_sparse_attention(*SPARSE_CASES[1], "sparse attention (split, tc scores)",
-                                                          split=True, scores="tc"),
+    "sparse_split_tc": lambda cfg: check_sparse_attention(*SPARSE_CASES[1], "sparse attention (split, tc)",
+                                                          split=True, cores="tc"),
     "entries": lambda cfg: _every(check_entries, ENTRY_CASES),
     "index_scores": lambda cfg: check_index_scores(cfg, 9, heads=3, dim=64, t=5, width=13, spare=3, c=32),
     "select": lambda cfg: _every(lambda case: check_select(cfg, case), [(c,) for c in SELECT_CASES]),
@@ -275,9 +276,9 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
 FLASH_CHECKS: dict[str, Callable[[Any], Any]] = {
     "sparse_attention": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash)"),
     "sparse_split": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash, split)",
-                                                       split=True, scores="cuda"),
+                                                       split=True, cores="cuda"),
     "sparse_split_tc": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash, split, tc)",
-                                                          split=True, scores="tc"),
+                                                          split=True, cores="tc"),
     "index_scores": lambda cfg: check_index_scores(cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64),
     "select": lambda cfg: check_select(cfg, FLASH_SELECT_CASE, seed=13),
 }

@@ -29,19 +29,21 @@ implies is derived in tests/test_attention_kernels.py.
 Two paths compute that same recurrence:
 - one block per (head, token) (prefill, or no workspace): warps share out a block's 64 dot
   products (lanes over D), then every thread owns D / threads output dims, block after block.
-- split (decode, T <= 8): a decode step has only H blocks of that kind, each walking every entry,
-  so the walk is cut into three kernels over the whole GPU, with the workspace between them.
-  Scores: on a GPU on the tensor cores, a warp per (token, 16 heads, 16 entries: the mma's rows
-  and columns), q and the rows read in 16-byte units; on the simulator (or a head_dim that is not
-  whole 32-dim blocks) a warp per (token, 4 heads, 4 entries), lanes over D (16-byte row loads, the
-  queries in registers); each block also writes its 16 entries' max per head. Values: a block per (token,
-  block b of 64 entries, heads): the running max m_b is a prefix max, so it comes from the tile
-  maxima of blocks 0..b alone; then p, the block's float64 sum and its value sums (a thread per
-  16-byte unit of the row, a few heads and a run of the block's entries, the runs' sums added in
-  run order). Combine: a thread per (token, head, dim) runs the rescaling over b in order and adds
-  the sink. Only fp32 orders differ from the first path: q . k over D, and a block's value sums
-  over its runs of entries (on the simulator, lanes of one and one run, not even those: the two
-  agree bit for bit).
+- split (decode steps of up to 8 tokens, and batches of up to 64 sequences through
+  sparse_attention_tables): a decode step has only H blocks of that kind, each walking every
+  entry, so the walk is cut into three kernels over the whole GPU, with the workspace between them.
+  Two sets of scores and values kernels (split_cores): the CUDA cores for up to eight tokens and on
+  the simulator, the tensor cores on a GPU for a batch past eight. Scores: a warp per (token, 4
+  heads, 4 entries), lanes over D (16-byte row loads, the queries in registers), or on the tensor
+  cores a warp per (token, 16 heads, 16 entries: the mma's rows and columns); each block also writes
+  its 16 entries' max per head. Values: a block per (token, block b of 64 entries, heads): the
+  running max m_b is a prefix max, so it comes from the tile maxima of blocks 0..b alone; then p,
+  the block's float64 sum and its value sums (a thread per 16-byte unit of the row, a few heads and
+  a run of the block's entries, the runs' sums added in run order; on the tensor cores a warp per
+  16 heads x a slice of D, over the block's rows staged in shared memory). Combine: a thread per
+  (token, head, dim) runs the rescaling over b in order and adds the sink. Only fp32 orders differ
+  from the first path: q . k over D, and a block's value sums (on the simulator, lanes of one and
+  one run, not even those: the two agree bit for bit).
 """
 
 from __future__ import annotations
@@ -108,9 +110,12 @@ SCORE_ENTRIES = 16 if SIM else 4
 SCORE_HEAD_WARPS = 1
 SCORE_ENTRY_WARPS = 2 if SIM else 4
 SCORE_FILL = 1 if SIM else 128
-# The tensor-core scores (split_score_tc_kernel, the GPU's default): a warp per 16 heads x 16 entries
-# (one score tile), a block SCORE_TC_WARPS warps over consecutive head groups (64 heads: one block a
-# tile reads each row once from L2).
+# The tensor-core kernels (split_cores: the GPU's default for batches past eight tokens). Measured on
+# the H200 (2026-12-02, 64 heads x 512, 640 entries, all three kernels): 310.9 -> 165.6 us at 32
+# tokens (scores 130.6 -> 29.6, values 123.1 -> 79.2) and 98.8 -> 62.8 at 8, but 25.4 -> 41.0 at
+# one (where the values kernel has only 40 blocks, each staging its rows before its mma). Scores: a
+# warp per 16 heads x 16 entries (one score tile), a block SCORE_TC_WARPS warps over consecutive head
+# groups (64 heads: one block a tile reads each row once from L2).
 SCORE_TC_WARPS = 4
 SCORE_TC_UNROLL = 4  # 32-dim blocks of D a lane loads together (at D = 512: four rounds of loads)
 # The tensor-core values (split_value_tc_kernel): a block per (token, entry block, 16 x SCORE_TC_WARPS
@@ -1018,16 +1023,19 @@ def _widest(n: int, most: int) -> int:
     return w
 
 
-def split_cores(head_dim: int, cores: str = "") -> str:
-    """Where the split path's scores and values run: `cores` if given ("tc": split_score_tc_kernel
-    and split_value_tc_kernel; "cuda": split_score_kernel and split_value_kernel), else the tensor
-    cores on a GPU where D is whole 32-dim blocks, and the CUDA cores on the simulator (whose
-    emulated mma is slow, and whose CUDA-core kernels give the first path's bits)."""
+def split_cores(head_dim: int, n_tokens: int, cores: str = "") -> str:
+    """Where the split path's scores and values run for a call of n_tokens tokens: `cores` if given
+    ("tc": split_score_tc_kernel and split_value_tc_kernel; "cuda": split_score_kernel and
+    split_value_kernel), else the tensor cores on a GPU for more than SPLIT_MAX_TOKENS tokens (a
+    batch of decode steps) where D is whole 32-dim blocks, and the CUDA cores otherwise: for a step
+    of up to eight tokens (so that a batch of up to eight gives each sequence the bits of its step
+    alone, as the products' stream kernel does), and on the simulator (whose emulated mma is slow,
+    and whose CUDA-core kernels give the first path's bits)."""
     if cores not in ("", "tc", "cuda"):
         raise InputError(f"sparse_attention: cores {cores!r} is not one of 'tc', 'cuda'")
     if cores == "tc" and head_dim % 32:
         raise InputError(f"sparse_attention: the tensor-core kernels need head_dim a multiple of 32, not {head_dim}")
-    return cores or ("cuda" if SIM or head_dim % 32 else "tc")
+    return cores or ("tc" if not SIM and head_dim % 32 == 0 and n_tokens > SPLIT_MAX_TOKENS else "cuda")
 
 
 def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
@@ -1045,7 +1053,7 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
         score_args = (q32, *rows, entries, ws.scores, ws.tile_max, n_entries, heads, np.float32(scale))
         value_args = (*rows, entries, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max, ws.rescale,
                       n_entries)
-        if split_cores(head_dim, cores) == "tc":
+        if split_cores(head_dim, n_tokens, cores) == "tc":
             warps = min(SCORE_TC_WARPS, -(-heads // 16))
             head_blocks = -(-heads // (16 * warps))
             split_score_tc_kernel(head_dim, warps, tables)[

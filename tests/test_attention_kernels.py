@@ -621,14 +621,17 @@ def test_sparse_tc_within_bound(case):
 
 
 def test_sparse_cores_choice():
-    """The split path's default: the CUDA cores on the simulator, the tensor cores on a GPU where
-    head_dim is whole 32-dim blocks; an unknown name, or tc for another head_dim, is an InputError."""
-    assert split_cores(512) == ("cuda" if SIM else "tc")
-    assert split_cores(40) == "cuda"
+    """The split path's default: the CUDA cores for up to SPLIT_MAX_TOKENS tokens and on the
+    simulator, the tensor cores on a GPU past that where head_dim is whole 32-dim blocks; an unknown
+    name, or tc for another head_dim, is an InputError."""
+    assert split_cores(512, SPLIT_MAX_TOKENS) == "cuda"
+    assert split_cores(512, SPLIT_MAX_TOKENS + 1) == ("cuda" if SIM else "tc")
+    assert split_cores(40, SPLIT_BATCH_TOKENS) == "cuda"
+    assert split_cores(512, 1, "tc") == "tc"
     with pytest.raises(InputError, match="not one of"):
-        split_cores(512, "fast")
+        split_cores(512, 1, "fast")
     with pytest.raises(InputError, match="multiple of 32"):
-        split_cores(40, "tc")
+        split_cores(40, 1, "tc")
 
 
 def check_split_matches_one_block(case) -> None:

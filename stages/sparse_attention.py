@@ -342,6 +342,24 @@ def _add_later(acc, k, later, g, h, u0, step, per_thread):
 
 
 @device
+def _mma_lane(tid):
+    """(warp, g, t) of thread tid for the mma fragments: lane (g, t) = (lane >> 2, lane & 3)."""
+    lane = tid % WARP
+    return tid // WARP, lane >> 2, lane & 3
+
+
+@device
+def _write_tile_max(tile_s, tile_max, t, tile_i, hb, n_heads, tile, block_heads, tid, threads):
+    """tile_max[t, tile_i, hb + k] = the max of the block's scores tile_s[:tile, k], heads hb + k < H."""
+    for k in range(tid, block_heads, threads):
+        if hb + k < n_heads:
+            m = NEG_INF
+            for j in range(tile):
+                m = max(m, tile_s[j, k])
+            tile_max[t, tile_i, hb + k] = m
+
+
+@device
 def _entry_sources(entries, t, b0, n_entries, window, chunk_rows, src, row, tid, threads):
     """src[j], row[j] = _resolve of token t's entry b0 + j, j < 64 (-1 past E), the block's threads
     sharing them out."""
@@ -547,11 +565,7 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
                     scores[t, h0 + k, e0 + i] = s
         if threads > 1:
             cuda.syncthreads()
-        for k in range(tid, block_heads, threads):
-            m = NEG_INF
-            for j in range(tile):
-                m = max(m, tile_s[j, k])
-            tile_max[t, tile_i, hb + k] = m
+        _write_tile_max(tile_s, tile_max, t, tile_i, hb, n_heads, tile, block_heads, tid, threads)
 
     return kernel
 
@@ -583,10 +597,7 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
     def kernel(q32, rings, chunk32, comps, entries, scores, tile_max, n_entries, n_heads, scale):
         tile_s = cuda.shared.array(tile_shape, float32)  # [tile, heads]: the block's scores
         tid = cuda.threadIdx.x
-        lane = tid % WARP
-        warp = tid // WARP
-        g = lane >> 2
-        t4 = lane & 3
+        warp, g, t4 = _mma_lane(tid)
         tile_i = cuda.blockIdx.x
         hb = cuda.blockIdx.y * block_heads
         h0 = hb + 16 * warp
@@ -636,12 +647,7 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
                 if e0 + j < n_entries and hb + k < n_heads:
                     scores[t, hb + k, e0 + j] = v
         cuda.syncthreads()
-        for k in range(tid, block_heads, threads):
-            if hb + k < n_heads:
-                m = NEG_INF
-                for j in range(SCORE_TILE):
-                    m = max(m, tile_s[j, k])
-                tile_max[t, tile_i, hb + k] = m
+        _write_tile_max(tile_s, tile_max, t, tile_i, hb, n_heads, SCORE_TILE, block_heads, tid, threads)
 
     return kernel
 
@@ -782,10 +788,7 @@ def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool 
         prev_max = cuda.shared.array(block_heads, float32)
         new_max = cuda.shared.array(block_heads, float32)
         tid = cuda.threadIdx.x
-        lane = tid % WARP
-        warp = tid // WARP
-        g = lane >> 2
-        t4 = lane & 3
+        warp, g, t4 = _mma_lane(tid)
         b = cuda.blockIdx.x
         sl = cuda.blockIdx.y % slices
         hb = cuda.blockIdx.y // slices * block_heads

@@ -99,17 +99,16 @@ SPLIT_MAX_TOKENS = 8  # sparse_attention's split path: decode steps (prefill chu
 SPLIT_BATCH_TOKENS = 64  # sparse_attention_tables': batched decode steps of up to this many sequences
 # Scores: a warp = SCORE_HEADS heads x SCORE_ENTRIES entries; a lane holds D / 32 dims of its heads'
 # queries (16 at D = 512: two 16-byte units a row) and loads the same dims of each entry's row. A
-# block = up to SCORE_HEAD_WARPS head groups x SCORE_ENTRY_WARPS entry groups: its head groups read the
-# same rows and its entry groups the same queries, so L1 serves the repeats. Head groups per block
-# halve until there are SCORE_FILL blocks (about one an SM). One head group a block (128 threads: 16
-# entries x 4 heads; at D = 512 and 640 entries, T = 1: 40 x 16 blocks) measured best on the H200
-# (2026-12-02, 64 heads x 512, 640 entries): the scores took 8.3 / 35.1 / 130.4 us at T = 1 / 8 / 32
-# against 9.0 / 36.9 / 136.7 with two head groups and 9.3 / 38.0 / 141.1 with four.
+# block = SCORE_HEAD_WARPS head groups (at most: as many as divide the heads) x SCORE_ENTRY_WARPS
+# entry groups: its head groups would read the same rows and its entry groups read the same queries,
+# so L1 serves the repeats. One head group a block (128 threads: 16 entries x 4 heads; at D = 512 and
+# 640 entries, T = 1: 40 x 16 blocks) measured best on the H200 (2026-12-02, 64 heads x 512, 640
+# entries): the scores took 8.3 / 35.1 / 130.4 us at T = 1 / 8 / 32 against 9.0 / 36.9 / 136.7 with
+# two head groups and 9.3 / 38.0 / 141.1 with four.
 SCORE_HEADS = 4
 SCORE_ENTRIES = 16 if SIM else 4
 SCORE_HEAD_WARPS = 1
 SCORE_ENTRY_WARPS = 2 if SIM else 4
-SCORE_FILL = 1 if SIM else 128
 # The tensor-core kernels (split_cores: the GPU's default for batches past eight tokens). Measured on
 # the H200 (2026-12-02, 64 heads x 512, 640 entries, all three kernels): 310.9 -> 165.6 us at 32
 # tokens (scores 130.6 -> 29.6, values 123.1 -> 79.2) and 98.8 -> 62.8 at 8, but 25.4 -> 41.0 at
@@ -1067,8 +1066,6 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
         else:
             hw = _widest(heads, SCORE_HEADS)
             head_warps = _widest(heads // hw, SCORE_HEAD_WARPS)
-            while head_warps > 1 and n_tokens * n_tiles * (heads // (hw * head_warps)) < SCORE_FILL:
-                head_warps //= 2
             split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES, tables)[
                 (n_tiles, heads // (hw * head_warps), n_tokens), LANES * head_warps * SCORE_ENTRY_WARPS, stream](
                 *score_args)

@@ -160,6 +160,72 @@ else:
     load_words2 = vector_load(2)  # a[row, i .. i + 1], i even: one 8-byte load
 
 
+# Row addresses: a walk that adds its own 32-bit byte offsets to a row's address, where indexing
+# a[row, i] with Numba's 64-bit index arithmetic costs five to eight integer instructions a load.
+if SIM:
+    def row_address(a, row):
+        """Row `row` of a uint32 array, for the *_at loads (on a GPU its address as uint64)."""
+        return a, int(row)
+
+    def words4_at(address, offset):
+        """Four words at byte `offset` (a multiple of 16) of a row_address: one 16-byte load."""
+        a, row = address
+        return load_words4(a, row, int(offset) // 4)
+
+    def f16_at(address, offset):
+        """The fp16 value at byte `offset` (even) of a row_address, as float32."""
+        a, row = address
+        half = (int(a[row, int(offset) // 4]) >> (8 * (int(offset) % 4))) & 0xFFFF
+        return np.float32(np.array([half], np.uint16).view(np.float16)[0])
+else:
+    @intrinsic
+    def row_address(typingctx, a, row):
+        """The address of a[row, 0] as uint64 (a row_address for the *_at loads)."""
+        sig = types.uint64(a, row)
+
+        def codegen(context, builder, signature, args):
+            array_type, row_type = signature.args
+            array = context.make_array(array_type)(context, builder, args[0])
+            index = [context.cast(builder, args[1], row_type, types.intp), context.get_constant(types.intp, 0)]
+            pointer = cgutils.get_item_pointer(context, builder, array_type, array, index)
+            return builder.ptrtoint(pointer, ir.IntType(64))
+
+        return sig, codegen
+
+    def _plus(context, builder, address, offset, offset_type):
+        """address (uint64) + a byte offset of any unsigned type, in the intrinsics below."""
+        return builder.add(address, context.cast(builder, offset, offset_type, types.uint64))
+
+    @intrinsic
+    def words4_at(typingctx, address, offset):
+        """Four words at byte `offset` (a multiple of 16) of a row_address: one
+        `ld.global.nc.v4.u32`."""
+        sig = types.UniTuple(types.uint32, 4)(types.uint64, offset)
+
+        def codegen(context, builder, signature, args):
+            word = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([word] * 4), [ir.IntType(64)]),
+                               "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+            loaded = builder.call(asm, [_plus(context, builder, args[0], args[1], signature.args[1])])
+            words = [builder.extract_value(loaded, j) for j in range(4)]
+            return context.make_tuple(builder, signature.return_type, words)
+
+        return sig, codegen
+
+    @intrinsic
+    def f16_at(typingctx, address, offset):
+        """The fp16 value at byte `offset` (even) of a row_address as float32: one
+        `ld.global.nc.b16` and one exact `cvt.f32.f16`."""
+        sig = types.float32(types.uint64, offset)
+
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(64)]),
+                               "{.reg .b16 %h; ld.global.nc.b16 %h, [$1]; cvt.f32.f16 $0, %h;}", "=f,l")
+            return builder.call(asm, [_plus(context, builder, args[0], args[1], signature.args[1])])
+
+        return sig, codegen
+
+
 if SIM:
     def byte_perm(a, b, selector):
         """prmt.b32: byte i of the result is byte (selector >> 4 i) & 7 of b:a (a bytes 0-3, b 4-7),

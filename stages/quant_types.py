@@ -78,6 +78,7 @@ from flashv41.stages.device import (
     bf16_to_f32,
     byte_perm,
     device,
+    f16_at,
     f16x2_f32,
     f32_bits,
     f32_from_bits,
@@ -86,6 +87,8 @@ from flashv41.stages.device import (
     load_words2,
     load_words4,
     read_u16,
+    row_address,
+    words4_at,
 )
 
 ROW_ALIGN = 16  # bytes: the stream kernel reads weight rows in aligned 16-byte pieces
@@ -764,6 +767,39 @@ def x16_f32(x32, t, xo, u):
 
 
 @device
+def x16_bf16_at(x, xo, u):
+    """Sixteen bf16 inputs 16 u .. 16 u + 15 of a token's row_address whose slice starts at byte
+    xo: two 16-byte loads."""
+    o = uint32(xo + (u << uint32(5)))
+    a0, a1, a2, a3 = words4_at(x, o)
+    b0, b1, b2, b3 = words4_at(x, uint32(o + uint32(16)))
+    x0, x1 = bf16_pair(a0)
+    x2, x3 = bf16_pair(a1)
+    x4, x5 = bf16_pair(a2)
+    x6, x7 = bf16_pair(a3)
+    x8, x9 = bf16_pair(b0)
+    x10, x11 = bf16_pair(b1)
+    x12, x13 = bf16_pair(b2)
+    x14, x15 = bf16_pair(b3)
+    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@device
+def x16_f32_at(x, xo, u):
+    """Sixteen fp32 inputs 16 u .. 16 u + 15 of a token's row_address whose slice starts at byte
+    xo: four 16-byte loads."""
+    o = uint32(xo + (u << uint32(6)))
+    a0, a1, a2, a3 = words4_at(x, o)
+    a4, a5, a6, a7 = words4_at(x, uint32(o + uint32(16)))
+    a8, a9, a10, a11 = words4_at(x, uint32(o + uint32(32)))
+    a12, a13, a14, a15 = words4_at(x, uint32(o + uint32(48)))
+    return (f32_from_bits(a0), f32_from_bits(a1), f32_from_bits(a2), f32_from_bits(a3), f32_from_bits(a4),
+            f32_from_bits(a5), f32_from_bits(a6), f32_from_bits(a7), f32_from_bits(a8), f32_from_bits(a9),
+            f32_from_bits(a10), f32_from_bits(a11), f32_from_bits(a12), f32_from_bits(a13), f32_from_bits(a14),
+            f32_from_bits(a15))
+
+
+@device
 def int8_dot16(w0, w1, w2, w3, xs):
     """The sixteen int8 quants of four words (top bits flipped) times sixteen inputs."""
     return (int8_at(w0, 0) * xs[0] + int8_at(w0, 1) * xs[1] + int8_at(w0, 2) * xs[2] + int8_at(w0, 3) * xs[3]
@@ -775,27 +811,31 @@ def int8_dot16(w0, w1, w2, w3, xs):
 
 def q8_0_pair_unit(tokens: int, x_bf16: bool):
     """Split Q8_0, two rows at once (the stream kernel's; `rows` = 2): unit u is the quants 16 u ..
-    16 u + 15 of rows `row` and `row + 1` (the second skipped past the matrix), their sums in
-    acc[t] and acc[tokens + t]. The sixteen inputs are unpacked once for both rows, which halves
-    the integer work per weight byte that bounds a one-row walk."""
-    x16 = x16_bf16 if x_bf16 else x16_f32
+    16 u + 15 of rows `row` and `row + 1` (past the matrix, the second is the first again, its sums
+    unused), their sums in acc[t] and acc[tokens + t]. The sixteen inputs are unpacked once for
+    both rows, which halves the integer work per weight byte that bounds a one-row walk; every
+    load is a row address plus a 32-bit byte offset, and both rows' loads are issued before any
+    of their arithmetic."""
+    x16 = x16_bf16_at if x_bf16 else x16_f32_at
 
     @device
     def q8_0_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
-        second = row + 1 < ww.shape[0]
-        other = row + 1 if second else row
-        w0, w1, w2, w3 = load_words4(ww, row, U4 * u)
-        v0, v1, v2, v3 = load_words4(ww, other, U4 * u)
-        d0 = float32(wf[row, uint64(k >> 1) + (u >> U1)])
-        d1 = float32(wf[other, uint64(k >> 1) + (u >> U1)])
+        a = row_address(ww, row)
+        b = row_address(ww, row + 1 if row + 1 < ww.shape[0] else row)
+        i = uint32(u)
+        q = uint32(i << uint32(4))  # the unit's byte offset
+        s = uint32(uint32(k) + ((i >> uint32(1)) << uint32(1)))  # its block's fp16 scale
+        w0, w1, w2, w3 = words4_at(a, q)
+        v0, v1, v2, v3 = words4_at(b, q)
+        d0 = f16_at(a, s)
+        d1 = f16_at(b, s)
         w0, w1, w2, w3 = w0 ^ 0x80808080, w1 ^ 0x80808080, w2 ^ 0x80808080, w3 ^ 0x80808080
         v0, v1, v2, v3 = v0 ^ 0x80808080, v1 ^ 0x80808080, v2 ^ 0x80808080, v3 ^ 0x80808080
         for t in range(tokens):
-            if t < n_tokens:
-                xs = x16(x32, t, xo, u)
+            if tokens == 1 or t < n_tokens:
+                xs = x16(row_address(x32, t), uint32(uint32(xo) << uint32(2)), i)
                 acc[t] += d0 * int8_dot16(w0, w1, w2, w3, xs)
-                if second:
-                    acc[tokens + t] += d1 * int8_dot16(v0, v1, v2, v3, xs)
+                acc[tokens + t] += d1 * int8_dot16(v0, v1, v2, v3, xs)
 
     return q8_0_pair_unit
 
@@ -827,14 +867,15 @@ def bf16_unit(tokens: int, x_bf16: bool):
 
     @device
     def bf16_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
-        w0, w1, w2, w3 = load_words4(ww, row, U4 * u)
+        i = uint32(u)
+        w0, w1, w2, w3 = words4_at(row_address(ww, row), uint32(i << uint32(4)))
         v0, v1 = bf16_pair(w0)
         v2, v3 = bf16_pair(w1)
         v4, v5 = bf16_pair(w2)
         v6, v7 = bf16_pair(w3)
         for t in range(tokens):
-            if t < n_tokens:
-                a0, a1, a2, a3 = load_words4(x32, t, xo + U4 * u)
+            if tokens == 1 or t < n_tokens:
+                a0, a1, a2, a3 = words4_at(row_address(x32, t), uint32((uint32(xo) << uint32(2)) + (i << uint32(4))))
                 x0, x1 = bf16_pair(a0)
                 x2, x3 = bf16_pair(a1)
                 x4, x5 = bf16_pair(a2)
@@ -1729,7 +1770,7 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
            narrow=NarrowType(narrow_fetch_bf16, narrow_pairs_bf16, narrow_scales_none, False)),
     _entry(GGMLType.Q8_0, dequant_q8_0, StreamUnit(q8_0_unit, 4, 2),
            TcType(fetch_q8_0, put_q8_0, fetch_scales_q8_0, put_scales_q8_0, CHUNK // WORD, True, False),
-           "split", padded_split_q8_0, dequant_q8_0_split, StreamUnit(q8_0_pair_unit, 4, 1, rows=2),
+           "split", padded_split_q8_0, dequant_q8_0_split, StreamUnit(q8_0_pair_unit, 4, 2, rows=2),
            NarrowType(narrow_fetch_q8_0, narrow_pairs_q8_0, narrow_scales_q8_0, True)),
     _entry(GGMLType.Q2_K, dequant_q2_k, StreamUnit(q2_k_unit, 4, 4),
            TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, CHUNK // WORD, True, True)),

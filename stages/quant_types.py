@@ -813,9 +813,10 @@ def q8_0_pair_unit(tokens: int, x_bf16: bool):
     """Split Q8_0, two rows at once (the stream kernel's; `rows` = 2): unit u is the quants 16 u ..
     16 u + 15 of rows `row` and `row + 1` (past the matrix, the second is the first again, its sums
     unused), their sums in acc[t] and acc[tokens + t]. The sixteen inputs are unpacked once for
-    both rows, which halves the integer work per weight byte that bounds a one-row walk; every
-    load is a row address plus a 32-bit byte offset, and both rows' loads are issued before any
-    of their arithmetic."""
+    both rows, which halves the integer work per weight byte that bounds a one-row walk. Every
+    load is a row address plus a 32-bit byte offset, and the token slots past n_tokens read the
+    last live token's inputs (their sums are never stored) instead of branching around them, so
+    all of a unit's loads are issued before any of its arithmetic."""
     x16 = x16_bf16_at if x_bf16 else x16_f32_at
 
     @device
@@ -832,10 +833,9 @@ def q8_0_pair_unit(tokens: int, x_bf16: bool):
         w0, w1, w2, w3 = w0 ^ 0x80808080, w1 ^ 0x80808080, w2 ^ 0x80808080, w3 ^ 0x80808080
         v0, v1, v2, v3 = v0 ^ 0x80808080, v1 ^ 0x80808080, v2 ^ 0x80808080, v3 ^ 0x80808080
         for t in range(tokens):
-            if tokens == 1 or t < n_tokens:
-                xs = x16(row_address(x32, t), uint32(uint32(xo) << uint32(2)), i)
-                acc[t] += d0 * int8_dot16(w0, w1, w2, w3, xs)
-                acc[tokens + t] += d1 * int8_dot16(v0, v1, v2, v3, xs)
+            xs = x16(row_address(x32, min(t, n_tokens - 1)), uint32(uint32(xo) << uint32(2)), i)
+            acc[t] += d0 * int8_dot16(w0, w1, w2, w3, xs)
+            acc[tokens + t] += d1 * int8_dot16(v0, v1, v2, v3, xs)
 
     return q8_0_pair_unit
 
@@ -861,7 +861,7 @@ def halves_unit(tokens: int, x_bf16: bool, pair):
 
 
 def bf16_unit(tokens: int, x_bf16: bool):
-    """BF16: unit u is the weights 8 u .. 8 u + 7."""
+    """BF16: unit u is the weights 8 u .. 8 u + 7; loads and token slots as q8_0_pair_unit's."""
     if not x_bf16:
         return halves_unit(tokens, x_bf16, bf16_pair)
 
@@ -874,13 +874,13 @@ def bf16_unit(tokens: int, x_bf16: bool):
         v4, v5 = bf16_pair(w2)
         v6, v7 = bf16_pair(w3)
         for t in range(tokens):
-            if tokens == 1 or t < n_tokens:
-                a0, a1, a2, a3 = words4_at(row_address(x32, t), uint32((uint32(xo) << uint32(2)) + (i << uint32(4))))
-                x0, x1 = bf16_pair(a0)
-                x2, x3 = bf16_pair(a1)
-                x4, x5 = bf16_pair(a2)
-                x6, x7 = bf16_pair(a3)
-                acc[t] += v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3 + v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7
+            x = row_address(x32, min(t, n_tokens - 1))
+            a0, a1, a2, a3 = words4_at(x, uint32((uint32(xo) << uint32(2)) + (i << uint32(4))))
+            x0, x1 = bf16_pair(a0)
+            x2, x3 = bf16_pair(a1)
+            x4, x5 = bf16_pair(a2)
+            x6, x7 = bf16_pair(a3)
+            acc[t] += v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3 + v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7
 
     return bf16_unit
 

@@ -740,10 +740,8 @@ def q8_0_unit(tokens: int, x_bf16: bool):
 
 
 @device
-def x16_bf16(x32, t, xo, u):
-    """Sixteen bf16 inputs 16 u .. 16 u + 15: two 16-byte loads."""
-    a0, a1, a2, a3 = load_words4(x32, t, xo + U8 * u)
-    b0, b1, b2, b3 = load_words4(x32, t, xo + U8 * u + U4)
+def bf16x16(a0, a1, a2, a3, b0, b1, b2, b3):
+    """The sixteen bf16 values of eight words (low half first) as float32."""
     x0, x1 = bf16_pair(a0)
     x2, x3 = bf16_pair(a1)
     x4, x5 = bf16_pair(a2)
@@ -753,6 +751,14 @@ def x16_bf16(x32, t, xo, u):
     x12, x13 = bf16_pair(b2)
     x14, x15 = bf16_pair(b3)
     return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@device
+def x16_bf16(x32, t, xo, u):
+    """Sixteen bf16 inputs 16 u .. 16 u + 15: two 16-byte loads."""
+    a0, a1, a2, a3 = load_words4(x32, t, xo + U8 * u)
+    b0, b1, b2, b3 = load_words4(x32, t, xo + U8 * u + U4)
+    return bf16x16(a0, a1, a2, a3, b0, b1, b2, b3)
 
 
 @device
@@ -773,15 +779,7 @@ def x16_bf16_at(x, xo, u):
     o = uint32(xo + (u << uint32(5)))
     a0, a1, a2, a3 = words4_at(x, o)
     b0, b1, b2, b3 = words4_at(x, uint32(o + uint32(16)))
-    x0, x1 = bf16_pair(a0)
-    x2, x3 = bf16_pair(a1)
-    x4, x5 = bf16_pair(a2)
-    x6, x7 = bf16_pair(a3)
-    x8, x9 = bf16_pair(b0)
-    x10, x11 = bf16_pair(b1)
-    x12, x13 = bf16_pair(b2)
-    x14, x15 = bf16_pair(b3)
-    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+    return bf16x16(a0, a1, a2, a3, b0, b1, b2, b3)
 
 
 @device

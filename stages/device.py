@@ -175,8 +175,8 @@ if SIM:
     def f16_at(address, offset):
         """The fp16 value at byte `offset` (even) of a row_address, as float32."""
         a, row = address
-        half = (int(a[row, int(offset) // 4]) >> (8 * (int(offset) % 4))) & 0xFFFF
-        return np.float32(np.array([half], np.uint16).view(np.float16)[0])
+        lo, hi = f16x2_f32(a[row, int(offset) // 4])
+        return hi if int(offset) % 4 else lo
 else:
     @intrinsic
     def row_address(typingctx, a, row):

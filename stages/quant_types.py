@@ -783,18 +783,22 @@ def x16_bf16_at(x, xo, u):
 
 
 @device
+def f32x4_at(x, o):
+    """Four fp32 inputs at byte o of a token's row_address: one 16-byte load (f32x4's twin)."""
+    a0, a1, a2, a3 = words4_at(x, o)
+    return f32_from_bits(a0), f32_from_bits(a1), f32_from_bits(a2), f32_from_bits(a3)
+
+
+@device
 def x16_f32_at(x, xo, u):
     """Sixteen fp32 inputs 16 u .. 16 u + 15 of a token's row_address whose slice starts at byte
     xo: four 16-byte loads."""
     o = uint32(xo + (u << uint32(6)))
-    a0, a1, a2, a3 = words4_at(x, o)
-    a4, a5, a6, a7 = words4_at(x, uint32(o + uint32(16)))
-    a8, a9, a10, a11 = words4_at(x, uint32(o + uint32(32)))
-    a12, a13, a14, a15 = words4_at(x, uint32(o + uint32(48)))
-    return (f32_from_bits(a0), f32_from_bits(a1), f32_from_bits(a2), f32_from_bits(a3), f32_from_bits(a4),
-            f32_from_bits(a5), f32_from_bits(a6), f32_from_bits(a7), f32_from_bits(a8), f32_from_bits(a9),
-            f32_from_bits(a10), f32_from_bits(a11), f32_from_bits(a12), f32_from_bits(a13), f32_from_bits(a14),
-            f32_from_bits(a15))
+    x0, x1, x2, x3 = f32x4_at(x, o)
+    x4, x5, x6, x7 = f32x4_at(x, uint32(o + uint32(16)))
+    x8, x9, x10, x11 = f32x4_at(x, uint32(o + uint32(32)))
+    x12, x13, x14, x15 = f32x4_at(x, uint32(o + uint32(48)))
+    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
 
 
 @device

@@ -6,7 +6,8 @@ start .. start+T-1 (C dim, H x D heads, Q q_lora, W window, K index_topk; bf16 =
 
     qr = q_norm(x @ wq_a^T)                      [T, Q]       stages.linear, norm_rope_quant
     q = RoPE(qr @ wq_b^T)                        [T, H, D]
-    kv = act_quant(RoPE(kv_norm(x @ wkv^T)))     [T, D]       this chunk's window rows
+    kv = act_quant(RoPE(kv_norm(x @ wkv^T)))     [T, D]       this chunk's window rows (wkv and wq_a
+                                                              in one launch: stages.linear.linear_pair)
     kv sources: compressor -> latents of the completed groups -> index keys and compressed rows
         published into the sequence's caches                 stages.kv_sources
     index sources: scores against the last kv source's index keys, candidate blocks (candidate
@@ -59,7 +60,7 @@ from flashv41.stages import indexer, kv_sources
 from flashv41.stages.device import SIM, DeviceArray, check_array, fill, grid_1d
 from flashv41.stages.indexer import IndexerWeights
 from flashv41.stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
-from flashv41.stages.linear import DeviceWeight, linear
+from flashv41.stages.linear import DeviceWeight, linear, linear_pair
 from flashv41.stages.norm_rope_quant import norm_rope_quant, rms_norm, rope
 from flashv41.stages.row_tables import table_row, u16_rows
 from flashv41.stages.sparse_attention import (
@@ -461,16 +462,17 @@ class AttentionStage:
                     t: int) -> None:
         """q [T, H, D] and the window rows kv [T, D] of x's T rows at positions pos."""
         cfg, s, mark = self.cfg, self.stream, self._mark
-        linear(x, w.wq_a, self.qa, t, stream=s)
-        mark("wq_a")
+        linear_pair(x, w.wq_a, self.qa, w.wkv, self.kv_raw, t, stream=s)  # one launch where it can
+        mark("wq_a + wkv")
         rms_norm(self.qa, w.q_norm, self.eps, self.qr, t, stream=s)
         mark("q_norm")
-        linear(self.qr, w.wq_b, self.q_rows, t, stream=s)
+        if w.indexer is not None:  # the indexer's queries read qr too: its wq_b in the same launch
+            linear_pair(self.qr, w.wq_b, self.q_rows, w.indexer.wq_b, self.iq, t, stream=s)
+        else:
+            linear(self.qr, w.wq_b, self.q_rows, t, stream=s)
         mark("wq_b")
         rope(self.q_rows, cos, sin, pos, False, t, cfg.n_heads, stream=s)
         mark("q_rope")
-        linear(x, w.wkv, self.kv_raw, t, stream=s)
-        mark("wkv")
         norm_rope_quant(self.kv_raw, w.kv_norm, self.eps, cos, sin, pos, False, "act", t, out=self.kv, stream=s)
         mark("kv_norm_rope_quant")
 
@@ -549,7 +551,8 @@ class AttentionStage:
             return
         assert self.selection is not None and self.candidates is not None and self.score is not None
         assert self.iq is not None and self.hw is not None  # allocated for a model with index sources
-        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
+        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s,
+                              projected=True)
         self._mark("index_queries")
         width = self.max_seq // role.ratio if self.capturing else max(start + 1 for start in starts) // role.ratio
         indexer.index_scores_tables(self.iq, self.hw, rows[INDEX_KEYS], self.index_scale, self.score, t, pos,
@@ -622,7 +625,8 @@ class AttentionStage:
             self._mark("select")
             return
         assert shared.index_keys is not None
-        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
+        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s,
+                              projected=True)
         self._mark("index_queries")
         grid_width = shared.index_keys.shape[0] if self.capturing else width  # the graph serves later widths
         indexer.index_scores(self.iq, self.hw, shared.index_keys, self.index_scale, self.score, t, pos, role.ratio,
@@ -643,13 +647,14 @@ class AttentionStage:
         """The weight matrices each traced part of the layer's step streams (parts without any
         stream none)."""
         w = self.layers[layer]
-        parts: dict[str, list[DeviceWeight]] = {"wq_a": [w.wq_a], "wq_b": [w.wq_b], "wkv": [w.wkv],
-                                                "wo_a": [w.wo_a], "wo_b": [w.wo_b]}
+        parts: dict[str, list[DeviceWeight]] = {
+            "wq_a + wkv": [w.wq_a, w.wkv], "wq_b": [w.wq_b] + ([w.indexer.wq_b] if w.indexer is not None else []),
+            "wo_a": [w.wo_a], "wo_b": [w.wo_b]}
         if w.source is not None:
             parts["compress"] = [w.source.comp_kv] + ([w.source.comp_gate] if w.source.comp_gate is not None else [])
             parts["publish"] = [w.source.wk]
         if w.indexer is not None:
-            parts["index_queries"] = [w.indexer.wq_b, w.indexer.proj]
+            parts["index_queries"] = [w.indexer.proj]
         return parts
 
     def _download(self, a: DeviceArray, rows: int) -> np.ndarray:

@@ -54,7 +54,7 @@ from flashv41.host.errors import UnsupportedError
 from flashv41.host.gguf_model import TensorRef
 from flashv41.host.quants import FORMATS, GGMLType, quantize
 from flashv41.stages import linear_narrow, linear_tc
-from flashv41.stages.device import CHUNK, SIM, WARP, device, f32_to_bf16, load_f32, warp_sum
+from flashv41.stages.device import CHUNK, SIM, WARP, device, f32_to_bf16, inlined, load_f32, warp_sum
 from flashv41.stages.linear_narrow import NARROW_MAX_TOKENS
 from flashv41.stages.quant_types import (
     DEVICE_TYPES,
@@ -234,21 +234,25 @@ def stream_split(n_rows: int) -> int:
 
 
 @cache
-def stream_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool, tokens: int, split: int):
+def stream_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool, tokens: int, split: int, split2: int = 0):
     """Output rows over warps, each warp the type's `rows` consecutive rows (its gemv unit),
     `split` warps per row group (each a slice of K, summed in shared memory), for up to `tokens`
     tokens; block = (LANES, STREAM_WARPS), row groups strided over the grid. `split` is compiled
-    in: its divisions become shifts (a 64-bit division costs more than a short row's walk)."""
+    in: its divisions become shifts (a 64-bit division costs more than a short row's walk).
+    split2 > 0: a pair of products of the same x, kernel(x, w, y, w2, y2, n_tokens, k, group_rows,
+    blocks): the first `blocks` blocks walk (w, y) as the single kernel does, the rest the ungrouped
+    (w2, y2) with split2, so each output's sum is the one its product gets alone; else
+    kernel(x, w, y, n_tokens, k, group_rows)."""
     unit = qt.gemv_unit
     rows = unit.rows
     walk = stream_walker(unit, x_bf16, tokens)
     sums = rows * tokens  # a warp's accumulators: acc[i * tokens + t] for row i of its group
     partial_shape = (STREAM_WARPS, sums)
     per_word = 2 if x_bf16 else 1  # inputs a 32-bit word of x holds
-    per_block = STREAM_WARPS // split
 
-    @cuda.jit
-    def stream(x, w, y, n_tokens, k, group_rows):
+    @inlined
+    def product(x, w, y, n_tokens, k, group_rows, block, blocks, split):
+        """Blocks `block` of `blocks` of the product y = x @ w^T, `split` warps a row group."""
         partial = cuda.shared.array(partial_shape, float32)
         ww = w.view(np.uint32)
         wf = w.view(np.float16)
@@ -256,12 +260,13 @@ def stream_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool, tokens: int, spl
         lane = cuda.threadIdx.x
         warp = cuda.threadIdx.y
         part = warp % split
+        per_block = STREAM_WARPS // split
         n_rows = w.shape[0]
         n_groups = (n_rows + rows - 1) // rows
         x_words = uint32(k) // uint32(per_word)
         acc = cuda.local.array(sums, float32)
         # a block-uniform walk over its row groups, so every thread meets the same barriers
-        for first in range(cuda.blockIdx.x * per_block, n_groups, cuda.gridDim.x * per_block):
+        for first in range(block * per_block, n_groups, blocks * per_block):
             row = (first + warp // split) * rows
             for j in range(sums):
                 acc[j] = float32(0)
@@ -288,6 +293,21 @@ def stream_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool, tokens: int, spl
                                     y[t, row + i] = total
             if split > 1:
                 cuda.syncthreads()
+
+    if split2:
+        @cuda.jit
+        def stream_pair(x, w, y, w2, y2, n_tokens, k, group_rows, blocks):
+            block = cuda.blockIdx.x
+            if block < blocks:
+                product(x, w, y, n_tokens, k, group_rows, block, blocks, split)
+            else:
+                product(x, w2, y2, n_tokens, k, w2.shape[0], block - blocks, cuda.gridDim.x - blocks, split2)
+
+        return stream_pair
+
+    @cuda.jit
+    def stream(x, w, y, n_tokens, k, group_rows):
+        product(x, w, y, n_tokens, k, group_rows, cuda.blockIdx.x, cuda.gridDim.x, split)
 
     return stream
 
@@ -400,6 +420,11 @@ def pick_kernel(w: DeviceWeight, x_bf16: bool, n_tokens: int, group_rows: int = 
     return "stream" if not SIM and n_tokens <= NARROW_MAX_TOKENS else "gemm"
 
 
+def _check_product(x, w: DeviceWeight, y, n_tokens: int, groups: int) -> None:
+    if w.k % CHUNK or x.shape[1] < groups * w.k or y.shape[1] < w.n or n_tokens > min(x.shape[0], y.shape[0]):
+        raise ValueError(f"linear {w.name}: x {x.shape}, y {y.shape}, weight [{w.n}, {w.k}], {n_tokens} tokens")
+
+
 def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, kernel: str = "") -> None:
     """y[:n_tokens] = x[:n_tokens] @ w^T on the device (dtypes of x and y pick the variant).
 
@@ -412,34 +437,70 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     grouped = group_rows if groups > 1 else 0  # what the tensor-core wrappers take: 0 for one group
     if not group_rows:
         group_rows = w.n
-    if w.k % CHUNK or x.shape[1] < groups * w.k or y.shape[1] < w.n or n_tokens > min(x.shape[0], y.shape[0]):
-        raise ValueError(f"linear {w.name}: x {x.shape}, y {y.shape}, weight [{w.n}, {w.k}], {n_tokens} tokens")
+    _check_product(x, w, y, n_tokens, groups)
     kernel = kernel or pick_kernel(w, x_bf16, n_tokens, grouped)
     if kernel == "tc":
         linear_tc.linear_tc(x, w, y, n_tokens, grouped, stream)
     elif kernel == "narrow":
         linear_narrow.linear_narrow(x, w, y, n_tokens, grouped, stream)
     elif kernel == "stream":
-        qt = DEVICE_TYPES[w.gtype]
-        rows = qt.gemv_unit.rows
-        if groups > 1 and group_rows % rows:  # (one group: a last row group short of `rows` is the unit's to skip)
-            raise ValueError(f"linear {w.name}: groups of {group_rows} rows do not split into the stream kernel's "
-                             f"row groups of {rows}")
-        row_groups = (w.n + rows - 1) // rows
-        split = stream_split(row_groups)
-        per_block = STREAM_WARPS // split
-        blocks = 1 if SIM else (row_groups + per_block - 1) // per_block
-        for t0 in range(0, n_tokens, GEMV_MAX_TOKENS):
-            live = min(GEMV_MAX_TOKENS, n_tokens - t0)
-            xt, yt = (x, y) if t0 == 0 else (x[t0:], y[t0:])
-            stream_kernel(qt, x_bf16, out_bf16, gemv_token_cap(live), split)[
-                blocks, (LANES, STREAM_WARPS), stream](xt, w.data, yt, live, w.k, group_rows)
+        _stream(x, w, y, None, n_tokens, group_rows if groups > 1 else 0, stream)
     else:
         gemm = gemm_kernel(DEVICE_TYPES[w.gtype], x_bf16, out_bf16)
         grid = ((group_rows + TN - 1) // TN, (n_tokens + TM - 1) // TM)
         for g in range(groups):  # one launch per group (prefill: launch cost is noise here)
             gemm[grid, (THREADS_X, THREADS_Y), stream](x, w.data, y, n_tokens, group_rows, w.k,
                                                        g * group_rows, g * w.k)
+
+
+def _stream_launch(w: DeviceWeight, group_rows: int) -> tuple[int, int]:
+    """(split, blocks) of the stream kernel for w (group_rows 0: one group); the simulator walks a
+    product in one block."""
+    rows = DEVICE_TYPES[w.gtype].gemv_unit.rows
+    if group_rows and group_rows % rows:  # (one group: a last row group short of `rows` is the unit's to skip)
+        raise ValueError(f"linear {w.name}: groups of {group_rows} rows do not split into the stream kernel's "
+                         f"row groups of {rows}")
+    row_groups = -(-w.n // rows)
+    split = stream_split(row_groups)
+    per_block = STREAM_WARPS // split
+    return split, 1 if SIM else -(-row_groups // per_block)
+
+
+def _stream(x, w: DeviceWeight, y, second: tuple[DeviceWeight, object] | None, n_tokens: int, group_rows: int,
+            stream) -> None:
+    """The stream kernel's launches for `linear` (group_rows 0: one group) and `linear_pair`
+    (second: the pair's other product, of w's type and K, ungrouped), GEMV_MAX_TOKENS tokens each."""
+    qt = DEVICE_TYPES[w.gtype]
+    split, blocks = _stream_launch(w, group_rows)
+    split2, blocks2 = _stream_launch(second[0], 0) if second else (0, 0)
+    x_bf16, out_bf16 = x.dtype == np.uint16, y.dtype == np.uint16
+    for t0 in range(0, n_tokens, GEMV_MAX_TOKENS):
+        live = min(GEMV_MAX_TOKENS, n_tokens - t0)
+        kernel = stream_kernel(qt, x_bf16, out_bf16, gemv_token_cap(live), split, split2)
+        xt, yt = (x, y) if t0 == 0 else (x[t0:], y[t0:])
+        if second is None:
+            kernel[blocks, (LANES, STREAM_WARPS), stream](xt, w.data, yt, live, w.k, group_rows or w.n)
+        else:
+            w2, y2 = second
+            kernel[blocks + blocks2, (LANES, STREAM_WARPS), stream](
+                xt, w.data, yt, w2.data, y2 if t0 == 0 else y2[t0:], live, w.k, w.n, blocks)
+
+
+def linear_pair(x, w: DeviceWeight, y, w2: DeviceWeight, y2, n_tokens: int, stream=0) -> None:
+    """y = x @ w^T and y2 = x @ w2^T (ungrouped), as `linear` computes each: where both take the
+    stream kernel, have one type and one K and y, y2 one dtype, in one launch (a decode step's
+    short matrices that read the same input: each alone leaves most of the GPU idle); else one
+    `linear` call each. Every output is bit for bit what `linear` gives it alone."""
+    x_bf16 = x.dtype == np.uint16
+    if (w.gtype != w2.gtype or w.k != w2.k or y.dtype != y2.dtype or pick_kernel(w, x_bf16, n_tokens) != "stream"
+            or pick_kernel(w2, x_bf16, n_tokens) != "stream"):
+        linear(x, w, y, n_tokens, stream=stream)
+        linear(x, w2, y2, n_tokens, stream=stream)
+        return
+    for weight, out in ((w, y), (w2, y2)):
+        _check_product(x, weight, out, n_tokens, 1)
+    if n_tokens:
+        _stream(x, w, y, (w2, y2), n_tokens, 0, stream)
 
 
 def stream_partials(x, w: DeviceWeight, partial, n_tokens: int, stream=0) -> None:

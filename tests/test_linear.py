@@ -14,7 +14,14 @@ from flashv41.host.numerics import bf16, from_bits, to_bits
 from flashv41.host.numerics import linear as oracle_linear
 from flashv41.host.quants import Q8_0_BLOCK, GGMLType, dequantize, quantize
 from flashv41.stages.device import SIM
-from flashv41.stages.linear import GEMV_MAX_TOKENS, DeviceWeight, linear, pick_kernel, stream_partials  # noqa: E402
+from flashv41.stages.linear import (  # noqa: E402
+    GEMV_MAX_TOKENS,
+    DeviceWeight,
+    linear,
+    linear_pair,
+    pick_kernel,
+    stream_partials,
+)
 from flashv41.stages.linear_narrow import NARROW_MAX_TOKENS
 from flashv41.stages.quant_types import split_q8_0  # noqa: E402
 from tests.bounds import assert_bf16_product, assert_f32_product, assert_within, f32_sum_error, split_terms
@@ -206,3 +213,52 @@ def test_batch_of_steps_without_tensor_cores(x_f32):
         linear(xd[t:], w, alone, 1)
         assert (alone.copy_to_host()[0].view(np.uint32) == batch.copy_to_host()[t].view(np.uint32)).all(), (
             f"token {t} of the batch differs from its product alone")
+
+
+def check_pair(n: int, n2: int, k: int, gtype, tokens: int, seed: int) -> None:
+    """linear_pair of two products of one bf16 input: every output bit for bit what `linear` gives
+    its product alone, and within the oracle's bounds."""
+    rng = np.random.default_rng(seed)
+    (w, wq), (w2, wq2) = weight(rng, n, k, gtype), weight(rng, n2, k, gtype)
+    x = bf16(rng.standard_normal((tokens, k)).astype(np.float32))
+    xd = cuda.to_device(to_bits(x))
+    pair = [cuda.device_array((tokens, m), np.uint16) for m in (n, n2)]
+    linear_pair(xd, w, pair[0], w2, pair[1], tokens)
+    for weight_, values, got in ((w, wq, pair[0]), (w2, wq2, pair[1])):
+        alone = cuda.device_array((tokens, weight_.n), np.uint16)
+        linear(xd, weight_, alone, tokens)
+        assert np.array_equal(got.copy_to_host(), alone.copy_to_host()), (
+            f"{gtype.name} [{weight_.n}, {k}] T={tokens}: the pair's outputs differ from the product alone")
+        assert_bf16_product(from_bits(got.copy_to_host()), oracle_linear(x, values), x, values,
+                            f"{gtype.name} pair [{weight_.n}, {k}] T={tokens}")
+
+
+@pytest.mark.parametrize("gtype", [GGMLType.Q8_0, GGMLType.BF16, GGMLType.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_pair_is_each_product_alone(gtype, tokens):
+    """Two short matrices of one input in one launch (rows 40 and 24, the second's last row group
+    partly past its rows for two-row units)."""
+    check_pair(40, 23 if gtype == GGMLType.Q2_K else 24, 256, gtype, tokens, seed=int(gtype) + tokens)
+
+
+def test_pair_falls_back_to_two_products():
+    """Different types (and more tokens than the stream kernel takes) run as two `linear` calls."""
+    rng = np.random.default_rng(3)
+    (w, _), (w2, _) = weight(rng, 16, 256, GGMLType.Q8_0), weight(rng, 8, 256, GGMLType.BF16)
+    x = cuda.to_device(to_bits(bf16(rng.standard_normal((2, 256)).astype(np.float32))))
+    y, y2 = cuda.device_array((2, 16), np.uint16), cuda.device_array((2, 8), np.uint16)
+    linear_pair(x, w, y, w2, y2, 2)
+    for weight_, got in ((w, y), (w2, y2)):
+        alone = cuda.device_array((2, weight_.n), np.uint16)
+        linear(x, weight_, alone, 2)
+        assert np.array_equal(got.copy_to_host(), alone.copy_to_host())
+    check_pair(16, 8, 256, GGMLType.Q8_0, GEMV_MAX_TOKENS + 3, seed=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gtype", [GGMLType.Q8_0, GGMLType.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 8, 11])
+def test_pair_at_flash_sizes(gtype, tokens):
+    """wq_a [1280, 5120] and wkv [512, 5120] of one input in one launch, as the attention step runs
+    them, at one, eight and eleven tokens (two launches of the pair)."""
+    check_pair(1280, 512, 5120, gtype, tokens, seed=tokens)

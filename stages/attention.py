@@ -5,9 +5,9 @@ The per-layer orchestration of the attention stages, step for step as the oracle
 start .. start+T-1 (C dim, H x D heads, Q q_lora, W window, K index_topk; bf16 = uint16 bits):
 
     qr = q_norm(x @ wq_a^T)                      [T, Q]       stages.linear, norm_rope_quant
+    kv = act_quant(RoPE(kv_norm(x @ wkv^T)))     [T, D]       this chunk's window rows (wq_a and wkv
+        in one launch, linear_pair, then q_norm and the kv chain in one, norm_rope_quant_pair)
     q = RoPE(qr @ wq_b^T)                        [T, H, D]
-    kv = act_quant(RoPE(kv_norm(x @ wkv^T)))     [T, D]       this chunk's window rows (wkv and wq_a
-                                                              in one launch: stages.linear.linear_pair)
     kv sources: compressor -> latents of the completed groups -> index keys and compressed rows
         published into the sequence's caches                 stages.kv_sources
     index sources: scores against the last kv source's index keys, candidate blocks (candidate
@@ -61,7 +61,7 @@ from flashv41.stages.device import SIM, DeviceArray, check_array, fill, grid_1d
 from flashv41.stages.indexer import IndexerWeights
 from flashv41.stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
 from flashv41.stages.linear import DeviceWeight, linear, linear_pair
-from flashv41.stages.norm_rope_quant import norm_rope_quant, rms_norm, rope
+from flashv41.stages.norm_rope_quant import Chain, norm_rope_quant_pair, rope
 from flashv41.stages.row_tables import table_row, u16_rows
 from flashv41.stages.sparse_attention import (
     SPLIT_BATCH_TOKENS,
@@ -464,8 +464,10 @@ class AttentionStage:
         cfg, s, mark = self.cfg, self.stream, self._mark
         linear_pair(x, w.wq_a, self.qa, w.wkv, self.kv_raw, t, stream=s)  # one launch where it can
         mark("wq_a + wkv")
-        rms_norm(self.qa, w.q_norm, self.eps, self.qr, t, stream=s)
-        mark("q_norm")
+        norm_rope_quant_pair(Chain(self.qa, w.q_norm, self.eps, None, None, None, False, "none", out=self.qr),
+                             Chain(self.kv_raw, w.kv_norm, self.eps, cos, sin, pos, False, "act", out=self.kv), t,
+                             stream=s)
+        mark("q_norm + kv_norm_rope_quant")
         if w.indexer is not None:  # the indexer's queries read qr too: its wq_b in the same launch
             linear_pair(self.qr, w.wq_b, self.q_rows, w.indexer.wq_b, self.iq, t, stream=s)
         else:
@@ -473,8 +475,6 @@ class AttentionStage:
         mark("wq_b")
         rope(self.q_rows, cos, sin, pos, False, t, cfg.n_heads, stream=s)
         mark("q_rope")
-        norm_rope_quant(self.kv_raw, w.kv_norm, self.eps, cos, sin, pos, False, "act", t, out=self.kv, stream=s)
-        mark("kv_norm_rope_quant")
 
     def _project_out(self, w: LayerWeights, out: DeviceArray, pos: DeviceArray, cos: DeviceArray, sin: DeviceArray,
                      t: int) -> None:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from functools import cache
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, float64, int32, uint32
@@ -66,6 +67,7 @@ from flashv41.stages.device import (
     f32_from_bits,
     f32_to_bf16,
     grid_1d,
+    inlined,
     jit_for,
     load_f32,
     mul_rn,
@@ -337,12 +339,13 @@ def _fp4_quant_kernel(x, n_rows, width, block, e4m3_scale):
 
 
 @cache
-def fused_kernel(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, threads: int):
-    """quant(rope(rms_norm(x))), each step optional: one block of `threads` threads per (row, head),
-    `vals` consecutive values of the head in each thread's registers, from column c_lo of the head
-    on (0, or the rope tail when nothing else changes). x bf16 bits (x_bf16) or fp32 [R, heads * D],
-    weight fp32 [D], out bf16 [R, heads * D] (may be x: a thread rewrites only what it read), cos,
-    sin fp32 [max_seq, rope_dim / 2], positions int32 [R]. Every step rounds to bf16."""
+def fused_body(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, threads: int):
+    """quant(rope(rms_norm(x))), each step optional, for block `item` = (row, head) of `threads`
+    threads, `vals` consecutive values of the head in each thread's registers, from column c_lo of
+    the head on (0, or the rope tail when nothing else changes). x bf16 bits (x_bf16) or fp32
+    [R, heads * D], weight fp32 [D], out bf16 [R, heads * D] (may be x: a thread rewrites only what
+    it read), cos, sin fp32 [max_seq, rope_dim / 2], positions int32 [R]. Every step rounds to bf16.
+    Inlined into its kernels (fused_kernel, fused_pair_kernel)."""
     block = QUANT_BLOCK[quant]
     per_block = min(vals, block)  # the values of one quant block in one thread
     blocks = vals // per_block if block else 0  # quant blocks per thread
@@ -350,12 +353,12 @@ def fused_kernel(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, th
     many = threads > 1
     mask = lane_mask(threads)
 
-    @jit_for(threads)
-    def kernel(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse):
+    @inlined
+    def body(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse, item):
         v = cuda.local.array(vals, float32)  # [vals]: columns c0 .. c0 + vals - 1 of the head
         scratch = cuda.shared.array(threads, float64)  # [threads]: block_sum's (and group_max's, simulated)
-        r = cuda.blockIdx.x // heads
-        col = (cuda.blockIdx.x % heads) * head_dim  # the head's first column in the row
+        r = item // heads
+        col = (item % heads) * head_dim  # the head's first column in the row
         c0 = c_lo + cuda.threadIdx.x * vals
         active = c0 < head_dim  # a block's padding threads only join the reductions, with zeros
         for k in range(vals):
@@ -395,6 +398,37 @@ def fused_kernel(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, th
         if active:
             for k in range(vals):
                 out[r, col + c0 + k] = f32_to_bf16(v[k])
+
+    return body
+
+
+@cache
+def fused_kernel(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, threads: int):
+    """fused_body's chain, one block of `threads` threads per (row, head)."""
+    body = fused_body(x_bf16, norm, rope, quant, vals, threads)
+
+    @jit_for(threads)
+    def kernel(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse):
+        body(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse, cuda.blockIdx.x)
+
+    return kernel
+
+
+@cache
+def fused_pair_kernel(first: tuple, second: tuple):
+    """Two chains of fused_body (their compile-time specs `first`, `second`: (x_bf16, norm, rope,
+    quant, vals, threads), one block size) in one launch: the first `items` blocks run the first
+    chain's (row, head) items, the rest the second's."""
+    body_a, body_b = fused_body(*first), fused_body(*second)
+
+    @jit_for(first[-1])
+    def kernel(xa, wa, oa, ca, sa, pa, heads_a, dim_a, lo_a, rope_a, eps_a, inv_a, items,
+               xb, wb, ob, cb, sb, pb, heads_b, dim_b, lo_b, rope_b, eps_b, inv_b):
+        item = cuda.blockIdx.x
+        if item < items:
+            body_a(xa, wa, oa, ca, sa, pa, heads_a, dim_a, lo_a, rope_a, eps_a, inv_a, item)
+        else:
+            body_b(xb, wb, ob, cb, sb, pb, heads_b, dim_b, lo_b, rope_b, eps_b, inv_b, item - items)
 
     return kernel
 
@@ -496,6 +530,21 @@ def _placeholders() -> tuple[DeviceArray, DeviceArray, DeviceArray]:
             cuda.to_device(np.zeros(1, np.int32)))
 
 
+class Chain(NamedTuple):
+    """One norm_rope_quant call's arguments, as norm_rope_quant takes them (norm_rope_quant_pair)."""
+
+    x: DeviceArray
+    weight: DeviceArray
+    eps: float | None
+    cos: DeviceArray
+    sin: DeviceArray
+    positions: DeviceArray
+    inverse: bool
+    quant: str
+    heads: int = 1
+    out: DeviceArray = None
+
+
 def norm_rope_quant(x: DeviceArray, weight: DeviceArray, eps: float | None, cos: DeviceArray, sin: DeviceArray,
                     positions: DeviceArray, inverse: bool, quant: str, n_rows: int, heads: int = 1,
                     out: DeviceArray = None, stream=0, threads: int = 0) -> None:
@@ -504,6 +553,32 @@ def norm_rope_quant(x: DeviceArray, weight: DeviceArray, eps: float | None, cos:
     x bf16 [R, heads * D] (or fp32 [R, >= D] with a norm, heads 1), weight fp32 [D], cos, sin fp32
     [max_seq, rope_dim / 2], positions int32 [R], out bf16 [R, heads * D] (None: x, in place).
     threads: block size (0 = the default; tests force others)."""
+    spec, args = _fused_launch(Chain(x, weight, eps, cos, sin, positions, inverse, quant, heads, out), n_rows,
+                               threads)
+    if n_rows:
+        fused_kernel(*spec)[n_rows * heads, spec[-1], stream](*args)
+
+
+def norm_rope_quant_pair(first: Chain, second: Chain, n_rows: int, stream=0) -> None:
+    """norm_rope_quant of two chains over the same n_rows rows in one launch where their default
+    block sizes agree (each block runs one chain's item, so each result is bit for bit its call
+    alone; a decode step's two norms that read one product launch), else two launches."""
+    spec_a, args_a = _fused_launch(first, n_rows, 0)
+    spec_b, args_b = _fused_launch(second, n_rows, 0)
+    if not n_rows:
+        return
+    if spec_a[-1] != spec_b[-1]:
+        fused_kernel(*spec_a)[n_rows * first.heads, spec_a[-1], stream](*args_a)
+        fused_kernel(*spec_b)[n_rows * second.heads, spec_b[-1], stream](*args_b)
+        return
+    items = n_rows * first.heads
+    fused_pair_kernel(spec_a, spec_b)[items + n_rows * second.heads, spec_a[-1], stream](
+        *args_a, items, *args_b)
+
+
+def _fused_launch(chain: Chain, n_rows: int, threads: int) -> tuple[tuple, tuple]:
+    """A chain's checked arguments: (fused_body's spec, the kernel's arguments)."""
+    x, weight, eps, cos, sin, positions, inverse, quant, heads, out = chain
     what = "norm_rope_quant"
     check_array(x, (np.uint16, np.float32), 2, f"{what} x")
     if quant not in QUANTS:
@@ -558,11 +633,8 @@ def norm_rope_quant(x: DeviceArray, weight: DeviceArray, eps: float | None, cos:
     if block and width % block:
         raise InputError(f"{what}: heads of {width} values are not blocks of {block} ({quant})")
     vals, nt = fused_shape(width, rope_on, block, threads)
-    if n_rows == 0:
-        return
     spare_weight, spare_table, spare_positions = _placeholders()
-    kernel = fused_kernel(bool(x_bf16), norm, rope_on, code, vals, nt)
-    kernel[n_rows * heads, nt, stream](
+    return (bool(x_bf16), norm, rope_on, code, vals, nt), (
         x, weight if norm else spare_weight, out, cos if rope_on else spare_table,
         sin if rope_on else spare_table, positions if rope_on else spare_positions, heads, head_dim, c_lo,
         rope_dim, np.float32(eps if norm else 0.0), bool(inverse))

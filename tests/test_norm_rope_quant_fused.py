@@ -367,7 +367,7 @@ def test_input_errors():
 # ---- mutants: the checks above reject a wrong kernel -----------------------------------------------------
 
 def _fused_edit(old: str, new: str) -> dict:
-    return {"fused_kernel": edited(nrq, "fused_kernel", old, new)}
+    return {"fused_body": edited(nrq, "fused_body", old, new)}
 
 
 MUTANTS = {
@@ -420,3 +420,44 @@ def test_flash_mutants_rejected():
     chain = CHAIN["kv"]
     with mutant(nrq, **_fused_edit("pos = positions[r]", "pos = positions[r] + 1")), pytest.raises(AssertionError):
         check_chain(chain, 1, chain.flash_dim, FLASH_TABLES, FLASH_MAX_SEQ, seed=1, rows=3)
+
+
+def check_pair(first: Chain, second: Chain, dims: tuple[int, int], heads: tuple[int, int], tables, max_seq: int,
+               rows: int, seed: int) -> None:
+    """norm_rope_quant_pair of two chains over the same rows: each out bit for bit its chain's
+    norm_rope_quant alone (which test_chain_exact holds to the oracle), rows past n_rows untouched."""
+    rng = np.random.default_rng(seed)
+    positions = cuda.to_device(rng.integers(0, max_seq - 1, rows).astype(np.int32))
+    calls, outs, alone = [], [], []
+    for chain, dim, h in zip((first, second), dims, heads, strict=True):
+        x = cuda.to_device(to_bits(random_rows(rng, rows, h * dim)))
+        weight = cuda.to_device(rng.uniform(0.5, 1.5, dim).astype(np.float32)) if chain.norm else None
+        cos, sin = (None, None) if chain.table is None else (cuda.to_device(t) for t in tables[chain.table])
+        out = cuda.to_device(np.full((rows + 2, h * dim), SENTINEL, np.uint16))
+        calls.append(nrq.Chain(x, weight, EPS if chain.norm else None, cos, sin,
+                               positions if cos is not None else None, False, chain.quant, h, out))
+        outs.append(out)
+        ref = cuda.device_array((rows, h * dim), np.uint16)
+        nrq.norm_rope_quant(x, weight, EPS if chain.norm else None, cos, sin, positions if cos is not None else None,
+                            False, chain.quant, rows, h, out=ref)
+        alone.append(ref.copy_to_host())
+    nrq.norm_rope_quant_pair(calls[0], calls[1], rows)
+    for chain, out, want in zip((first, second), outs, alone, strict=True):
+        got = out.copy_to_host()
+        assert np.all(got[rows:] == SENTINEL), f"{chain.name}: rows past n_rows written"
+        assert_same_bits(got[:rows], want, f"{chain.name} in a pair")
+
+
+def test_pair_is_each_chain_alone():
+    """The attention step's pair (q_norm, and the kv chain's norm, rope and act) in one launch, and
+    a pair of one head and several (the kv chain and q rope)."""
+    q, kv, q_rope = CHAIN["q_norm"], CHAIN["kv"], CHAIN["q_rope"]
+    check_pair(q, kv, (q.dim, kv.dim), (1, 1), TABLES, MAX_SEQ, rows=3, seed=1)
+    check_pair(kv, q_rope, (kv.dim, q_rope.dim), (1, q_rope.heads), TABLES, MAX_SEQ, rows=2, seed=2)
+
+
+@pytest.mark.gpu
+def test_flash_pair_is_each_chain_alone():
+    q, kv = CHAIN["q_norm"], CHAIN["kv"]
+    check_pair(q, kv, (q.flash_dim, kv.flash_dim), (1, 1), rope_tables("flash", FLASH_MAX_SEQ), FLASH_MAX_SEQ,
+               rows=5, seed=3)

@@ -36,7 +36,7 @@ from numba import cuda, float32, float64
 
 from flashv41.host.config import LayerRole, ModelConfig
 from flashv41.stages.device import SIM, DeviceArray, device, exp_f32, f32_to_bf16, fill, grid_1d, mul_rn
-from flashv41.stages.linear import DeviceWeight, linear
+from flashv41.stages.linear import DeviceWeight, linear, linear_pair
 from flashv41.stages.norm_rope_quant import norm_rope_quant, rms_norm
 from flashv41.stages.row_tables import f32_rows, u16_rows
 
@@ -262,8 +262,7 @@ def compress_products(role: LayerRole, w: KvSourceWeights, x: DeviceArray, ws: K
         linear(x, w.comp_kv, ws.raw, n_tokens, stream=stream)
         return
     assert w.comp_gate is not None
-    linear(x, w.comp_kv, ws.proj_kv, n_tokens, stream=stream)
-    linear(x, w.comp_gate, ws.proj_score, n_tokens, stream=stream)
+    linear_pair(x, w.comp_kv, ws.proj_kv, w.comp_gate, ws.proj_score, n_tokens, stream=stream)  # one launch
 
 
 def compress_groups(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, state: KvSourceState, start: int,

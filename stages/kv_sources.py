@@ -37,7 +37,7 @@ from numba import cuda, float32, float64
 from flashv41.host.config import LayerRole, ModelConfig
 from flashv41.stages.device import SIM, DeviceArray, device, exp_f32, f32_to_bf16, fill, grid_1d, mul_rn
 from flashv41.stages.linear import DeviceWeight, linear, linear_pair
-from flashv41.stages.norm_rope_quant import norm_rope_quant, rms_norm
+from flashv41.stages.norm_rope_quant import Chain, norm_rope_quant_pair, rms_norm
 from flashv41.stages.row_tables import f32_rows, u16_rows
 
 POOL_THREADS = 64 if SIM else 128
@@ -126,26 +126,37 @@ def _pool_batch_kernel(kv, score, kv_states, score_states, pooled, group_pos, po
 
 
 @cuda.jit
-def _scatter_rows_kernel(src, dst, positions, n_rows, ratio, width):
-    """dst[g0 + r] = src[r] for r < n_rows, g0 the first group completed by the chunk. src bf16
-    [>= n_rows, width], dst bf16 [groups, width] (a cache), positions int32 [T]."""
+def _scatter_rows_kernel(keys, key_cache, rows, row_cache, positions, n_rows, ratio, key_width, row_width):
+    """key_cache[g0 + r] = keys[r] and row_cache[g0 + r] = rows[r] for r < n_rows, g0 the first
+    group completed by the chunk (both caches in one launch: the first n_rows * key_width threads
+    copy keys). keys, rows bf16 [>= n_rows, width], the caches bf16 [groups, width], positions int32
+    [T]."""
     i = cuda.grid(1)
-    if i >= n_rows * width:
+    n_keys = n_rows * key_width
+    if i >= n_keys + n_rows * row_width:
         return
-    r = i // width
-    c = i % width
     start = positions[0]
     g0 = (start + (ratio - 1 - start % ratio) % ratio) // ratio
-    dst[g0 + r, c] = src[r, c]
+    if i < n_keys:
+        key_cache[g0 + i // key_width, i % key_width] = keys[i // key_width, i % key_width]
+    else:
+        i -= n_keys
+        row_cache[g0 + i // row_width, i % row_width] = rows[i // row_width, i % row_width]
 
 
 @cuda.jit
-def _scatter_batch_kernel(src, caches, positions, n_rows, ratio, width):
-    """A batch's rows: caches (an address table [T, 2] of each sequence's cache [groups, width])
-    row p // ratio = src[r] where token r (at p = positions[r]) completes its group."""
+def _scatter_batch_kernel(keys, key_caches, rows, row_caches, positions, n_rows, ratio, key_width, row_width):
+    """A batch's rows, keys and rows in one launch as _scatter_rows_kernel: the caches are address
+    tables [T, 2] of each sequence's cache [groups, width]; row p // ratio of token r's (at p =
+    positions[r]) takes its key and row where the token completes its group."""
     i = cuda.grid(1)
-    if i >= n_rows * width:
+    n_keys = n_rows * key_width
+    if i >= n_keys + n_rows * row_width:
         return
+    src, caches, width = keys, key_caches, key_width
+    if i >= n_keys:
+        src, caches, width = rows, row_caches, row_width
+        i -= n_keys
     r = i // width
     c = i % width
     p = positions[r]
@@ -298,13 +309,20 @@ def publish(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, state: KvSour
     if n == 0:
         return
     linear(latents, w.wk, ws.key_raw, n, stream=stream)
-    norm_rope_quant(ws.key_raw, w.k_norm, cfg.norm_eps, cos, sin, groups.positions, False, "fp4_e8m0_32", n,
-                    out=ws.keys, stream=stream)
-    norm_rope_quant(latents, None, None, cos, sin, groups.positions, False, "fp4_e4m3_16", n, stream=stream)
-    for src, dst in ((ws.keys, state.index_keys), (latents, state.compressed)):
-        width = src.shape[1]
-        _scatter_rows_kernel[grid_1d(n * width, COPY_THREADS), COPY_THREADS, stream](
-            src, dst, positions, n, role.ratio, width)
+    _keys_and_rows(cfg, w, latents, groups.positions, cos, sin, ws, n, stream)
+    keys, rows = ws.keys.shape[1], latents.shape[1]
+    _scatter_rows_kernel[grid_1d(n * (keys + rows), COPY_THREADS), COPY_THREADS, stream](
+        ws.keys, state.index_keys, latents, state.compressed, positions, n, role.ratio, keys, rows)
+
+
+def _keys_and_rows(cfg: ModelConfig, w: KvSourceWeights, latents: DeviceArray, group_positions: DeviceArray,
+                   cos: DeviceArray, sin: DeviceArray, ws: KvSourceWorkspace, n: int, stream) -> None:
+    """publish's two chains in one launch: the keys fp4_32(RoPE(k_norm(key_raw))) into ws.keys and
+    the rows fp4_16e4m3(RoPE(latent)) in place."""
+    norm_rope_quant_pair(Chain(ws.key_raw, w.k_norm, cfg.norm_eps, cos, sin, group_positions, False, "fp4_e8m0_32",
+                               out=ws.keys),
+                         Chain(latents, None, None, cos, sin, group_positions, False, "fp4_e4m3_16"), n,
+                         stream=stream)
 
 
 def compress_groups_batch(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, kv_states: DeviceArray,
@@ -333,10 +351,7 @@ def publish_batch(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, index_k
     group are made, and those of the tokens that complete one go into their sequence's caches
     (address tables index_keys and compressed), at group positions[t] // ratio."""
     linear(latents, w.wk, ws.key_raw, n_tokens, stream=stream)
-    norm_rope_quant(ws.key_raw, w.k_norm, cfg.norm_eps, cos, sin, group_positions, False, "fp4_e8m0_32", n_tokens,
-                    out=ws.keys, stream=stream)
-    norm_rope_quant(latents, None, None, cos, sin, group_positions, False, "fp4_e4m3_16", n_tokens, stream=stream)
-    for src, dst in ((ws.keys, index_keys), (latents, compressed)):
-        width = src.shape[1]
-        _scatter_batch_kernel[grid_1d(n_tokens * width, COPY_THREADS), COPY_THREADS, stream](
-            src, dst, positions, n_tokens, role.ratio, width)
+    _keys_and_rows(cfg, w, latents, group_positions, cos, sin, ws, n_tokens, stream)
+    keys, rows = ws.keys.shape[1], latents.shape[1]
+    _scatter_batch_kernel[grid_1d(n_tokens * (keys + rows), COPY_THREADS), COPY_THREADS, stream](
+        ws.keys, index_keys, latents, compressed, positions, n_tokens, role.ratio, keys, rows)

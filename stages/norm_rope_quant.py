@@ -417,11 +417,14 @@ def fused_kernel(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, th
 @cache
 def fused_pair_kernel(first: tuple, second: tuple):
     """Two chains of fused_body (their compile-time specs `first`, `second`: (x_bf16, norm, rope,
-    quant, vals, threads), one block size) in one launch: the first `items` blocks run the first
-    chain's (row, head) items, the rest the second's."""
+    quant, vals, threads)) in one launch of blocks of the larger one's threads: the first `items`
+    blocks run the first chain's (row, head) items, the rest the second's. A chain of fewer threads
+    than the block leaves the rest inactive: they load nothing and add zeros to its norm's sum
+    (exact), so its result is its own launch's; its threads must be whole warps (the shuffles'
+    mask covers the warp)."""
     body_a, body_b = fused_body(*first), fused_body(*second)
 
-    @jit_for(first[-1])
+    @jit_for(max(first[-1], second[-1]))
     def kernel(xa, wa, oa, ca, sa, pa, heads_a, dim_a, lo_a, rope_a, eps_a, inv_a, items,
                xb, wb, ob, cb, sb, pb, heads_b, dim_b, lo_b, rope_b, eps_b, inv_b):
         item = cuda.blockIdx.x
@@ -561,18 +564,20 @@ def norm_rope_quant(x: DeviceArray, weight: DeviceArray, eps: float | None, cos:
 
 def norm_rope_quant_pair(first: Chain, second: Chain, n_rows: int, stream=0) -> None:
     """norm_rope_quant of two chains over the same n_rows rows in one launch where their default
-    block sizes agree (each block runs one chain's item, so each result is bit for bit its call
-    alone; a decode step's two norms that read one product launch), else two launches."""
+    block sizes agree or are both whole warps (each block runs one chain's item, so each result is
+    bit for bit its call alone: fused_pair_kernel), else two launches: a decode step's two chains
+    that read one product launch, or the kv sources' keys and rows."""
     spec_a, args_a = _fused_launch(first, n_rows, 0)
     spec_b, args_b = _fused_launch(second, n_rows, 0)
     if not n_rows:
         return
-    if spec_a[-1] != spec_b[-1]:
+    threads_a, threads_b = spec_a[-1], spec_b[-1]
+    if threads_a != threads_b and (threads_a % WARP or threads_b % WARP):
         fused_kernel(*spec_a)[n_rows * first.heads, spec_a[-1], stream](*args_a)
         fused_kernel(*spec_b)[n_rows * second.heads, spec_b[-1], stream](*args_b)
         return
     items = n_rows * first.heads
-    fused_pair_kernel(spec_a, spec_b)[items + n_rows * second.heads, spec_a[-1], stream](
+    fused_pair_kernel(spec_a, spec_b)[items + n_rows * second.heads, max(threads_a, threads_b), stream](
         *args_a, items, *args_b)
 
 

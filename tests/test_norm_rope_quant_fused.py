@@ -454,10 +454,18 @@ def test_pair_is_each_chain_alone():
     q, kv, q_rope = CHAIN["q_norm"], CHAIN["kv"], CHAIN["q_rope"]
     check_pair(q, kv, (q.dim, kv.dim), (1, 1), TABLES, MAX_SEQ, rows=3, seed=1)
     check_pair(kv, q_rope, (kv.dim, q_rope.dim), (1, q_rope.heads), TABLES, MAX_SEQ, rows=2, seed=2)
+    keys, latents = CHAIN["index_keys"], CHAIN["latents"]
+    check_pair(keys, latents, (keys.dim, latents.dim), (1, 1), TABLES, MAX_SEQ, rows=2, seed=4)
 
 
 @pytest.mark.gpu
 def test_flash_pair_is_each_chain_alone():
+    """At flash sizes q_norm and the kv chain take 128-thread blocks each; the index keys take 64
+    and the compressed rows 128, so that pair runs the keys in 128-thread blocks, half inactive."""
+    tables = rope_tables("flash", FLASH_MAX_SEQ)
     q, kv = CHAIN["q_norm"], CHAIN["kv"]
-    check_pair(q, kv, (q.flash_dim, kv.flash_dim), (1, 1), rope_tables("flash", FLASH_MAX_SEQ), FLASH_MAX_SEQ,
-               rows=5, seed=3)
+    check_pair(q, kv, (q.flash_dim, kv.flash_dim), (1, 1), tables, FLASH_MAX_SEQ, rows=5, seed=3)
+    keys, latents = CHAIN["index_keys"], CHAIN["latents"]
+    assert nrq.fused_shape(keys.flash_dim, True, keys.block)[1] < nrq.fused_shape(latents.flash_dim, True,
+                                                                                   latents.block)[1]
+    check_pair(keys, latents, (keys.flash_dim, latents.flash_dim), (1, 1), tables, FLASH_MAX_SEQ, rows=4, seed=6)

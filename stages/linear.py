@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import numpy as np
 from numba import cuda, float32, uint32, uint64
@@ -466,7 +467,7 @@ def _stream_launch(w: DeviceWeight, group_rows: int) -> tuple[int, int]:
     return split, 1 if SIM else -(-row_groups // per_block)
 
 
-def _stream(x, w: DeviceWeight, y, second: tuple[DeviceWeight, object] | None, n_tokens: int, group_rows: int,
+def _stream(x, w: DeviceWeight, y, second: tuple[DeviceWeight, Any] | None, n_tokens: int, group_rows: int,
             stream) -> None:
     """The stream kernel's launches for `linear` (group_rows 0: one group) and `linear_pair`
     (second: the pair's other product, of w's type and K, ungrouped), GEMV_MAX_TOKENS tokens each."""

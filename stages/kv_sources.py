@@ -135,13 +135,13 @@ def _scatter_rows_kernel(keys, key_cache, rows, row_cache, positions, n_rows, ra
     n_keys = n_rows * key_width
     if i >= n_keys + n_rows * row_width:
         return
+    src, cache, width = keys, key_cache, key_width
+    if i >= n_keys:
+        src, cache, width = rows, row_cache, row_width
+        i -= n_keys
     start = positions[0]
     g0 = (start + (ratio - 1 - start % ratio) % ratio) // ratio
-    if i < n_keys:
-        key_cache[g0 + i // key_width, i % key_width] = keys[i // key_width, i % key_width]
-    else:
-        i -= n_keys
-        row_cache[g0 + i // row_width, i % row_width] = rows[i // row_width, i % row_width]
+    cache[g0 + i // width, i % width] = src[i // width, i % width]
 
 
 @cuda.jit

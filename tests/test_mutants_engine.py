@@ -88,8 +88,8 @@ def test_ring_slot_off_by_one(two_layer):
 
 
 def test_cache_row_in_the_wrong_group(two_layer):
-    late = edited(stages.kv_sources, "_scatter_rows_kernel", "row_cache[g0 + i // row_width, i % row_width]",
-                  "row_cache[min(g0 + i // row_width + 1, row_cache.shape[0] - 1), i % row_width]")
+    late = edited(stages.kv_sources, "_scatter_rows_kernel", "cache[g0 + i // width, i % width]",
+                  "cache[min(g0 + i // width + 1, cache.shape[0] - 1), i % width]")
     with mutant(stages.kv_sources, _scatter_rows_kernel=late):
         call = first_disagreement(*two_layer)
     assert call is not None and any({"compressed", "index_keys"} & set(a.state_mismatch) for a in call.layers), call

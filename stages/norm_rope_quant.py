@@ -559,7 +559,7 @@ def norm_rope_quant(x: DeviceArray, weight: DeviceArray, eps: float | None, cos:
     spec, args = _fused_launch(Chain(x, weight, eps, cos, sin, positions, inverse, quant, heads, out), n_rows,
                                threads)
     if n_rows:
-        fused_kernel(*spec)[n_rows * heads, spec[-1], stream](*args)
+        _launch_chain(spec, args, n_rows * heads, stream)
 
 
 def norm_rope_quant_pair(first: Chain, second: Chain, n_rows: int, stream=0) -> None:
@@ -573,12 +573,17 @@ def norm_rope_quant_pair(first: Chain, second: Chain, n_rows: int, stream=0) -> 
         return
     threads_a, threads_b = spec_a[-1], spec_b[-1]
     if threads_a != threads_b and (threads_a % WARP or threads_b % WARP):
-        fused_kernel(*spec_a)[n_rows * first.heads, spec_a[-1], stream](*args_a)
-        fused_kernel(*spec_b)[n_rows * second.heads, spec_b[-1], stream](*args_b)
+        _launch_chain(spec_a, args_a, n_rows * first.heads, stream)
+        _launch_chain(spec_b, args_b, n_rows * second.heads, stream)
         return
     items = n_rows * first.heads
     fused_pair_kernel(spec_a, spec_b)[items + n_rows * second.heads, max(threads_a, threads_b), stream](
         *args_a, items, *args_b)
+
+
+def _launch_chain(spec: tuple, args: tuple, items: int, stream) -> None:
+    """fused_kernel of `spec` over `items` (row, head) blocks of its threads."""
+    fused_kernel(*spec)[items, spec[-1], stream](*args)
 
 
 def _fused_launch(chain: Chain, n_rows: int, threads: int) -> tuple[tuple, tuple]:

@@ -177,6 +177,16 @@ if SIM:
         a, row = address
         lo, hi = f16x2_f32(a[row, int(offset) // 4])
         return hi if int(offset) % 4 else lo
+
+    def words2_at(address, offset):
+        """Two words at byte `offset` (a multiple of 8) of a row_address: one 8-byte load."""
+        a, row = address
+        return load_words2(a, row, int(offset) // 4)
+
+    def word_at(address, offset):
+        """The word at byte `offset` (a multiple of 4) of a row_address: one 4-byte load."""
+        a, row = address
+        return a[row, int(offset) // 4]
 else:
     @intrinsic
     def row_address(typingctx, a, row):
@@ -209,6 +219,34 @@ else:
             loaded = builder.call(asm, [_plus(context, builder, args[0], args[1], signature.args[1])])
             words = [builder.extract_value(loaded, j) for j in range(4)]
             return context.make_tuple(builder, signature.return_type, words)
+
+        return sig, codegen
+
+    @intrinsic
+    def words2_at(typingctx, address, offset):
+        """Two words at byte `offset` (a multiple of 8) of a row_address: one
+        `ld.global.nc.v2.u32`."""
+        sig = types.UniTuple(types.uint32, 2)(types.uint64, offset)
+
+        def codegen(context, builder, signature, args):
+            word = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([word] * 2), [ir.IntType(64)]),
+                               "ld.global.nc.v2.u32 {$0, $1}, [$2];", "=r,=r,l")
+            loaded = builder.call(asm, [_plus(context, builder, args[0], args[1], signature.args[1])])
+            words = [builder.extract_value(loaded, j) for j in range(2)]
+            return context.make_tuple(builder, signature.return_type, words)
+
+        return sig, codegen
+
+    @intrinsic
+    def word_at(typingctx, address, offset):
+        """The word at byte `offset` (a multiple of 4) of a row_address: one `ld.global.nc.u32`."""
+        sig = types.uint32(types.uint64, offset)
+
+        def codegen(context, builder, signature, args):
+            word = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(word, [ir.IntType(64)]), "ld.global.nc.u32 $0, [$1];", "=r,l")
+            return builder.call(asm, [_plus(context, builder, args[0], args[1], signature.args[1])])
 
         return sig, codegen
 
@@ -252,6 +290,26 @@ else:
             word = ir.IntType(32)
             values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args, strict=True)]
             asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, values)
+
+        return sig, codegen
+
+
+if SIM:
+    def and_or(a, b, c):
+        """(a & b) | c of three 32-bit words."""
+        return uint32((int(a) & int(b)) | int(c))
+else:
+    @intrinsic
+    def and_or(typingctx, a, b, c):
+        """(a & b) | c of three 32-bit words as one `lop3.b32` (lookup table 0xEA): ptxas, given an
+        and and an or of two constants, emits two LOP3s, one immediate each."""
+        sig = types.uint32(types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            word = ir.IntType(32)
+            values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args, strict=True)]
+            asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r")
             return builder.call(asm, values)
 
         return sig, codegen

@@ -14,7 +14,8 @@ A record (`DeviceType`) holds, with one signature per piece:
   the device (uint8 [N, pitch]), `weight_dequant` is `dequant` on those rows, `layout` its name.
   Every type keeps its stored bytes, except the "split" ones, whose rows put each block's quants
   where 16-byte loads reach them aligned (a stored block starts on a 2-byte boundary, an MXFP4 one
-  of 17 bytes on any): Q8_0, the row's K int8 quants first, then its K/32 fp16 scales; Q6_K, every
+  of 17 bytes on any): Q8_0, the row's K int8 quants first, then its K/32 fp16 scales; Q2_K, every
+  block's 16 scale bytes, then every block's 64 quant bytes, then every block's d and dmin; Q6_K, every
   block's ql, qh and scales (208 bytes, 13 whole 16-byte pieces), then every block's d; Q3_K, every
   block's hmask and qs (96 bytes, 6 pieces), then every block's 12 scale bytes, then every block's
   d (no padding between blocks: see Q3_K_PIECE); MXFP4, the K/32 blocks' 16 code bytes (a block
@@ -26,16 +27,16 @@ A record (`DeviceType`) holds, with one signature per piece:
   acc, u), which adds the dot products of unit u of the row with the inputs to acc[t] for
   t < n_tokens (<= tokens): ww / wf the weight rows as 32-bit words / fp16, x32 the inputs as
   32-bit words [T, K_total / 2] (bf16 pairs) or [T, K_total] (fp32), this row's K-wide slice at
-  word xo. A row is K >> shift units, each one 16-byte load (Q2_K: a 32-bit quant word, its blocks
-  being whole words, not whole 16-byte pieces; MXFP4: a block's codes, and a word load for its
+  word xo. A row is K >> shift units, each one 16-byte load (Q2_K: a block's 16-byte quant piece,
+  64 values, with an 8-byte load of its scales and a word of d, dmin; MXFP4: a block's codes, and a word load for its
   exponent byte; Q6_K and Q3_K: 64 values of a block, three and two 16-byte loads; Q4_K and Q5_K:
   32 level bytes, two loads, with the block's first 16-byte piece and Q5_K's 32 fifth-bit bytes);
   a lane issues `in_flight` of them together. `gemv` (or None): the decode GEMV's unit where it
-  differs, a unit of two rows for Q8_0, Q4_K and Q5_K (the inputs read and unpacked once for both).
+  differs, a unit of two rows for Q8_0, Q2_K, Q4_K and Q5_K (the inputs read and unpacked once for both).
   The generic `chunk_unit` (any type with a chunk dequantiser: unit u is chunk u, dequantised and
   dotted with the inputs, correct but not tuned) is left to the ds4 table format, which no matrix
   has. Integers become floats by an exponent trick (`small_int`, `int8_at`, `uint8_at`,
-  `e2m1_at`, `byte_less`), not by conversions.
+  `e2m1_at`, `byte_less`, `field_at`), not by conversions.
 - `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc), for every
   matrix type but F32 and F16 (whose prefill takes stages.linear's gemm kernel: weight_dequant).
 
@@ -74,6 +75,7 @@ from flashv41.host.quants import (
 from flashv41.stages.device import (
     CHUNK,
     SIM,
+    and_or,
     bf16_round,
     bf16_to_f32,
     byte_perm,
@@ -88,6 +90,8 @@ from flashv41.stages.device import (
     load_words4,
     read_u16,
     row_address,
+    word_at,
+    words2_at,
     words4_at,
 )
 
@@ -110,18 +114,18 @@ Q2_K_D = field_offset(Q2_K_BLOCK, "d")
 Q2_K_DMIN = field_offset(Q2_K_BLOCK, "dmin")
 Q2_K_GROUPS = Q2_K_BLOCK["scales"].shape[0]  # 16-value groups, one scale byte each
 Q2_K_CHUNKS = Q2_K_VALUES // CHUNK  # chunks (tensor-core K steps) a block
-# the word readers: a block as 32-bit words and as 16-bit halves
-Q2_K_WORDS, Q2_K_HALVES = Q2_K_BYTES // WORD, Q2_K_BYTES // 2
-Q2_K_SCALES_WORD, Q2_K_QS_WORD, Q2_K_D_WORD = Q2_K_SCALES // WORD, Q2_K_QS // WORD, Q2_K_D // WORD
-Q2_K_SCALES_HALF, Q2_K_D_HALF, Q2_K_DMIN_HALF = Q2_K_SCALES // 2, Q2_K_D // 2, Q2_K_DMIN // 2
-Q2_K_QS_WORDS = Q2_K_BLOCK["qs"].shape[0] // WORD  # a quant word holds 4 bytes of 4 levels
-Q2_K_HALF_QS = Q2_K_BLOCK["qs"].shape[0] // 2  # quant bytes of each 128-value half of a block
+Q2_K_QS_BYTES = Q2_K_BLOCK["qs"].shape[0]  # a byte holds 4 levels, 2 bits each
+Q2_K_HALF_QS = Q2_K_QS_BYTES // 2  # quant bytes of each 128-value half of a block
+Q2_K_SCALE_HALVES = Q2_K_GROUPS // 2  # 16-bit halves of a block's scale bytes (the tensor-core fetch's)
 
 assert Q8_0_VALUES == CHUNK  # a Q8_0 block is one chunk
-# Q2_K's word readers: whole words for the scales, the quants and (d, dmin) together, d in the
-# low half; 16 quant words a block (the stream unit finds its block by u >> 4)
-assert Q2_K_BYTES % WORD == 0 and Q2_K_SCALES % WORD == 0 and Q2_K_QS % WORD == 0 and Q2_K_D % WORD == 0
-assert Q2_K_DMIN == Q2_K_D + 2 and Q2_K_QS_WORDS == 16 and Q2_K_GROUPS * 16 == Q2_K_VALUES
+# Q2_K's split layout (module docstring): a block's fields in their stored order, the scale bytes
+# (one a 16-value group), the quants (2 bits a value) and (d, dmin) in one word, d in the low half;
+# so in a row of K values the quants start at byte K / 16 and the (d, dmin) words at K / 16 + K / 4
+assert (Q2_K_SCALES, Q2_K_QS, Q2_K_D) == (0, Q2_K_GROUPS, Q2_K_GROUPS + Q2_K_QS_BYTES)
+assert Q2_K_DMIN == Q2_K_D + 2 and Q2_K_BYTES == Q2_K_D + WORD
+assert Q2_K_GROUPS * 16 == Q2_K_VALUES and Q2_K_QS_BYTES * 4 == Q2_K_VALUES
+assert Q2_K_GROUPS % ROW_ALIGN == 0 and Q2_K_QS_BYTES % ROW_ALIGN == 0
 
 # The K-quants Q3_K .. Q6_K and MXFP4's fields (chunk dequantisers, which read the bytes one at a
 # time: the 110- and 210-byte blocks are not whole words; each type's own stream unit below). A
@@ -280,6 +284,12 @@ def padded_split_q6_k(stored: np.ndarray, k: int) -> np.ndarray:
     return padded_stored(split_blocks(stored, Q6_K_BYTES, (Q6_K_D,)), k)
 
 
+def padded_split_q2_k(stored: np.ndarray, k: int) -> np.ndarray:
+    """GGUF Q2_K rows -> the split layout: per row every block's scales, then every block's qs,
+    then every block's d and dmin, zero-padded to whole ROW_ALIGN-byte pieces."""
+    return padded_stored(split_blocks(stored, Q2_K_BYTES, (Q2_K_QS, Q2_K_D)), k)
+
+
 def padded_split_q3_k(stored: np.ndarray, k: int) -> np.ndarray:
     """GGUF Q3_K rows -> the split layout: per row every block's hmask and qs, then every block's
     scales, then every block's d, zero-padded to whole ROW_ALIGN-byte pieces."""
@@ -325,19 +335,35 @@ def dequant_q8_0_split(w, row, chunk, out):
 
 
 @device
-def dequant_q2_k(w, row, chunk, out):
-    base = (chunk // Q2_K_CHUNKS) * Q2_K_BYTES
+def q2_k_values(w, row, chunk, out, scales, qs, d_at):
+    """Chunk `chunk` of a Q2_K row (uint8 [rows, bytes]) whose block holds it has its scale bytes,
+    its quants and its d (dmin after it) at byte offsets scales, qs and d_at of the row."""
     sub = chunk % Q2_K_CHUNKS
     shift = 2 * (sub % 4)
-    qs = base + Q2_K_QS + (sub // 4) * Q2_K_HALF_QS
-    d = fp16_to_f32(read_u16(w, row, base + Q2_K_D))
-    dmin = fp16_to_f32(read_u16(w, row, base + Q2_K_DMIN))
+    first = qs + (sub // 4) * Q2_K_HALF_QS
+    d = fp16_to_f32(read_u16(w, row, d_at))
+    dmin = fp16_to_f32(read_u16(w, row, d_at + (Q2_K_DMIN - Q2_K_D)))
     for i in range(CHUNK):
-        sc = uint32(w[row, base + Q2_K_SCALES + (sub * CHUNK + i) // 16])
+        sc = uint32(w[row, scales + (sub * CHUNK + i) // 16])
         scale = d * float32(sc & 15)
         minimum = dmin * float32(sc >> 4)
-        q = (uint32(w[row, qs + i]) >> shift) & 3
+        q = (uint32(w[row, first + i]) >> shift) & 3
         out[i] = scale * float32(q) - minimum
+
+
+@device
+def dequant_q2_k(w, row, chunk, out):
+    base = (chunk // Q2_K_CHUNKS) * Q2_K_BYTES
+    q2_k_values(w, row, chunk, out, base + Q2_K_SCALES, base + Q2_K_QS, base + Q2_K_D)
+
+
+@device
+def dequant_q2_k_split(w, row, chunk, out):
+    """Q2_K in the split layout: every block's scales, then every block's quants, then every
+    block's d and dmin (rows padded under one block, so the block count reads off the width)."""
+    k = (w.shape[1] // Q2_K_BYTES) * Q2_K_VALUES
+    b = chunk // Q2_K_CHUNKS
+    q2_k_values(w, row, chunk, out, Q2_K_GROUPS * b, k // 16 + Q2_K_QS_BYTES * b, k // 16 + k // 4 + WORD * b)
 
 
 @device
@@ -907,39 +933,119 @@ def f32_unit(tokens: int, x_bf16: bool):
     return f32_unit
 
 
-def q2_k_unit(tokens: int, x_bf16: bool):
-    """Q2_K: unit u is quant word u of the row (block u // 16, word i = u % 16 of its quants, half
-    h = i // 8), which holds values 128 h + 32 s + 4 (i % 8) + b in bits 8 b + 2 s, for s, b < 4;
-    the value's (scale, min) byte is in the block's scale word 2 h + s // 2. The min is folded in as
-    dmin * m * sum(x) per 4 values."""
-    x4 = x4_bf16 if x_bf16 else x4_f32
+# Q2_K (split layout). Unit u is quant piece u of the row (16 bytes): block u >> 2, half h = (u >> 1) & 1,
+# p = u & 1, its byte 4 m + c (word m, byte c) holding in bits 2 s, 2 s + 1 the level of value
+# 128 h + 32 s + 16 p + 4 m + c, whose scale byte is 8 h + 2 s + p of the block: for each s a
+# 16-value group with one (sc, m), its inputs one run of 16. Levels and scale nibbles become float32
+# where they lie (field_at), never shifted down to bit 0: a word's bytes 0 and 1 in place, bytes 2
+# and 3 from the word shifted down 16 bits once.
+Q2_K_UNIT_SHIFT = 6  # a unit: 64 values
 
-    @device
-    def q2_k_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
-        blk = u >> uint64(4)
-        i = u & uint64(15)
-        h = i >> U3
-        word = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_QS_WORD) + i]
-        sc_lo = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_SCALES_WORD) + U2 * h]  # scale bytes 8 h ..
-        sc_hi = ww[row, uint64(Q2_K_WORDS) * blk + uint64(Q2_K_SCALES_WORD) + U2 * h + U1]  # 8 h + 4 ..
-        d = float32(wf[row, uint64(Q2_K_HALVES) * blk + uint64(Q2_K_D_HALF)])
-        dmin = float32(wf[row, uint64(Q2_K_HALVES) * blk + uint64(Q2_K_DMIN_HALF)])
-        pair = (i & uint64(7)) >> U2  # which 16-value scale group of the 32 values of an s
-        v = uint64(Q2_K_VALUES) * blk + uint64(Q2_K_VALUES // 2) * h + U4 * (i & uint64(7))  # value 0 of s = 0
-        for s in range(4):
-            sc = ((sc_lo if s < 2 else sc_hi) >> (uint64(16 * (s % 2)) + uint64(8) * pair)) & 0xFF
-            scale = d * float32(sc & 15)
-            minimum = dmin * float32(sc >> 4)
-            q0 = small_int((word >> (2 * s)) & 3)
-            q1 = small_int((word >> (8 + 2 * s)) & 3)
-            q2 = small_int((word >> (16 + 2 * s)) & 3)
-            q3 = small_int((word >> (24 + 2 * s)) & 3)
+
+def field_magic(p: int):
+    """The fp32 bits of 2^(23 - p): a field whose lowest bit is p (its top bit under 23) or-ed into
+    them reads as 2^(23 - p) + the field (field_at)."""
+    return uint32((150 - p) << 23)
+
+
+Q2_K_LOW_MASKS = tuple(uint32(3 << (2 * s)) for s in range(4))  # byte 0's level at shift s
+Q2_K_HIGH_MASKS = tuple(uint32(3 << (8 + 2 * s)) for s in range(4))  # byte 1's
+Q2_K_LOW_MAGICS = tuple(field_magic(2 * s) for s in range(4))
+Q2_K_HIGH_MAGICS = tuple(field_magic(8 + 2 * s) for s in range(4))
+LOW_NIBBLE, HIGH_NIBBLE = uint32(0x0F), uint32(0xF0)  # a scale byte's sc, m
+LOW_NIBBLE_MAGIC, HIGH_NIBBLE_MAGIC = field_magic(0), field_magic(4)
+SHIFT_HALF = uint32(16)
+
+
+@device
+def field_at(word, mask, magic):
+    """The bit field word & mask as float32, exactly, given magic = field_magic(its lowest bit): one
+    and-or, one subtraction (2^(23 - p) + field - 2^(23 - p))."""
+    return f32_from_bits(and_or(word, mask, magic)) - f32_from_bits(magic)
+
+
+@device
+def q2_k_row(address, qs, scales, d_at, p8):
+    """One row's part of a Q2_K unit (loads only, and what every token shares): its quant piece's
+    four words and the same shifted down 16 bits, and per shift s the group's d sc and dmin m (each
+    exact in float32: an fp16 times 4 bits). qs, scales, d_at: the byte offsets of the piece, of its
+    half-block's eight scale bytes and of (d, dmin); p8 = 8 p (scale byte 2 s + p of the eight)."""
+    w0, w1, w2, w3 = words4_at(address, qs)
+    s0, s1 = words2_at(address, scales)
+    d, dmin = f16x2_f32(word_at(address, d_at))
+    e0 = s0 >> p8  # byte 0: the scale byte of s = 0, byte 2: of s = 1
+    e1 = s1 >> p8  # s = 2 and 3
+    f0 = e0 >> SHIFT_HALF
+    f1 = e1 >> SHIFT_HALF
+    words = (w0, w1, w2, w3, w0 >> SHIFT_HALF, w1 >> SHIFT_HALF, w2 >> SHIFT_HALF, w3 >> SHIFT_HALF)
+    scaled = (d * field_at(e0, LOW_NIBBLE, LOW_NIBBLE_MAGIC), d * field_at(f0, LOW_NIBBLE, LOW_NIBBLE_MAGIC),
+              d * field_at(e1, LOW_NIBBLE, LOW_NIBBLE_MAGIC), d * field_at(f1, LOW_NIBBLE, LOW_NIBBLE_MAGIC))
+    mins = (dmin * field_at(e0, HIGH_NIBBLE, HIGH_NIBBLE_MAGIC), dmin * field_at(f0, HIGH_NIBBLE, HIGH_NIBBLE_MAGIC),
+            dmin * field_at(e1, HIGH_NIBBLE, HIGH_NIBBLE_MAGIC), dmin * field_at(f1, HIGH_NIBBLE, HIGH_NIBBLE_MAGIC))
+    return words, scaled, mins
+
+
+@device
+def q2_k_dot16(words, s, xs):
+    """The sixteen levels at shift s of q2_k_row's words (entry 4 m + c: byte c of word m) times
+    sixteen inputs, every product exact, in one chain (one multiplication, fifteen FMAs)."""
+    lo, hi, lo_magic, hi_magic = Q2_K_LOW_MASKS[s], Q2_K_HIGH_MASKS[s], Q2_K_LOW_MAGICS[s], Q2_K_HIGH_MAGICS[s]
+    w0, w1, w2, w3, t0, t1, t2, t3 = words
+    return (field_at(w0, lo, lo_magic) * xs[0] + field_at(w0, hi, hi_magic) * xs[1]
+            + field_at(t0, lo, lo_magic) * xs[2] + field_at(t0, hi, hi_magic) * xs[3]
+            + field_at(w1, lo, lo_magic) * xs[4] + field_at(w1, hi, hi_magic) * xs[5]
+            + field_at(t1, lo, lo_magic) * xs[6] + field_at(t1, hi, hi_magic) * xs[7]
+            + field_at(w2, lo, lo_magic) * xs[8] + field_at(w2, hi, hi_magic) * xs[9]
+            + field_at(t2, lo, lo_magic) * xs[10] + field_at(t2, hi, hi_magic) * xs[11]
+            + field_at(w3, lo, lo_magic) * xs[12] + field_at(w3, hi, hi_magic) * xs[13]
+            + field_at(t3, lo, lo_magic) * xs[14] + field_at(t3, hi, hi_magic) * xs[15])
+
+
+def q2_k_unit(rows: int):
+    """The Q2_K stream unit of `rows` rows (1, or 2 for the GEMV: the inputs read, unpacked and
+    summed once for both rows). Per row and 16-value group, d sc (sum of level x input) - dmin m
+    (sum of inputs): the sum of the values' two parts d sc q and dmin m (tests/bounds.py's
+    SPLIT_KERNELS). Every load is a row address plus a 32-bit byte offset, and the token slots past
+    n_tokens read the last live token's inputs (their sums are never stored): no branch, so all of
+    a unit's loads are issued before its arithmetic. The four groups are four calls with s a
+    literal (a loop over s would stay one in the PTX, its masks picked at run time)."""
+    assert rows in (1, 2)
+
+    def make(tokens: int, x_bf16: bool):
+        x16 = x16_bf16_at if x_bf16 else x16_f32_at
+
+        @device
+        def add_group(x, xo, v, s, a, b, acc, t):
+            xs = x16(x, xo, v)
+            sx = sum16(xs)
+            acc[t] += a[1][s] * q2_k_dot16(a[0], s, xs)
+            acc[t] -= a[2][s] * sx
+            if rows == 2:
+                acc[tokens + t] += b[1][s] * q2_k_dot16(b[0], s, xs)
+                acc[tokens + t] -= b[2][s] * sx
+
+        @device
+        def q2_k_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+            i = uint32(u)
+            width = uint32(k)
+            qs = uint32((width >> uint32(4)) + (i << uint32(4)))  # the quants follow the K / 16 scale bytes
+            scales = uint32((i >> uint32(1)) << uint32(3))
+            d_at = uint32((width >> uint32(4)) + (width >> uint32(2)) + ((i >> uint32(2)) << uint32(2)))
+            p8 = uint32((i & uint32(1)) << uint32(3))
+            v = uint32(((i >> uint32(1)) << uint32(3)) | (i & uint32(1)))  # the 16-input run of s = 0
+            a = q2_k_row(row_address(ww, row), qs, scales, d_at, p8)
+            b = a if rows == 1 else q2_k_row(row_address(ww, min(row + 1, ww.shape[0] - 1)), qs, scales, d_at, p8)
+            xb = uint32(uint32(xo) << uint32(2))
             for t in range(tokens):
-                if t < n_tokens:
-                    x0, x1, x2, x3 = x4(x32, t, xo, v + uint64(32 * s))
-                    acc[t] += scale * (q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3) - minimum * (x0 + x1 + x2 + x3)
+                x = row_address(x32, min(t, n_tokens - 1))
+                add_group(x, xb, v, 0, a, b, acc, t)
+                add_group(x, xb, uint32(v + uint32(2)), 1, a, b, acc, t)
+                add_group(x, xb, uint32(v + uint32(4)), 2, a, b, acc, t)
+                add_group(x, xb, uint32(v + uint32(6)), 3, a, b, acc, t)
 
-    return q2_k_unit
+        return q2_k_unit
+
+    return make
 
 
 @device
@@ -1414,15 +1520,16 @@ def put_scales_q8_0(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
     d_s[0, r] = fp16_to_f32(s0)
 
 
-# Q2_K: step ks is sub-block sub = ks % 8 of block ks // 8: levels (qs[32 * (sub // 4) + i] >> 2 *
-# (sub % 4)) & 3 for i < 32, in groups 2 * sub (i < 16) and 2 * sub + 1, whose scale bytes are one
-# 16-bit half; d and dmin are one word.
+# Q2_K (split layout: every block's scales, then its quants, then its d and dmin, the quants at word
+# K / 64 and the (d, dmin) words at K / 64 + K / 16): step ks is sub-block sub = ks % 8 of block
+# ks // 8: levels (qs[32 * (sub // 4) + i] >> 2 * (sub % 4)) & 3 for i < 32, in groups 2 * sub
+# (i < 16) and 2 * sub + 1, whose scale bytes are one 16-bit half; d and dmin are one word.
 
 @device
 def fetch_q2_k(w32, w16, n, ks, c, k):
     b, sub = ks // Q2_K_CHUNKS, ks % Q2_K_CHUNKS
-    return (w32[n, Q2_K_WORDS * b + Q2_K_QS_WORD + (Q2_K_HALF_QS // WORD) * (sub // 4) + c],
-            uint32(w16[n, Q2_K_HALVES * b + Q2_K_SCALES_HALF + sub]))
+    return (w32[n, k // 64 + (Q2_K_QS_BYTES // WORD) * b + (Q2_K_HALF_QS // WORD) * (sub // 4) + c],
+            uint32(w16[n, Q2_K_SCALE_HALVES * b + sub]))
 
 
 @device
@@ -1440,8 +1547,7 @@ def put_q2_k(b_s, r, c, word, aux, ks):
 @device
 def fetch_scales_q2_k(w32, w16, n, ks, k):
     b, sub = ks // Q2_K_CHUNKS, ks % Q2_K_CHUNKS
-    return (uint32(w16[n, Q2_K_HALVES * b + Q2_K_SCALES_HALF + sub]), w32[n, Q2_K_WORDS * b + Q2_K_D_WORD],
-            uint32(0), uint32(0))
+    return uint32(w16[n, Q2_K_SCALE_HALVES * b + sub]), w32[n, k // 64 + k // 16 + b], uint32(0), uint32(0)
 
 
 @device
@@ -1774,8 +1880,9 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
            TcType(fetch_q8_0, put_q8_0, fetch_scales_q8_0, put_scales_q8_0, CHUNK // WORD, True, False),
            "split", padded_split_q8_0, dequant_q8_0_split, StreamUnit(q8_0_pair_unit, 4, 2, rows=2),
            NarrowType(narrow_fetch_q8_0, narrow_pairs_q8_0, narrow_scales_q8_0, True)),
-    _entry(GGMLType.Q2_K, dequant_q2_k, StreamUnit(q2_k_unit, 4, 4),
-           TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, CHUNK // WORD, True, True)),
+    _entry(GGMLType.Q2_K, dequant_q2_k, StreamUnit(q2_k_unit(1), Q2_K_UNIT_SHIFT, 2),
+           TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, CHUNK // WORD, True, True),
+           "split", padded_split_q2_k, dequant_q2_k_split, StreamUnit(q2_k_unit(2), Q2_K_UNIT_SHIFT, 2, rows=2)),
     _entry(GGMLType.Q3_K, dequant_q3_k, StreamUnit(q3_k_unit, 6, 2),
            TcType(fetch_q3_k, put_q3_k, fetch_scales_q3_k, put_scales_q3_k, CHUNK // WORD, True, False, halves=True),
            "split", padded_split_q3_k, dequant_q3_k_split),

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashv41.host.quants import GGMLType, q2_k_terms, q4_k_terms, q5_k_terms
+from flashv41.host.quants import FORMATS, GGMLType, q2_k_terms, q4_k_terms, q5_k_terms
 
 U = 2.0**-24  # float32 unit roundoff
 LAMBDA = 8.0  # the high-probability factor of the sqrt(K) product bound (see the module docstring)
@@ -108,6 +108,32 @@ def split_terms(gtype: GGMLType, stored: np.ndarray, k: int, kernel: str) -> dic
     if kernel not in SPLIT_KERNELS.get(gtype, ()):
         return {}
     return {"w_abs": part_magnitudes(gtype, stored, k), "n_terms": 2 * k}
+
+
+# The device layouts that move a type's fields (stages.quant_types: "split"), as the stored block's
+# field groups each layout puts one after another along a row, every block's group back to back.
+SPLIT_FIELDS = {GGMLType.Q2_K: (("scales",), ("qs",), ("d", "dmin"))}
+
+
+def stored_rows(gtype: GGMLType, rows: np.ndarray, k: int) -> np.ndarray:
+    """The stored rows (uint8 [N, row_bytes], whole blocks) of a weight's device rows in the split
+    layout of SPLIT_FIELDS: each region's slice of every block put back into its block."""
+    block = FORMATS[gtype].block
+    n, blocks = rows.shape[0], k // FORMATS[gtype].block_values
+    parts, start = [], 0
+    for fields in SPLIT_FIELDS[gtype]:
+        size = sum(block[f].itemsize for f in fields)
+        parts.append(rows[:, start:start + blocks * size].reshape(n, blocks, size))
+        start += blocks * size
+    return np.concatenate(parts, axis=2).reshape(n, -1)
+
+
+def weight_terms(w, kernel: str) -> dict:
+    """split_terms of a stages.linear.DeviceWeight `w` (its device rows, read back, as stored rows)."""
+    rows = w.data.copy_to_host()
+    if w.layout == "split" and w.gtype in SPLIT_FIELDS:
+        rows = stored_rows(w.gtype, rows, w.k)
+    return split_terms(w.gtype, rows, w.k, kernel)
 
 
 def product_error(x: np.ndarray, w: np.ndarray, w_abs: np.ndarray | None = None, n_terms: int | None = None):

@@ -39,7 +39,7 @@ from flashv41.stages.engram import EngramStage
 from flashv41.stages.engram_gate import engram_gate
 from flashv41.stages.engram_rows import RowWorkspace, TableRows
 from flashv41.stages.linear import pick_kernel
-from tests.bounds import assert_bf16_product, assert_within, split_terms
+from tests.bounds import assert_bf16_product, assert_within, weight_terms
 
 U = 2.0**-24  # float32 unit roundoff
 
@@ -223,7 +223,7 @@ def wkv_terms(st: EngramStage, layer: int, n_tokens: int) -> dict:
     """split_terms for the projection of n_tokens tokens: the wkv's two parts per value when the
     kernel that stages.linear picks adds them apart (Q2_K's stream and, on a GPU, tc), else nothing."""
     w = st.layers[layer].wkv
-    return split_terms(w.gtype, w.data.copy_to_host(), w.k, pick_kernel(w, True, n_tokens))
+    return weight_terms(w, pick_kernel(w, True, n_tokens))
 
 
 @pytest.mark.parametrize("tokens", [2, 9], ids=["stream", "gemm"])

@@ -24,7 +24,7 @@ from flashv41.stages.linear import (  # noqa: E402
 )
 from flashv41.stages.linear_narrow import NARROW_MAX_TOKENS
 from flashv41.stages.quant_types import split_q8_0  # noqa: E402
-from tests.bounds import assert_bf16_product, assert_f32_product, assert_within, f32_sum_error, split_terms
+from tests.bounds import assert_bf16_product, assert_f32_product, assert_within, f32_sum_error, weight_terms
 
 TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16, GGMLType.F16, GGMLType.F32]
 
@@ -67,7 +67,7 @@ def check_linear(w: DeviceWeight, wq: np.ndarray, tokens: int, kernel: str = "",
     linear(cuda.to_device(x if x_f32 else to_bits(x)), w, y, tokens, group_rows=group_rows, kernel=kernel)
     got = from_bits(y.copy_to_host()) if out_bf16 else y.copy_to_host()
     picked = kernel or pick_kernel(w, not x_f32, tokens)
-    terms = split_terms(w.gtype, w.data.copy_to_host(), w.k, picked)
+    terms = weight_terms(w, picked)
     what = f"{w.gtype.name} {w.layout} [{w.n}, {w.k}] {picked} T={tokens} {'bf16' if out_bf16 else 'f32'} out"
     return check_groups(got, x, wq, group_rows or w.n, out_bf16, what, terms)
 
@@ -149,7 +149,7 @@ def test_stream_partials(gtype):
     partial = cuda.device_array((tokens + 1, w.n + 1, slices), np.float32)
     stream_partials(cuda.to_device(x), w, partial, tokens)
     got = partial.copy_to_host()[:tokens].astype(np.float64).sum(axis=2)  # exact for three fp32 terms
-    terms = split_terms(w.gtype, w.data.copy_to_host(), w.k, "stream")
+    terms = weight_terms(w, "stream")
     assert_f32_product(got[:, :w.n], x, wq, f"{gtype.name} stream_partials T={tokens}", **terms)
     squares = (x.astype(np.float64) ** 2).sum(axis=1)
     assert_within(got[:, w.n], squares, f32_sum_error(squares, w.k), "square sums")

@@ -28,7 +28,7 @@ from flashv41.stages.device import CHUNK, device
 from flashv41.stages.linear import DeviceWeight, linear, stream_partials
 from flashv41.stages.quant_types import DEVICE_TYPES, chunk_stream, e2m1_word
 from tests.blocks import corner_rows
-from tests.bounds import BOUND_RULE, assert_bf16_product, assert_f32_product, split_terms
+from tests.bounds import BOUND_RULE, assert_bf16_product, assert_f32_product, stored_rows, weight_terms
 from tests.mutants import edited, mutant
 from tests.test_linear import check_linear
 from tests.test_mutants_products import MUTANTS, SCALE, rejected, run_mutant, scaled_values
@@ -148,7 +148,8 @@ def test_device_dequant_bit_exact(gtype):
 
 # the split layouts' regions, each the named fields of every block back to back (module docstring of
 # stages.quant_types): the quant pieces, then the rest
-SPLIT_REGIONS = {GGMLType.Q6_K: (("ql", "qh", "scales"), ("d",)), GGMLType.Q3_K: (("hmask", "qs"), ("scales",), ("d",))}
+SPLIT_REGIONS = {GGMLType.Q6_K: (("ql", "qh", "scales"), ("d",)), GGMLType.Q3_K: (("hmask", "qs"), ("scales",), ("d",)),
+                 GGMLType.Q2_K: (("scales",), ("qs",), ("d", "dmin"))}
 SPLIT = list(SPLIT_REGIONS)
 
 
@@ -168,7 +169,7 @@ def test_split_layout(gtype):
     """The split layout keeps every byte (its rows are the stored ones rearranged by field, under 16
     pad bytes a row, the quant pieces 16-byte aligned), and DeviceWeight.from_stored and from_ref
     upload it."""
-    k = 2304  # 9 blocks: padded rows (Q6_K 14 bytes, Q3_K 2), scales and d after an odd block count
+    k = 2304  # 9 blocks: padded rows (Q6_K 14 bytes, Q3_K 2, Q2_K 4), scales and d after an odd block count
     stored = random_blocks(gtype, 3, k, np.random.default_rng(int(gtype) + 7))
     qt = DEVICE_TYPES[gtype]
     rows = qt.weight_rows(stored, k)
@@ -178,6 +179,19 @@ def test_split_layout(gtype):
     via_ref = DeviceWeight.from_ref(TensorRef("w", gtype, (3, k), stored))
     for w in (DeviceWeight.from_stored("w", gtype, stored, k), via_ref):
         assert w.layout == "split" and (w.n, w.k) == (3, k) and np.array_equal(w.data.copy_to_host(), rows)
+
+
+def test_q2_k_split_rows_dequantise_and_read_back():
+    """Q2_K's split rows (9 blocks, padded) through the device chunk dequantiser of its layout (the
+    gemm kernel's): every value bit for bit the host's; and tests/bounds.py's stored_rows, which
+    the product bounds read the terms' magnitudes through, gives back the stored rows."""
+    k = 2304
+    stored = random_blocks(GGMLType.Q2_K, 2, k, np.random.default_rng(29))
+    qt = DEVICE_TYPES[GGMLType.Q2_K]
+    rows = np.ascontiguousarray(qt.weight_rows(stored, k))
+    got = device_values(qt.weight_dequant, rows, k)
+    assert np.array_equal(bits(got), bits(dequantize(stored, GGMLType.Q2_K, k)))
+    assert np.array_equal(stored_rows(GGMLType.Q2_K, rows, k), stored)
 
 
 def test_device_dequant_check_rejects_a_scale_error():
@@ -268,9 +282,11 @@ def test_split_stream(gtype, k, tokens, x_f32, out_bf16):
 @pytest.mark.parametrize("kernel,tokens,x_f32", [("stream", 1, False), ("stream", 3, True), ("gemm", 9, False),
                                                  ("gemm", 9, True)])
 def test_split_grouped(gtype, kernel, tokens, x_f32):
-    """Two groups of 5 outputs, each reading its own K = 1024 slice of x, through the split layout."""
-    w, wq = random_weight(gtype, 10, 1024, int(gtype) + tokens)
-    check_linear(w, wq, tokens, kernel, group_rows=5, x_f32=x_f32, seed=tokens)
+    """Two groups of 5 outputs (6 where the GEMV's unit takes two rows: Q2_K), each reading its own
+    K = 1024 slice of x, through the split layout."""
+    rows = 5 + (DEVICE_TYPES[gtype].gemv_unit.rows - 1)
+    w, wq = random_weight(gtype, 2 * rows, 1024, int(gtype) + tokens)
+    check_linear(w, wq, tokens, kernel, group_rows=rows, x_f32=x_f32, seed=tokens)
 
 
 def check_stream_partials(gtype: GGMLType, k: int, tokens: int, seed: int, x_seed: int) -> None:
@@ -283,7 +299,7 @@ def check_stream_partials(gtype: GGMLType, k: int, tokens: int, seed: int, x_see
     partial = cuda.device_array((tokens, w.n + 1, slices), np.float32)
     stream_partials(cuda.to_device(x), w, partial, tokens)
     got = partial.copy_to_host().astype(np.float64).sum(axis=2)
-    terms = split_terms(gtype, w.data.copy_to_host(), w.k, "stream")
+    terms = weight_terms(w, "stream")
     assert_f32_product(got[:, :w.n], x, wq, f"{gtype.name} stream_partials T={tokens}", **terms)
     squares = (x.astype(np.float64) ** 2).sum(axis=1)
     assert np.allclose(got[:, w.n], squares, rtol=1e-5)

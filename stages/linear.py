@@ -6,10 +6,11 @@ to nearest even, or float32). A grouped product (the attention's `wo_a`: G group
 outputs, each reading its own K-wide slice of x) is the same kernel with the input offset
 `(n // group_rows) * K`.
 
-Weights keep their GGUF bytes, except Q8_0, Q6_K, Q3_K and MXFP4 (DeviceWeight.layout "split"):
-per row the blocks' quants first (Q8_0's K int8 quants; each Q6_K block's ql, qh and scales; each
-Q3_K block's hmask and qs; MXFP4's 16 code bytes a block), then the rest of every block (Q3_K's
-scales, then the fp16 scales d; MXFP4's exponent bytes), padded to whole 16-byte pieces. Same
+Weights keep their GGUF bytes, except Q8_0, Q2_K, Q6_K, Q3_K and MXFP4 (DeviceWeight.layout
+"split"): per row the blocks' quants first (Q8_0's K int8 quants; each Q6_K block's ql, qh and
+scales; each Q3_K block's hmask and qs; MXFP4's 16 code bytes a block; Q2_K: every block's scale
+bytes, then every block's quant bytes), then the rest of every block (Q3_K's scales, then the fp16
+scales d; MXFP4's exponent bytes; Q2_K's d and dmin), padded to whole 16-byte pieces. Same
 values; the quants of consecutive blocks become contiguous and aligned, so a warp reads them with
 aligned, coalesced 16-byte loads (a stored block starts on a 2-byte boundary, an MXFP4 one on any).
 
@@ -18,7 +19,7 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
   so a token's sums never depend on the others of its call): warps over output
   rows, and for short matrices several warps a row, each a slice of K (`stream_split`: enough warps
   in all to keep the memory busy; slices summed in shared memory). The lanes of a warp walk the
-  row's units (the type's stream unit: 16-byte pieces, Q2_K 32-bit quant words), two or four in
+  row's units (the type's stream unit: 16-byte pieces), two or four in
   flight, each used for every token of the step; x (a few KiB) is read through L1. How a unit
   decodes is the type's (stages.quant_types). `stream_partials` is the same walk with the slices'
   sums written out instead (any T, in groups of GEMV_MAX_TOKENS tokens), plus a row of the inputs'

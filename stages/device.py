@@ -363,6 +363,21 @@ else:
         return v
 
 
+def lane_group_sum(lanes: int):
+    """A device function: the sum of v over the calling lane's aligned group of `lanes` lanes (a
+    power of two, 2 to 32; butterfly shuffles over the group's offsets only), to every lane of the
+    group. Every lane of the warp must call. GPU only: the simulator's warps are one lane."""
+    offsets = tuple(lanes >> i for i in range(1, lanes.bit_length()))
+
+    @cuda.jit(device=True)
+    def group_sum(v):
+        for offset in offsets:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+        return v
+
+    return group_sum
+
+
 if SIM:
     _F32_OVERFLOW = 2.0**128 - 2.0**103  # the smallest float64 that rounds to +inf in fp32
 

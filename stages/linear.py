@@ -56,7 +56,17 @@ from flashv41.host.errors import UnsupportedError
 from flashv41.host.gguf_model import TensorRef
 from flashv41.host.quants import FORMATS, GGMLType, quantize
 from flashv41.stages import linear_narrow, linear_tc
-from flashv41.stages.device import CHUNK, SIM, WARP, device, f32_to_bf16, inlined, load_f32, warp_sum
+from flashv41.stages.device import (
+    CHUNK,
+    SIM,
+    WARP,
+    device,
+    f32_to_bf16,
+    inlined,
+    lane_group_sum,
+    load_f32,
+    warp_sum,
+)
 from flashv41.stages.linear_narrow import NARROW_MAX_TOKENS
 from flashv41.stages.quant_types import (
     DEVICE_TYPES,
@@ -81,11 +91,13 @@ GEMV_TOKEN_CAPS = (1, 2, 4, 8)  # the stream kernels are compiled per cap: their
 # sums cost two barriers a row. The kernels' logic is the same; only these sizes change.
 if SIM:
     LANES, STREAM_WARPS, STREAM_TARGET_WARPS = 1, 2, 8  # one-thread warps; a block walks all of its rows
+    STREAM_MIN_BLOCKS = 1
     TM, TN, WM, WN = 16, 32, 16, 32
 else:
     # at most STREAM_WARPS warps (rows, or slices of one) per block; 8192 warps: about what an H200
     # holds resident (132 SMs x 64 warps)
     LANES, STREAM_WARPS, STREAM_TARGET_WARPS = WARP, 8, 8192
+    STREAM_MIN_BLOCKS = 128  # about one a streaming multiprocessor of an H200 (132)
     TM, TN, WM, WN = 32, 64, 2, 4
 # gemm tile: TM tokens x TN outputs, threads (TN / WN) x (TM / WM), each WM x WN outputs
 THREADS_X, THREADS_Y = TN // WN, TM // WM
@@ -235,75 +247,107 @@ def stream_split(n_rows: int) -> int:
     return split
 
 
+def stream_lanes(units: int, row_groups: int, split: int) -> int:
+    """Lanes of a warp that walk one row group's slice of `units` units: of 8, 16 and 32 lanes
+    (the warp then takes 4, 2 or 1 row groups), the one that leaves the fewest lanes idle over the
+    slice's rounds (units / (lanes * rounds) highest), the most lanes on a tie, among those that
+    still give the launch STREAM_MIN_BLOCKS blocks (32 lanes always qualifies). A short row (K =
+    1280: 10 to 40 units) then no longer leaves most of a 32-lane warp without work, and a small
+    matrix keeps every SM busy. One lane on the simulator, whose warps are one lane."""
+    if LANES == 1:
+        return 1
+
+    def busy(lanes: int) -> float:
+        return units / (lanes * -(-units // lanes))
+
+    def blocks(lanes: int) -> int:
+        return -(-row_groups // (STREAM_WARPS // split * (LANES // lanes)))
+
+    return max((lanes for lanes in (32, 16, 8) if lanes == 32 or blocks(lanes) >= STREAM_MIN_BLOCKS), key=busy)
+
+
 @cache
-def stream_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool, tokens: int, split: int, split2: int = 0):
-    """Output rows over warps, each warp the type's `rows` consecutive rows (its gemv unit),
-    `split` warps per row group (each a slice of K, summed in shared memory), for up to `tokens`
-    tokens; block = (LANES, STREAM_WARPS), row groups strided over the grid. `split` is compiled
-    in: its divisions become shifts (a 64-bit division costs more than a short row's walk).
-    split2 > 0: a pair of products of the same x, kernel(x, w, y, w2, y2, n_tokens, k, group_rows,
-    blocks): the first `blocks` blocks walk (w, y) as the single kernel does, the rest the ungrouped
-    (w2, y2) with split2, so each output's sum is the one its product gets alone; else
-    kernel(x, w, y, n_tokens, k, group_rows)."""
+def stream_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool, tokens: int, split: int, split2: int = 0,
+                  lanes: int = LANES, lanes2: int = LANES):
+    """Output rows over warps, each warp LANES // lanes row groups of the type's `rows` consecutive
+    rows (its gemv unit; `lanes` lanes a group, stream_lanes), `split` warps per row group (each a
+    slice of K, summed in shared memory), for up to `tokens` tokens; block = (LANES, STREAM_WARPS),
+    row groups strided over the grid. `split` is compiled in: its divisions become shifts (a 64-bit
+    division costs more than a short row's walk). split2 > 0: a pair of products of the same x,
+    kernel(x, w, y, w2, y2, n_tokens, k, group_rows, blocks): the first `blocks` blocks walk (w, y)
+    as the single kernel does, the rest the ungrouped (w2, y2) with split2 and lanes2, so each
+    output's sum is the one its product gets alone; else kernel(x, w, y, n_tokens, k, group_rows)."""
     unit = qt.gemv_unit
     rows = unit.rows
     walk = stream_walker(unit, x_bf16, tokens)
-    sums = rows * tokens  # a warp's accumulators: acc[i * tokens + t] for row i of its group
-    partial_shape = (STREAM_WARPS, sums)
+    sums = rows * tokens  # a lane's accumulators: acc[i * tokens + t] for row i of its group
     per_word = 2 if x_bf16 else 1  # inputs a 32-bit word of x holds
 
-    @inlined
-    def product(x, w, y, n_tokens, k, group_rows, block, blocks, split):
-        """Blocks `block` of `blocks` of the product y = x @ w^T, `split` warps a row group."""
-        partial = cuda.shared.array(partial_shape, float32)
-        ww = w.view(np.uint32)
-        wf = w.view(np.float16)
-        x32 = x.view(np.uint32)
-        lane = cuda.threadIdx.x
-        warp = cuda.threadIdx.y
-        part = warp % split
-        per_block = STREAM_WARPS // split
-        n_rows = w.shape[0]
-        n_groups = (n_rows + rows - 1) // rows
-        x_words = uint32(k) // uint32(per_word)
-        acc = cuda.local.array(sums, float32)
-        # a block-uniform walk over its row groups, so every thread meets the same barriers
-        for first in range(block * per_block, n_groups, blocks * per_block):
-            row = (first + warp // split) * rows
-            for j in range(sums):
-                acc[j] = float32(0)
-            if row < n_rows:
-                xo = uint64((uint32(row) // uint32(group_rows)) * x_words)
-                walk(ww, wf, row, x32, xo, k, n_tokens, acc, part, split, lane, LANES)
-            for j in range(sums):
-                total = warp_sum(acc[j], acc) if LANES > 1 else acc[j]  # (shuffles: no scratch)
-                if lane == 0:
-                    partial[warp, j] = total
-            if split > 1:
-                cuda.syncthreads()
-            if lane == 0 and part == 0:
-                for i in range(rows):
-                    if row + i < n_rows:
-                        for t in range(tokens):
-                            if t < n_tokens:
-                                total = float32(0)
-                                for p in range(split):
-                                    total += partial[warp + p, i * tokens + t]
-                                if out_bf16:
-                                    y[t, row + i] = f32_to_bf16(total)
-                                else:
-                                    y[t, row + i] = total
-            if split > 1:
-                cuda.syncthreads()
+    def product_of(lanes: int):
+        """The product's block walk with `lanes` lanes a row group."""
+        groups = LANES // lanes  # row groups a warp walks side by side
+        partial_shape = (STREAM_WARPS, groups, sums)
+        group_sum = lane_group_sum(lanes) if lanes > 1 else None
 
+        @inlined
+        def product(x, w, y, n_tokens, k, group_rows, block, blocks, split):
+            """Blocks `block` of `blocks` of the product y = x @ w^T, `split` warps a row group."""
+            partial = cuda.shared.array(partial_shape, float32)
+            ww = w.view(np.uint32)
+            wf = w.view(np.float16)
+            x32 = x.view(np.uint32)
+            # the warp's row group this lane walks (`side`), and the lane's place in it
+            lane = cuda.threadIdx.x % lanes if groups > 1 else cuda.threadIdx.x
+            side = cuda.threadIdx.x // lanes if groups > 1 else 0
+            warp = cuda.threadIdx.y
+            part = warp % split
+            per_block = STREAM_WARPS // split * groups
+            n_rows = w.shape[0]
+            n_groups = (n_rows + rows - 1) // rows
+            x_words = uint32(k) // uint32(per_word)
+            acc = cuda.local.array(sums, float32)
+            # a block-uniform walk over its row groups, so every thread meets the same barriers
+            for first in range(block * per_block, n_groups, blocks * per_block):
+                row = (first + warp // split * groups + side) * rows
+                for j in range(sums):
+                    acc[j] = float32(0)
+                if row < n_rows:
+                    xo = uint64((uint32(row) // uint32(group_rows)) * x_words)
+                    walk(ww, wf, row, x32, xo, k, n_tokens, acc, part, split, lane, lanes)
+                for j in range(sums):
+                    total = group_sum(acc[j]) if lanes > 1 else acc[j]
+                    if lane == 0:
+                        partial[warp, side, j] = total
+                if split > 1:
+                    cuda.syncthreads()
+                if lane == 0 and part == 0:
+                    for i in range(rows):
+                        if row + i < n_rows:
+                            for t in range(tokens):
+                                if t < n_tokens:
+                                    total = float32(0)
+                                    for p in range(split):
+                                        total += partial[warp + p, side, i * tokens + t]
+                                    if out_bf16:
+                                        y[t, row + i] = f32_to_bf16(total)
+                                    else:
+                                        y[t, row + i] = total
+                if split > 1:
+                    cuda.syncthreads()
+
+        return product
+
+    product = product_of(lanes)
     if split2:
+        second = product_of(lanes2)
+
         @cuda.jit
         def stream_pair(x, w, y, w2, y2, n_tokens, k, group_rows, blocks):
             block = cuda.blockIdx.x
             if block < blocks:
                 product(x, w, y, n_tokens, k, group_rows, block, blocks, split)
             else:
-                product(x, w2, y2, n_tokens, k, w2.shape[0], block - blocks, cuda.gridDim.x - blocks, split2)
+                second(x, w2, y2, n_tokens, k, w2.shape[0], block - blocks, cuda.gridDim.x - blocks, split2)
 
         return stream_pair
 
@@ -455,17 +499,19 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
                                                        g * group_rows, g * w.k)
 
 
-def _stream_launch(w: DeviceWeight, group_rows: int) -> tuple[int, int]:
-    """(split, blocks) of the stream kernel for w (group_rows 0: one group); the simulator walks a
+def _stream_launch(w: DeviceWeight, group_rows: int) -> tuple[int, int, int]:
+    """(split, lanes, blocks) of the stream kernel for w (group_rows 0: one group); the simulator walks a
     product in one block."""
-    rows = DEVICE_TYPES[w.gtype].gemv_unit.rows
+    unit = DEVICE_TYPES[w.gtype].gemv_unit
+    rows = unit.rows
     if group_rows and group_rows % rows:  # (one group: a last row group short of `rows` is the unit's to skip)
         raise ValueError(f"linear {w.name}: groups of {group_rows} rows do not split into the stream kernel's "
                          f"row groups of {rows}")
     row_groups = -(-w.n // rows)
     split = stream_split(row_groups)
-    per_block = STREAM_WARPS // split
-    return split, 1 if SIM else -(-row_groups // per_block)
+    lanes = stream_lanes((w.k >> unit.shift) // split, row_groups, split)
+    per_block = STREAM_WARPS // split * (LANES // lanes)
+    return split, lanes, 1 if SIM else -(-row_groups // per_block)
 
 
 def _stream(x, w: DeviceWeight, y, second: tuple[DeviceWeight, Any] | None, n_tokens: int, group_rows: int,
@@ -473,12 +519,12 @@ def _stream(x, w: DeviceWeight, y, second: tuple[DeviceWeight, Any] | None, n_to
     """The stream kernel's launches for `linear` (group_rows 0: one group) and `linear_pair`
     (second: the pair's other product, of w's type and K, ungrouped), GEMV_MAX_TOKENS tokens each."""
     qt = DEVICE_TYPES[w.gtype]
-    split, blocks = _stream_launch(w, group_rows)
-    split2, blocks2 = _stream_launch(second[0], 0) if second else (0, 0)
+    split, lanes, blocks = _stream_launch(w, group_rows)
+    split2, lanes2, blocks2 = _stream_launch(second[0], 0) if second else (0, LANES, 0)
     x_bf16, out_bf16 = x.dtype == np.uint16, y.dtype == np.uint16
     for t0 in range(0, n_tokens, GEMV_MAX_TOKENS):
         live = min(GEMV_MAX_TOKENS, n_tokens - t0)
-        kernel = stream_kernel(qt, x_bf16, out_bf16, gemv_token_cap(live), split, split2)
+        kernel = stream_kernel(qt, x_bf16, out_bf16, gemv_token_cap(live), split, split2, lanes, lanes2)
         xt, yt = (x, y) if t0 == 0 else (x[t0:], y[t0:])
         if second is None:
             kernel[blocks, (LANES, STREAM_WARPS), stream](xt, w.data, yt, live, w.k, group_rows or w.n)

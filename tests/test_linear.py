@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
+from flashv41 import stages
 from flashv41.host.numerics import bf16, from_bits, to_bits
 from flashv41.host.numerics import linear as oracle_linear
 from flashv41.host.quants import Q8_0_BLOCK, GGMLType, dequantize, quantize
@@ -20,11 +21,13 @@ from flashv41.stages.linear import (  # noqa: E402
     linear,
     linear_pair,
     pick_kernel,
+    stream_lanes,
     stream_partials,
 )
 from flashv41.stages.linear_narrow import NARROW_MAX_TOKENS
 from flashv41.stages.quant_types import split_q8_0  # noqa: E402
 from tests.bounds import assert_bf16_product, assert_f32_product, assert_within, f32_sum_error, weight_terms
+from tests.mutants import mutant
 
 TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.BF16, GGMLType.F16, GGMLType.F32]
 
@@ -183,6 +186,18 @@ def test_shape_errors_are_clear():
 
 
 
+def test_stream_lanes():
+    """The GPU's lanes a row group (the simulator's warps are one lane): the fewest idle lanes over
+    a slice's rounds, the most lanes on a tie, never a launch of fewer than STREAM_MIN_BLOCKS
+    blocks where 32 lanes a group gives more."""
+    with mutant(stages.linear, LANES=32, STREAM_WARPS=8, STREAM_MIN_BLOCKS=128):
+        assert stream_lanes(10, 16384, 1) == 16  # 10 units: 16 lanes, one round (8 would take two)
+        assert stream_lanes(40, 16384, 1) == 8  # five rounds of 8, none idle
+        assert stream_lanes(96, 12800, 1) == 32
+        assert stream_lanes(40, 256, 8) == 16  # 8 lanes: 64 blocks
+        assert stream_lanes(40, 64, 8) == 32
+
+
 def test_pick_stream_for_a_batch_without_tensor_cores():
     """A batch of 9 .. NARROW_MAX_TOKENS tokens through weights no tensor-core kernel takes (F32,
     the indexer's head weights) runs stream in launches of GEMV_MAX_TOKENS on a GPU; past that, and
@@ -262,3 +277,28 @@ def test_pair_at_flash_sizes(gtype, tokens):
     """wq_a [1280, 5120] and wkv [512, 5120] of one input in one launch, as the attention step runs
     them, at one, eight and eleven tokens (two launches of the pair)."""
     check_pair(1280, 512, 5120, gtype, tokens, seed=tokens)
+
+
+# The decode GEMV (T = 1, the stream kernel) at flash sizes, every weight type the engine reads a
+# matrix in: wq_b and the indexer's wq_b (K = 1280: a row group walked by 8 or 16 lanes, several a
+# warp), wkv (a short matrix: eight warps a row), wo_a (eight groups of 1024 rows) and the engram's
+# wkv (the largest). Oracle and bounds as everywhere here.
+FLASH_DECODE = {"wq_b": (32768, 1280, 1), "idx_wq_b": (4096, 1280, 1), "wkv": (512, 5120, 1),
+                "wo_a": (8 * 1024, 4096, 8), "engram_wkv": (25600, 6144, 1)}
+DECODE_TYPES = [GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K,
+                GGMLType.Q6_K, GGMLType.MXFP4]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(FLASH_DECODE))
+@pytest.mark.parametrize("gtype", DECODE_TYPES, ids=lambda t: t.name)
+def test_flash_decode(gtype, name):
+    """One token, and three for the K = 1280 shapes, through each flash decode shape."""
+    from tests.test_linear_tc import stored_rows
+
+    n, k, groups = FLASH_DECODE[name]
+    stored = stored_rows(np.random.default_rng(int(gtype) + n + k), n, k, gtype)
+    w, wq = DeviceWeight.from_stored("w", gtype, stored, k), dequantize(stored, gtype, k)
+    for tokens in (1, 3) if k == 1280 else (1,):
+        equal = check_linear(w, wq, tokens, "stream", group_rows=n // groups if groups > 1 else 0, seed=tokens)
+        print(f"{gtype.name} {name} T={tokens}: {equal:.5f} bit-equal")

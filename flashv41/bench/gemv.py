@@ -16,13 +16,19 @@ other copies went through. The input and output vectors stay the same (a few KB,
 in a real step). The copies are freed when the row ends. The JSON's `l2` says "rotated over N
 copies", or for a weight >= 4x L2 "read from HBM" (timed back to back on the one weight).
 `time_product` also serves the prefill rows (flashv41.bench.prefill), which evict instead.
+
+`gemv.floor.read_<MB>MB`: the read-only copy-bandwidth kernel alone over a buffer of that size
+(rotated copies, as a weight's), the fastest a kernel that reads so many bytes has been seen to
+run. A kernel's launch, ramp and drain cost a few microseconds whatever it reads, so at the sizes
+of the mid-sized matrices (16-40 MB) even a pure read stays well under the copy bandwidth of the
+512 MiB probe: these rows put each GEMV's share beside what a read of its size reaches.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from flashv41.bench.core import BenchCase, BenchContext, BenchOptions, BenchRow, L2Plan
+from flashv41.bench.core import BenchCase, BenchContext, BenchOptions, BenchRow, L2Plan, device_copy
 from flashv41.bench.engram import copy_weight, random_stored
 from flashv41.host.quants import FORMATS, GGMLType
 
@@ -78,5 +84,30 @@ def gemv_case(matrix: str, n: int, k: int, groups: int, wtype: str) -> BenchCase
     return BenchCase(name, run)
 
 
+FLOOR_MB = (4, 16, 24, 32, 64, 128)  # read sizes of the floor rows, MiB
+
+
+def floor_case(mb: int) -> BenchCase:
+    name = f"gemv.floor.read_{mb}MB"
+
+    def run(ctx: BenchContext) -> list[BenchRow]:
+        from numba import cuda
+
+        from flashv41.stages.bandwidth import read_words, words_buffer
+
+        stream = cuda.stream()
+        nbytes = mb << 20
+        buffer = words_buffer(nbytes, stream)
+        sink = cuda.device_array(1, np.uint32, stream=stream)
+        median, plan = ctx.rotated_time(buffer, lambda b: device_copy(b, stream),
+                                        lambda b: read_words(b, sink, stream), nbytes, stream)
+        share = nbytes / median / ctx.copy_bandwidth
+        return [BenchRow(name, median, ctx.memory_bound(nbytes), bytes=nbytes,
+                         note=f"read kernel alone: {share:.0%} of copy bandwidth", l2=plan)]
+
+    return BenchCase(name, run)
+
+
 def cases(options: BenchOptions) -> list[BenchCase]:
-    return [gemv_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES]
+    return ([floor_case(mb) for mb in FLOOR_MB]
+            + [gemv_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES])

@@ -264,7 +264,9 @@ def flash_weight(n: int, k: int, gtype: GGMLType):
     return DeviceWeight.from_stored("w", gtype, stored, k), dequantize(stored, gtype, k)
 
 
-STREAM_SHAPES = [(GGMLType.Q8_0, "wo_b"), (GGMLType.BF16, "wq_b"), (GGMLType.Q2_K, "engram_wkv")]
+STREAM_SHAPES = [(GGMLType.Q8_0, "wo_b"), (GGMLType.BF16, "wq_b"), (GGMLType.Q2_K, "engram_wkv"),
+                 (GGMLType.Q3_K, "idx_wq_b"), (GGMLType.Q4_K, "wo_b"), (GGMLType.Q5_K, "wq_b"),
+                 (GGMLType.Q6_K, "wkv"), (GGMLType.MXFP4, "engram_wkv")]
 
 
 # the mutants vary fastest (the outermost parametrize), so each weight is made once for them

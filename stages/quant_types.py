@@ -75,9 +75,11 @@ from flashv41.host.quants import (
 from flashv41.stages.device import (
     CHUNK,
     SIM,
+    address_plus,
     and_or,
     bf16_round,
     bf16_to_f32,
+    bit_select,
     byte_perm,
     device,
     f16_at,
@@ -1276,7 +1278,6 @@ def q3_k_unit(tokens: int, x_bf16: bool):
 # is issued before the arithmetic. The levels become floats inside the token loop, from the words
 # (kept: 64 floats a row would not stay in registers), as q6_k_row / q3_k_row build them.
 INT8_FLIP = uint32(0x80808080)  # every byte's top bit: a signed byte q flipped reads as q + 128
-Q3_K_LOW_KEEP, Q3_K_TOP_KEEP = LOW_NIBBLES, uint32(0xF0F0F0F0)  # a Q3_K scale select's bits of each word
 Q3_K_SCALE_MASKS = (uint32(0x3F), uint32(0x3F << 16))  # a 6-bit scale of row s, at bit 16 (s % 2)
 Q3_K_SCALE_MAGICS = (field_magic(0), field_magic(16))
 Q3_K_SCALE_LESS = (float32(2.0**23 + 32), float32(2.0**7 + 32))  # 2^(23 - p) + 32: the scales less 32
@@ -1296,6 +1297,13 @@ def dot16_chain(vs, xs):
             + vs[6] * xs[6] + vs[7] * xs[7] + vs[8] * xs[8] + vs[9] * xs[9] + vs[10] * xs[10] + vs[11] * xs[11]
             + vs[12] * xs[12] + vs[13] * xs[13] + vs[14] * xs[14] + vs[15] * xs[15])
 
+
+
+@device
+def unit_inputs(blk, h, j):
+    """The first run of 16 inputs of a split Q6_K / Q3_K unit (block blk, half h, j = u % 2): row s's
+    inputs are the run 2 s after it."""
+    return uint32((blk << uint32(4)) | (h << uint32(3)) | j)
 
 @device
 def q6_k_part(address, ql, qh, sc, d_at, j):
@@ -1317,10 +1325,11 @@ def q6_k_pair_unit(tokens: int, x_bf16: bool):
     """Split Q6_K, two rows a unit (above): u's block is u // 4, half h = (u // 2) % 2, j = u % 2;
     its ql, qh and scales are in the block's piece (Q6_K_D bytes), d after the row's pieces."""
     x16 = x16_bf16_at if x_bf16 else x16_f32_at
+    run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift
 
     @device
-    def add_group(x, xo, v, s, ql_a, qh_a, scale_a, ql_b, qh_b, scale_b, acc, t):
-        xs = x16(x, xo, v)
+    def add_group(x, v, s, ql_a, qh_a, scale_a, ql_b, qh_b, scale_b, acc, t):
+        xs = x16(x, uint32(0), uint32(v))
         acc[t] += scale_a * dot16_chain(q6_k_row(ql_a, qh_a, s), xs)
         acc[tokens + t] += scale_b * dot16_chain(q6_k_row(ql_b, qh_b, s), xs)
 
@@ -1335,17 +1344,62 @@ def q6_k_pair_unit(tokens: int, x_bf16: bool):
         d_at = uint32(uint32(Q6_K_D) * (uint32(k) // uint32(K_VALUES)) + uint32(F16_BYTES) * blk)
         a = q6_k_part(row_address(ww, row), ql, qh, sc, d_at, j)
         b = q6_k_part(row_address(ww, min(row + 1, ww.shape[0] - 1)), ql, qh, sc, d_at, j)
-        v = uint32((blk << uint32(4)) | (h << uint32(3)) | j)  # row s's inputs are the 16 of run v + 2 s
-        xb = uint32(uint32(xo) << uint32(2))
+        xv = uint32((uint32(xo) << uint32(2)) + (unit_inputs(blk, h, j) << run_shift))
         for t in range(tokens):
-            x = row_address(x32, min(t, n_tokens - 1))
-            add_group(x, xb, v, 0, a[0], a[2], a[3][0], b[0], b[2], b[3][0], acc, t)
-            add_group(x, xb, uint32(v + uint32(2)), 1, a[1], a[2], a[3][1], b[1], b[2], b[3][1], acc, t)
-            add_group(x, xb, uint32(v + uint32(4)), 2, a[0], a[2], a[3][2], b[0], b[2], b[3][2], acc, t)
-            add_group(x, xb, uint32(v + uint32(6)), 3, a[1], a[2], a[3][3], b[1], b[2], b[3][3], acc, t)
+            x = address_plus(row_address(x32, min(t, n_tokens - 1)), xv)
+            add_group(x, 0, 0, a[0], a[2], a[3][0], b[0], b[2], b[3][0], acc, t)
+            add_group(x, 2, 1, a[1], a[2], a[3][1], b[1], b[2], b[3][1], acc, t)
+            add_group(x, 4, 2, a[0], a[2], a[3][2], b[0], b[2], b[3][2], acc, t)
+            add_group(x, 6, 3, a[1], a[2], a[3][3], b[1], b[2], b[3][3], acc, t)
 
     return q6_k_pair_unit
 
+
+
+# A Q3_K pair unit's levels where they lie (field_less): row s's two level bits are bits 2 s, 2 s + 1
+# of each qs byte; one select puts the high bit (bit s of the hmask byte) above them, so each
+# level + 4 is a 3-bit field at bit Q3_K_FIELD[s] of each byte, read in bytes 0 and 1 of the word
+# and of the word shifted down 16. Row 3's bits 6, 7 are first shifted down to 4, 5 (its field at
+# bit 6 would reach into the next byte, and past the word in byte 3).
+Q3_K_FIELD = (0, 2, 4, 4)  # the lowest bit of row s's field in each byte
+Q3_K_QS_SHIFT = tuple(uint32(2 * s - f) for s, f in enumerate(Q3_K_FIELD))  # qs down to the field
+Q3_K_HM_SHIFT = tuple(uint32(f + 2 - s) for s, f in enumerate(Q3_K_FIELD))  # hmask bit s up above it
+Q3_K_QS_KEEP = tuple(uint32(0x03030303 << f) for f in Q3_K_FIELD)  # the level bits of the qs word
+Q3_K_LOW_LEVELS = tuple(uint32(7 << f) for f in Q3_K_FIELD)  # byte 0's field of row s
+Q3_K_HIGH_LEVELS = tuple(uint32(7 << (8 + f)) for f in Q3_K_FIELD)  # byte 1's
+Q3_K_LOW_LEVEL_MAGICS = tuple(field_magic(f) for f in Q3_K_FIELD)
+Q3_K_HIGH_LEVEL_MAGICS = tuple(field_magic(8 + f) for f in Q3_K_FIELD)
+Q3_K_LOW_LEVEL_LESS = tuple(float32(2.0 ** (23 - f) + 4) for f in Q3_K_FIELD)  # 2^(23 - p) + 4
+Q3_K_HIGH_LEVEL_LESS = tuple(float32(2.0 ** (15 - f) + 4) for f in Q3_K_FIELD)
+
+
+@device
+def q3_k_field_word(qs, hmask, s):
+    """A qs word with row s's level bits at bit Q3_K_FIELD[s] of each byte and its high bits (bit s
+    of each byte of the hmask word) put above them; the other bits are the rest of the two words,
+    which the field reads mask off."""
+    return bit_select(qs >> Q3_K_QS_SHIFT[s], hmask << Q3_K_HM_SHIFT[s], Q3_K_QS_KEEP[s])
+
+
+@device
+def q3_k_fields(qs, hmask, s):
+    """The sixteen Q3_K levels of row s (less 4: q3_k_row's values, entry 4 m + b of byte b of word
+    m) read where they lie in q3_k_field_word's words: bytes 0 and 1 of each word, bytes 2 and 3 of
+    the word shifted down 16."""
+    lo, hi = Q3_K_LOW_LEVELS[s], Q3_K_HIGH_LEVELS[s]
+    lo_magic, hi_magic = Q3_K_LOW_LEVEL_MAGICS[s], Q3_K_HIGH_LEVEL_MAGICS[s]
+    lo_less, hi_less = Q3_K_LOW_LEVEL_LESS[s], Q3_K_HIGH_LEVEL_LESS[s]
+    w0, w1 = q3_k_field_word(qs[0], hmask[0], s), q3_k_field_word(qs[1], hmask[1], s)
+    w2, w3 = q3_k_field_word(qs[2], hmask[2], s), q3_k_field_word(qs[3], hmask[3], s)
+    t0, t1, t2, t3 = w0 >> SHIFT_HALF, w1 >> SHIFT_HALF, w2 >> SHIFT_HALF, w3 >> SHIFT_HALF
+    return (field_less(w0, lo, lo_magic, lo_less), field_less(w0, hi, hi_magic, hi_less),
+            field_less(t0, lo, lo_magic, lo_less), field_less(t0, hi, hi_magic, hi_less),
+            field_less(w1, lo, lo_magic, lo_less), field_less(w1, hi, hi_magic, hi_less),
+            field_less(t1, lo, lo_magic, lo_less), field_less(t1, hi, hi_magic, hi_less),
+            field_less(w2, lo, lo_magic, lo_less), field_less(w2, hi, hi_magic, hi_less),
+            field_less(t2, lo, lo_magic, lo_less), field_less(t2, hi, hi_magic, hi_less),
+            field_less(w3, lo, lo_magic, lo_less), field_less(w3, hi, hi_magic, hi_less),
+            field_less(t3, lo, lo_magic, lo_less), field_less(t3, hi, hi_magic, hi_less))
 
 @device
 def q3_k_part(address, hm, qs, sc, d_at, shift, h4):
@@ -1361,8 +1415,8 @@ def q3_k_part(address, hm, qs, sc, d_at, shift, h4):
     lo23 = word_at(address, uint32(sc + uint32(WORD))) >> shift
     tops = word_at(address, uint32(sc + uint32(2 * WORD))) >> shift
     d = f16_at(address, d_at)
-    w01 = (lo01 & Q3_K_LOW_KEEP) | ((tops << uint32(4)) & Q3_K_TOP_KEEP)
-    w23 = (lo23 & Q3_K_LOW_KEEP) | ((tops << uint32(2)) & Q3_K_TOP_KEEP)
+    w01 = bit_select(lo01, tops << uint32(4), LOW_NIBBLES)
+    w23 = bit_select(lo23, tops << uint32(2), LOW_NIBBLES)
     m = (m0 >> h4, m1 >> h4, m2 >> h4, m3 >> h4)
     return q, m, (d * field_less(w01, Q3_K_SCALE_MASKS[0], Q3_K_SCALE_MAGICS[0], Q3_K_SCALE_LESS[0]),
                   d * field_less(w01, Q3_K_SCALE_MASKS[1], Q3_K_SCALE_MAGICS[1], Q3_K_SCALE_LESS[1]),
@@ -1374,12 +1428,13 @@ def q3_k_pair_unit(tokens: int, x_bf16: bool):
     """Split Q3_K, two rows a unit (above): u's block is u // 4, half h = (u // 2) % 2; its hmask
     and qs are in the block's piece (Q3_K_PIECE bytes), its scales and d after the row's pieces."""
     x16 = x16_bf16_at if x_bf16 else x16_f32_at
+    run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift
 
     @device
-    def add_group(x, xo, v, s, a, b, acc, t):
-        xs = x16(x, xo, v)
-        acc[t] += a[2][s] * dot16_chain(q3_k_row(a[0], a[1], s), xs)
-        acc[tokens + t] += b[2][s] * dot16_chain(q3_k_row(b[0], b[1], s), xs)
+    def add_group(x, v, s, a, b, acc, t):
+        xs = x16(x, uint32(0), uint32(v))
+        acc[t] += a[2][s] * dot16_chain(q3_k_fields(a[0], a[1], s), xs)
+        acc[tokens + t] += b[2][s] * dot16_chain(q3_k_fields(b[0], b[1], s), xs)
 
     @device
     def q3_k_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
@@ -1395,14 +1450,13 @@ def q3_k_pair_unit(tokens: int, x_bf16: bool):
         h4 = uint32(h << uint32(2))
         a = q3_k_part(row_address(ww, row), hm, qs, sc, d_at, shift, h4)
         b = q3_k_part(row_address(ww, min(row + 1, ww.shape[0] - 1)), hm, qs, sc, d_at, shift, h4)
-        v = uint32((blk << uint32(4)) | (h << uint32(3)) | j)  # row s's inputs are the 16 of run v + 2 s
-        xb = uint32(uint32(xo) << uint32(2))
+        xv = uint32((uint32(xo) << uint32(2)) + (unit_inputs(blk, h, j) << run_shift))
         for t in range(tokens):
-            x = row_address(x32, min(t, n_tokens - 1))
-            add_group(x, xb, v, 0, a, b, acc, t)
-            add_group(x, xb, uint32(v + uint32(2)), 1, a, b, acc, t)
-            add_group(x, xb, uint32(v + uint32(4)), 2, a, b, acc, t)
-            add_group(x, xb, uint32(v + uint32(6)), 3, a, b, acc, t)
+            x = address_plus(row_address(x32, min(t, n_tokens - 1)), xv)
+            add_group(x, 0, 0, a, b, acc, t)
+            add_group(x, 2, 1, a, b, acc, t)
+            add_group(x, 4, 2, a, b, acc, t)
+            add_group(x, 6, 3, a, b, acc, t)
 
     return q3_k_pair_unit
 
@@ -2029,7 +2083,7 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
            weight_rows=padded_stored, gemv=Q5_K_GEMV),
     _entry(GGMLType.Q6_K, dequant_q6_k, StreamUnit(q6_k_unit, 6, 2),
            TcType(fetch_q6_k, put_q6_k, fetch_scales_q6_k, put_scales_q6_k, CHUNK // WORD, True, False, halves=True),
-           "split", padded_split_q6_k, dequant_q6_k_split, StreamUnit(q6_k_pair_unit, 6, 2, rows=2)),
+           "split", padded_split_q6_k, dequant_q6_k_split, StreamUnit(q6_k_pair_unit, 6, 1, rows=2)),
     _entry(GGMLType.MXFP4, dequant_mxfp4, StreamUnit(mxfp4_unit, 5, 2),
            TcType(fetch_mxfp4, put_mxfp4, fetch_scales_mxfp4, put_scales_mxfp4, MXFP4_PAIRS // WORD, True, False),
            "split", padded_split_mxfp4, dequant_mxfp4_split),

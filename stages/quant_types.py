@@ -1328,10 +1328,14 @@ def q6_k_pair_unit(tokens: int, x_bf16: bool):
     run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift
 
     @device
-    def add_group(x, v, s, ql_a, qh_a, scale_a, ql_b, qh_b, scale_b, acc, t):
-        xs = x16(x, uint32(0), uint32(v))
-        acc[t] += scale_a * dot16_chain(q6_k_row(ql_a, qh_a, s), xs)
-        acc[tokens + t] += scale_b * dot16_chain(q6_k_row(ql_b, qh_b, s), xs)
+    def add_group(x32, xv, n_tokens, v, s, ql_a, qh_a, scale_a, ql_b, qh_b, scale_b, acc):
+        """Row s of both rows (levels decoded once) times every token's 16 inputs of run v."""
+        qa = q6_k_row(ql_a, qh_a, s)
+        qb = q6_k_row(ql_b, qh_b, s)
+        for t in range(tokens):
+            xs = x16(address_plus(row_address(x32, min(t, n_tokens - 1)), xv), uint32(0), uint32(v))
+            acc[t] += scale_a * dot16_chain(qa, xs)
+            acc[tokens + t] += scale_b * dot16_chain(qb, xs)
 
     @device
     def q6_k_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
@@ -1345,12 +1349,10 @@ def q6_k_pair_unit(tokens: int, x_bf16: bool):
         a = q6_k_part(row_address(ww, row), ql, qh, sc, d_at, j)
         b = q6_k_part(row_address(ww, min(row + 1, ww.shape[0] - 1)), ql, qh, sc, d_at, j)
         xv = uint32((uint32(xo) << uint32(2)) + (unit_inputs(blk, h, j) << run_shift))
-        for t in range(tokens):
-            x = address_plus(row_address(x32, min(t, n_tokens - 1)), xv)
-            add_group(x, 0, 0, a[0], a[2], a[3][0], b[0], b[2], b[3][0], acc, t)
-            add_group(x, 2, 1, a[1], a[2], a[3][1], b[1], b[2], b[3][1], acc, t)
-            add_group(x, 4, 2, a[0], a[2], a[3][2], b[0], b[2], b[3][2], acc, t)
-            add_group(x, 6, 3, a[1], a[2], a[3][3], b[1], b[2], b[3][3], acc, t)
+        add_group(x32, xv, n_tokens, 0, 0, a[0], a[2], a[3][0], b[0], b[2], b[3][0], acc)
+        add_group(x32, xv, n_tokens, 2, 1, a[1], a[2], a[3][1], b[1], b[2], b[3][1], acc)
+        add_group(x32, xv, n_tokens, 4, 2, a[0], a[2], a[3][2], b[0], b[2], b[3][2], acc)
+        add_group(x32, xv, n_tokens, 6, 3, a[1], a[2], a[3][3], b[1], b[2], b[3][3], acc)
 
     return q6_k_pair_unit
 
@@ -1431,10 +1433,14 @@ def q3_k_pair_unit(tokens: int, x_bf16: bool):
     run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift
 
     @device
-    def add_group(x, v, s, a, b, acc, t):
-        xs = x16(x, uint32(0), uint32(v))
-        acc[t] += a[2][s] * dot16_chain(q3_k_fields(a[0], a[1], s), xs)
-        acc[tokens + t] += b[2][s] * dot16_chain(q3_k_fields(b[0], b[1], s), xs)
+    def add_group(x32, xv, n_tokens, v, s, a, b, acc):
+        """Row s of both rows (levels decoded once) times every token's 16 inputs of run v."""
+        qa = q3_k_fields(a[0], a[1], s)
+        qb = q3_k_fields(b[0], b[1], s)
+        for t in range(tokens):
+            xs = x16(address_plus(row_address(x32, min(t, n_tokens - 1)), xv), uint32(0), uint32(v))
+            acc[t] += a[2][s] * dot16_chain(qa, xs)
+            acc[tokens + t] += b[2][s] * dot16_chain(qb, xs)
 
     @device
     def q3_k_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
@@ -1451,12 +1457,10 @@ def q3_k_pair_unit(tokens: int, x_bf16: bool):
         a = q3_k_part(row_address(ww, row), hm, qs, sc, d_at, shift, h4)
         b = q3_k_part(row_address(ww, min(row + 1, ww.shape[0] - 1)), hm, qs, sc, d_at, shift, h4)
         xv = uint32((uint32(xo) << uint32(2)) + (unit_inputs(blk, h, j) << run_shift))
-        for t in range(tokens):
-            x = address_plus(row_address(x32, min(t, n_tokens - 1)), xv)
-            add_group(x, 0, 0, a, b, acc, t)
-            add_group(x, 2, 1, a, b, acc, t)
-            add_group(x, 4, 2, a, b, acc, t)
-            add_group(x, 6, 3, a, b, acc, t)
+        add_group(x32, xv, n_tokens, 0, 0, a, b, acc)
+        add_group(x32, xv, n_tokens, 2, 1, a, b, acc)
+        add_group(x32, xv, n_tokens, 4, 2, a, b, acc)
+        add_group(x32, xv, n_tokens, 6, 3, a, b, acc)
 
     return q3_k_pair_unit
 
@@ -2083,7 +2087,7 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
            weight_rows=padded_stored, gemv=Q5_K_GEMV),
     _entry(GGMLType.Q6_K, dequant_q6_k, StreamUnit(q6_k_unit, 6, 2),
            TcType(fetch_q6_k, put_q6_k, fetch_scales_q6_k, put_scales_q6_k, CHUNK // WORD, True, False, halves=True),
-           "split", padded_split_q6_k, dequant_q6_k_split, StreamUnit(q6_k_pair_unit, 6, 1, rows=2)),
+           "split", padded_split_q6_k, dequant_q6_k_split, StreamUnit(q6_k_pair_unit, 6, 2, rows=2)),
     _entry(GGMLType.MXFP4, dequant_mxfp4, StreamUnit(mxfp4_unit, 5, 2),
            TcType(fetch_mxfp4, put_mxfp4, fetch_scales_mxfp4, put_scales_mxfp4, MXFP4_PAIRS // WORD, True, False),
            "split", padded_split_mxfp4, dequant_mxfp4_split),

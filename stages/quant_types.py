@@ -32,11 +32,12 @@ A record (`DeviceType`) holds, with one signature per piece:
   exponent byte; Q6_K and Q3_K: 64 values of a block, three and two 16-byte loads; Q4_K and Q5_K:
   32 level bytes, two loads, with the block's first 16-byte piece and Q5_K's 32 fifth-bit bytes);
   a lane issues `in_flight` of them together. `gemv` (or None): the decode GEMV's unit where it
-  differs, a unit of two rows for Q8_0, Q2_K, Q4_K and Q5_K (the inputs read and unpacked once for both).
+  differs, a unit of two rows for Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (the inputs read and unpacked
+  once for both).
   The generic `chunk_unit` (any type with a chunk dequantiser: unit u is chunk u, dequantised and
   dotted with the inputs, correct but not tuned) is left to the ds4 table format, which no matrix
   has. Integers become floats by an exponent trick (`small_int`, `int8_at`, `uint8_at`,
-  `e2m1_at`, `byte_less`, `field_at`), not by conversions.
+  `e2m1_at`, `byte_less`, `field_at`, `field_less`), not by conversions.
 - `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc), for every
   matrix type but F32 and F16 (whose prefill takes stages.linear's gemm kernel: weight_dequant).
 
@@ -1275,8 +1276,9 @@ def q3_k_unit(tokens: int, x_bf16: bool):
 # both rows share, and its four scales d sc are decoded once for every token; each token's sixteen
 # inputs of a row s (16-value group) are read and unpacked once for both rows, and the token slots
 # past n_tokens read the last live token's (their sums are never stored): no branch, so every load
-# is issued before the arithmetic. The levels become floats inside the token loop, from the words
-# (kept: 64 floats a row would not stay in registers), as q6_k_row / q3_k_row build them.
+# is issued before the arithmetic. The groups are the outer loop, the tokens the inner one: a group's
+# levels become floats once for all the tokens from the words the unit keeps (a unit's 64 floats a
+# row, all live across a token loop, took Q6_K to 161 registers at two tokens).
 INT8_FLIP = uint32(0x80808080)  # every byte's top bit: a signed byte q flipped reads as q + 128
 Q3_K_SCALE_MASKS = (uint32(0x3F), uint32(0x3F << 16))  # a 6-bit scale of row s, at bit 16 (s % 2)
 Q3_K_SCALE_MAGICS = (field_magic(0), field_magic(16))
@@ -1298,12 +1300,12 @@ def dot16_chain(vs, xs):
             + vs[12] * xs[12] + vs[13] * xs[13] + vs[14] * xs[14] + vs[15] * xs[15])
 
 
-
 @device
 def unit_inputs(blk, h, j):
     """The first run of 16 inputs of a split Q6_K / Q3_K unit (block blk, half h, j = u % 2): row s's
     inputs are the run 2 s after it."""
     return uint32((blk << uint32(4)) | (h << uint32(3)) | j)
+
 
 @device
 def q6_k_part(address, ql, qh, sc, d_at, j):
@@ -1357,7 +1359,6 @@ def q6_k_pair_unit(tokens: int, x_bf16: bool):
     return q6_k_pair_unit
 
 
-
 # A Q3_K pair unit's levels where they lie (field_less): row s's two level bits are bits 2 s, 2 s + 1
 # of each qs byte; one select puts the high bit (bit s of the hmask byte) above them, so each
 # level + 4 is a 3-bit field at bit Q3_K_FIELD[s] of each byte, read in bytes 0 and 1 of the word
@@ -1402,6 +1403,7 @@ def q3_k_fields(qs, hmask, s):
             field_less(t2, lo, lo_magic, lo_less), field_less(t2, hi, hi_magic, hi_less),
             field_less(w3, lo, lo_magic, lo_less), field_less(w3, hi, hi_magic, hi_less),
             field_less(t3, lo, lo_magic, lo_less), field_less(t3, hi, hi_magic, hi_less))
+
 
 @device
 def q3_k_part(address, hm, qs, sc, d_at, shift, h4):

@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, float64, int32, uint16, uint32
+from numba import cuda, float32, float64, int32, uint16, uint32, uint64
 
 from flashv41.host.errors import InputError
 from flashv41.stages.backend import using_simulator
@@ -187,6 +187,12 @@ if SIM:
         """The word at byte `offset` (a multiple of 4) of a row_address: one 4-byte load."""
         a, row = address
         return a[row, int(offset) // 4]
+
+    def address_plus(address, offset):
+        """A row_address `offset` bytes (a multiple of 4) further on, for loads at constant offsets
+        from it (on a GPU the uint64 sum, whose constant offsets fold into the loads)."""
+        a, row = address
+        return a[int(row):int(row) + 1, int(offset) // 4:], 0
 else:
     @intrinsic
     def row_address(typingctx, a, row):
@@ -201,6 +207,12 @@ else:
             return builder.ptrtoint(pointer, ir.IntType(64))
 
         return sig, codegen
+
+    @inlined
+    def address_plus(address, offset):
+        """A row_address `offset` bytes further on: the uint64 sum, whose loads at constant byte
+        offsets from it take those offsets as immediates (no address arithmetic of their own)."""
+        return address + uint64(offset)
 
     def _plus(context, builder, address, offset, offset_type):
         """address (uint64) + a byte offset of any unsigned type, in the intrinsics below."""
@@ -310,6 +322,26 @@ else:
             word = ir.IntType(32)
             values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args, strict=True)]
             asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r")
+            return builder.call(asm, values)
+
+        return sig, codegen
+
+
+if SIM:
+    def bit_select(a, b, mask):
+        """The bits of a where mask has a one, of b where it has a zero."""
+        return uint32((int(a) & int(mask)) | (int(b) & ~int(mask)))
+else:
+    @intrinsic
+    def bit_select(typingctx, a, b, mask):
+        """The bits of a where mask has a one, of b where it has a zero: one `lop3.b32` (lookup table
+        0xE4), where the and, and-not and or that ptxas makes of the expression take three."""
+        sig = types.uint32(types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            word = ir.IntType(32)
+            values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args, strict=True)]
+            asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), "lop3.b32 $0, $1, $2, $3, 0xE4;", "=r,r,r,r")
             return builder.call(asm, values)
 
         return sig, codegen

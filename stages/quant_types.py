@@ -32,11 +32,12 @@ A record (`DeviceType`) holds, with one signature per piece:
   exponent byte; Q6_K and Q3_K: 64 values of a block, three and two 16-byte loads; Q4_K and Q5_K:
   32 level bytes, two loads, with the block's first 16-byte piece and Q5_K's 32 fifth-bit bytes);
   a lane issues `in_flight` of them together. `gemv` (or None): the decode GEMV's unit where it
-  differs, a unit of two rows for Q8_0, Q2_K, Q4_K and Q5_K (the inputs read and unpacked once for both).
+  differs, a unit of two rows for Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (the inputs read and unpacked
+  once for both).
   The generic `chunk_unit` (any type with a chunk dequantiser: unit u is chunk u, dequantised and
   dotted with the inputs, correct but not tuned) is left to the ds4 table format, which no matrix
   has. Integers become floats by an exponent trick (`small_int`, `int8_at`, `uint8_at`,
-  `e2m1_at`, `byte_less`, `field_at`), not by conversions.
+  `e2m1_at`, `byte_less`, `field_at`, `field_less`), not by conversions.
 - `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc), for every
   matrix type but F32 and F16 (whose prefill takes stages.linear's gemm kernel: weight_dequant).
 
@@ -75,9 +76,11 @@ from flashv41.host.quants import (
 from flashv41.stages.device import (
     CHUNK,
     SIM,
+    address_plus,
     and_or,
     bf16_round,
     bf16_to_f32,
+    bit_select,
     byte_perm,
     device,
     f16_at,
@@ -1176,11 +1179,11 @@ def q6_k_levels(ql, qh, s):
 
 
 @device
-def q6_k_row(l0, l1, l2, l3, h0, h1, h2, h3, s):
+def q6_k_row(ql, qh, s):
     """The sixteen Q6_K levels (less 32) of row s from its four ql words (of ql[64 h + 32 (s % 2) +
     i]) and the four qh words (qh[32 h + i])."""
-    return bytes_less16(q6_k_levels(l0, h0, s), q6_k_levels(l1, h1, s), q6_k_levels(l2, h2, s),
-                        q6_k_levels(l3, h3, s), Q6_K_LEVEL_MAGIC)
+    return bytes_less16(q6_k_levels(ql[0], qh[0], s), q6_k_levels(ql[1], qh[1], s), q6_k_levels(ql[2], qh[2], s),
+                        q6_k_levels(ql[3], qh[3], s), Q6_K_LEVEL_MAGIC)
 
 
 def q6_k_unit(tokens: int, x_bf16: bool):
@@ -1195,19 +1198,18 @@ def q6_k_unit(tokens: int, x_bf16: bool):
         blk, h, j = u >> U2, (u >> U1) & U1, u & U1
         piece = uint64(Q6_K_PIECE_WORDS) * blk
         ql = piece + uint64(Q6_K_QL_WORD) + uint64(Q6_K_HALF_QL_WORDS) * h + U4 * j
-        a0, a1, a2, a3 = load_words4(ww, row, ql)
-        b0, b1, b2, b3 = load_words4(ww, row, ql + uint64(CHUNK // WORD))
-        c0, c1, c2, c3 = load_words4(ww, row, piece + uint64(Q6_K_QH_WORD) + uint64(Q6_K_HALF_QH_WORDS) * h + U4 * j)
+        a = load_words4(ww, row, ql)
+        b = load_words4(ww, row, ql + uint64(CHUNK // WORD))
+        c = load_words4(ww, row, piece + uint64(Q6_K_QH_WORD) + uint64(Q6_K_HALF_QH_WORDS) * h + U4 * j)
         sc = piece + uint64(Q6_K_SCALES_WORD) + uint64(Q6_K_HALF_SCALES_WORDS) * h
         s01 = (ww[row, sc] >> (U8 * j)) ^ 0x80808080  # the scales of rows 0, 1 in bytes 0, 2
         s23 = (ww[row, sc + U1] >> (U8 * j)) ^ 0x80808080  # rows 2, 3
         d = float32(wf[row, uint64(Q6_K_D // F16_BYTES) * (uint64(k) // uint64(K_VALUES)) + blk])
         v = uint64(16) * blk + U8 * h + j  # row s's inputs are x16's 16 (v + 2 s) .. + 15
-        add_row(q6_k_row(a0, a1, a2, a3, c0, c1, c2, c3, 0), d * int8_at(s01, 0), x32, xo, v, n_tokens, acc)
-        add_row(q6_k_row(b0, b1, b2, b3, c0, c1, c2, c3, 1), d * int8_at(s01, 2), x32, xo, v + U2, n_tokens, acc)
-        add_row(q6_k_row(a0, a1, a2, a3, c0, c1, c2, c3, 2), d * int8_at(s23, 0), x32, xo, v + U4, n_tokens, acc)
-        add_row(q6_k_row(b0, b1, b2, b3, c0, c1, c2, c3, 3), d * int8_at(s23, 2), x32, xo, v + uint64(6), n_tokens,
-                acc)
+        add_row(q6_k_row(a, c, 0), d * int8_at(s01, 0), x32, xo, v, n_tokens, acc)
+        add_row(q6_k_row(b, c, 1), d * int8_at(s01, 2), x32, xo, v + U2, n_tokens, acc)
+        add_row(q6_k_row(a, c, 2), d * int8_at(s23, 0), x32, xo, v + U4, n_tokens, acc)
+        add_row(q6_k_row(b, c, 3), d * int8_at(s23, 2), x32, xo, v + uint64(6), n_tokens, acc)
 
     return q6_k_unit
 
@@ -1220,11 +1222,11 @@ def q3_k_levels(qs, hmask, s):
 
 
 @device
-def q3_k_row(q0, q1, q2, q3, m0, m1, m2, m3, s):
+def q3_k_row(qs, hmask, s):
     """The sixteen Q3_K levels of row s from the four qs words (of qs[32 h + i]) and the four hmask
     words (hmask[i] >> 4 h), less 4."""
-    return bytes_less16(q3_k_levels(q0, m0, s), q3_k_levels(q1, m1, s), q3_k_levels(q2, m2, s),
-                        q3_k_levels(q3, m3, s), Q3_K_LEVEL_MAGIC)
+    return bytes_less16(q3_k_levels(qs[0], hmask[0], s), q3_k_levels(qs[1], hmask[1], s),
+                        q3_k_levels(qs[2], hmask[2], s), q3_k_levels(qs[3], hmask[3], s), Q3_K_LEVEL_MAGIC)
 
 
 @device
@@ -1257,17 +1259,212 @@ def q3_k_unit(tokens: int, x_bf16: bool):
         lo23 = ww[row, sc + U1] >> shift  # rows 2, 3
         tops = ww[row, sc + U2] >> shift  # the top pairs: rows 0, 1 in bits 0-1, 16-17, rows 2, 3 two above
         d = float32(wf[row, uint64(Q3_K_D // F16_BYTES) * n_blocks + blk])
-        m0, m1, m2, m3 = m0 >> (U4 * h), m1 >> (U4 * h), m2 >> (U4 * h), m3 >> (U4 * h)
+        q = (q0, q1, q2, q3)
+        m = (m0 >> (U4 * h), m1 >> (U4 * h), m2 >> (U4 * h), m3 >> (U4 * h))
         v = uint64(16) * blk + U8 * h + j  # row s's inputs are x16's 16 (v + 2 s) .. + 15
-        add_row(q3_k_row(q0, q1, q2, q3, m0, m1, m2, m3, 0), d * q3_k_scale(lo01, tops, 0), x32, xo, v, n_tokens, acc)
-        add_row(q3_k_row(q0, q1, q2, q3, m0, m1, m2, m3, 1), d * q3_k_scale(lo01, tops, 1), x32, xo, v + U2, n_tokens,
-                acc)
-        add_row(q3_k_row(q0, q1, q2, q3, m0, m1, m2, m3, 2), d * q3_k_scale(lo23, tops, 2), x32, xo, v + U4, n_tokens,
-                acc)
-        add_row(q3_k_row(q0, q1, q2, q3, m0, m1, m2, m3, 3), d * q3_k_scale(lo23, tops, 3), x32, xo, v + uint64(6),
-                n_tokens, acc)
+        add_row(q3_k_row(q, m, 0), d * q3_k_scale(lo01, tops, 0), x32, xo, v, n_tokens, acc)
+        add_row(q3_k_row(q, m, 1), d * q3_k_scale(lo01, tops, 1), x32, xo, v + U2, n_tokens, acc)
+        add_row(q3_k_row(q, m, 2), d * q3_k_scale(lo23, tops, 2), x32, xo, v + U4, n_tokens, acc)
+        add_row(q3_k_row(q, m, 3), d * q3_k_scale(lo23, tops, 3), x32, xo, v + uint64(6), n_tokens, acc)
 
     return q3_k_unit
+
+
+# The GEMV's split Q6_K and Q3_K units: the 64 values of q6_k_unit's / q3_k_unit's unit u, of rows
+# `row` and `row + 1` (past the matrix the second is the first again, its sums unused), their sums
+# in acc[t] and acc[tokens + t]. Each row's loads are its row address plus 32-bit byte offsets that
+# both rows share, and its four scales d sc are decoded once for every token; each token's sixteen
+# inputs of a row s (16-value group) are read and unpacked once for both rows, and the token slots
+# past n_tokens read the last live token's (their sums are never stored): no branch, so every load
+# is issued before the arithmetic. The groups are the outer loop, the tokens the inner one: a group's
+# levels become floats once for all the tokens from the words the unit keeps (a unit's 64 floats a
+# row, all live across a token loop, took Q6_K to 161 registers at two tokens).
+INT8_FLIP = uint32(0x80808080)  # every byte's top bit: a signed byte q flipped reads as q + 128
+Q3_K_SCALE_MASKS = (uint32(0x3F), uint32(0x3F << 16))  # a 6-bit scale of row s, at bit 16 (s % 2)
+Q3_K_SCALE_MAGICS = (field_magic(0), field_magic(16))
+Q3_K_SCALE_LESS = (float32(2.0**23 + 32), float32(2.0**7 + 32))  # 2^(23 - p) + 32: the scales less 32
+
+
+@device
+def field_less(word, mask, magic, less):
+    """The bit field word & mask as float32 less an offset o, exactly, given magic =
+    field_magic(its lowest bit) and less = 2^(23 - p) + o: one and-or, one subtraction."""
+    return f32_from_bits(and_or(word, mask, magic)) - less
+
+
+@device
+def dot16_chain(vs, xs):
+    """Sixteen values times sixteen inputs in one chain (one multiplication, fifteen FMAs)."""
+    return (vs[0] * xs[0] + vs[1] * xs[1] + vs[2] * xs[2] + vs[3] * xs[3] + vs[4] * xs[4] + vs[5] * xs[5]
+            + vs[6] * xs[6] + vs[7] * xs[7] + vs[8] * xs[8] + vs[9] * xs[9] + vs[10] * xs[10] + vs[11] * xs[11]
+            + vs[12] * xs[12] + vs[13] * xs[13] + vs[14] * xs[14] + vs[15] * xs[15])
+
+
+@device
+def unit_inputs(blk, h, j):
+    """The first run of 16 inputs of a split Q6_K / Q3_K unit (block blk, half h, j = u % 2): row s's
+    inputs are the run 2 s after it."""
+    return uint32((blk << uint32(4)) | (h << uint32(3)) | j)
+
+
+@device
+def q6_k_part(address, ql, qh, sc, d_at, j):
+    """One row's part of a Q6_K pair unit: its ql words a (rows 0, 2) and b (rows 1, 3), its qh
+    words, and the scales d sc of rows 0 .. 3 (each exact: an fp16 times an int8). ql, qh, sc, d_at:
+    the byte offsets of a, of the qh words, of the half's eight scale bytes (two words: row s's is
+    byte 2 (s % 2) + j of word s // 2, j = u % 2) and of d."""
+    a = words4_at(address, ql)
+    b = words4_at(address, uint32(ql + uint32(CHUNK)))
+    c = words4_at(address, qh)
+    s01, s23 = words2_at(address, sc)
+    d = f16_at(address, d_at)
+    s01, s23 = s01 ^ INT8_FLIP, s23 ^ INT8_FLIP
+    j2 = uint32(j + uint32(2))
+    return a, b, c, (d * int8_at(s01, j), d * int8_at(s01, j2), d * int8_at(s23, j), d * int8_at(s23, j2))
+
+
+def q6_k_pair_unit(tokens: int, x_bf16: bool):
+    """Split Q6_K, two rows a unit (above): u's block is u // 4, half h = (u // 2) % 2, j = u % 2;
+    its ql, qh and scales are in the block's piece (Q6_K_D bytes), d after the row's pieces."""
+    x16 = x16_bf16_at if x_bf16 else x16_f32_at
+    run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift
+
+    @device
+    def add_group(x32, xv, n_tokens, v, s, ql_a, qh_a, scale_a, ql_b, qh_b, scale_b, acc):
+        """Row s of both rows (levels decoded once) times every token's 16 inputs of run v."""
+        qa = q6_k_row(ql_a, qh_a, s)
+        qb = q6_k_row(ql_b, qh_b, s)
+        for t in range(tokens):
+            xs = x16(address_plus(row_address(x32, min(t, n_tokens - 1)), xv), uint32(0), uint32(v))
+            acc[t] += scale_a * dot16_chain(qa, xs)
+            acc[tokens + t] += scale_b * dot16_chain(qb, xs)
+
+    @device
+    def q6_k_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        i = uint32(u)
+        blk, h, j = i >> uint32(2), (i >> uint32(1)) & uint32(1), i & uint32(1)
+        piece = uint32(uint32(Q6_K_D) * blk)
+        ql = uint32(piece + uint32(Q6_K_QL) + uint32(Q6_K_HALF_QL) * h + uint32(ROW_ALIGN) * j)
+        qh = uint32(piece + uint32(Q6_K_QH) + uint32(Q6_K_HALF_QH) * h + uint32(ROW_ALIGN) * j)
+        sc = uint32(piece + uint32(Q6_K_SCALES) + uint32(Q6_K_HALF_SCALES_WORDS * WORD) * h)
+        d_at = uint32(uint32(Q6_K_D) * (uint32(k) // uint32(K_VALUES)) + uint32(F16_BYTES) * blk)
+        a = q6_k_part(row_address(ww, row), ql, qh, sc, d_at, j)
+        b = q6_k_part(row_address(ww, min(row + 1, ww.shape[0] - 1)), ql, qh, sc, d_at, j)
+        xv = uint32((uint32(xo) << uint32(2)) + (unit_inputs(blk, h, j) << run_shift))
+        add_group(x32, xv, n_tokens, 0, 0, a[0], a[2], a[3][0], b[0], b[2], b[3][0], acc)
+        add_group(x32, xv, n_tokens, 2, 1, a[1], a[2], a[3][1], b[1], b[2], b[3][1], acc)
+        add_group(x32, xv, n_tokens, 4, 2, a[0], a[2], a[3][2], b[0], b[2], b[3][2], acc)
+        add_group(x32, xv, n_tokens, 6, 3, a[1], a[2], a[3][3], b[1], b[2], b[3][3], acc)
+
+    return q6_k_pair_unit
+
+
+# A Q3_K pair unit's levels where they lie (field_less): row s's two level bits are bits 2 s, 2 s + 1
+# of each qs byte; one select puts the high bit (bit s of the hmask byte) above them, so each
+# level + 4 is a 3-bit field at bit Q3_K_FIELD[s] of each byte, read in bytes 0 and 1 of the word
+# and of the word shifted down 16. Row 3's bits 6, 7 are first shifted down to 4, 5 (its field at
+# bit 6 would reach into the next byte, and past the word in byte 3).
+Q3_K_FIELD = (0, 2, 4, 4)  # the lowest bit of row s's field in each byte
+Q3_K_QS_SHIFT = tuple(uint32(2 * s - f) for s, f in enumerate(Q3_K_FIELD))  # qs down to the field
+Q3_K_HM_SHIFT = tuple(uint32(f + 2 - s) for s, f in enumerate(Q3_K_FIELD))  # hmask bit s up above it
+Q3_K_QS_KEEP = tuple(uint32(0x03030303 << f) for f in Q3_K_FIELD)  # the level bits of the qs word
+Q3_K_LOW_LEVELS = tuple(uint32(7 << f) for f in Q3_K_FIELD)  # byte 0's field of row s
+Q3_K_HIGH_LEVELS = tuple(uint32(7 << (8 + f)) for f in Q3_K_FIELD)  # byte 1's
+Q3_K_LOW_LEVEL_MAGICS = tuple(field_magic(f) for f in Q3_K_FIELD)
+Q3_K_HIGH_LEVEL_MAGICS = tuple(field_magic(8 + f) for f in Q3_K_FIELD)
+Q3_K_LOW_LEVEL_LESS = tuple(float32(2.0 ** (23 - f) + 4) for f in Q3_K_FIELD)  # 2^(23 - p) + 4
+Q3_K_HIGH_LEVEL_LESS = tuple(float32(2.0 ** (15 - f) + 4) for f in Q3_K_FIELD)
+
+
+@device
+def q3_k_field_word(qs, hmask, s):
+    """A qs word with row s's level bits at bit Q3_K_FIELD[s] of each byte and its high bits (bit s
+    of each byte of the hmask word) put above them; the other bits are the rest of the two words,
+    which the field reads mask off."""
+    return bit_select(qs >> Q3_K_QS_SHIFT[s], hmask << Q3_K_HM_SHIFT[s], Q3_K_QS_KEEP[s])
+
+
+@device
+def q3_k_fields(qs, hmask, s):
+    """The sixteen Q3_K levels of row s (less 4: q3_k_row's values, entry 4 m + b of byte b of word
+    m) read where they lie in q3_k_field_word's words: bytes 0 and 1 of each word, bytes 2 and 3 of
+    the word shifted down 16."""
+    lo, hi = Q3_K_LOW_LEVELS[s], Q3_K_HIGH_LEVELS[s]
+    lo_magic, hi_magic = Q3_K_LOW_LEVEL_MAGICS[s], Q3_K_HIGH_LEVEL_MAGICS[s]
+    lo_less, hi_less = Q3_K_LOW_LEVEL_LESS[s], Q3_K_HIGH_LEVEL_LESS[s]
+    w0, w1 = q3_k_field_word(qs[0], hmask[0], s), q3_k_field_word(qs[1], hmask[1], s)
+    w2, w3 = q3_k_field_word(qs[2], hmask[2], s), q3_k_field_word(qs[3], hmask[3], s)
+    t0, t1, t2, t3 = w0 >> SHIFT_HALF, w1 >> SHIFT_HALF, w2 >> SHIFT_HALF, w3 >> SHIFT_HALF
+    return (field_less(w0, lo, lo_magic, lo_less), field_less(w0, hi, hi_magic, hi_less),
+            field_less(t0, lo, lo_magic, lo_less), field_less(t0, hi, hi_magic, hi_less),
+            field_less(w1, lo, lo_magic, lo_less), field_less(w1, hi, hi_magic, hi_less),
+            field_less(t1, lo, lo_magic, lo_less), field_less(t1, hi, hi_magic, hi_less),
+            field_less(w2, lo, lo_magic, lo_less), field_less(w2, hi, hi_magic, hi_less),
+            field_less(t2, lo, lo_magic, lo_less), field_less(t2, hi, hi_magic, hi_less),
+            field_less(w3, lo, lo_magic, lo_less), field_less(w3, hi, hi_magic, hi_less),
+            field_less(t3, lo, lo_magic, lo_less), field_less(t3, hi, hi_magic, hi_less))
+
+
+@device
+def q3_k_part(address, hm, qs, sc, d_at, shift, h4):
+    """One row's part of a Q3_K pair unit: its qs words, its hmask words shifted down to the half's
+    bits (by h4 = 4 h), and the scales d sc of rows 0 .. 3. hm, qs, sc, d_at: the byte offsets of
+    the hmask and qs words, of the block's three scale words and of d; shift = 8 (u % 2) + 4 h
+    (q3_k_unit's). Each scale is its low nibble with its top pair put above it by one select (the
+    low nibbles' word keeps bits 0-3 of each byte, the top pairs' word, shifted up to bits 4-5, the
+    rest), then read where it lies: bits 0-5 for rows 0, 2, bits 16-21 for rows 1, 3."""
+    m0, m1, m2, m3 = words4_at(address, hm)
+    q = words4_at(address, qs)
+    lo01 = word_at(address, sc) >> shift
+    lo23 = word_at(address, uint32(sc + uint32(WORD))) >> shift
+    tops = word_at(address, uint32(sc + uint32(2 * WORD))) >> shift
+    d = f16_at(address, d_at)
+    w01 = bit_select(lo01, tops << uint32(4), LOW_NIBBLES)
+    w23 = bit_select(lo23, tops << uint32(2), LOW_NIBBLES)
+    m = (m0 >> h4, m1 >> h4, m2 >> h4, m3 >> h4)
+    return q, m, (d * field_less(w01, Q3_K_SCALE_MASKS[0], Q3_K_SCALE_MAGICS[0], Q3_K_SCALE_LESS[0]),
+                  d * field_less(w01, Q3_K_SCALE_MASKS[1], Q3_K_SCALE_MAGICS[1], Q3_K_SCALE_LESS[1]),
+                  d * field_less(w23, Q3_K_SCALE_MASKS[0], Q3_K_SCALE_MAGICS[0], Q3_K_SCALE_LESS[0]),
+                  d * field_less(w23, Q3_K_SCALE_MASKS[1], Q3_K_SCALE_MAGICS[1], Q3_K_SCALE_LESS[1]))
+
+
+def q3_k_pair_unit(tokens: int, x_bf16: bool):
+    """Split Q3_K, two rows a unit (above): u's block is u // 4, half h = (u // 2) % 2; its hmask
+    and qs are in the block's piece (Q3_K_PIECE bytes), its scales and d after the row's pieces."""
+    x16 = x16_bf16_at if x_bf16 else x16_f32_at
+    run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift
+
+    @device
+    def add_group(x32, xv, n_tokens, v, s, a, b, acc):
+        """Row s of both rows (levels decoded once) times every token's 16 inputs of run v."""
+        qa = q3_k_fields(a[0], a[1], s)
+        qb = q3_k_fields(b[0], b[1], s)
+        for t in range(tokens):
+            xs = x16(address_plus(row_address(x32, min(t, n_tokens - 1)), xv), uint32(0), uint32(v))
+            acc[t] += a[2][s] * dot16_chain(qa, xs)
+            acc[tokens + t] += b[2][s] * dot16_chain(qb, xs)
+
+    @device
+    def q3_k_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        i = uint32(u)
+        blk, h, j = i >> uint32(2), (i >> uint32(1)) & uint32(1), i & uint32(1)
+        n_blocks = uint32(uint32(k) // uint32(K_VALUES))
+        piece = uint32(uint32(Q3_K_PIECE) * blk)
+        hm = uint32(piece + uint32(Q3_K_HMASK) + uint32(ROW_ALIGN) * j)
+        qs = uint32(piece + uint32(Q3_K_QS) + uint32(Q3_K_HALF_QS) * h + uint32(ROW_ALIGN) * j)
+        sc = uint32(uint32(Q3_K_PIECE) * n_blocks + uint32(Q3_K_SCALE_BYTES) * blk)
+        d_at = uint32(uint32(Q3_K_D) * n_blocks + uint32(F16_BYTES) * blk)
+        shift = uint32((j << uint32(3)) | (h << uint32(2)))
+        h4 = uint32(h << uint32(2))
+        a = q3_k_part(row_address(ww, row), hm, qs, sc, d_at, shift, h4)
+        b = q3_k_part(row_address(ww, min(row + 1, ww.shape[0] - 1)), hm, qs, sc, d_at, shift, h4)
+        xv = uint32((uint32(xo) << uint32(2)) + (unit_inputs(blk, h, j) << run_shift))
+        add_group(x32, xv, n_tokens, 0, 0, a, b, acc)
+        add_group(x32, xv, n_tokens, 2, 1, a, b, acc)
+        add_group(x32, xv, n_tokens, 4, 2, a, b, acc)
+        add_group(x32, xv, n_tokens, 6, 3, a, b, acc)
+
+    return q3_k_pair_unit
 
 
 @inlined
@@ -1885,14 +2082,14 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
            "split", padded_split_q2_k, dequant_q2_k_split, StreamUnit(q2_k_unit(2), Q2_K_UNIT_SHIFT, 2, rows=2)),
     _entry(GGMLType.Q3_K, dequant_q3_k, StreamUnit(q3_k_unit, 6, 2),
            TcType(fetch_q3_k, put_q3_k, fetch_scales_q3_k, put_scales_q3_k, CHUNK // WORD, True, False, halves=True),
-           "split", padded_split_q3_k, dequant_q3_k_split),
+           "split", padded_split_q3_k, dequant_q3_k_split, StreamUnit(q3_k_pair_unit, 6, 2, rows=2)),
     _entry(GGMLType.Q4_K, dequant_q4_k, Q4_K_STREAM, k_nibble_tc(Q4_K_WORDS, fetch_q4_k, put_q4_k),
            weight_rows=padded_stored, gemv=Q4_K_GEMV),
     _entry(GGMLType.Q5_K, dequant_q5_k, Q5_K_STREAM, k_nibble_tc(Q5_K_WORDS, fetch_q5_k, put_q5_k),
            weight_rows=padded_stored, gemv=Q5_K_GEMV),
     _entry(GGMLType.Q6_K, dequant_q6_k, StreamUnit(q6_k_unit, 6, 2),
            TcType(fetch_q6_k, put_q6_k, fetch_scales_q6_k, put_scales_q6_k, CHUNK // WORD, True, False, halves=True),
-           "split", padded_split_q6_k, dequant_q6_k_split),
+           "split", padded_split_q6_k, dequant_q6_k_split, StreamUnit(q6_k_pair_unit, 6, 2, rows=2)),
     _entry(GGMLType.MXFP4, dequant_mxfp4, StreamUnit(mxfp4_unit, 5, 2),
            TcType(fetch_mxfp4, put_mxfp4, fetch_scales_mxfp4, put_scales_mxfp4, MXFP4_PAIRS // WORD, True, False),
            "split", padded_split_mxfp4, dequant_mxfp4_split),

@@ -511,6 +511,57 @@ def test_nibble_decode_mutants(name):
     check_linear(w, wq, 3, "stream", seed=5)
 
 
+# decoding mistakes in Q6_K's and Q3_K's own units: the GEMV's pair units (kernel "stream": the
+# decode product) and the one-row units (kernel "partials": stream_partials), each an edit of
+# stages.quant_types' source
+SPLIT_K_MUTANTS = {
+    "q6-second-row-reads-the-first": (GGMLType.Q6_K, "stream", "q6_k_pair_unit",
+                                      "row_address(ww, min(row + 1, ww.shape[0] - 1))", "row_address(ww, row)"),
+    "q6-row-2-takes-row-0s-scale": (GGMLType.Q6_K, "stream", "q6_k_part", "d * int8_at(s23, j),",
+                                    "d * int8_at(s01, j),"),
+    "q3-second-row-reads-the-first": (GGMLType.Q3_K, "stream", "q3_k_pair_unit",
+                                      "row_address(ww, min(row + 1, ww.shape[0] - 1))", "row_address(ww, row)"),
+    "q3-rows-2-3-take-rows-0-1s-top-pairs": (GGMLType.Q3_K, "stream", "q3_k_part", "tops << uint32(2)",
+                                             "tops << uint32(4)"),
+    "q3-high-bits-of-row-0": (GGMLType.Q3_K, "stream", "q3_k_field_word", "Q3_K_HM_SHIFT[s]", "Q3_K_HM_SHIFT[0]"),
+    "q3-one-row-top-pairs-of-rows-0-1": (GGMLType.Q3_K, "partials", "q3_k_scale", "2 * (s // 2)", "0"),
+    "q6-high-pairs-of-row-0": (GGMLType.Q6_K, "partials", "q6_k_levels", "(qh >> (2 * s))", "qh"),
+}
+
+
+def split_k_units(gtype: GGMLType) -> dict:
+    """The table with `gtype`'s two stream units made by stages.quant_types' factories as they are
+    now (inside a mutant: on the edited functions), as units of their own (a kernel per mutant)."""
+    qt = stages.quant_types
+    one_row, pair = {GGMLType.Q6_K: (qt.q6_k_unit, qt.q6_k_pair_unit),
+                     GGMLType.Q3_K: (qt.q3_k_unit, qt.q3_k_pair_unit)}[gtype]
+    real = DEVICE_TYPES[gtype]
+    stream = dataclasses.replace(real.stream, make=lambda tokens, x_bf16: one_row(tokens, x_bf16))
+    gemv = dataclasses.replace(real.gemv, make=lambda tokens, x_bf16: pair(tokens, x_bf16))
+    return {**DEVICE_TYPES, gtype: dataclasses.replace(real, stream=stream, gemv=gemv)}
+
+
+def check_split_k(gtype: GGMLType, kernel: str, w, wq) -> None:
+    if kernel == "stream":
+        check_linear(w, wq, 3, "stream", seed=5)
+    else:
+        check_stream_partials(gtype, w.k, 3, 3, 4)
+
+
+@pytest.mark.parametrize("name", SPLIT_K_MUTANTS)
+def test_split_k_decode_mutants(name):
+    """The stream check (the GEMV's pair unit) or the stream_partials check (the one-row unit)
+    rejects each decoding mistake, the units rebuilt on the edited function inside the mutant;
+    then the real units pass the same check (7 rows: the pair unit's last is alone)."""
+    gtype, kernel, function, old, new = SPLIT_K_MUTANTS[name]
+    w, wq = random_weight(gtype, 7, 1280, 3)
+    qt = stages.quant_types
+    with mutant(qt, **{function: edited(qt, function, old, new)}):
+        with mutant(stages.linear, DEVICE_TYPES=split_k_units(gtype)):
+            rejected(check_split_k, gtype, kernel, w, wq)
+    check_split_k(gtype, kernel, w, wq)
+
+
 
 @pytest.mark.parametrize("gtype", SPLIT, ids=lambda t: t.name)
 @pytest.mark.parametrize("kernel,tokens,kind", [("stream", 3, "drop"), ("gemm", 9, "drop"), ("gemm", 9, "scale")])

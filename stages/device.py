@@ -316,6 +316,26 @@ else:
 
 
 if SIM:
+    def bit_select(a, b, mask):
+        """The bits of b where mask is set, of a elsewhere (three 32-bit words)."""
+        return uint32((int(a) & ~int(mask) | int(b) & int(mask)) & 0xFFFFFFFF)
+else:
+    @intrinsic
+    def bit_select(typingctx, a, b, mask):
+        """The bits of b where mask is set, of a elsewhere, as one `lop3.b32` (lookup table 0xD8):
+        ptxas, given the and-or of two constants or the xor form, emits two LOP3s."""
+        sig = types.uint32(types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            word = ir.IntType(32)
+            values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args, strict=True)]
+            asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), "lop3.b32 $0, $1, $2, $3, 0xD8;", "=r,r,r,r")
+            return builder.call(asm, values)
+
+        return sig, codegen
+
+
+if SIM:
     def f16x2_f32(word):
         """The two fp16 values of a 32-bit word (low half first) as float32."""
         lo, hi = np.array([int(word) & 0xFFFFFFFF], np.uint32).view(np.float16)

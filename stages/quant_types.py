@@ -78,6 +78,7 @@ from flashv41.stages.device import (
     and_or,
     bf16_round,
     bf16_to_f32,
+    bit_select,
     byte_perm,
     device,
     f16_at,
@@ -1404,7 +1405,6 @@ Q4_K_LOW_FIELDS = (uint32(0x0F), uint32(0x0F00), field_magic(0), field_magic(8))
 Q4_K_HIGH_FIELDS = (uint32(0xF0), uint32(0xF000), field_magic(4), field_magic(12))
 Q4_K_FIELDS = (Q4_K_LOW_FIELDS, Q4_K_HIGH_FIELDS, Q4_K_LOW_FIELDS, Q4_K_HIGH_FIELDS)  # of sub-block 4 h + s
 Q5_K_FIELDS = tuple((uint32(0x1F << s), uint32(0x1F << (8 + s)), field_magic(s), field_magic(8 + s)) for s in range(4))
-Q5_K_NIBBLES = tuple(uint32(0x0F0F0F0F << s) for s in range(4))  # bits s .. s + 3 of every byte
 Q5_K_FIFTHS = tuple(uint32(0x10101010 << s) for s in range(4))  # bit s + 4
 Q5_K_DOWN, Q5_K_UP = (0, 3, 0, 1), (0, 0, 2, 0)  # the shifts taking sub-block s's nibble to bit s
 SIX_FIELDS = (uint32(0x3F), uint32(0x3F00), field_magic(0), field_magic(8))  # bytes 0, 1's 6-bit scales
@@ -1461,10 +1461,12 @@ def q4_k_half(address, i):
 @device
 def q5_k_fifth(w0, w1, w2, w3, q0, q1, q2, q3, s):
     """Sub-block 4 h + s's 5-bit levels in four words (halves8): level words w shifted to put the
-    nibble at bits s .. s + 3 of each byte, the fifth bit from the aligned qh words q at s + 4."""
-    down, up, nibbles, fifths = uint32(Q5_K_DOWN[s]), uint32(Q5_K_UP[s]), Q5_K_NIBBLES[s], Q5_K_FIFTHS[s]
-    return halves8((((w0 >> down) << up) & nibbles) | (q0 & fifths), (((w1 >> down) << up) & nibbles) | (q1 & fifths),
-                   (((w2 >> down) << up) & nibbles) | (q2 & fifths), (((w3 >> down) << up) & nibbles) | (q3 & fifths))
+    nibble at bits s .. s + 3 of each byte, bit s + 4 taken from the aligned qh words q (one
+    bit_select each; the bits around the field are field_at's to drop)."""
+    down, up, fifths = uint32(Q5_K_DOWN[s]), uint32(Q5_K_UP[s]), Q5_K_FIFTHS[s]
+    w0, w1, w2, w3 = (w0 >> down) << up, (w1 >> down) << up, (w2 >> down) << up, (w3 >> down) << up
+    return halves8(bit_select(w0, q0, fifths), bit_select(w1, q1, fifths), bit_select(w2, q2, fifths),
+                   bit_select(w3, q3, fifths))
 
 
 @device
@@ -1504,15 +1506,19 @@ def k_half_unit(half, fields):
         x16 = x16_bf16_at if x_bf16 else x16_f32_at
 
         @device
-        def add_sub_block(x, xo, v, s, a, b, acc, t):
-            xs0 = x16(x, xo, v)
-            xs1 = x16(x, xo, uint32(v + uint32(1)))
-            sx = sum16(xs0) + sum16(xs1)
+        def add_group(x, xo, v, s, g, a, b, acc, t):
+            xs = x16(x, xo, uint32(v + uint32(g)))
+            sx = sum16(xs)
             f = fields[s]
-            acc[t] += a[1][s] * (field_dot16(a[0][2 * s], f, xs0) + field_dot16(a[0][2 * s + 1], f, xs1))
+            acc[t] += a[1][s] * field_dot16(a[0][2 * s + g], f, xs)
             acc[t] -= a[2][s] * sx
-            acc[tokens + t] += b[1][s] * (field_dot16(b[0][2 * s], f, xs0) + field_dot16(b[0][2 * s + 1], f, xs1))
+            acc[tokens + t] += b[1][s] * field_dot16(b[0][2 * s + g], f, xs)
             acc[tokens + t] -= b[2][s] * sx
+
+        @device
+        def add_sub_block(x, xo, v, s, a, b, acc, t):
+            add_group(x, xo, v, s, 0, a, b, acc, t)
+            add_group(x, xo, v, s, 1, a, b, acc, t)
 
         @device
         def k_half_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):

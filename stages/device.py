@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, float64, int32, uint16, uint32
+from numba import cuda, float32, float64, int32, uint16, uint32, uint64
 
 from flashv41.host.errors import InputError
 from flashv41.stages.backend import using_simulator
@@ -164,29 +164,41 @@ else:
 # a[row, i] with Numba's 64-bit index arithmetic costs five to eight integer instructions a load.
 if SIM:
     def row_address(a, row):
-        """Row `row` of a uint32 array, for the *_at loads (on a GPU its address as uint64)."""
-        return a, int(row)
+        """Row `row` of a uint32 array, for the *_at loads (on a GPU its address as uint64; here the
+        array, the row and a byte offset into it)."""
+        return a, int(row), 0
+
+    def address_at(address, offset):
+        """The address `offset` bytes (unsigned, 32 bits) past a row_address: loads from it at
+        constant offsets become one instruction each on a GPU (the constant in the load)."""
+        a, row, base = address
+        return a, row, base + int(offset)
+
+    def _word(address, offset):
+        """The word index of byte `offset` past a row_address (the array's row, that index)."""
+        a, row, base = address
+        return a, row, (base + int(offset)) // 4
 
     def words4_at(address, offset):
         """Four words at byte `offset` (a multiple of 16) of a row_address: one 16-byte load."""
-        a, row = address
-        return load_words4(a, row, int(offset) // 4)
+        a, row, i = _word(address, offset)
+        return load_words4(a, row, i)
 
     def f16_at(address, offset):
         """The fp16 value at byte `offset` (even) of a row_address, as float32."""
-        a, row = address
-        lo, hi = f16x2_f32(a[row, int(offset) // 4])
-        return hi if int(offset) % 4 else lo
+        a, row, i = _word(address, offset)
+        lo, hi = f16x2_f32(a[row, i])
+        return hi if (address[2] + int(offset)) % 4 else lo
 
     def words2_at(address, offset):
         """Two words at byte `offset` (a multiple of 8) of a row_address: one 8-byte load."""
-        a, row = address
-        return load_words2(a, row, int(offset) // 4)
+        a, row, i = _word(address, offset)
+        return load_words2(a, row, i)
 
     def word_at(address, offset):
         """The word at byte `offset` (a multiple of 4) of a row_address: one 4-byte load."""
-        a, row = address
-        return a[row, int(offset) // 4]
+        a, row, i = _word(address, offset)
+        return a[row, i]
 else:
     @intrinsic
     def row_address(typingctx, a, row):
@@ -201,6 +213,13 @@ else:
             return builder.ptrtoint(pointer, ir.IntType(64))
 
         return sig, codegen
+
+    @inlined
+    def address_at(address, offset):
+        """The address `offset` bytes (unsigned, 32 bits) past a row_address: loads from it at
+        constant offsets take the constant into the load instruction, where a 32-bit offset
+        sum (which may wrap) costs a 64-bit add a load."""
+        return address + uint64(offset)
 
     def _plus(context, builder, address, offset, offset_type):
         """address (uint64) + a byte offset of any unsigned type, in the intrinsics below."""

@@ -75,6 +75,7 @@ from flashv41.host.quants import (
 from flashv41.stages.device import (
     CHUNK,
     SIM,
+    address_at,
     and_or,
     bf16_round,
     bf16_to_f32,
@@ -1444,14 +1445,14 @@ def q4_k_half(address, i):
     the half and 16-value group g, entry 2 s + g, the words of its nibbles (halves8); the d sc and
     dmin m (k_half_scales). The level bytes of sub-blocks 4 h, 4 h + 1 are qs[64 h .. 64 h + 31],
     those of 4 h + 2, 4 h + 3 the 32 after."""
-    base = uint32((i >> uint32(1)) * uint32(Q4_K_BYTES))
+    block = address_at(address, (i >> uint32(1)) * uint32(Q4_K_BYTES))
     h = i & uint32(1)
-    dw, s0, s1, s2 = words4_at(address, base)
-    qs = uint32(base + uint32(Q4_K_QS) + (h << uint32(6)))
-    a0, a1, a2, a3 = words4_at(address, qs)
-    a4, a5, a6, a7 = words4_at(address, uint32(qs + uint32(16)))
-    b0, b1, b2, b3 = words4_at(address, uint32(qs + uint32(32)))
-    b4, b5, b6, b7 = words4_at(address, uint32(qs + uint32(48)))
+    dw, s0, s1, s2 = words4_at(block, uint32(0))
+    qs = address_at(block, uint32(Q4_K_QS) + (h << uint32(6)))
+    a0, a1, a2, a3 = words4_at(qs, uint32(0))
+    a4, a5, a6, a7 = words4_at(qs, uint32(16))
+    b0, b1, b2, b3 = words4_at(qs, uint32(32))
+    b4, b5, b6, b7 = words4_at(qs, uint32(48))
     c0, c1 = halves8(a0, a1, a2, a3), halves8(a4, a5, a6, a7)
     e0, e1 = halves8(b0, b1, b2, b3), halves8(b4, b5, b6, b7)
     scaled, mins = k_half_scales(dw, s0, s1, s2, h)
@@ -1473,16 +1474,16 @@ def q5_k_fifth(w0, w1, w2, w3, q0, q1, q2, q3, s):
 def q5_k_half(address, i):
     """q4_k_half for Q5_K: the levels' fifth bits are bit 4 h + s of the block's 32 qh bytes (two
     more 16-byte loads, qh[j] the fifth bits of the level bytes j of both sub-block pairs)."""
-    base = uint32((i >> uint32(1)) * uint32(Q5_K_BYTES))
+    block = address_at(address, (i >> uint32(1)) * uint32(Q5_K_BYTES))
     h = i & uint32(1)
-    dw, s0, s1, s2 = words4_at(address, base)
-    q0, q1, q2, q3 = words4_at(address, uint32(base + uint32(Q5_K_QH)))
-    q4, q5, q6, q7 = words4_at(address, uint32(base + uint32(Q5_K_QH + 16)))
-    qs = uint32(base + uint32(Q5_K_QS) + (h << uint32(6)))
-    a0, a1, a2, a3 = words4_at(address, qs)
-    a4, a5, a6, a7 = words4_at(address, uint32(qs + uint32(16)))
-    b0, b1, b2, b3 = words4_at(address, uint32(qs + uint32(32)))
-    b4, b5, b6, b7 = words4_at(address, uint32(qs + uint32(48)))
+    dw, s0, s1, s2 = words4_at(block, uint32(0))
+    q0, q1, q2, q3 = words4_at(block, uint32(Q5_K_QH))
+    q4, q5, q6, q7 = words4_at(block, uint32(Q5_K_QH + 16))
+    qs = address_at(block, uint32(Q5_K_QS) + (h << uint32(6)))
+    a0, a1, a2, a3 = words4_at(qs, uint32(0))
+    a4, a5, a6, a7 = words4_at(qs, uint32(16))
+    b0, b1, b2, b3 = words4_at(qs, uint32(32))
+    b4, b5, b6, b7 = words4_at(qs, uint32(48))
     lift = (uint32(1) - h) << uint32(2)  # bits 4 h .. 4 h + 3 of each qh byte to 4 .. 7
     q0, q1, q2, q3, q4, q5, q6, q7 = q0 << lift, q1 << lift, q2 << lift, q3 << lift, q4 << lift, q5 << lift, \
         q6 << lift, q7 << lift
@@ -1504,10 +1505,12 @@ def k_half_unit(half, fields):
     slots past n_tokens read the last live token's inputs; the kernel stores neither's sums)."""
     def make(tokens: int, x_bf16: bool):
         x16 = x16_bf16_at if x_bf16 else x16_f32_at
+        run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift
 
         @device
-        def add_group(x, xo, v, s, g, a, b, acc, t):
-            xs = x16(x, xo, uint32(v + uint32(g)))
+        def add_group(x, s, g, a, b, acc, t):
+            """Group g of sub-block s: x the address of the unit's first input."""
+            xs = x16(x, uint32(0), uint32(2 * s + g))
             sx = sum16(xs)
             f = fields[s]
             acc[t] += a[1][s] * field_dot16(a[0][2 * s + g], f, xs)
@@ -1516,23 +1519,22 @@ def k_half_unit(half, fields):
             acc[tokens + t] -= b[2][s] * sx
 
         @device
-        def add_sub_block(x, xo, v, s, a, b, acc, t):
-            add_group(x, xo, v, s, 0, a, b, acc, t)
-            add_group(x, xo, v, s, 1, a, b, acc, t)
+        def add_sub_block(x, s, a, b, acc, t):
+            add_group(x, s, 0, a, b, acc, t)
+            add_group(x, s, 1, a, b, acc, t)
 
         @device
         def k_half_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
             i = uint32(u)
             a = half(row_address(ww, row), i)
             b = half(row_address(ww, min(row + 1, ww.shape[0] - 1)), i)
-            xb = uint32(uint32(xo) << uint32(2))
-            v = uint32(i << uint32(3))  # the 16-input run of sub-block 0's first 16 values
+            xb = uint32((uint32(xo) << uint32(2)) + (i << (run_shift + uint32(3))))  # its inputs: 8 runs of 16
             for t in range(tokens):
-                x = row_address(x32, min(t, n_tokens - 1))
-                add_sub_block(x, xb, v, 0, a, b, acc, t)
-                add_sub_block(x, xb, uint32(v + uint32(2)), 1, a, b, acc, t)
-                add_sub_block(x, xb, uint32(v + uint32(4)), 2, a, b, acc, t)
-                add_sub_block(x, xb, uint32(v + uint32(6)), 3, a, b, acc, t)
+                x = address_at(row_address(x32, min(t, n_tokens - 1)), xb)
+                add_sub_block(x, 0, a, b, acc, t)
+                add_sub_block(x, 1, a, b, acc, t)
+                add_sub_block(x, 2, a, b, acc, t)
+                add_sub_block(x, 3, a, b, acc, t)
 
         return k_half_unit
 

@@ -32,7 +32,8 @@ A record (`DeviceType`) holds, with one signature per piece:
   exponent byte; Q6_K and Q3_K: 64 values of a block, three and two 16-byte loads; Q4_K and Q5_K:
   32 level bytes, two loads, with the block's first 16-byte piece and Q5_K's 32 fifth-bit bytes);
   a lane issues `in_flight` of them together. `gemv` (or None): the decode GEMV's unit where it
-  differs, a unit of two rows for Q8_0, Q2_K, Q4_K and Q5_K (the inputs read and unpacked once for both).
+  differs, a unit of two rows for Q8_0, Q2_K, Q4_K and Q5_K (the inputs read and unpacked once for both;
+  Q4_K's and Q5_K's half a block, k_half_unit).
   The generic `chunk_unit` (any type with a chunk dequantiser: unit u is chunk u, dequantised and
   dotted with the inputs, correct but not tuned) is left to the ds4 table format, which no matrix
   has. Integers become floats by an exponent trick (`small_int`, `int8_at`, `uint8_at`,
@@ -967,6 +968,13 @@ def field_at(word, mask, magic):
 
 
 @device
+def halves8(w0, w1, w2, w3):
+    """Four words, then the same shifted down 16 bits: bytes 2 and 3 where fields fit a float's
+    mantissa (field_dot16's words)."""
+    return (w0, w1, w2, w3, w0 >> SHIFT_HALF, w1 >> SHIFT_HALF, w2 >> SHIFT_HALF, w3 >> SHIFT_HALF)
+
+
+@device
 def q2_k_row(address, qs, scales, d_at, p8):
     """One row's part of a Q2_K unit (loads only, and what every token shares): its quant piece's
     four words and the same shifted down 16 bits, and per shift s the group's d sc and dmin m (each
@@ -979,7 +987,7 @@ def q2_k_row(address, qs, scales, d_at, p8):
     e1 = s1 >> p8  # s = 2 and 3
     f0 = e0 >> SHIFT_HALF
     f1 = e1 >> SHIFT_HALF
-    words = (w0, w1, w2, w3, w0 >> SHIFT_HALF, w1 >> SHIFT_HALF, w2 >> SHIFT_HALF, w3 >> SHIFT_HALF)
+    words = halves8(w0, w1, w2, w3)
     scaled = (d * field_at(e0, LOW_NIBBLE, LOW_NIBBLE_MAGIC), d * field_at(f0, LOW_NIBBLE, LOW_NIBBLE_MAGIC),
               d * field_at(e1, LOW_NIBBLE, LOW_NIBBLE_MAGIC), d * field_at(f1, LOW_NIBBLE, LOW_NIBBLE_MAGIC))
     mins = (dmin * field_at(e0, HIGH_NIBBLE, HIGH_NIBBLE_MAGIC), dmin * field_at(f0, HIGH_NIBBLE, HIGH_NIBBLE_MAGIC),
@@ -1398,7 +1406,7 @@ def k_nibble_unit(block_words: int, levels):
 # h = i % 2) of two rows. A level is a bit field of a word as loaded (field_at), never shifted to
 # bit 0 first: the nibble of sub-block 4 h + s, in Q4_K the low (s even) or high (s odd) nibble
 # of the level bytes 64 h + 32 (s // 2) ..; Q5_K moves its nibble to bits s .. s + 3 of each byte
-# (one shift) and merges the fifth bit in above it, at bit s + 4, from the qh word shifted so
+# (one shift, none for s = 0) and merges the fifth bit in above it, at bit s + 4, from the qh word shifted so
 # that its bits 4 h .. 4 h + 3 are 4 .. 7 (bit 4 h + s at 4 + s: in place). Bytes 0 and 1 are
 # fields of the word, bytes 2 and 3 of it shifted down 16 bits (halves8).
 K_HALF_SHIFT = 7  # a unit: 128 values
@@ -1410,13 +1418,6 @@ Q5_K_FIFTHS = tuple(uint32(0x10101010 << s) for s in range(4))  # bit s + 4
 Q5_K_DOWN, Q5_K_UP = (0, 3, 0, 1), (0, 0, 2, 0)  # the shifts taking sub-block s's nibble to bit s
 SIX_FIELDS = (uint32(0x3F), uint32(0x3F00), field_magic(0), field_magic(8))  # bytes 0, 1's 6-bit scales
 assert all(4 * (s % 2) - Q5_K_DOWN[s] + Q5_K_UP[s] == s for s in range(4))
-
-
-@device
-def halves8(w0, w1, w2, w3):
-    """Four words, then the same shifted down 16 bits: bytes 2 and 3 where fields fit a float's
-    mantissa (field_dot16's words)."""
-    return (w0, w1, w2, w3, w0 >> SHIFT_HALF, w1 >> SHIFT_HALF, w2 >> SHIFT_HALF, w3 >> SHIFT_HALF)
 
 
 @device

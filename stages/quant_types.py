@@ -996,11 +996,32 @@ def q2_k_row(address, qs, scales, d_at, p8):
 
 
 @device
+def field_values16(words, fields):
+    """Sixteen levels as float32, bit fields of eight words (entry 4 m + c: byte c of word m, bytes
+    0 and 1 in word m, bytes 2 and 3 in word m + 4, the same word shifted down 16 bits). fields:
+    the masks of byte 0's and byte 1's field and their field_magic's."""
+    lo, hi, lo_magic, hi_magic = fields
+    w0, w1, w2, w3, t0, t1, t2, t3 = words
+    return (field_at(w0, lo, lo_magic), field_at(w0, hi, hi_magic), field_at(t0, lo, lo_magic),
+            field_at(t0, hi, hi_magic), field_at(w1, lo, lo_magic), field_at(w1, hi, hi_magic),
+            field_at(t1, lo, lo_magic), field_at(t1, hi, hi_magic), field_at(w2, lo, lo_magic),
+            field_at(w2, hi, hi_magic), field_at(t2, lo, lo_magic), field_at(t2, hi, hi_magic),
+            field_at(w3, lo, lo_magic), field_at(w3, hi, hi_magic), field_at(t3, lo, lo_magic),
+            field_at(t3, hi, hi_magic))
+
+
+@device
+def chain16(vs, xs):
+    """Sixteen values times sixteen inputs in one chain (one multiplication, fifteen FMAs)."""
+    return (vs[0] * xs[0] + vs[1] * xs[1] + vs[2] * xs[2] + vs[3] * xs[3] + vs[4] * xs[4] + vs[5] * xs[5]
+            + vs[6] * xs[6] + vs[7] * xs[7] + vs[8] * xs[8] + vs[9] * xs[9] + vs[10] * xs[10] + vs[11] * xs[11]
+            + vs[12] * xs[12] + vs[13] * xs[13] + vs[14] * xs[14] + vs[15] * xs[15])
+
+
+@device
 def field_dot16(words, fields, xs):
-    """Sixteen levels, bit fields of eight words (entry 4 m + c: byte c of word m, bytes 0 and 1 in
-    word m, bytes 2 and 3 in word m + 4, the same word shifted down 16 bits), times sixteen inputs,
-    every product exact, in one chain (one multiplication, fifteen FMAs). fields: the masks of
-    byte 0's and byte 1's field and their field_magic's."""
+    """chain16 of field_values16 and sixteen inputs, every product exact, each level made as the
+    chain takes it (so at most a few are live at once)."""
     lo, hi, lo_magic, hi_magic = fields
     w0, w1, w2, w3, t0, t1, t2, t3 = words
     return (field_at(w0, lo, lo_magic) * xs[0] + field_at(w0, hi, hi_magic) * xs[1]
@@ -1509,20 +1530,32 @@ def k_half_unit(half, fields):
         run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift
 
         @device
-        def add_group(x, s, g, a, b, acc, t):
-            """Group g of sub-block s: x the address of the unit's first input."""
-            xs = x16(x, uint32(0), uint32(2 * s + g))
+        def inputs(x32, xb, n_tokens, r, t):
+            """Token t's sixteen inputs of run r of the unit (xb: the byte offset of its first
+            input in a token's row; token slots past n_tokens read the last live token's)."""
+            return x16(address_at(row_address(x32, min(t, n_tokens - 1)), xb), uint32(0), uint32(r))
+
+        @device
+        def add_token(xs, s, dot_a, dot_b, a, b, acc, t):
+            """Token t's sums of sub-block s's group (the groups' dots given: inputs xs)."""
             sx = sum16(xs)
-            f = fields[s]
-            acc[t] += a[1][s] * field_dot16(a[0][2 * s + g], f, xs)
+            acc[t] += a[1][s] * dot_a
             acc[t] -= a[2][s] * sx
-            acc[tokens + t] += b[1][s] * field_dot16(b[0][2 * s + g], f, xs)
+            acc[tokens + t] += b[1][s] * dot_b
             acc[tokens + t] -= b[2][s] * sx
 
         @device
-        def add_sub_block(x, s, a, b, acc, t):
-            add_group(x, s, 0, a, b, acc, t)
-            add_group(x, s, 1, a, b, acc, t)
+        def add_group(x32, xb, n_tokens, s, g, a, b, acc):
+            """Group g of sub-block s: its levels made floats once for all the tokens, token 0's
+            dots taking them as they are made (so at one token each dies at once)."""
+            f = fields[s]
+            wa, wb = a[0][2 * s + g], b[0][2 * s + g]
+            xs = inputs(x32, xb, n_tokens, 2 * s + g, 0)
+            add_token(xs, s, field_dot16(wa, f, xs), field_dot16(wb, f, xs), a, b, acc, 0)
+            qa, qb = field_values16(wa, f), field_values16(wb, f)  # (on a GPU, the same values: computed once)
+            for t in range(1, tokens):
+                xs = inputs(x32, xb, n_tokens, 2 * s + g, t)
+                add_token(xs, s, chain16(qa, xs), chain16(qb, xs), a, b, acc, t)
 
         @device
         def k_half_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
@@ -1530,12 +1563,14 @@ def k_half_unit(half, fields):
             a = half(row_address(ww, row), i)
             b = half(row_address(ww, min(row + 1, ww.shape[0] - 1)), i)
             xb = uint32((uint32(xo) << uint32(2)) + (i << (run_shift + uint32(3))))  # its inputs: 8 runs of 16
-            for t in range(tokens):
-                x = address_at(row_address(x32, min(t, n_tokens - 1)), xb)
-                add_sub_block(x, 0, a, b, acc, t)
-                add_sub_block(x, 1, a, b, acc, t)
-                add_sub_block(x, 2, a, b, acc, t)
-                add_sub_block(x, 3, a, b, acc, t)
+            add_group(x32, xb, n_tokens, 0, 0, a, b, acc)
+            add_group(x32, xb, n_tokens, 0, 1, a, b, acc)
+            add_group(x32, xb, n_tokens, 1, 0, a, b, acc)
+            add_group(x32, xb, n_tokens, 1, 1, a, b, acc)
+            add_group(x32, xb, n_tokens, 2, 0, a, b, acc)
+            add_group(x32, xb, n_tokens, 2, 1, a, b, acc)
+            add_group(x32, xb, n_tokens, 3, 0, a, b, acc)
+            add_group(x32, xb, n_tokens, 3, 1, a, b, acc)
 
         return k_half_unit
 

@@ -1427,9 +1427,9 @@ def k_nibble_unit(block_words: int, levels):
 # h = i % 2) of two rows. A level is a bit field of a word as loaded (field_at), never shifted to
 # bit 0 first: the nibble of sub-block 4 h + s, in Q4_K the low (s even) or high (s odd) nibble
 # of the level bytes 64 h + 32 (s // 2) ..; Q5_K moves its nibble to bits s .. s + 3 of each byte
-# (one shift, none for s = 0) and merges the fifth bit in above it, at bit s + 4, from the qh word shifted so
-# that its bits 4 h .. 4 h + 3 are 4 .. 7 (bit 4 h + s at 4 + s: in place). Bytes 0 and 1 are
-# fields of the word, bytes 2 and 3 of it shifted down 16 bits (halves8).
+# (one shift, none for s = 0) and merges the fifth bit in above it, at bit s + 4, from the qh word
+# shifted so that its bits 4 h .. 4 h + 3 are 4 .. 7 (bit 4 h + s at 4 + s: in place). Bytes 0
+# and 1 are fields of the word, bytes 2 and 3 of it shifted down 16 bits (halves8).
 K_HALF_SHIFT = 7  # a unit: 128 values
 Q4_K_LOW_FIELDS = (uint32(0x0F), uint32(0x0F00), field_magic(0), field_magic(8))  # bytes 0, 1's low nibbles
 Q4_K_HIGH_FIELDS = (uint32(0xF0), uint32(0xF000), field_magic(4), field_magic(12))
@@ -1521,10 +1521,11 @@ def k_half_unit(half, fields):
     """The Q4_K / Q5_K GEMV unit: half a block of two rows (StreamUnit shift K_HALF_SHIFT), each
     row's part read by `half` (q4_k_half, q5_k_half), its sub-block s's levels the fields
     fields[s] (Q4_K_FIELDS, Q5_K_FIELDS); the inputs read, unpacked and summed once for both rows.
-    Per row and 32-value sub-block, d sc (sum of level x input) - dmin m (sum of inputs): a value's
-    two parts, as in q2_k_unit (tests/bounds.py's split terms), the loads a row address plus a
-    32-bit byte offset, no branch (the second row of the last group is a real one, clamped; token
-    slots past n_tokens read the last live token's inputs; the kernel stores neither's sums)."""
+    Per row and 16-value group, d sc (sum of level x input) - dmin m (sum of inputs): a value's two
+    parts, as in q2_k_unit (tests/bounds.py's split terms). Every load is at a constant offset from
+    a block's, a quant half's or a token's inputs' address (address_at); no branch (the second row
+    of the last group is a real one, clamped; token slots past n_tokens read the last live token's
+    inputs; the kernel stores neither's sums)."""
     def make(tokens: int, x_bf16: bool):
         x16 = x16_bf16_at if x_bf16 else x16_f32_at
         run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift

@@ -343,10 +343,11 @@ def test_mxfp4_stream_partials():
     check_stream_partials(GGMLType.MXFP4, 2080, 11, 40, 41)
 
 
-# Q4_K's and Q5_K's own stream units (stages.quant_types.k_nibble_unit): one row a unit for the
-# partial sums, two for the GEMV; each adds a value's two parts apart (tests/bounds.py's split
-# terms). A bf16-out check has at least 100 outputs a group, so the 99% rule allows an output whose
-# exact value sits at a bf16 rounding boundary (the fp32 sum lands either side of it).
+# Q4_K's and Q5_K's own stream units: one row of 64 values a unit for the partial sums
+# (stages.quant_types.k_nibble_unit), two rows of half a block for the GEMV (k_half_unit); each
+# adds a value's two parts apart (tests/bounds.py's split terms). A bf16-out check has at least 100
+# outputs a group, so the 99% rule allows an output whose exact value sits at a bf16 rounding
+# boundary (the fp32 sum lands either side of it).
 
 NIBBLE = [GGMLType.Q4_K, GGMLType.Q5_K]
 

@@ -164,35 +164,41 @@ else:
 # a[row, i] with Numba's 64-bit index arithmetic costs five to eight integer instructions a load.
 if SIM:
     def row_address(a, row):
-        """Row `row` of a uint32 array, for the *_at loads (on a GPU its address as uint64)."""
-        return a, int(row)
+        """Row `row` of a uint32 array, for the *_at loads (on a GPU its address as uint64; here the
+        array, the row and a byte offset into it)."""
+        return a, int(row), 0
+
+    def address_at(address, offset):
+        """The address `offset` bytes (unsigned, 32 bits) past a row_address: loads from it at
+        constant offsets become one instruction each on a GPU (the constant in the load)."""
+        a, row, base = address
+        return a, row, base + int(offset)
+
+    def _word(address, offset):
+        """The word index of byte `offset` past a row_address (the array's row, that index)."""
+        a, row, base = address
+        return a, row, (base + int(offset)) // 4
 
     def words4_at(address, offset):
         """Four words at byte `offset` (a multiple of 16) of a row_address: one 16-byte load."""
-        a, row = address
-        return load_words4(a, row, int(offset) // 4)
+        a, row, i = _word(address, offset)
+        return load_words4(a, row, i)
 
     def f16_at(address, offset):
         """The fp16 value at byte `offset` (even) of a row_address, as float32."""
-        a, row = address
-        lo, hi = f16x2_f32(a[row, int(offset) // 4])
-        return hi if int(offset) % 4 else lo
+        a, row, i = _word(address, offset)
+        lo, hi = f16x2_f32(a[row, i])
+        return hi if (address[2] + int(offset)) % 4 else lo
 
     def words2_at(address, offset):
         """Two words at byte `offset` (a multiple of 8) of a row_address: one 8-byte load."""
-        a, row = address
-        return load_words2(a, row, int(offset) // 4)
+        a, row, i = _word(address, offset)
+        return load_words2(a, row, i)
 
     def word_at(address, offset):
         """The word at byte `offset` (a multiple of 4) of a row_address: one 4-byte load."""
-        a, row = address
-        return a[row, int(offset) // 4]
-
-    def address_plus(address, offset):
-        """A row_address `offset` bytes (a multiple of 4) further on, for loads at constant offsets
-        from it (on a GPU the uint64 sum, whose constant offsets fold into the loads)."""
-        a, row = address
-        return a[int(row):int(row) + 1, int(offset) // 4:], 0
+        a, row, i = _word(address, offset)
+        return a[row, i]
 else:
     @intrinsic
     def row_address(typingctx, a, row):
@@ -209,9 +215,10 @@ else:
         return sig, codegen
 
     @inlined
-    def address_plus(address, offset):
-        """A row_address `offset` bytes further on: the uint64 sum, whose loads at constant byte
-        offsets from it take those offsets as immediates (no address arithmetic of their own)."""
+    def address_at(address, offset):
+        """The address `offset` bytes (unsigned, 32 bits) past a row_address: loads from it at
+        constant offsets take the constant into the load instruction, where a 32-bit offset
+        sum (which may wrap) costs a 64-bit add a load."""
         return address + uint64(offset)
 
     def _plus(context, builder, address, offset, offset_type):
@@ -329,19 +336,19 @@ else:
 
 if SIM:
     def bit_select(a, b, mask):
-        """The bits of a where mask has a one, of b where it has a zero."""
-        return uint32((int(a) & int(mask)) | (int(b) & ~int(mask)))
+        """The bits of b where mask is set, of a elsewhere (three 32-bit words)."""
+        return uint32((int(a) & ~int(mask) | int(b) & int(mask)) & 0xFFFFFFFF)
 else:
     @intrinsic
     def bit_select(typingctx, a, b, mask):
-        """The bits of a where mask has a one, of b where it has a zero: one `lop3.b32` (lookup table
-        0xE4), where the and, and-not and or that ptxas makes of the expression take three."""
+        """The bits of b where mask is set, of a elsewhere, as one `lop3.b32` (lookup table 0xD8):
+        ptxas, given the and-or of two constants or the xor form, emits two LOP3s."""
         sig = types.uint32(types.uint32, types.uint32, types.uint32)
 
         def codegen(context, builder, signature, args):
             word = ir.IntType(32)
             values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args, strict=True)]
-            asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), "lop3.b32 $0, $1, $2, $3, 0xE4;", "=r,r,r,r")
+            asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), "lop3.b32 $0, $1, $2, $3, 0xD8;", "=r,r,r,r")
             return builder.call(asm, values)
 
         return sig, codegen

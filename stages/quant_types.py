@@ -33,7 +33,7 @@ A record (`DeviceType`) holds, with one signature per piece:
   32 level bytes, two loads, with the block's first 16-byte piece and Q5_K's 32 fifth-bit bytes);
   a lane issues `in_flight` of them together. `gemv` (or None): the decode GEMV's unit where it
   differs, a unit of two rows for Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (the inputs read and unpacked
-  once for both).
+  once for both; Q4_K's and Q5_K's half a block, k_half_unit).
   The generic `chunk_unit` (any type with a chunk dequantiser: unit u is chunk u, dequantised and
   dotted with the inputs, correct but not tuned) is left to the ds4 table format, which no matrix
   has. Integers become floats by an exponent trick (`small_int`, `int8_at`, `uint8_at`,
@@ -76,7 +76,7 @@ from flashv41.host.quants import (
 from flashv41.stages.device import (
     CHUNK,
     SIM,
-    address_plus,
+    address_at,
     and_or,
     bf16_round,
     bf16_to_f32,
@@ -968,6 +968,13 @@ def field_at(word, mask, magic):
 
 
 @device
+def halves8(w0, w1, w2, w3):
+    """Four words, then the same shifted down 16 bits: bytes 2 and 3 where fields fit a float's
+    mantissa (field_dot16's words)."""
+    return (w0, w1, w2, w3, w0 >> SHIFT_HALF, w1 >> SHIFT_HALF, w2 >> SHIFT_HALF, w3 >> SHIFT_HALF)
+
+
+@device
 def q2_k_row(address, qs, scales, d_at, p8):
     """One row's part of a Q2_K unit (loads only, and what every token shares): its quant piece's
     four words and the same shifted down 16 bits, and per shift s the group's d sc and dmin m (each
@@ -980,7 +987,7 @@ def q2_k_row(address, qs, scales, d_at, p8):
     e1 = s1 >> p8  # s = 2 and 3
     f0 = e0 >> SHIFT_HALF
     f1 = e1 >> SHIFT_HALF
-    words = (w0, w1, w2, w3, w0 >> SHIFT_HALF, w1 >> SHIFT_HALF, w2 >> SHIFT_HALF, w3 >> SHIFT_HALF)
+    words = halves8(w0, w1, w2, w3)
     scaled = (d * field_at(e0, LOW_NIBBLE, LOW_NIBBLE_MAGIC), d * field_at(f0, LOW_NIBBLE, LOW_NIBBLE_MAGIC),
               d * field_at(e1, LOW_NIBBLE, LOW_NIBBLE_MAGIC), d * field_at(f1, LOW_NIBBLE, LOW_NIBBLE_MAGIC))
     mins = (dmin * field_at(e0, HIGH_NIBBLE, HIGH_NIBBLE_MAGIC), dmin * field_at(f0, HIGH_NIBBLE, HIGH_NIBBLE_MAGIC),
@@ -989,10 +996,33 @@ def q2_k_row(address, qs, scales, d_at, p8):
 
 
 @device
-def q2_k_dot16(words, s, xs):
-    """The sixteen levels at shift s of q2_k_row's words (entry 4 m + c: byte c of word m) times
-    sixteen inputs, every product exact, in one chain (one multiplication, fifteen FMAs)."""
-    lo, hi, lo_magic, hi_magic = Q2_K_LOW_MASKS[s], Q2_K_HIGH_MASKS[s], Q2_K_LOW_MAGICS[s], Q2_K_HIGH_MAGICS[s]
+def field_values16(words, fields):
+    """Sixteen levels as float32, bit fields of eight words (entry 4 m + c: byte c of word m, bytes
+    0 and 1 in word m, bytes 2 and 3 in word m + 4, the same word shifted down 16 bits). fields:
+    the masks of byte 0's and byte 1's field and their field_magic's."""
+    lo, hi, lo_magic, hi_magic = fields
+    w0, w1, w2, w3, t0, t1, t2, t3 = words
+    return (field_at(w0, lo, lo_magic), field_at(w0, hi, hi_magic), field_at(t0, lo, lo_magic),
+            field_at(t0, hi, hi_magic), field_at(w1, lo, lo_magic), field_at(w1, hi, hi_magic),
+            field_at(t1, lo, lo_magic), field_at(t1, hi, hi_magic), field_at(w2, lo, lo_magic),
+            field_at(w2, hi, hi_magic), field_at(t2, lo, lo_magic), field_at(t2, hi, hi_magic),
+            field_at(w3, lo, lo_magic), field_at(w3, hi, hi_magic), field_at(t3, lo, lo_magic),
+            field_at(t3, hi, hi_magic))
+
+
+@device
+def chain16(vs, xs):
+    """Sixteen values times sixteen inputs in one chain (one multiplication, fifteen FMAs)."""
+    return (vs[0] * xs[0] + vs[1] * xs[1] + vs[2] * xs[2] + vs[3] * xs[3] + vs[4] * xs[4] + vs[5] * xs[5]
+            + vs[6] * xs[6] + vs[7] * xs[7] + vs[8] * xs[8] + vs[9] * xs[9] + vs[10] * xs[10] + vs[11] * xs[11]
+            + vs[12] * xs[12] + vs[13] * xs[13] + vs[14] * xs[14] + vs[15] * xs[15])
+
+
+@device
+def field_dot16(words, fields, xs):
+    """chain16 of field_values16 and sixteen inputs, every product exact, each level made as the
+    chain takes it (so at most a few are live at once)."""
+    lo, hi, lo_magic, hi_magic = fields
     w0, w1, w2, w3, t0, t1, t2, t3 = words
     return (field_at(w0, lo, lo_magic) * xs[0] + field_at(w0, hi, hi_magic) * xs[1]
             + field_at(t0, lo, lo_magic) * xs[2] + field_at(t0, hi, hi_magic) * xs[3]
@@ -1002,6 +1032,12 @@ def q2_k_dot16(words, s, xs):
             + field_at(t2, lo, lo_magic) * xs[10] + field_at(t2, hi, hi_magic) * xs[11]
             + field_at(w3, lo, lo_magic) * xs[12] + field_at(w3, hi, hi_magic) * xs[13]
             + field_at(t3, lo, lo_magic) * xs[14] + field_at(t3, hi, hi_magic) * xs[15])
+
+
+@device
+def q2_k_dot16(words, s, xs):
+    """The sixteen levels at shift s of q2_k_row's words times sixteen inputs (field_dot16)."""
+    return field_dot16(words, (Q2_K_LOW_MASKS[s], Q2_K_HIGH_MASKS[s], Q2_K_LOW_MAGICS[s], Q2_K_HIGH_MAGICS[s]), xs)
 
 
 def q2_k_unit(rows: int):
@@ -1335,7 +1371,7 @@ def q6_k_pair_unit(tokens: int, x_bf16: bool):
         qa = q6_k_row(ql_a, qh_a, s)
         qb = q6_k_row(ql_b, qh_b, s)
         for t in range(tokens):
-            xs = x16(address_plus(row_address(x32, min(t, n_tokens - 1)), xv), uint32(0), uint32(v))
+            xs = x16(address_at(row_address(x32, min(t, n_tokens - 1)), xv), uint32(0), uint32(v))
             acc[t] += scale_a * dot16_chain(qa, xs)
             acc[tokens + t] += scale_b * dot16_chain(qb, xs)
 
@@ -1381,7 +1417,7 @@ def q3_k_field_word(qs, hmask, s):
     """A qs word with row s's level bits at bit Q3_K_FIELD[s] of each byte and its high bits (bit s
     of each byte of the hmask word) put above them; the other bits are the rest of the two words,
     which the field reads mask off."""
-    return bit_select(qs >> Q3_K_QS_SHIFT[s], hmask << Q3_K_HM_SHIFT[s], Q3_K_QS_KEEP[s])
+    return bit_select(hmask << Q3_K_HM_SHIFT[s], qs >> Q3_K_QS_SHIFT[s], Q3_K_QS_KEEP[s])
 
 
 @device
@@ -1419,8 +1455,8 @@ def q3_k_part(address, hm, qs, sc, d_at, shift, h4):
     lo23 = word_at(address, uint32(sc + uint32(WORD))) >> shift
     tops = word_at(address, uint32(sc + uint32(2 * WORD))) >> shift
     d = f16_at(address, d_at)
-    w01 = bit_select(lo01, tops << uint32(4), LOW_NIBBLES)
-    w23 = bit_select(lo23, tops << uint32(2), LOW_NIBBLES)
+    w01 = bit_select(tops << uint32(4), lo01, LOW_NIBBLES)
+    w23 = bit_select(tops << uint32(2), lo23, LOW_NIBBLES)
     m = (m0 >> h4, m1 >> h4, m2 >> h4, m3 >> h4)
     return q, m, (d * field_less(w01, Q3_K_SCALE_MASKS[0], Q3_K_SCALE_MAGICS[0], Q3_K_SCALE_LESS[0]),
                   d * field_less(w01, Q3_K_SCALE_MASKS[1], Q3_K_SCALE_MAGICS[1], Q3_K_SCALE_LESS[1]),
@@ -1440,7 +1476,7 @@ def q3_k_pair_unit(tokens: int, x_bf16: bool):
         qa = q3_k_fields(a[0], a[1], s)
         qb = q3_k_fields(b[0], b[1], s)
         for t in range(tokens):
-            xs = x16(address_plus(row_address(x32, min(t, n_tokens - 1)), xv), uint32(0), uint32(v))
+            xs = x16(address_at(row_address(x32, min(t, n_tokens - 1)), xv), uint32(0), uint32(v))
             acc[t] += a[2][s] * dot16_chain(qa, xs)
             acc[tokens + t] += b[2][s] * dot16_chain(qb, xs)
 
@@ -1544,57 +1580,203 @@ def sum16(a):
             + (((a[8] + a[9]) + (a[10] + a[11])) + ((a[12] + a[13]) + (a[14] + a[15]))))
 
 
-def k_nibble_unit(block_words: int, levels, rows: int):
-    """The Q4_K / Q5_K stream unit of `rows` rows (1, or 2 for the GEMV: the inputs, read, unpacked
-    and summed once for both rows, cost half as much a row), blocks of `block_words` words whose
-    levels `levels` reads (q4_k_levels, q5_k_levels). Unit u (StreamUnit shift K_UNIT_SHIFT) is the
-    32 level bytes qs[32 p .. 32 p + 31] of block u // 4 (p = u % 4): their low nibbles are the
-    block's values 64 p .. 64 p + 31 (sub-block 2 p), their high nibbles the 32 after (2 p + 1).
-    The mins are folded in as in q2_k_unit, d sc * sum(q x) - dmin m * sum(x) per 16 values, so a
-    value enters as its two parts (tests/bounds.py's split terms); levels become floats by the
-    exponent trick (uint8_at), once for all the tokens."""
+def k_nibble_unit(block_words: int, levels):
+    """The Q4_K / Q5_K stream unit of one row (the partial-sum products), blocks of `block_words`
+    words whose levels `levels` reads (q4_k_levels, q5_k_levels). Unit u (StreamUnit shift
+    K_UNIT_SHIFT) is the 32 level bytes qs[32 p .. 32 p + 31] of block u // 4 (p = u % 4): their
+    low nibbles are the block's values 64 p .. 64 p + 31 (sub-block 2 p), their high nibbles the 32
+    after (2 p + 1). The mins are folded in as in q2_k_unit, d sc * sum(q x) - dmin m * sum(x) per
+    16 values, so a value enters as its two parts (tests/bounds.py's split terms); levels become
+    floats by the exponent trick (uint8_at), once for all the tokens."""
     def make(tokens: int, x_bf16: bool):
         x16 = x16_bf16 if x_bf16 else x16_f32
 
         @device
-        def group(x32, xo, g, n_tokens, acc, a, scale_a, min_a, b, scale_b, min_b, second):
-            """Sixteen values of the row, levels a in four words (b: the second row's), times every
-            token's inputs 16 g .. 16 g + 15, into acc[t] (the second row's acc[tokens + t])."""
-            qa = levels16(a)
-            qb = levels16(b) if rows == 2 else qa
+        def group(x32, xo, g, n_tokens, acc, a, scale, minimum):
+            """Sixteen values of the row, levels a in four words, times every token's inputs
+            16 g .. 16 g + 15, into acc[t]."""
+            q = levels16(a)
             for t in range(tokens):
                 if t < n_tokens:
                     xs = x16(x32, t, xo, g)
-                    sx = sum16(xs)
-                    acc[t] += scale_a * dot16(qa, xs) - min_a * sx
-                    if second:
-                        acc[tokens + t] += scale_b * dot16(qb, xs) - min_b * sx
+                    acc[t] += scale * dot16(q, xs) - minimum * sum16(xs)
 
         @device
         def k_nibble_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
-            second = rows == 2 and row + 1 < ww.shape[0]
-            other = row + 1 if second else row
             first = uint64(block_words) * (u >> U2)
             la = levels(ww, row, first, u)
             sa = k_unit_scales(ww, row, first, u)
-            lb = levels(ww, other, first, u) if rows == 2 else la
-            sb = k_unit_scales(ww, other, first, u) if rows == 2 else sa
             g = U4 * u  # the inputs of sub-block 2 p are 16 g .. 16 g + 31, those of 2 p + 1 the 32 after
-            group(x32, xo, g, n_tokens, acc, la[0:4], sa[0], sa[1], lb[0:4], sb[0], sb[1], second)
-            group(x32, xo, g + U1, n_tokens, acc, la[4:8], sa[0], sa[1], lb[4:8], sb[0], sb[1], second)
-            group(x32, xo, g + U2, n_tokens, acc, la[8:12], sa[2], sa[3], lb[8:12], sb[2], sb[3], second)
-            group(x32, xo, g + U3, n_tokens, acc, la[12:], sa[2], sa[3], lb[12:], sb[2], sb[3], second)
+            group(x32, xo, g, n_tokens, acc, la[0:4], sa[0], sa[1])
+            group(x32, xo, g + U1, n_tokens, acc, la[4:8], sa[0], sa[1])
+            group(x32, xo, g + U2, n_tokens, acc, la[8:12], sa[2], sa[3])
+            group(x32, xo, g + U3, n_tokens, acc, la[12:], sa[2], sa[3])
 
         return k_nibble_unit
 
     return make
 
 
-def k_nibble_stream(block_words: int, levels) -> tuple[StreamUnit, StreamUnit]:
-    """Q4_K / Q5_K's stream units: one row a unit, two in flight (the partial-sum products), and the
-    GEMV's two rows a unit, one in flight."""
-    return (StreamUnit(k_nibble_unit(block_words, levels, 1), K_UNIT_SHIFT, 2),
-            StreamUnit(k_nibble_unit(block_words, levels, 2), K_UNIT_SHIFT, 1, rows=2))
+# Q4_K / Q5_K's GEMV unit: half a block (128 values, sub-blocks 4 h .. 4 h + 3 of block i // 2,
+# h = i % 2) of two rows. A level is a bit field of a word as loaded (field_at), never shifted to
+# bit 0 first: the nibble of sub-block 4 h + s, in Q4_K the low (s even) or high (s odd) nibble
+# of the level bytes 64 h + 32 (s // 2) ..; Q5_K moves its nibble to bits s .. s + 3 of each byte
+# (one shift, none for s = 0) and merges the fifth bit in above it, at bit s + 4, from the qh word
+# shifted so that its bits 4 h .. 4 h + 3 are 4 .. 7 (bit 4 h + s at 4 + s: in place). Bytes 0
+# and 1 are fields of the word, bytes 2 and 3 of it shifted down 16 bits (halves8).
+K_HALF_SHIFT = 7  # a unit: 128 values
+Q4_K_LOW_FIELDS = (uint32(0x0F), uint32(0x0F00), field_magic(0), field_magic(8))  # bytes 0, 1's low nibbles
+Q4_K_HIGH_FIELDS = (uint32(0xF0), uint32(0xF000), field_magic(4), field_magic(12))
+Q4_K_FIELDS = (Q4_K_LOW_FIELDS, Q4_K_HIGH_FIELDS, Q4_K_LOW_FIELDS, Q4_K_HIGH_FIELDS)  # of sub-block 4 h + s
+Q5_K_FIELDS = tuple((uint32(0x1F << s), uint32(0x1F << (8 + s)), field_magic(s), field_magic(8 + s)) for s in range(4))
+Q5_K_FIFTHS = tuple(uint32(0x10101010 << s) for s in range(4))  # bit s + 4
+Q5_K_DOWN, Q5_K_UP = (0, 3, 0, 1), (0, 0, 2, 0)  # the shifts taking sub-block s's nibble to bit s
+SIX_FIELDS = (uint32(0x3F), uint32(0x3F00), field_magic(0), field_magic(8))  # bytes 0, 1's 6-bit scales
+assert all(4 * (s % 2) - Q5_K_DOWN[s] + Q5_K_UP[s] == s for s in range(4))
+
+
+@device
+def k_half_scales(dw, s0, s1, s2, h):
+    """Half h's d sc and dmin m of its four sub-blocks (float32, exact: an fp16 times 6 bits),
+    from the block's first 16-byte piece (d, dmin in dw, the scale words: k_scale_words), the two
+    halves' scale words picked without a branch."""
+    d, dmin = f16x2_f32(dw)
+    sc, mn = k_scale_words(s0, s1, s2, False)
+    sc1, mn1 = k_scale_words(s0, s1, s2, True)
+    pick = h * uint32(0xFFFFFFFF)  # every bit set for h = 1
+    sc = sc ^ ((sc ^ sc1) & pick)
+    mn = mn ^ ((mn ^ mn1) & pick)
+    lo, hi, lo_magic, hi_magic = SIX_FIELDS
+    sc2, mn2 = sc >> SHIFT_HALF, mn >> SHIFT_HALF
+    scaled = (d * field_at(sc, lo, lo_magic), d * field_at(sc, hi, hi_magic),
+              d * field_at(sc2, lo, lo_magic), d * field_at(sc2, hi, hi_magic))
+    mins = (dmin * field_at(mn, lo, lo_magic), dmin * field_at(mn, hi, hi_magic),
+            dmin * field_at(mn2, lo, lo_magic), dmin * field_at(mn2, hi, hi_magic))
+    return scaled, mins
+
+
+@device
+def q4_k_half(address, i):
+    """One row's part of Q4_K GEMV unit i (loads, and what every token shares): per sub-block s of
+    the half and 16-value group g, entry 2 s + g, the words of its nibbles (halves8); the d sc and
+    dmin m (k_half_scales). The level bytes of sub-blocks 4 h, 4 h + 1 are qs[64 h .. 64 h + 31],
+    those of 4 h + 2, 4 h + 3 the 32 after."""
+    block = address_at(address, (i >> uint32(1)) * uint32(Q4_K_BYTES))
+    h = i & uint32(1)
+    dw, s0, s1, s2 = words4_at(block, uint32(0))
+    qs = address_at(block, uint32(Q4_K_QS) + (h << uint32(6)))
+    a0, a1, a2, a3 = words4_at(qs, uint32(0))
+    a4, a5, a6, a7 = words4_at(qs, uint32(16))
+    b0, b1, b2, b3 = words4_at(qs, uint32(32))
+    b4, b5, b6, b7 = words4_at(qs, uint32(48))
+    c0, c1 = halves8(a0, a1, a2, a3), halves8(a4, a5, a6, a7)
+    e0, e1 = halves8(b0, b1, b2, b3), halves8(b4, b5, b6, b7)
+    scaled, mins = k_half_scales(dw, s0, s1, s2, h)
+    return (c0, c1, c0, c1, e0, e1, e0, e1), scaled, mins
+
+
+@device
+def q5_k_fifth(w0, w1, w2, w3, q0, q1, q2, q3, s):
+    """Sub-block 4 h + s's 5-bit levels in four words (halves8): level words w shifted to put the
+    nibble at bits s .. s + 3 of each byte, bit s + 4 taken from the aligned qh words q (one
+    bit_select each; the bits around the field are field_at's to drop)."""
+    down, up, fifths = uint32(Q5_K_DOWN[s]), uint32(Q5_K_UP[s]), Q5_K_FIFTHS[s]
+    w0, w1, w2, w3 = (w0 >> down) << up, (w1 >> down) << up, (w2 >> down) << up, (w3 >> down) << up
+    return halves8(bit_select(w0, q0, fifths), bit_select(w1, q1, fifths), bit_select(w2, q2, fifths),
+                   bit_select(w3, q3, fifths))
+
+
+@device
+def q5_k_half(address, i):
+    """q4_k_half for Q5_K: the levels' fifth bits are bit 4 h + s of the block's 32 qh bytes (two
+    more 16-byte loads, qh[j] the fifth bits of the level bytes j of both sub-block pairs)."""
+    block = address_at(address, (i >> uint32(1)) * uint32(Q5_K_BYTES))
+    h = i & uint32(1)
+    dw, s0, s1, s2 = words4_at(block, uint32(0))
+    q0, q1, q2, q3 = words4_at(block, uint32(Q5_K_QH))
+    q4, q5, q6, q7 = words4_at(block, uint32(Q5_K_QH + 16))
+    qs = address_at(block, uint32(Q5_K_QS) + (h << uint32(6)))
+    a0, a1, a2, a3 = words4_at(qs, uint32(0))
+    a4, a5, a6, a7 = words4_at(qs, uint32(16))
+    b0, b1, b2, b3 = words4_at(qs, uint32(32))
+    b4, b5, b6, b7 = words4_at(qs, uint32(48))
+    lift = (uint32(1) - h) << uint32(2)  # bits 4 h .. 4 h + 3 of each qh byte to 4 .. 7
+    q0, q1, q2, q3, q4, q5, q6, q7 = q0 << lift, q1 << lift, q2 << lift, q3 << lift, q4 << lift, q5 << lift, \
+        q6 << lift, q7 << lift
+    levels = (q5_k_fifth(a0, a1, a2, a3, q0, q1, q2, q3, 0), q5_k_fifth(a4, a5, a6, a7, q4, q5, q6, q7, 0),
+              q5_k_fifth(a0, a1, a2, a3, q0, q1, q2, q3, 1), q5_k_fifth(a4, a5, a6, a7, q4, q5, q6, q7, 1),
+              q5_k_fifth(b0, b1, b2, b3, q0, q1, q2, q3, 2), q5_k_fifth(b4, b5, b6, b7, q4, q5, q6, q7, 2),
+              q5_k_fifth(b0, b1, b2, b3, q0, q1, q2, q3, 3), q5_k_fifth(b4, b5, b6, b7, q4, q5, q6, q7, 3))
+    scaled, mins = k_half_scales(dw, s0, s1, s2, h)
+    return levels, scaled, mins
+
+
+def k_half_unit(half, fields):
+    """The Q4_K / Q5_K GEMV unit: half a block of two rows (StreamUnit shift K_HALF_SHIFT), each
+    row's part read by `half` (q4_k_half, q5_k_half), its sub-block s's levels the fields
+    fields[s] (Q4_K_FIELDS, Q5_K_FIELDS); the inputs read, unpacked and summed once for both rows.
+    Per row and 16-value group, d sc (sum of level x input) - dmin m (sum of inputs): a value's two
+    parts, as in q2_k_unit (tests/bounds.py's split terms). Every load is at a constant offset from
+    a block's, a quant half's or a token's inputs' address (address_at); no branch (the second row
+    of the last group is a real one, clamped; token slots past n_tokens read the last live token's
+    inputs; the kernel stores neither's sums)."""
+    def make(tokens: int, x_bf16: bool):
+        x16 = x16_bf16_at if x_bf16 else x16_f32_at
+        run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift
+
+        @device
+        def inputs(x32, xb, n_tokens, r, t):
+            """Token t's sixteen inputs of run r of the unit (xb: the byte offset of its first
+            input in a token's row; token slots past n_tokens read the last live token's)."""
+            return x16(address_at(row_address(x32, min(t, n_tokens - 1)), xb), uint32(0), uint32(r))
+
+        @device
+        def add_token(xs, s, dot_a, dot_b, a, b, acc, t):
+            """Token t's sums of sub-block s's group (the groups' dots given: inputs xs)."""
+            sx = sum16(xs)
+            acc[t] += a[1][s] * dot_a
+            acc[t] -= a[2][s] * sx
+            acc[tokens + t] += b[1][s] * dot_b
+            acc[tokens + t] -= b[2][s] * sx
+
+        @device
+        def add_group(x32, xb, n_tokens, s, g, a, b, acc):
+            """Group g of sub-block s: its levels made floats once for all the tokens, token 0's
+            dots taking them as they are made (so at one token each dies at once)."""
+            f = fields[s]
+            wa, wb = a[0][2 * s + g], b[0][2 * s + g]
+            xs = inputs(x32, xb, n_tokens, 2 * s + g, 0)
+            add_token(xs, s, field_dot16(wa, f, xs), field_dot16(wb, f, xs), a, b, acc, 0)
+            qa, qb = field_values16(wa, f), field_values16(wb, f)  # (on a GPU, the same values: computed once)
+            for t in range(1, tokens):
+                xs = inputs(x32, xb, n_tokens, 2 * s + g, t)
+                add_token(xs, s, chain16(qa, xs), chain16(qb, xs), a, b, acc, t)
+
+        @device
+        def k_half_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+            i = uint32(u)
+            a = half(row_address(ww, row), i)
+            b = half(row_address(ww, min(row + 1, ww.shape[0] - 1)), i)
+            xb = uint32((uint32(xo) << uint32(2)) + (i << (run_shift + uint32(3))))  # its inputs: 8 runs of 16
+            add_group(x32, xb, n_tokens, 0, 0, a, b, acc)
+            add_group(x32, xb, n_tokens, 0, 1, a, b, acc)
+            add_group(x32, xb, n_tokens, 1, 0, a, b, acc)
+            add_group(x32, xb, n_tokens, 1, 1, a, b, acc)
+            add_group(x32, xb, n_tokens, 2, 0, a, b, acc)
+            add_group(x32, xb, n_tokens, 2, 1, a, b, acc)
+            add_group(x32, xb, n_tokens, 3, 0, a, b, acc)
+            add_group(x32, xb, n_tokens, 3, 1, a, b, acc)
+
+        return k_half_unit
+
+    return make
+
+
+def k_nibble_stream(block_words: int, levels, half, fields) -> tuple[StreamUnit, StreamUnit]:
+    """Q4_K / Q5_K's stream units: one row a unit, two in flight (the partial-sum products,
+    k_nibble_unit), and the GEMV's half block of two rows, one in flight (k_half_unit)."""
+    return (StreamUnit(k_nibble_unit(block_words, levels), K_UNIT_SHIFT, 2),
+            StreamUnit(k_half_unit(half, fields), K_HALF_SHIFT, 1, rows=2))
 
 
 def chunk_unit(dequant):
@@ -2065,8 +2247,8 @@ def _entry(gtype: GGMLType | RowType, dequant, stream: StreamUnit, tc: TcType | 
                              gemv, narrow)
 
 
-Q4_K_STREAM, Q4_K_GEMV = k_nibble_stream(Q4_K_WORDS, q4_k_levels)
-Q5_K_STREAM, Q5_K_GEMV = k_nibble_stream(Q5_K_WORDS, q5_k_levels)
+Q4_K_STREAM, Q4_K_GEMV = k_nibble_stream(Q4_K_WORDS, q4_k_levels, q4_k_half, Q4_K_FIELDS)
+Q5_K_STREAM, Q5_K_GEMV = k_nibble_stream(Q5_K_WORDS, q5_k_levels, q5_k_half, Q5_K_FIELDS)
 DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
     _entry(GGMLType.F32, dequant_f32, StreamUnit(f32_unit, 2, 2)),
     _entry(GGMLType.F16, dequant_f16, StreamUnit(f16_unit, 3, 2)),

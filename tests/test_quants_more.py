@@ -343,10 +343,11 @@ def test_mxfp4_stream_partials():
     check_stream_partials(GGMLType.MXFP4, 2080, 11, 40, 41)
 
 
-# Q4_K's and Q5_K's own stream units (stages.quant_types.k_nibble_unit): one row a unit for the
-# partial sums, two for the GEMV; each adds a value's two parts apart (tests/bounds.py's split
-# terms). A bf16-out check has at least 100 outputs a group, so the 99% rule allows an output whose
-# exact value sits at a bf16 rounding boundary (the fp32 sum lands either side of it).
+# Q4_K's and Q5_K's own stream units: one row of 64 values a unit for the partial sums
+# (stages.quant_types.k_nibble_unit), two rows of half a block for the GEMV (k_half_unit); each
+# adds a value's two parts apart (tests/bounds.py's split terms). A bf16-out check has at least 100
+# outputs a group, so the 99% rule allows an output whose exact value sits at a bf16 rounding
+# boundary (the fp32 sum lands either side of it).
 
 NIBBLE = [GGMLType.Q4_K, GGMLType.Q5_K]
 
@@ -486,30 +487,47 @@ def test_chunk_unit_and_its_mutant():
     check_linear(w, wq, 3, "stream", seed=1)
 
 
-# decoding mistakes in Q4_K's and Q5_K's own units, each an edit of stages.quant_types' source
+# decoding mistakes in Q4_K's and Q5_K's own units (the partial sums' one-row unit, the GEMV's
+# half-block one), each an edit of stages.quant_types' source
 NIBBLE_MUTANTS = {
     "fifth-bits-of-the-low-nibbles": (GGMLType.Q5_K, "q5_k_levels", "h = j + U1", "h = j"),
+    "gemv-fifth-bits-of-the-other-half": (GGMLType.Q5_K, "q5_k_half", "lift = (uint32(1) - h) << uint32(2)",
+                                          "lift = h << uint32(2)"),
     "mins-without-top-bits": (GGMLType.Q4_K, "k_scale_words", " | ((s1 >> 2) & TOP_PAIRS)", ""),
-    "second-row-reads-the-first": (GGMLType.Q4_K, "k_nibble_unit", "other = row + 1 if second else row",
-                                   "other = row"),
+    "stream-nibbles-swapped": (GGMLType.Q4_K, "k_nibble_unit", "la[0:4], sa[0], sa[1]", "la[8:12], sa[0], sa[1]"),
+    "gemv-second-row-reads-the-first": (GGMLType.Q4_K, "k_half_unit", "min(row + 1, ww.shape[0] - 1)", "row"),
+    "gemv-other-half-levels": (GGMLType.Q4_K, "q4_k_half", "(h << uint32(6))", "((h ^ uint32(1)) << uint32(6))"),
 }
+STREAM_ONLY = ("q5_k_levels", "k_nibble_unit")  # the one-row unit's own functions: the partial sums' check
+
+
+def nibble_table(gtype: GGMLType) -> dict:
+    """The table with `gtype`'s stream units rebuilt from stages.quant_types' functions as they are
+    now (inside a mutant: the edited ones)."""
+    qt = stages.quant_types
+    if gtype == GGMLType.Q4_K:
+        stream, gemv = qt.k_nibble_stream(qt.Q4_K_WORDS, qt.q4_k_levels, qt.q4_k_half, qt.Q4_K_FIELDS)
+    else:
+        stream, gemv = qt.k_nibble_stream(qt.Q5_K_WORDS, qt.q5_k_levels, qt.q5_k_half, qt.Q5_K_FIELDS)
+    return {**DEVICE_TYPES, gtype: dataclasses.replace(DEVICE_TYPES[gtype], stream=stream, gemv=gemv)}
 
 
 @pytest.mark.parametrize("name", NIBBLE_MUTANTS)
 def test_nibble_decode_mutants(name):
-    """The stream check rejects each decoding mistake (the units rebuilt on the edited function
-    inside the mutant), then passes the real units on the same rows."""
+    """Each decoding mistake rejected (the units rebuilt on the edited function inside the mutant):
+    the GEMV unit's by the stream check, the one-row unit's by the partial sums' check (both for
+    k_scale_words, which both units read); then both checks pass the real units on the same rows."""
     gtype, function, old, new = NIBBLE_MUTANTS[name]
     w, wq = random_weight(gtype, 24, 512, 10)
     qt = stages.quant_types
     with mutant(qt, **{function: edited(qt, function, old, new)}):
-        levels, words = (qt.q4_k_levels, qt.Q4_K_WORDS) if gtype == GGMLType.Q4_K else (qt.q5_k_levels, qt.Q5_K_WORDS)
-        stream, gemv = qt.k_nibble_stream(words, levels)
-        table = {**DEVICE_TYPES, gtype: dataclasses.replace(DEVICE_TYPES[gtype], stream=stream, gemv=gemv)}
-        with mutant(stages.linear, DEVICE_TYPES=table):
-            rejected(check_linear, w, wq, 3, "stream", seed=5)
+        with mutant(stages.linear, DEVICE_TYPES=nibble_table(gtype)):
+            if function not in STREAM_ONLY:
+                rejected(check_linear, w, wq, 3, "stream", seed=5)
+            if function in STREAM_ONLY + ("k_scale_words",):
+                rejected(check_stream_partials, gtype, 512, 3, int(gtype) + 40, 2)
     check_linear(w, wq, 3, "stream", seed=5)
-
+    check_stream_partials(gtype, 512, 3, int(gtype) + 40, 2)
 
 # decoding mistakes in Q6_K's and Q3_K's own units: the GEMV's pair units (kernel "stream": the
 # decode product) and the one-row units (kernel "partials": stream_partials), each an edit of

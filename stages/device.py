@@ -318,40 +318,34 @@ if SIM:
     def and_or(a, b, c):
         """(a & b) | c of three 32-bit words."""
         return uint32((int(a) & int(b)) | int(c))
-else:
-    @intrinsic
-    def and_or(typingctx, a, b, c):
-        """(a & b) | c of three 32-bit words as one `lop3.b32` (lookup table 0xEA): ptxas, given an
-        and and an or of two constants, emits two LOP3s, one immediate each."""
-        sig = types.uint32(types.uint32, types.uint32, types.uint32)
 
-        def codegen(context, builder, signature, args):
-            word = ir.IntType(32)
-            values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args, strict=True)]
-            asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r")
-            return builder.call(asm, values)
-
-        return sig, codegen
-
-
-if SIM:
     def bit_select(a, b, mask):
         """The bits of b where mask is set, of a elsewhere (three 32-bit words)."""
         return uint32((int(a) & ~int(mask) | int(b) & int(mask)) & 0xFFFFFFFF)
 else:
-    @intrinsic
-    def bit_select(typingctx, a, b, mask):
-        """The bits of b where mask is set, of a elsewhere, as one `lop3.b32` (lookup table 0xD8):
-        ptxas, given the and-or of two constants or the xor form, emits two LOP3s."""
-        sig = types.uint32(types.uint32, types.uint32, types.uint32)
+    def lop3(table: int):
+        """An intrinsic f(a, b, c) of three 32-bit words that is one `lop3.b32` with lookup table
+        `table` (the result's bit for a, b, c bits i, j, k is bit 4 i + 2 j + k of the table)."""
+        @intrinsic
+        def three_word_logic(typingctx, a, b, c):
+            sig = types.uint32(types.uint32, types.uint32, types.uint32)
 
-        def codegen(context, builder, signature, args):
-            word = ir.IntType(32)
-            values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args, strict=True)]
-            asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), "lop3.b32 $0, $1, $2, $3, 0xD8;", "=r,r,r,r")
-            return builder.call(asm, values)
+            def codegen(context, builder, signature, args):
+                word = ir.IntType(32)
+                values = [context.cast(builder, v, t, types.uint32)
+                          for v, t in zip(args, signature.args, strict=True)]
+                asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), f"lop3.b32 $0, $1, $2, $3, {table:#x};",
+                                   "=r,r,r,r")
+                return builder.call(asm, values)
 
-        return sig, codegen
+            return sig, codegen
+
+        return three_word_logic
+
+    # (a & b) | c: ptxas, given an and and an or of two constants, emits two LOP3s, one immediate each
+    and_or = lop3(0xEA)
+    # the bits of b where mask is set, of a elsewhere: ptxas makes two LOP3s of the and-or or xor form
+    bit_select = lop3(0xD8)
 
 
 if SIM:

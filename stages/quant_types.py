@@ -1329,14 +1329,6 @@ def field_less(word, mask, magic, less):
 
 
 @device
-def dot16_chain(vs, xs):
-    """Sixteen values times sixteen inputs in one chain (one multiplication, fifteen FMAs)."""
-    return (vs[0] * xs[0] + vs[1] * xs[1] + vs[2] * xs[2] + vs[3] * xs[3] + vs[4] * xs[4] + vs[5] * xs[5]
-            + vs[6] * xs[6] + vs[7] * xs[7] + vs[8] * xs[8] + vs[9] * xs[9] + vs[10] * xs[10] + vs[11] * xs[11]
-            + vs[12] * xs[12] + vs[13] * xs[13] + vs[14] * xs[14] + vs[15] * xs[15])
-
-
-@device
 def unit_inputs(blk, h, j):
     """The first run of 16 inputs of a split Q6_K / Q3_K unit (block blk, half h, j = u % 2): row s's
     inputs are the run 2 s after it."""
@@ -1372,8 +1364,8 @@ def q6_k_pair_unit(tokens: int, x_bf16: bool):
         qb = q6_k_row(ql_b, qh_b, s)
         for t in range(tokens):
             xs = x16(address_at(row_address(x32, min(t, n_tokens - 1)), xv), uint32(0), uint32(v))
-            acc[t] += scale_a * dot16_chain(qa, xs)
-            acc[tokens + t] += scale_b * dot16_chain(qb, xs)
+            acc[t] += scale_a * chain16(qa, xs)
+            acc[tokens + t] += scale_b * chain16(qb, xs)
 
     @device
     def q6_k_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
@@ -1477,8 +1469,8 @@ def q3_k_pair_unit(tokens: int, x_bf16: bool):
         qb = q3_k_fields(b[0], b[1], s)
         for t in range(tokens):
             xs = x16(address_at(row_address(x32, min(t, n_tokens - 1)), xv), uint32(0), uint32(v))
-            acc[t] += a[2][s] * dot16_chain(qa, xs)
-            acc[tokens + t] += b[2][s] * dot16_chain(qb, xs)
+            acc[t] += a[2][s] * chain16(qa, xs)
+            acc[tokens + t] += b[2][s] * chain16(qb, xs)
 
     @device
     def q3_k_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):

@@ -1129,6 +1129,90 @@ def mxfp4_unit(tokens: int, x_bf16: bool):
     return mxfp4_unit
 
 
+MXFP4_E_SELECT = uint32(0x4440)  # byte_perm selector: byte s (or-ed in, s < 4) of a word, zeros above
+
+
+@device
+def mxfp4_exponent_at(address, e_at, select):
+    """The exponent byte of a block: byte `select & 3` of the word at byte e_at of a row_address
+    (one load, one byte permute)."""
+    return byte_perm(word_at(address, e_at), uint32(0), select)
+
+
+def mxfp4_pair_unit(tokens: int, x_bf16: bool):
+    """Split MXFP4, two rows at once (the decode GEMV's; `rows` = 2): unit u is block u of rows
+    `row` and `row + 1` (past the matrix, a clamped real row whose sums the kernel drops), their
+    sums in acc[t] and acc[tokens + t]. Per row a 16-byte load of the block's codes at byte 16 u
+    and a word load of its exponent byte (byte u after the K / 2 code bytes); the 32 inputs are
+    read and unpacked once for both rows. The scales are mxfp4_unit's, without its branch:
+    - main path: each row adds d * (sum of doubled E2M1 integer times input), d = 2^(e - 128) for
+      e under MXFP4_INF_E and 0 from there on (a select), every load a row address plus a 32-bit
+      byte offset, the token slots past n_tokens reading the last live token's inputs (their sums
+      never stored), so the unit's loads all go out before its arithmetic;
+    - a block of either row with an exponent from MXFP4_INF_E on (no real weight has one) adds,
+      after the main sums, its values scaled one by one (inf where the host's are) times their
+      inputs: the oracle's inf and NaN. The other row adds zeros there (it was summed above)."""
+    x16 = x16_bf16_at if x_bf16 else x16_f32_at
+    x4 = x4_bf16 if x_bf16 else x4_f32
+
+    @device
+    def sum_scale(e):
+        """The main path's scale of a block's sum."""
+        d = e8m0_half(e)
+        return d if e < MXFP4_INF_E else float32(0)
+
+    @device
+    def scaled_dot8(x32, t, xo, v, w, f):
+        """Code word w's eight values, each scaled by f first, times their inputs (values v .. v + 3
+        and v + 16 .. v + 19 of the row's slice)."""
+        x0, x1, x2, x3 = x4(x32, t, xo, v)
+        y0, y1, y2, y3 = x4(x32, t, xo, v + uint64(MXFP4_PAIRS))
+        return e2m1_dot8(e2m1_scaled(e2m1_word(w), f), x0, x1, x2, x3, y0, y1, y2, y3)
+
+    @device
+    def add_scaled(x32, xo, u, words, e, n_tokens, acc, first):
+        """The rare path of one row: block u's values each scaled first where e >= MXFP4_INF_E
+        (else times 0), dotted with every token's inputs into acc[first + t] in mxfp4_dot's order.
+        A code word at a time, its codes decoded again and its inputs read again with the plain
+        loads: little stays live for this path, and nothing of the main one."""
+        f = e8m0_half(e) if e >= MXFP4_INF_E else float32(0)
+        v = uint64(u) << uint64(5)
+        w0, w1, w2, w3 = words
+        for t in range(tokens):
+            tt = min(t, n_tokens - 1)
+            acc[first + t] += (scaled_dot8(x32, tt, xo, v, w0, f) + scaled_dot8(x32, tt, xo, v + U4, w1, f)
+                               + scaled_dot8(x32, tt, xo, v + U8, w2, f)
+                               + scaled_dot8(x32, tt, xo, v + uint64(12), w3, f))
+
+    @device
+    def mxfp4_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        i = uint32(u)
+        qs = uint32(i << uint32(4))
+        e_at = uint32((uint32(k) >> uint32(1)) + (i & uint32(0xFFFFFFFC)))
+        select = uint32(MXFP4_E_SELECT | (i & uint32(3)))
+        a = row_address(ww, row)
+        b = row_address(ww, min(row + 1, ww.shape[0] - 1))
+        wa = words4_at(a, qs)
+        wb = words4_at(b, qs)
+        ea = mxfp4_exponent_at(a, e_at, select)
+        eb = mxfp4_exponent_at(b, e_at, select)
+        da, db = sum_scale(ea), sum_scale(eb)
+        a0, a1, a2, a3 = e2m1_word(wa[0]), e2m1_word(wa[1]), e2m1_word(wa[2]), e2m1_word(wa[3])
+        b0, b1, b2, b3 = e2m1_word(wb[0]), e2m1_word(wb[1]), e2m1_word(wb[2]), e2m1_word(wb[3])
+        xb = uint32(uint32(xo) << uint32(2))
+        v = uint32(i << uint32(1))  # the block's inputs: 16-input runs 2 u and 2 u + 1
+        for t in range(tokens):
+            x = row_address(x32, min(t, n_tokens - 1))
+            xs = x16(x, xb, v)
+            ys = x16(x, xb, uint32(v + uint32(1)))
+            acc[t] += da * mxfp4_dot(a0, a1, a2, a3, xs, ys)
+            acc[tokens + t] += db * mxfp4_dot(b0, b1, b2, b3, xs, ys)
+        if max(ea, eb) >= MXFP4_INF_E:
+            add_scaled(x32, xo, u, wa, ea, n_tokens, acc, 0)
+            add_scaled(x32, xo, u, wb, eb, n_tokens, acc, tokens)
+
+    return mxfp4_pair_unit
+
 # The split Q6_K and Q3_K units. Unit u is 64 values of block u // 4: in half h = (u // 2) % 2,
 # positions i = 16 (u % 2) .. + 15 of its 32, the values 128 h + 32 s + i of rows s < 4 (sub-block
 # 8 h + 2 s + u % 2). Byte b of word m of a 16-byte load is position 16 (u % 2) + 4 m + b: a row's
@@ -1895,7 +1979,7 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
            "split", padded_split_q6_k, dequant_q6_k_split),
     _entry(GGMLType.MXFP4, dequant_mxfp4, StreamUnit(mxfp4_unit, 5, 2),
            TcType(fetch_mxfp4, put_mxfp4, fetch_scales_mxfp4, put_scales_mxfp4, MXFP4_PAIRS // WORD, True, False),
-           "split", padded_split_mxfp4, dequant_mxfp4_split),
+           "split", padded_split_mxfp4, dequant_mxfp4_split, StreamUnit(mxfp4_pair_unit, 5, 2, rows=2)),
     # a table format: the engram row gather reads it (dequant); the loader refuses it for matrices,
     # the generic chunk unit being there for completeness
     _entry(RowType.E4M3_ROW264, dequant_e4m3_row264, chunk_stream(dequant_e4m3_row264), weight_rows=padded_stored),

@@ -333,9 +333,10 @@ def test_mxfp4_stream_f32_in(tokens, out):
 
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_mxfp4_grouped(tokens):
-    """Groups of 5 outputs (an odd count), each reading its own K-wide slice of the input."""
-    w, wq = random_weight(GGMLType.MXFP4, 2 * 5, 1056, tokens + 30)
-    check_linear(w, wq, tokens, "stream", group_rows=5, seed=tokens)
+    """Groups of 6 outputs (the GEMV's unit takes two rows), each reading its own K-wide slice of
+    the input."""
+    w, wq = random_weight(GGMLType.MXFP4, 2 * 6, 1056, tokens + 30)
+    check_linear(w, wq, tokens, "stream", group_rows=6, seed=tokens)
 
 
 def test_mxfp4_stream_partials():
@@ -433,19 +434,31 @@ def test_mxfp4_exponent_corners(kernel, tokens, out):
     check_exponent_corners(kernel, tokens, out)
 
 
+INF_UNSCALED = {"mxfp4_pair_unit": ("if max(ea, eb) >= MXFP4_INF_E:", "if max(ea, eb) > 255:"),
+                "mxfp4_unit": ("if e >= MXFP4_INF_E:", "if e > 255:")}
+NO_SUBNORMALS = ("d = e8m0_half(e)", "d = f32_from_bits((e - 1) << 23)")
+
+
 @CORNERS_FILTER
-@pytest.mark.parametrize("old,new,failure", [
-    ("if e >= MXFP4_INF_E:", "if e > 255:", "rows with inf values give"),
-    ("d = e8m0_half(e)", "d = f32_from_bits((e - 1) << 23)", BOUND_RULE)], ids=["inf-scaled-sums", "no-subnormals"])
-def test_mxfp4_corner_mutants(old, new, failure):
-    """mxfp4_unit scaling the block sums of infinite values too, or taking the exponents 0 and 1 for
-    normal ones: the corner check rejects each (then passes the real unit)."""
+@pytest.mark.parametrize("name", ["mxfp4_pair_unit", "mxfp4_unit"])
+@pytest.mark.parametrize("kind,failure", [("inf", "rows with inf values give"), ("subnormal", BOUND_RULE)],
+                         ids=["inf-values-unscaled", "no-subnormals"])
+def test_mxfp4_corner_mutants(name, kind, failure):
+    """Each of MXFP4's GEMV units mutated, the two-row gemv (mxfp4_pair_unit) and the one-row
+    stream unit (mxfp4_unit, the product's where gemv is None): the blocks with infinite values
+    left to the scaled block sums (the one-row unit scaling their sums; the two-row one skipping
+    its per-value path, so that they add nothing), or the exponents 0 and 1 taken for normal ones.
+    The corner check rejects each (then passes the real unit)."""
     qt = DEVICE_TYPES[GGMLType.MXFP4]
-    unit = dataclasses.replace(qt.stream, make=edited(stages.quant_types, "mxfp4_unit", old, new))
-    with mutant(stages.linear, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: dataclasses.replace(qt, stream=unit)}):
+    real, field = (qt, "gemv") if name == "mxfp4_pair_unit" else (dataclasses.replace(qt, gemv=None), "stream")
+    old, new = INF_UNSCALED[name] if kind == "inf" else NO_SUBNORMALS
+    unit = dataclasses.replace(getattr(real, field), make=edited(stages.quant_types, name, old, new))
+    broken = dataclasses.replace(real, **{field: unit})
+    with mutant(stages.linear, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: broken}):
         with pytest.raises(AssertionError, match=re.escape(failure)):
             check_exponent_corners("stream", 3, "bf16")
-    check_exponent_corners("stream", 3, "bf16")
+    with mutant(stages.linear, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: real}):
+        check_exponent_corners("stream", 3, "bf16")
 
 
 @CORNERS_FILTER

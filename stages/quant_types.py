@@ -1162,27 +1162,31 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
         return d if e < MXFP4_INF_E else float32(0)
 
     @device
-    def scaled_dot8(x32, t, xo, v, w, f):
-        """Code word w's eight values, each scaled by f first, times their inputs (values v .. v + 3
-        and v + 16 .. v + 19 of the row's slice)."""
+    def scaled_dot8(x32, xo, v, wa, wb, fa, fb, t):
+        """Code word wa of the first row and wb of the second (the same eight positions), each
+        value scaled first (fa, fb), times token t's inputs v .. v + 3 and v + 16 .. v + 19."""
         x0, x1, x2, x3 = x4(x32, t, xo, v)
         y0, y1, y2, y3 = x4(x32, t, xo, v + uint64(MXFP4_PAIRS))
-        return e2m1_dot8(e2m1_scaled(e2m1_word(w), f), x0, x1, x2, x3, y0, y1, y2, y3)
+        return (e2m1_dot8(e2m1_scaled(e2m1_word(wa), fa), x0, x1, x2, x3, y0, y1, y2, y3),
+                e2m1_dot8(e2m1_scaled(e2m1_word(wb), fb), x0, x1, x2, x3, y0, y1, y2, y3))
 
     @device
-    def add_scaled(x32, xo, u, words, e, n_tokens, acc, first):
-        """The rare path of one row: block u's values each scaled first where e >= MXFP4_INF_E
-        (else times 0), dotted with every token's inputs into acc[first + t] in mxfp4_dot's order.
-        A code word at a time, its codes decoded again and its inputs read again with the plain
-        loads: little stays live for this path, and nothing of the main one."""
-        f = e8m0_half(e) if e >= MXFP4_INF_E else float32(0)
+    def add_inf_blocks(x32, xo, u, wa, wb, ea, eb, n_tokens, acc):
+        """The rare path: each row's block u with its values scaled first where its exponent is
+        from MXFP4_INF_E on (else times 0: that row was summed above), dotted with every token's
+        inputs in mxfp4_dot's order. A code word at a time, its codes decoded again and its inputs
+        read again with the plain loads, so that little stays live for this path."""
+        fa = e8m0_half(ea) if ea >= MXFP4_INF_E else float32(0)
+        fb = e8m0_half(eb) if eb >= MXFP4_INF_E else float32(0)
         v = uint64(u) << uint64(5)
-        w0, w1, w2, w3 = words
         for t in range(tokens):
             tt = min(t, n_tokens - 1)
-            acc[first + t] += (scaled_dot8(x32, tt, xo, v, w0, f) + scaled_dot8(x32, tt, xo, v + U4, w1, f)
-                               + scaled_dot8(x32, tt, xo, v + U8, w2, f)
-                               + scaled_dot8(x32, tt, xo, v + uint64(12), w3, f))
+            a0, b0 = scaled_dot8(x32, xo, v, wa[0], wb[0], fa, fb, tt)
+            a1, b1 = scaled_dot8(x32, xo, v + U4, wa[1], wb[1], fa, fb, tt)
+            a2, b2 = scaled_dot8(x32, xo, v + U8, wa[2], wb[2], fa, fb, tt)
+            a3, b3 = scaled_dot8(x32, xo, v + uint64(12), wa[3], wb[3], fa, fb, tt)
+            acc[t] += a0 + a1 + a2 + a3
+            acc[tokens + t] += b0 + b1 + b2 + b3
 
     @device
     def mxfp4_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
@@ -1208,8 +1212,7 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
             acc[t] += da * mxfp4_dot(a0, a1, a2, a3, xs, ys)
             acc[tokens + t] += db * mxfp4_dot(b0, b1, b2, b3, xs, ys)
         if max(ea, eb) >= MXFP4_INF_E:
-            add_scaled(x32, xo, u, wa, ea, n_tokens, acc, 0)
-            add_scaled(x32, xo, u, wb, eb, n_tokens, acc, tokens)
+            add_inf_blocks(x32, xo, u, wa, wb, ea, eb, n_tokens, acc)
 
     return mxfp4_pair_unit
 

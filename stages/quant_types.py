@@ -1055,23 +1055,44 @@ def e2m1_at(offsets, byte):
 
 
 @device
-def e2m1_offsets(codes):
+def e2m1_offsets(codes, tables):
     """The four E2M1 codes in the low 16 bits of `codes` (code i in bits 4 i .. 4 i + 3) as the bytes
     E2M1_BIAS + doubled value (byte i for code i), without branches: byte_perm looks the positive
     codes up in E2M1_POS, and where a code's sign bit (bit 3 of its nibble) is set gives its table
     byte's top bit in all eight instead, 0; a second looks the negative codes up in E2M1_NEG
-    through the codes with their sign bits flipped; an or joins the two."""
-    return byte_perm(E2M1_POS_LO, E2M1_POS_HI, codes) | byte_perm(E2M1_NEG_LO, E2M1_NEG_HI, codes ^ 0x8888)
+    through the codes with their sign bits flipped; an or joins the two. `tables`: E2M1_TABLES, or
+    the same words as values of the caller's (e2m1_tables)."""
+    pos_lo, pos_hi, neg_lo, neg_hi = tables
+    return byte_perm(pos_lo, pos_hi, codes) | byte_perm(neg_lo, neg_hi, codes ^ 0x8888)
+
+
+E2M1_TABLES = (E2M1_POS_LO, E2M1_POS_HI, E2M1_NEG_LO, E2M1_NEG_HI)
+
+
+@device
+def e2m1_tables(row):
+    """E2M1_TABLES as values of a row index (or-ed with row >> 48: 0 for any row there is). A
+    byte permute takes its two table words in registers; as constants ptxas keeps them in uniform
+    registers and moves them over before every permute (two moves for each), as values it keeps
+    them in four registers for the whole walk."""
+    z = uint32(uint64(row) >> uint64(48))
+    return E2M1_POS_LO | z, E2M1_POS_HI | z, E2M1_NEG_LO | z, E2M1_NEG_HI | z
+
+
+@device
+def e2m1_word_with(w, tables):
+    """The doubled values of the eight codes of code word i of an MXFP4 block (its code bytes 4 i ..
+    4 i + 3) in float32: values 4 i .. 4 i + 3 (the low nibbles), then 16 + 4 i .. 19 + 4 i (high)."""
+    lo = e2m1_offsets(w, tables)  # values 4 i, 16 + 4 i, 4 i + 1, 17 + 4 i
+    hi = e2m1_offsets(w >> 16, tables)  # values 4 i + 2, 18 + 4 i, 4 i + 3, 19 + 4 i
+    return (e2m1_at(lo, 0), e2m1_at(lo, 2), e2m1_at(hi, 0), e2m1_at(hi, 2),
+            e2m1_at(lo, 1), e2m1_at(lo, 3), e2m1_at(hi, 1), e2m1_at(hi, 3))
 
 
 @device
 def e2m1_word(w):
-    """The doubled values of the eight codes of code word i of an MXFP4 block (its code bytes 4 i ..
-    4 i + 3) in float32: values 4 i .. 4 i + 3 (the low nibbles), then 16 + 4 i .. 19 + 4 i (high)."""
-    lo = e2m1_offsets(w)  # values 4 i, 16 + 4 i, 4 i + 1, 17 + 4 i
-    hi = e2m1_offsets(w >> 16)  # values 4 i + 2, 18 + 4 i, 4 i + 3, 19 + 4 i
-    return (e2m1_at(lo, 0), e2m1_at(lo, 2), e2m1_at(hi, 0), e2m1_at(hi, 2),
-            e2m1_at(lo, 1), e2m1_at(lo, 3), e2m1_at(hi, 1), e2m1_at(hi, 3))
+    """e2m1_word_with the constant tables."""
+    return e2m1_word_with(w, E2M1_TABLES)
 
 
 @device
@@ -1139,6 +1160,36 @@ def mxfp4_exponent_at(address, e_at, select):
     return byte_perm(word_at(address, e_at), uint32(0), select)
 
 
+@device
+def block_bf16_at(x, o):
+    """The 32 bf16 inputs of a block at byte o of a token's row_address, as two runs of sixteen:
+    four 16-byte loads at o + 16 j, the constant parts added in 64 bits (so that they land in the
+    loads' immediate offsets: one address computation for the four)."""
+    base = uint64(o)
+    a0, a1, a2, a3 = words4_at(x, base)
+    a4, a5, a6, a7 = words4_at(x, base + uint64(16))
+    b0, b1, b2, b3 = words4_at(x, base + uint64(32))
+    b4, b5, b6, b7 = words4_at(x, base + uint64(48))
+    return bf16x16(a0, a1, a2, a3, a4, a5, a6, a7), bf16x16(b0, b1, b2, b3, b4, b5, b6, b7)
+
+
+@device
+def block_f32_at(x, o):
+    """The 32 fp32 inputs of a block at byte o of a token's row_address, as two runs of sixteen:
+    eight 16-byte loads, their addresses as block_bf16_at's."""
+    base = uint64(o)
+    x0, x1, x2, x3 = f32x4_at(x, base)
+    x4, x5, x6, x7 = f32x4_at(x, base + uint64(16))
+    x8, x9, x10, x11 = f32x4_at(x, base + uint64(32))
+    x12, x13, x14, x15 = f32x4_at(x, base + uint64(48))
+    y0, y1, y2, y3 = f32x4_at(x, base + uint64(64))
+    y4, y5, y6, y7 = f32x4_at(x, base + uint64(80))
+    y8, y9, y10, y11 = f32x4_at(x, base + uint64(96))
+    y12, y13, y14, y15 = f32x4_at(x, base + uint64(112))
+    return ((x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
+            (y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15))
+
+
 def mxfp4_pair_unit(tokens: int, x_bf16: bool):
     """Split MXFP4, two rows at once (the decode GEMV's; `rows` = 2): unit u is block u of rows
     `row` and `row + 1` (past the matrix, a clamped real row whose sums the kernel drops), their
@@ -1152,7 +1203,8 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
     - a block of either row with an exponent from MXFP4_INF_E on (no real weight has one) adds,
       after the main sums, its values scaled one by one (inf where the host's are) times their
       inputs: the oracle's inf and NaN. The other row adds zeros there (it was summed above)."""
-    x16 = x16_bf16_at if x_bf16 else x16_f32_at
+    block_at = block_bf16_at if x_bf16 else block_f32_at
+    shift = uint32(6 if x_bf16 else 7)  # log2 of a block's input bytes
     x4 = x4_bf16 if x_bf16 else x4_f32
 
     @device
@@ -1201,14 +1253,14 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
         ea = mxfp4_exponent_at(a, e_at, select)
         eb = mxfp4_exponent_at(b, e_at, select)
         da, db = sum_scale(ea), sum_scale(eb)
-        a0, a1, a2, a3 = e2m1_word(wa[0]), e2m1_word(wa[1]), e2m1_word(wa[2]), e2m1_word(wa[3])
-        b0, b1, b2, b3 = e2m1_word(wb[0]), e2m1_word(wb[1]), e2m1_word(wb[2]), e2m1_word(wb[3])
-        xb = uint32(uint32(xo) << uint32(2))
-        v = uint32(i << uint32(1))  # the block's inputs: 16-input runs 2 u and 2 u + 1
+        tables = e2m1_tables(row)
+        a0, a1 = e2m1_word_with(wa[0], tables), e2m1_word_with(wa[1], tables)
+        a2, a3 = e2m1_word_with(wa[2], tables), e2m1_word_with(wa[3], tables)
+        b0, b1 = e2m1_word_with(wb[0], tables), e2m1_word_with(wb[1], tables)
+        b2, b3 = e2m1_word_with(wb[2], tables), e2m1_word_with(wb[3], tables)
+        xb = uint32((uint32(xo) << uint32(2)) + (i << shift))  # the block's inputs, a byte offset
         for t in range(tokens):
-            x = row_address(x32, min(t, n_tokens - 1))
-            xs = x16(x, xb, v)
-            ys = x16(x, xb, uint32(v + uint32(1)))
+            xs, ys = block_at(row_address(x32, min(t, n_tokens - 1)), xb)
             acc[t] += da * mxfp4_dot(a0, a1, a2, a3, xs, ys)
             acc[tokens + t] += db * mxfp4_dot(b0, b1, b2, b3, xs, ys)
         if max(ea, eb) >= MXFP4_INF_E:

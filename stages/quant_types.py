@@ -167,6 +167,7 @@ E2M1_BIAS = 64
 E2M1_POS_LO, E2M1_POS_HI = (uint32(v) for v in (E2M1_BIAS + MXFP4_DOUBLED[:8]).astype(np.uint8).view("<u4"))
 E2M1_NEG_LO, E2M1_NEG_HI = (uint32(v) for v in (E2M1_BIAS + MXFP4_DOUBLED[8:]).astype(np.uint8).view("<u4"))
 E2M1_MAGIC = float32(8388608.0 + E2M1_BIAS)  # 2^23 + E2M1_BIAS: e2m1_at's byte under 2^23's exponent, less this
+E2M1_TABLES = (E2M1_POS_LO, E2M1_POS_HI, E2M1_NEG_LO, E2M1_NEG_HI)  # e2m1_offsets' lookup words
 assert MXFP4_PAIRS == ROW_ALIGN and 0 <= E2M1_BIAS + MXFP4_DOUBLED.min() and E2M1_BIAS + MXFP4_DOUBLED.max() < 128
 assert float(MXFP4_DOUBLED.max()) * 2.0 ** (MXFP4_INF_E - 1 - 128) < 2.0**128 <= 8 * 2.0 ** (MXFP4_INF_E - 128)
 
@@ -1066,9 +1067,6 @@ def e2m1_offsets(codes, tables):
     return byte_perm(pos_lo, pos_hi, codes) | byte_perm(neg_lo, neg_hi, codes ^ 0x8888)
 
 
-E2M1_TABLES = (E2M1_POS_LO, E2M1_POS_HI, E2M1_NEG_LO, E2M1_NEG_HI)
-
-
 @device
 def e2m1_tables(row):
     """E2M1_TABLES as values of a row index (or-ed with row >> 48: 0 for any row there is). A
@@ -1196,22 +1194,24 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
     sums in acc[t] and acc[tokens + t]. Per row a 16-byte load of the block's codes at byte 16 u
     and a word load of its exponent byte (byte u after the K / 2 code bytes); the 32 inputs are
     read and unpacked once for both rows. The scales are mxfp4_unit's, without its branch:
-    - main path: each row adds d * (sum of doubled E2M1 integer times input), d = 2^(e - 128) for
-      e under MXFP4_INF_E and 0 from there on (a select), every load a row address plus a 32-bit
-      byte offset, the token slots past n_tokens reading the last live token's inputs (their sums
-      never stored), so the unit's loads all go out before its arithmetic;
+    - main path: each row adds d * (sum of doubled E2M1 integer times input), d = 2^(e - 128),
+      where e is under MXFP4_INF_E, and 0 from there on (a select of the sum, so that not even an
+      inf input turns it into NaN); every load a row address plus a 32-bit byte offset, the token
+      slots past n_tokens reading the last live token's inputs (their sums never stored), so the
+      unit's loads all go out before its arithmetic;
     - a block of either row with an exponent from MXFP4_INF_E on (no real weight has one) adds,
       after the main sums, its values scaled one by one (inf where the host's are) times their
-      inputs: the oracle's inf and NaN. The other row adds zeros there (it was summed above)."""
+      inputs: the oracle's inf and NaN. The other row adds 0 there (a select: it was summed above).
+    So each row gets what mxfp4_unit gives it, inf and NaN included, whatever its pair's row."""
     block_at = block_bf16_at if x_bf16 else block_f32_at
     shift = uint32(6 if x_bf16 else 7)  # log2 of a block's input bytes
     x4 = x4_bf16 if x_bf16 else x4_f32
 
     @device
-    def sum_scale(e):
-        """The main path's scale of a block's sum."""
-        d = e8m0_half(e)
-        return d if e < MXFP4_INF_E else float32(0)
+    def main_add(total, d, e, dot):
+        """total plus the main path's part of a block, its scaled sum (total as it is from
+        MXFP4_INF_E on): one FMA and one select."""
+        return total + d * dot if e < MXFP4_INF_E else total
 
     @device
     def scaled_dot8(x32, xo, v, wa, wb, fa, fb, t):
@@ -1224,12 +1224,11 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
 
     @device
     def add_inf_blocks(x32, xo, u, wa, wb, ea, eb, n_tokens, acc):
-        """The rare path: each row's block u with its values scaled first where its exponent is
-        from MXFP4_INF_E on (else times 0: that row was summed above), dotted with every token's
-        inputs in mxfp4_dot's order. A code word at a time, its codes decoded again and its inputs
+        """The rare path: each row's block u with its values scaled first, dotted with every
+        token's inputs in mxfp4_dot's order, added where its exponent is from MXFP4_INF_E on (the
+        other row's was summed above). A code word at a time, its codes decoded again and its inputs
         read again with the plain loads, so that little stays live for this path."""
-        fa = e8m0_half(ea) if ea >= MXFP4_INF_E else float32(0)
-        fb = e8m0_half(eb) if eb >= MXFP4_INF_E else float32(0)
+        fa, fb = e8m0_half(ea), e8m0_half(eb)
         v = uint64(u) << uint64(5)
         for t in range(tokens):
             tt = min(t, n_tokens - 1)
@@ -1237,8 +1236,10 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
             a1, b1 = scaled_dot8(x32, xo, v + U4, wa[1], wb[1], fa, fb, tt)
             a2, b2 = scaled_dot8(x32, xo, v + U8, wa[2], wb[2], fa, fb, tt)
             a3, b3 = scaled_dot8(x32, xo, v + uint64(12), wa[3], wb[3], fa, fb, tt)
-            acc[t] += a0 + a1 + a2 + a3
-            acc[tokens + t] += b0 + b1 + b2 + b3
+            sa = a0 + a1 + a2 + a3
+            sb = b0 + b1 + b2 + b3
+            acc[t] += sa if ea >= MXFP4_INF_E else float32(0)
+            acc[tokens + t] += sb if eb >= MXFP4_INF_E else float32(0)
 
     @device
     def mxfp4_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
@@ -1252,7 +1253,7 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
         wb = words4_at(b, qs)
         ea = mxfp4_exponent_at(a, e_at, select)
         eb = mxfp4_exponent_at(b, e_at, select)
-        da, db = sum_scale(ea), sum_scale(eb)
+        da, db = e8m0_half(ea), e8m0_half(eb)
         tables = e2m1_tables(row)
         a0, a1 = e2m1_word_with(wa[0], tables), e2m1_word_with(wa[1], tables)
         a2, a3 = e2m1_word_with(wa[2], tables), e2m1_word_with(wa[3], tables)
@@ -1261,8 +1262,8 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
         xb = uint32((uint32(xo) << uint32(2)) + (i << shift))  # the block's inputs, a byte offset
         for t in range(tokens):
             xs, ys = block_at(row_address(x32, min(t, n_tokens - 1)), xb)
-            acc[t] += da * mxfp4_dot(a0, a1, a2, a3, xs, ys)
-            acc[tokens + t] += db * mxfp4_dot(b0, b1, b2, b3, xs, ys)
+            acc[t] = main_add(acc[t], da, ea, mxfp4_dot(a0, a1, a2, a3, xs, ys))
+            acc[tokens + t] = main_add(acc[tokens + t], db, eb, mxfp4_dot(b0, b1, b2, b3, xs, ys))
         if max(ea, eb) >= MXFP4_INF_E:
             add_inf_blocks(x32, xo, u, wa, wb, ea, eb, n_tokens, acc)
 

@@ -436,7 +436,9 @@ def test_mxfp4_exponent_corners(kernel, tokens, out):
 
 INF_UNSCALED = {"mxfp4_pair_unit": ("if max(ea, eb) >= MXFP4_INF_E:", "if max(ea, eb) > 255:"),
                 "mxfp4_unit": ("if e >= MXFP4_INF_E:", "if e > 255:")}
-NO_SUBNORMALS = ("d = e8m0_half(e)", "d = f32_from_bits((e - 1) << 23)")
+NO_SUBNORMALS = {"mxfp4_pair_unit": ("da, db = e8m0_half(ea), e8m0_half(eb)",
+                                     "da, db = f32_from_bits((ea - 1) << 23), f32_from_bits((eb - 1) << 23)"),
+                 "mxfp4_unit": ("d = e8m0_half(e)", "d = f32_from_bits((e - 1) << 23)")}
 
 
 @CORNERS_FILTER
@@ -451,7 +453,7 @@ def test_mxfp4_corner_mutants(name, kind, failure):
     The corner check rejects each (then passes the real unit)."""
     qt = DEVICE_TYPES[GGMLType.MXFP4]
     real, field = (qt, "gemv") if name == "mxfp4_pair_unit" else (dataclasses.replace(qt, gemv=None), "stream")
-    old, new = INF_UNSCALED[name] if kind == "inf" else NO_SUBNORMALS
+    old, new = (INF_UNSCALED if kind == "inf" else NO_SUBNORMALS)[name]
     unit = dataclasses.replace(getattr(real, field), make=edited(stages.quant_types, name, old, new))
     broken = dataclasses.replace(real, **{field: unit})
     with mutant(stages.linear, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: broken}):

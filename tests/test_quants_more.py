@@ -463,6 +463,44 @@ def test_mxfp4_corner_mutants(name, kind, failure):
         check_exponent_corners("stream", 3, "bf16")
 
 
+def infinite_input_rows() -> np.ndarray:
+    """exponent_rows, then four rows of K = 64 whose codes are all nonzero (no 0 * inf in the
+    oracle) and positive in the first: exponents (253, 253), (127, 127), (127, 127), (254, 127), so
+    that pairs of the two-row unit hold a row with infinite values beside a finite one."""
+    rng = np.random.default_rng(14)
+    rows = rng.integers(0, 256, (4, 2 * MXFP4_BLOCK.itemsize), dtype=np.uint8)
+    blocks = rows.view(MXFP4_BLOCK)
+    blocks["qs"] = blocks["qs"] & 0x77 | 0x11  # both nibbles: magnitude codes 1 .. 7
+    blocks["qs"][1:] |= rng.integers(0, 256, blocks["qs"][1:].shape, dtype=np.uint8) & 0x88  # signs after row 0
+    blocks["e"] = np.array([[253, 253], [127, 127], [127, 127], [254, 127]])
+    return np.concatenate([exponent_rows(), rows])
+
+
+@CORNERS_FILTER
+def test_mxfp4_pair_unit_infinite_inputs():
+    """infinite_input_rows times positive inputs with an inf (token 0) and a -inf (token 1): the
+    two-row GEMV unit's outputs are inf and NaN exactly where the one-row unit's are, and the same
+    there (each block's own row decides its path: no 0 * inf from a pair's other row, no 0 times
+    an inf input's sum)."""
+    w = DeviceWeight.from_stored("w", GGMLType.MXFP4, infinite_input_rows(), 64)
+    x = bf16(np.abs(np.random.default_rng(3).standard_normal((3, 64))).astype(np.float32))
+    x[0, 5], x[1, 40] = np.inf, -np.inf
+
+    def product() -> np.ndarray:
+        y = cuda.device_array((3, w.n), np.float32)
+        linear(cuda.to_device(to_bits(x)), w, y, 3, kernel="stream")
+        return y.copy_to_host()
+
+    pair = product()
+    qt = DEVICE_TYPES[GGMLType.MXFP4]
+    with mutant(stages.linear, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: dataclasses.replace(qt, gemv=None)}):
+        one = product()
+    infinite = ~np.isfinite(one)
+    assert np.isinf(one).any() and np.array_equal(~np.isfinite(pair), infinite)
+    assert np.array_equal(pair[infinite], one[infinite], equal_nan=True), \
+        f"inf inputs: the pair unit gives {pair[infinite]}, the one-row unit {one[infinite]}"
+
+
 @CORNERS_FILTER
 def test_mxfp4_tc_corner_mutant():
     """The tc pieces scaling the sums of blocks with infinite values too, as they do the others'

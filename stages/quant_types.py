@@ -1071,8 +1071,8 @@ def e2m1_offsets(codes, tables):
 def e2m1_tables(row):
     """E2M1_TABLES as values of a row index (or-ed with row >> 48: 0 for any row there is). A
     byte permute takes its two table words in registers; as constants ptxas keeps them in uniform
-    registers and moves them over before every permute (two moves for each), as values it keeps
-    them in four registers for the whole walk."""
+    registers and moves them over before every permute (two moves each, 32 a block of two rows),
+    as values it holds them in registers (sm_90: rebuilt once a unit at most, five instructions)."""
     z = uint32(uint64(row) >> uint64(48))
     return E2M1_POS_LO | z, E2M1_POS_HI | z, E2M1_NEG_LO | z, E2M1_NEG_HI | z
 
@@ -1268,6 +1268,7 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
             add_inf_blocks(x32, xo, u, wa, wb, ea, eb, n_tokens, acc)
 
     return mxfp4_pair_unit
+
 
 # The split Q6_K and Q3_K units. Unit u is 64 values of block u // 4: in half h = (u // 2) % 2,
 # positions i = 16 (u % 2) .. + 15 of its 32, the values 128 h + 32 s + i of rows s < 4 (sub-block

@@ -1193,7 +1193,10 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
     `row` and `row + 1` (past the matrix, a clamped real row whose sums the kernel drops), their
     sums in acc[t] and acc[tokens + t]. Per row a 16-byte load of the block's codes at byte 16 u
     and a word load of its exponent byte (byte u after the K / 2 code bytes); the 32 inputs are
-    read and unpacked once for both rows. The scales are mxfp4_unit's, without its branch:
+    read and unpacked once for both rows (the second row's token loop reads what the first's did,
+    and the compiler shares the loads and conversions: sm_90, the same ones as one loop over both
+    rows, which at eight tokens held 168 registers against 128). The scales are mxfp4_unit's,
+    without its branch:
     - main path: each row adds d * (sum of doubled E2M1 integer times input), d = 2^(e - 128),
       where e is under MXFP4_INF_E, and 0 from there on (a select of the sum, so that not even an
       inf input turns it into NaN); every load a row address plus a 32-bit byte offset, the token
@@ -1263,6 +1266,8 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
         for t in range(tokens):
             xs, ys = block_at(row_address(x32, min(t, n_tokens - 1)), xb)
             acc[t] = main_add(acc[t], da, ea, mxfp4_dot(a0, a1, a2, a3, xs, ys))
+        for t in range(tokens):
+            xs, ys = block_at(row_address(x32, min(t, n_tokens - 1)), xb)
             acc[tokens + t] = main_add(acc[tokens + t], db, eb, mxfp4_dot(b0, b1, b2, b3, xs, ys))
         if max(ea, eb) >= MXFP4_INF_E:
             add_inf_blocks(x32, xo, u, wa, wb, ea, eb, n_tokens, acc)

@@ -2041,7 +2041,7 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
            "split", padded_split_q6_k, dequant_q6_k_split),
     _entry(GGMLType.MXFP4, dequant_mxfp4, StreamUnit(mxfp4_unit, 5, 2),
            TcType(fetch_mxfp4, put_mxfp4, fetch_scales_mxfp4, put_scales_mxfp4, MXFP4_PAIRS // WORD, True, False),
-           "split", padded_split_mxfp4, dequant_mxfp4_split, StreamUnit(mxfp4_pair_unit, 5, 1, rows=2)),
+           "split", padded_split_mxfp4, dequant_mxfp4_split, StreamUnit(mxfp4_pair_unit, 5, 2, rows=2)),
     # a table format: the engram row gather reads it (dequant); the loader refuses it for matrices,
     # the generic chunk unit being there for completeness
     _entry(RowType.E4M3_ROW264, dequant_e4m3_row264, chunk_stream(dequant_e4m3_row264), weight_rows=padded_stored),

@@ -170,6 +170,7 @@ E2M1_BIAS = 64
 E2M1_POS_LO, E2M1_POS_HI = (uint32(v) for v in (E2M1_BIAS + MXFP4_DOUBLED[:8]).astype(np.uint8).view("<u4"))
 E2M1_NEG_LO, E2M1_NEG_HI = (uint32(v) for v in (E2M1_BIAS + MXFP4_DOUBLED[8:]).astype(np.uint8).view("<u4"))
 E2M1_MAGIC = float32(8388608.0 + E2M1_BIAS)  # 2^23 + E2M1_BIAS: e2m1_at's byte under 2^23's exponent, less this
+E2M1_TABLES = (E2M1_POS_LO, E2M1_POS_HI, E2M1_NEG_LO, E2M1_NEG_HI)  # e2m1_offsets' lookup words
 assert MXFP4_PAIRS == ROW_ALIGN and 0 <= E2M1_BIAS + MXFP4_DOUBLED.min() and E2M1_BIAS + MXFP4_DOUBLED.max() < 128
 assert float(MXFP4_DOUBLED.max()) * 2.0 ** (MXFP4_INF_E - 1 - 128) < 2.0**128 <= 8 * 2.0 ** (MXFP4_INF_E - 128)
 
@@ -1094,23 +1095,41 @@ def e2m1_at(offsets, byte):
 
 
 @device
-def e2m1_offsets(codes):
+def e2m1_offsets(codes, tables):
     """The four E2M1 codes in the low 16 bits of `codes` (code i in bits 4 i .. 4 i + 3) as the bytes
     E2M1_BIAS + doubled value (byte i for code i), without branches: byte_perm looks the positive
     codes up in E2M1_POS, and where a code's sign bit (bit 3 of its nibble) is set gives its table
     byte's top bit in all eight instead, 0; a second looks the negative codes up in E2M1_NEG
-    through the codes with their sign bits flipped; an or joins the two."""
-    return byte_perm(E2M1_POS_LO, E2M1_POS_HI, codes) | byte_perm(E2M1_NEG_LO, E2M1_NEG_HI, codes ^ 0x8888)
+    through the codes with their sign bits flipped; an or joins the two. `tables`: E2M1_TABLES, or
+    the same words as values of the caller's (e2m1_tables)."""
+    pos_lo, pos_hi, neg_lo, neg_hi = tables
+    return byte_perm(pos_lo, pos_hi, codes) | byte_perm(neg_lo, neg_hi, codes ^ 0x8888)
+
+
+@device
+def e2m1_tables(row):
+    """E2M1_TABLES as values of a row index (or-ed with row >> 48: 0 for any row there is). A
+    byte permute takes its two table words in registers; as constants ptxas keeps them in uniform
+    registers and moves them over before every permute (two moves each, 32 a block of two rows),
+    as values it holds them in registers (sm_90: rebuilt once a unit at most, five instructions)."""
+    z = uint32(uint64(row) >> uint64(48))
+    return E2M1_POS_LO | z, E2M1_POS_HI | z, E2M1_NEG_LO | z, E2M1_NEG_HI | z
+
+
+@device
+def e2m1_word_with(w, tables):
+    """The doubled values of the eight codes of code word i of an MXFP4 block (its code bytes 4 i ..
+    4 i + 3) in float32: values 4 i .. 4 i + 3 (the low nibbles), then 16 + 4 i .. 19 + 4 i (high)."""
+    lo = e2m1_offsets(w, tables)  # values 4 i, 16 + 4 i, 4 i + 1, 17 + 4 i
+    hi = e2m1_offsets(w >> 16, tables)  # values 4 i + 2, 18 + 4 i, 4 i + 3, 19 + 4 i
+    return (e2m1_at(lo, 0), e2m1_at(lo, 2), e2m1_at(hi, 0), e2m1_at(hi, 2),
+            e2m1_at(lo, 1), e2m1_at(lo, 3), e2m1_at(hi, 1), e2m1_at(hi, 3))
 
 
 @device
 def e2m1_word(w):
-    """The doubled values of the eight codes of code word i of an MXFP4 block (its code bytes 4 i ..
-    4 i + 3) in float32: values 4 i .. 4 i + 3 (the low nibbles), then 16 + 4 i .. 19 + 4 i (high)."""
-    lo = e2m1_offsets(w)  # values 4 i, 16 + 4 i, 4 i + 1, 17 + 4 i
-    hi = e2m1_offsets(w >> 16)  # values 4 i + 2, 18 + 4 i, 4 i + 3, 19 + 4 i
-    return (e2m1_at(lo, 0), e2m1_at(lo, 2), e2m1_at(hi, 0), e2m1_at(hi, 2),
-            e2m1_at(lo, 1), e2m1_at(lo, 3), e2m1_at(hi, 1), e2m1_at(hi, 3))
+    """e2m1_word_with the constant tables."""
+    return e2m1_word_with(w, E2M1_TABLES)
 
 
 @device
@@ -1166,6 +1185,133 @@ def mxfp4_unit(tokens: int, x_bf16: bool):
                 acc[t] += d * mxfp4_dot(q0, q1, q2, q3, x16(x32, t, xo, U2 * u), x16(x32, t, xo, U2 * u + U1))
 
     return mxfp4_unit
+
+
+MXFP4_E_SELECT = uint32(0x4440)  # byte_perm selector: byte s (or-ed in, s < 4) of a word, zeros above
+
+
+@device
+def mxfp4_exponent_at(address, e_at, select):
+    """The exponent byte of a block: byte `select & 3` of the word at byte e_at of a row_address
+    (one load, one byte permute)."""
+    return byte_perm(word_at(address, e_at), uint32(0), select)
+
+
+@device
+def block_bf16_at(x, o):
+    """The 32 bf16 inputs of a block at byte o of a token's row_address, as two runs of sixteen:
+    four 16-byte loads at o + 16 j, the constant parts added in 64 bits (so that they land in the
+    loads' immediate offsets: one address computation for the four)."""
+    base = uint64(o)
+    a0, a1, a2, a3 = words4_at(x, base)
+    a4, a5, a6, a7 = words4_at(x, base + uint64(16))
+    b0, b1, b2, b3 = words4_at(x, base + uint64(32))
+    b4, b5, b6, b7 = words4_at(x, base + uint64(48))
+    return bf16x16(a0, a1, a2, a3, a4, a5, a6, a7), bf16x16(b0, b1, b2, b3, b4, b5, b6, b7)
+
+
+@device
+def block_f32_at(x, o):
+    """The 32 fp32 inputs of a block at byte o of a token's row_address, as two runs of sixteen:
+    eight 16-byte loads, their addresses as block_bf16_at's."""
+    base = uint64(o)
+    x0, x1, x2, x3 = f32x4_at(x, base)
+    x4, x5, x6, x7 = f32x4_at(x, base + uint64(16))
+    x8, x9, x10, x11 = f32x4_at(x, base + uint64(32))
+    x12, x13, x14, x15 = f32x4_at(x, base + uint64(48))
+    y0, y1, y2, y3 = f32x4_at(x, base + uint64(64))
+    y4, y5, y6, y7 = f32x4_at(x, base + uint64(80))
+    y8, y9, y10, y11 = f32x4_at(x, base + uint64(96))
+    y12, y13, y14, y15 = f32x4_at(x, base + uint64(112))
+    return ((x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
+            (y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15))
+
+
+def mxfp4_pair_unit(tokens: int, x_bf16: bool):
+    """Split MXFP4, two rows at once (the decode GEMV's; `rows` = 2): unit u is block u of rows
+    `row` and `row + 1` (past the matrix, a clamped real row whose sums the kernel drops), their
+    sums in acc[t] and acc[tokens + t]. Per row a 16-byte load of the block's codes at byte 16 u
+    and a word load of its exponent byte (byte u after the K / 2 code bytes); the 32 inputs are
+    read and unpacked once for both rows (the second row's token loop reads what the first's did,
+    and the compiler shares the loads and conversions: sm_90, the same ones as one loop over both
+    rows, which at eight tokens held 168 registers against 128). The scales are mxfp4_unit's,
+    without its branch:
+    - main path: each row adds d * (sum of doubled E2M1 integer times input), d = 2^(e - 128),
+      where e is under MXFP4_INF_E, and 0 from there on (a select of the sum, so that not even an
+      inf input turns it into NaN); every load a row address plus a 32-bit byte offset, the token
+      slots past n_tokens reading the last live token's inputs (their sums never stored), so the
+      unit's loads all go out before its arithmetic;
+    - a block of either row with an exponent from MXFP4_INF_E on (no real weight has one) adds,
+      after the main sums, its values scaled one by one (inf where the host's are) times their
+      inputs: the oracle's inf and NaN. The other row adds 0 there (a select: it was summed above).
+    So each row gets what mxfp4_unit gives it, inf and NaN included, whatever its pair's row."""
+    block_at = block_bf16_at if x_bf16 else block_f32_at
+    shift = uint32(6 if x_bf16 else 7)  # log2 of a block's input bytes
+    x4 = x4_bf16 if x_bf16 else x4_f32
+
+    @device
+    def main_add(total, d, e, dot):
+        """total plus the main path's part of a block, its scaled sum (total as it is from
+        MXFP4_INF_E on): one FMA and one select."""
+        return total + d * dot if e < MXFP4_INF_E else total
+
+    @device
+    def scaled_dot8(x32, xo, v, wa, wb, fa, fb, t):
+        """Code word wa of the first row and wb of the second (the same eight positions), each
+        value scaled first (fa, fb), times token t's inputs v .. v + 3 and v + 16 .. v + 19."""
+        x0, x1, x2, x3 = x4(x32, t, xo, v)
+        y0, y1, y2, y3 = x4(x32, t, xo, v + uint64(MXFP4_PAIRS))
+        return (e2m1_dot8(e2m1_scaled(e2m1_word(wa), fa), x0, x1, x2, x3, y0, y1, y2, y3),
+                e2m1_dot8(e2m1_scaled(e2m1_word(wb), fb), x0, x1, x2, x3, y0, y1, y2, y3))
+
+    @device
+    def add_inf_blocks(x32, xo, u, wa, wb, ea, eb, n_tokens, acc):
+        """The rare path: each row's block u with its values scaled first, dotted with every
+        token's inputs in mxfp4_dot's order, added where its exponent is from MXFP4_INF_E on (the
+        other row's was summed above). A code word at a time, its codes decoded again and its inputs
+        read again with the plain loads, so that little stays live for this path."""
+        fa, fb = e8m0_half(ea), e8m0_half(eb)
+        v = uint64(u) << uint64(5)
+        for t in range(tokens):
+            tt = min(t, n_tokens - 1)
+            a0, b0 = scaled_dot8(x32, xo, v, wa[0], wb[0], fa, fb, tt)
+            a1, b1 = scaled_dot8(x32, xo, v + U4, wa[1], wb[1], fa, fb, tt)
+            a2, b2 = scaled_dot8(x32, xo, v + U8, wa[2], wb[2], fa, fb, tt)
+            a3, b3 = scaled_dot8(x32, xo, v + uint64(12), wa[3], wb[3], fa, fb, tt)
+            sa = a0 + a1 + a2 + a3
+            sb = b0 + b1 + b2 + b3
+            acc[t] += sa if ea >= MXFP4_INF_E else float32(0)
+            acc[tokens + t] += sb if eb >= MXFP4_INF_E else float32(0)
+
+    @device
+    def mxfp4_pair_unit(ww, wf, row, x32, xo, k, n_tokens, acc, u):
+        i = uint32(u)
+        qs = uint32(i << uint32(4))
+        e_at = uint32((uint32(k) >> uint32(1)) + (i & uint32(0xFFFFFFFC)))
+        select = uint32(MXFP4_E_SELECT | (i & uint32(3)))
+        a = row_address(ww, row)
+        b = row_address(ww, min(row + 1, ww.shape[0] - 1))
+        wa = words4_at(a, qs)
+        wb = words4_at(b, qs)
+        ea = mxfp4_exponent_at(a, e_at, select)
+        eb = mxfp4_exponent_at(b, e_at, select)
+        da, db = e8m0_half(ea), e8m0_half(eb)
+        tables = e2m1_tables(row)
+        a0, a1 = e2m1_word_with(wa[0], tables), e2m1_word_with(wa[1], tables)
+        a2, a3 = e2m1_word_with(wa[2], tables), e2m1_word_with(wa[3], tables)
+        b0, b1 = e2m1_word_with(wb[0], tables), e2m1_word_with(wb[1], tables)
+        b2, b3 = e2m1_word_with(wb[2], tables), e2m1_word_with(wb[3], tables)
+        xb = uint32((uint32(xo) << uint32(2)) + (i << shift))  # the block's inputs, a byte offset
+        for t in range(tokens):
+            xs, ys = block_at(row_address(x32, min(t, n_tokens - 1)), xb)
+            acc[t] = main_add(acc[t], da, ea, mxfp4_dot(a0, a1, a2, a3, xs, ys))
+        for t in range(tokens):
+            xs, ys = block_at(row_address(x32, min(t, n_tokens - 1)), xb)
+            acc[tokens + t] = main_add(acc[tokens + t], db, eb, mxfp4_dot(b0, b1, b2, b3, xs, ys))
+        if max(ea, eb) >= MXFP4_INF_E:
+            add_inf_blocks(x32, xo, u, wa, wb, ea, eb, n_tokens, acc)
+
+    return mxfp4_pair_unit
 
 
 # The split Q6_K and Q3_K units. Unit u is 64 values of block u // 4: in half h = (u // 2) % 2,
@@ -2266,7 +2412,7 @@ DEVICE_TYPES: dict[GGMLType | RowType, DeviceType] = dict([
            "split", padded_split_q6_k, dequant_q6_k_split, StreamUnit(q6_k_pair_unit, 6, 2, rows=2)),
     _entry(GGMLType.MXFP4, dequant_mxfp4, StreamUnit(mxfp4_unit, 5, 2),
            TcType(fetch_mxfp4, put_mxfp4, fetch_scales_mxfp4, put_scales_mxfp4, MXFP4_PAIRS // WORD, True, False),
-           "split", padded_split_mxfp4, dequant_mxfp4_split),
+           "split", padded_split_mxfp4, dequant_mxfp4_split, StreamUnit(mxfp4_pair_unit, 5, 2, rows=2)),
     # a table format: the engram row gather reads it (dequant); the loader refuses it for matrices,
     # the generic chunk unit being there for completeness
     _entry(RowType.E4M3_ROW264, dequant_e4m3_row264, chunk_stream(dequant_e4m3_row264), weight_rows=padded_stored),

@@ -333,9 +333,10 @@ def test_mxfp4_stream_f32_in(tokens, out):
 
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_mxfp4_grouped(tokens):
-    """Groups of 5 outputs (an odd count), each reading its own K-wide slice of the input."""
-    w, wq = random_weight(GGMLType.MXFP4, 2 * 5, 1056, tokens + 30)
-    check_linear(w, wq, tokens, "stream", group_rows=5, seed=tokens)
+    """Groups of 6 outputs (the GEMV's unit takes two rows), each reading its own K-wide slice of
+    the input."""
+    w, wq = random_weight(GGMLType.MXFP4, 2 * 6, 1056, tokens + 30)
+    check_linear(w, wq, tokens, "stream", group_rows=6, seed=tokens)
 
 
 def test_mxfp4_stream_partials():
@@ -434,19 +435,71 @@ def test_mxfp4_exponent_corners(kernel, tokens, out):
     check_exponent_corners(kernel, tokens, out)
 
 
+INF_UNSCALED = {"mxfp4_pair_unit": ("if max(ea, eb) >= MXFP4_INF_E:", "if max(ea, eb) > 255:"),
+                "mxfp4_unit": ("if e >= MXFP4_INF_E:", "if e > 255:")}
+NO_SUBNORMALS = {"mxfp4_pair_unit": ("da, db = e8m0_half(ea), e8m0_half(eb)",
+                                     "da, db = f32_from_bits((ea - 1) << 23), f32_from_bits((eb - 1) << 23)"),
+                 "mxfp4_unit": ("d = e8m0_half(e)", "d = f32_from_bits((e - 1) << 23)")}
+
+
 @CORNERS_FILTER
-@pytest.mark.parametrize("old,new,failure", [
-    ("if e >= MXFP4_INF_E:", "if e > 255:", "rows with inf values give"),
-    ("d = e8m0_half(e)", "d = f32_from_bits((e - 1) << 23)", BOUND_RULE)], ids=["inf-scaled-sums", "no-subnormals"])
-def test_mxfp4_corner_mutants(old, new, failure):
-    """mxfp4_unit scaling the block sums of infinite values too, or taking the exponents 0 and 1 for
-    normal ones: the corner check rejects each (then passes the real unit)."""
+@pytest.mark.parametrize("name", ["mxfp4_pair_unit", "mxfp4_unit"])
+@pytest.mark.parametrize("kind,failure", [("inf", "rows with inf values give"), ("subnormal", BOUND_RULE)],
+                         ids=["inf-values-unscaled", "no-subnormals"])
+def test_mxfp4_corner_mutants(name, kind, failure):
+    """Each of MXFP4's GEMV units mutated, the two-row gemv (mxfp4_pair_unit) and the one-row
+    stream unit (mxfp4_unit, the product's where gemv is None): the blocks with infinite values
+    left to the scaled block sums (the one-row unit scaling their sums; the two-row one skipping
+    its per-value path, so that they add nothing), or the exponents 0 and 1 taken for normal ones.
+    The corner check rejects each (then passes the real unit)."""
     qt = DEVICE_TYPES[GGMLType.MXFP4]
-    unit = dataclasses.replace(qt.stream, make=edited(stages.quant_types, "mxfp4_unit", old, new))
-    with mutant(stages.linear, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: dataclasses.replace(qt, stream=unit)}):
+    real, field = (qt, "gemv") if name == "mxfp4_pair_unit" else (dataclasses.replace(qt, gemv=None), "stream")
+    old, new = (INF_UNSCALED if kind == "inf" else NO_SUBNORMALS)[name]
+    unit = dataclasses.replace(getattr(real, field), make=edited(stages.quant_types, name, old, new))
+    broken = dataclasses.replace(real, **{field: unit})
+    with mutant(stages.linear, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: broken}):
         with pytest.raises(AssertionError, match=re.escape(failure)):
             check_exponent_corners("stream", 3, "bf16")
-    check_exponent_corners("stream", 3, "bf16")
+    with mutant(stages.linear, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: real}):
+        check_exponent_corners("stream", 3, "bf16")
+
+
+def infinite_input_rows() -> np.ndarray:
+    """exponent_rows, then four rows of K = 64 whose codes are all nonzero (no 0 * inf in the
+    oracle) and positive in the first: exponents (253, 253), (127, 127), (127, 127), (254, 127), so
+    that pairs of the two-row unit hold a row with infinite values beside a finite one."""
+    rng = np.random.default_rng(14)
+    rows = rng.integers(0, 256, (4, 2 * MXFP4_BLOCK.itemsize), dtype=np.uint8)
+    blocks = rows.view(MXFP4_BLOCK)
+    blocks["qs"] = blocks["qs"] & 0x77 | 0x11  # both nibbles: magnitude codes 1 .. 7
+    blocks["qs"][1:] |= rng.integers(0, 256, blocks["qs"][1:].shape, dtype=np.uint8) & 0x88  # signs after row 0
+    blocks["e"] = np.array([[253, 253], [127, 127], [127, 127], [254, 127]])
+    return np.concatenate([exponent_rows(), rows])
+
+
+@CORNERS_FILTER
+def test_mxfp4_pair_unit_infinite_inputs():
+    """infinite_input_rows times positive inputs with an inf (token 0) and a -inf (token 1): the
+    two-row GEMV unit's outputs are inf and NaN exactly where the one-row unit's are, and the same
+    there (each block's own row decides its path: no 0 * inf from a pair's other row, no 0 times
+    an inf input's sum)."""
+    w = DeviceWeight.from_stored("w", GGMLType.MXFP4, infinite_input_rows(), 64)
+    x = bf16(np.abs(np.random.default_rng(3).standard_normal((3, 64))).astype(np.float32))
+    x[0, 5], x[1, 40] = np.inf, -np.inf
+
+    def product() -> np.ndarray:
+        y = cuda.device_array((3, w.n), np.float32)
+        linear(cuda.to_device(to_bits(x)), w, y, 3, kernel="stream")
+        return y.copy_to_host()
+
+    pair = product()
+    qt = DEVICE_TYPES[GGMLType.MXFP4]
+    with mutant(stages.linear, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: dataclasses.replace(qt, gemv=None)}):
+        one = product()
+    infinite = ~np.isfinite(one)
+    assert np.isinf(one).any() and np.array_equal(~np.isfinite(pair), infinite)
+    assert np.array_equal(pair[infinite], one[infinite], equal_nan=True), \
+        f"inf inputs: the pair unit gives {pair[infinite]}, the one-row unit {one[infinite]}"
 
 
 @CORNERS_FILTER

@@ -18,7 +18,8 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
 - `stream` (every type, bf16 or fp32 x; the decode GEMV; launches of up to GEMV_MAX_TOKENS tokens,
   so a token's sums never depend on the others of its call): warps over output
   rows, and for short matrices several warps a row, each a slice of K (`stream_split`: enough warps
-  in all to keep the memory busy; slices summed in shared memory). The lanes of a warp walk the
+  in all to keep the memory busy; slices summed in shared memory); for short rows (K = 1280) a warp
+  walks two or four row groups side by side, 16 or 8 lanes each (`stream_lanes`). The lanes of a warp walk the
   row's units (the type's stream unit: 16-byte pieces), two or four in
   flight, each used for every token of the step; x (a few KiB) is read through L1. How a unit
   decodes is the type's (stages.quant_types). `stream_partials` is the same walk with the slices'

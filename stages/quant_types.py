@@ -1215,14 +1215,15 @@ def block_f32_at(x, o):
     """The 32 fp32 inputs of a block at byte o of a token's row_address, as two runs of sixteen:
     eight 16-byte loads, their addresses as block_bf16_at's."""
     base = uint64(o)
+    step = uint64(ROW_ALIGN)  # four fp32 inputs a load
     x0, x1, x2, x3 = f32x4_at(x, base)
-    x4, x5, x6, x7 = f32x4_at(x, base + uint64(16))
-    x8, x9, x10, x11 = f32x4_at(x, base + uint64(32))
-    x12, x13, x14, x15 = f32x4_at(x, base + uint64(48))
-    y0, y1, y2, y3 = f32x4_at(x, base + uint64(64))
-    y4, y5, y6, y7 = f32x4_at(x, base + uint64(80))
-    y8, y9, y10, y11 = f32x4_at(x, base + uint64(96))
-    y12, y13, y14, y15 = f32x4_at(x, base + uint64(112))
+    x4, x5, x6, x7 = f32x4_at(x, base + step)
+    x8, x9, x10, x11 = f32x4_at(x, base + uint64(2) * step)
+    x12, x13, x14, x15 = f32x4_at(x, base + uint64(3) * step)
+    y0, y1, y2, y3 = f32x4_at(x, base + uint64(4) * step)
+    y4, y5, y6, y7 = f32x4_at(x, base + uint64(5) * step)
+    y8, y9, y10, y11 = f32x4_at(x, base + uint64(6) * step)
+    y12, y13, y14, y15 = f32x4_at(x, base + uint64(7) * step)
     return ((x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
             (y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15))
 

@@ -962,9 +962,17 @@ SHIFT_HALF = uint32(16)
 
 
 @device
+def field_less(word, mask, magic, less):
+    """The bit field word & mask as float32 less an offset o, exactly, given magic =
+    field_magic(its lowest bit) and less = 2^(23 - p) + o: one and-or, one subtraction."""
+    return f32_from_bits(and_or(word, mask, magic)) - less
+
+
+@device
 def field_at(word, mask, magic):
     """The bit field word & mask as float32, exactly, given magic = field_magic(its lowest bit): one
-    and-or, one subtraction (2^(23 - p) + field - 2^(23 - p))."""
+    and-or, one subtraction (2^(23 - p) + field - 2^(23 - p); field_less with no offset, written
+    out: through field_less ptxas schedules Q2_K's fp32-input unit worse)."""
     return f32_from_bits(and_or(word, mask, magic)) - f32_from_bits(magic)
 
 
@@ -1322,6 +1330,9 @@ def mxfp4_pair_unit(tokens: int, x_bf16: bool):
 # (byte_less), and each row's scale is decoded once. The rows are four calls with s a literal (a
 # loop over s stays a loop in the PTX, its shifts and word choices decided at run time).
 
+INT8_FLIP = uint32(0x80808080)  # every byte's top bit: a signed byte q flipped reads as q + 128
+
+
 @device
 def bytes_less16(w0, w1, w2, w3, magic):
     """The sixteen bytes of four words (entry 4 m + b: byte b of word m), each less o (byte_less)."""
@@ -1385,8 +1396,8 @@ def q6_k_unit(tokens: int, x_bf16: bool):
         b = load_words4(ww, row, ql + uint64(CHUNK // WORD))
         c = load_words4(ww, row, piece + uint64(Q6_K_QH_WORD) + uint64(Q6_K_HALF_QH_WORDS) * h + U4 * j)
         sc = piece + uint64(Q6_K_SCALES_WORD) + uint64(Q6_K_HALF_SCALES_WORDS) * h
-        s01 = (ww[row, sc] >> (U8 * j)) ^ 0x80808080  # the scales of rows 0, 1 in bytes 0, 2
-        s23 = (ww[row, sc + U1] >> (U8 * j)) ^ 0x80808080  # rows 2, 3
+        s01 = (ww[row, sc] >> (U8 * j)) ^ INT8_FLIP  # the scales of rows 0, 1 in bytes 0, 2
+        s23 = (ww[row, sc + U1] >> (U8 * j)) ^ INT8_FLIP  # rows 2, 3
         d = float32(wf[row, uint64(Q6_K_D // F16_BYTES) * (uint64(k) // uint64(K_VALUES)) + blk])
         v = uint64(16) * blk + U8 * h + j  # row s's inputs are x16's 16 (v + 2 s) .. + 15
         add_row(q6_k_row(a, c, 0), d * int8_at(s01, 0), x32, xo, v, n_tokens, acc)
@@ -1462,17 +1473,23 @@ def q3_k_unit(tokens: int, x_bf16: bool):
 # is issued before the arithmetic. The groups are the outer loop, the tokens the inner one: a group's
 # levels become floats once for all the tokens from the words the unit keeps (a unit's 64 floats a
 # row, all live across a token loop, took Q6_K to 161 registers at two tokens).
-INT8_FLIP = uint32(0x80808080)  # every byte's top bit: a signed byte q flipped reads as q + 128
 Q3_K_SCALE_MASKS = (uint32(0x3F), uint32(0x3F << 16))  # a 6-bit scale of row s, at bit 16 (s % 2)
 Q3_K_SCALE_MAGICS = (field_magic(0), field_magic(16))
 Q3_K_SCALE_LESS = (float32(2.0**23 + 32), float32(2.0**7 + 32))  # 2^(23 - p) + 32: the scales less 32
 
 
-@device
-def field_less(word, mask, magic, less):
-    """The bit field word & mask as float32 less an offset o, exactly, given magic =
-    field_magic(its lowest bit) and less = 2^(23 - p) + o: one and-or, one subtraction."""
-    return f32_from_bits(and_or(word, mask, magic)) - less
+def run_inputs(x_bf16: bool):
+    """The pair units' input reader and the size of a run: inputs(x32, xb, n_tokens, r, t) is
+    token t's sixteen inputs of run r after byte xb of a token's row (token slots past n_tokens
+    read the last live token's), one address computation and loads at constant offsets from it;
+    and log2 of a run's bytes."""
+    x16 = x16_bf16_at if x_bf16 else x16_f32_at
+
+    @device
+    def inputs(x32, xb, n_tokens, r, t):
+        return x16(address_at(row_address(x32, min(t, n_tokens - 1)), xb), uint32(0), uint32(r))
+
+    return inputs, uint32(5 if x_bf16 else 6)
 
 
 @device
@@ -1501,8 +1518,7 @@ def q6_k_part(address, ql, qh, sc, d_at, j):
 def q6_k_pair_unit(tokens: int, x_bf16: bool):
     """Split Q6_K, two rows a unit (above): u's block is u // 4, half h = (u // 2) % 2, j = u % 2;
     its ql, qh and scales are in the block's piece (Q6_K_D bytes), d after the row's pieces."""
-    x16 = x16_bf16_at if x_bf16 else x16_f32_at
-    run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift
+    inputs, run_shift = run_inputs(x_bf16)
 
     @device
     def add_group(x32, xv, n_tokens, v, s, ql_a, qh_a, scale_a, ql_b, qh_b, scale_b, acc):
@@ -1510,7 +1526,7 @@ def q6_k_pair_unit(tokens: int, x_bf16: bool):
         qa = q6_k_row(ql_a, qh_a, s)
         qb = q6_k_row(ql_b, qh_b, s)
         for t in range(tokens):
-            xs = x16(address_at(row_address(x32, min(t, n_tokens - 1)), xv), uint32(0), uint32(v))
+            xs = inputs(x32, xv, n_tokens, v, t)
             acc[t] += scale_a * chain16(qa, xs)
             acc[tokens + t] += scale_b * chain16(qb, xs)
 
@@ -1606,8 +1622,7 @@ def q3_k_part(address, hm, qs, sc, d_at, shift, h4):
 def q3_k_pair_unit(tokens: int, x_bf16: bool):
     """Split Q3_K, two rows a unit (above): u's block is u // 4, half h = (u // 2) % 2; its hmask
     and qs are in the block's piece (Q3_K_PIECE bytes), its scales and d after the row's pieces."""
-    x16 = x16_bf16_at if x_bf16 else x16_f32_at
-    run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift
+    inputs, run_shift = run_inputs(x_bf16)
 
     @device
     def add_group(x32, xv, n_tokens, v, s, a, b, acc):
@@ -1615,7 +1630,7 @@ def q3_k_pair_unit(tokens: int, x_bf16: bool):
         qa = q3_k_fields(a[0], a[1], s)
         qb = q3_k_fields(b[0], b[1], s)
         for t in range(tokens):
-            xs = x16(address_at(row_address(x32, min(t, n_tokens - 1)), xv), uint32(0), uint32(v))
+            xs = inputs(x32, xv, n_tokens, v, t)
             acc[t] += a[2][s] * chain16(qa, xs)
             acc[tokens + t] += b[2][s] * chain16(qb, xs)
 
@@ -1783,8 +1798,7 @@ def k_half_scales(dw, s0, s1, s2, h):
     sc, mn = k_scale_words(s0, s1, s2, False)
     sc1, mn1 = k_scale_words(s0, s1, s2, True)
     pick = h * uint32(0xFFFFFFFF)  # every bit set for h = 1
-    sc = sc ^ ((sc ^ sc1) & pick)
-    mn = mn ^ ((mn ^ mn1) & pick)
+    sc, mn = bit_select(sc, sc1, pick), bit_select(mn, mn1, pick)
     lo, hi, lo_magic, hi_magic = SIX_FIELDS
     sc2, mn2 = sc >> SHIFT_HALF, mn >> SHIFT_HALF
     scaled = (d * field_at(sc, lo, lo_magic), d * field_at(sc, hi, hi_magic),
@@ -1860,14 +1874,7 @@ def k_half_unit(half, fields):
     of the last group is a real one, clamped; token slots past n_tokens read the last live token's
     inputs; the kernel stores neither's sums)."""
     def make(tokens: int, x_bf16: bool):
-        x16 = x16_bf16_at if x_bf16 else x16_f32_at
-        run_shift = uint32(5 if x_bf16 else 6)  # bytes of 16 inputs: 2^run_shift
-
-        @device
-        def inputs(x32, xb, n_tokens, r, t):
-            """Token t's sixteen inputs of run r of the unit (xb: the byte offset of its first
-            input in a token's row; token slots past n_tokens read the last live token's)."""
-            return x16(address_at(row_address(x32, min(t, n_tokens - 1)), xb), uint32(0), uint32(r))
+        inputs, run_shift = run_inputs(x_bf16)
 
         @device
         def add_token(xs, s, dot_a, dot_b, a, b, acc, t):

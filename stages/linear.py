@@ -19,10 +19,10 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
   so a token's sums never depend on the others of its call): warps over output
   rows, and for short matrices several warps a row, each a slice of K (`stream_split`: enough warps
   in all to keep the memory busy; slices summed in shared memory); for short rows (K = 1280) a warp
-  walks two or four row groups side by side, 16 or 8 lanes each (`stream_lanes`). The lanes of a warp walk the
-  row's units (the type's stream unit: 16-byte pieces), two or four in
-  flight, each used for every token of the step; x (a few KiB) is read through L1. How a unit
-  decodes is the type's (stages.quant_types). `stream_partials` is the same walk with the slices'
+  walks two or four row groups side by side, 16 or 8 lanes each (`stream_lanes`). The lanes of a
+  row group walk the row's units (the type's stream unit: 16-byte pieces), two or four in flight,
+  each used for every token of the step; x (a few KiB) is read through L1. How a unit decodes is
+  the type's (stages.quant_types). `stream_partials` is the same walk with the slices'
   sums written out instead (any T, in groups of GEMV_MAX_TOKENS tokens), plus a row of the inputs'
   square sums: the hyper-connection mixes' product (stages.hyper sums the slices).
 - `narrow` (more tokens, up to NARROW_MAX_TOKENS: a batch of decode steps; bf16 x; BF16 and Q8_0
@@ -248,6 +248,12 @@ def stream_split(n_rows: int) -> int:
     return split
 
 
+def stream_blocks(row_groups: int, split: int, lanes: int) -> int:
+    """Blocks of the stream kernel for `row_groups` row groups, `split` warps and `lanes` lanes each:
+    a block walks STREAM_WARPS // split * (LANES // lanes) of them."""
+    return -(-row_groups // (STREAM_WARPS // split * (LANES // lanes)))
+
+
 def stream_lanes(units: int, row_groups: int, split: int) -> int:
     """Lanes of a warp that walk one row group's slice of `units` units: of 8, 16 and 32 lanes
     (the warp then takes 4, 2 or 1 row groups), the one that leaves the fewest lanes idle over the
@@ -261,10 +267,9 @@ def stream_lanes(units: int, row_groups: int, split: int) -> int:
     def busy(lanes: int) -> float:
         return units / (lanes * -(-units // lanes))
 
-    def blocks(lanes: int) -> int:
-        return -(-row_groups // (STREAM_WARPS // split * (LANES // lanes)))
-
-    return max((lanes for lanes in (32, 16, 8) if lanes == 32 or blocks(lanes) >= STREAM_MIN_BLOCKS), key=busy)
+    fitting = (lanes for lanes in (32, 16, 8)
+               if lanes == 32 or stream_blocks(row_groups, split, lanes) >= STREAM_MIN_BLOCKS)
+    return max(fitting, key=busy)
 
 
 @cache
@@ -501,8 +506,8 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
 
 
 def _stream_launch(w: DeviceWeight, group_rows: int) -> tuple[int, int, int]:
-    """(split, lanes, blocks) of the stream kernel for w (group_rows 0: one group); the simulator walks a
-    product in one block."""
+    """(split, lanes, blocks) of the stream kernel for w (group_rows 0: one group); the simulator
+    walks a product in one block."""
     unit = DEVICE_TYPES[w.gtype].gemv_unit
     rows = unit.rows
     if group_rows and group_rows % rows:  # (one group: a last row group short of `rows` is the unit's to skip)
@@ -511,8 +516,7 @@ def _stream_launch(w: DeviceWeight, group_rows: int) -> tuple[int, int, int]:
     row_groups = -(-w.n // rows)
     split = stream_split(row_groups)
     lanes = stream_lanes((w.k >> unit.shift) // split, row_groups, split)
-    per_block = STREAM_WARPS // split * (LANES // lanes)
-    return split, lanes, 1 if SIM else -(-row_groups // per_block)
+    return split, lanes, 1 if SIM else stream_blocks(row_groups, split, lanes)
 
 
 def _stream(x, w: DeviceWeight, y, second: tuple[DeviceWeight, Any] | None, n_tokens: int, group_rows: int,

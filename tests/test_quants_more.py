@@ -582,6 +582,7 @@ def test_nibble_decode_mutants(name):
     check_linear(w, wq, 3, "stream", seed=5)
     check_stream_partials(gtype, 512, 3, int(gtype) + 40, 2)
 
+
 # decoding mistakes in Q6_K's and Q3_K's own units: the GEMV's pair units (kernel "stream": the
 # decode product) and the one-row units (kernel "partials": stream_partials), each an edit of
 # stages.quant_types' source

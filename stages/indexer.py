@@ -10,7 +10,9 @@ count, the positions the kernels read widths off, the stream):
 - `index_scores(iq, hw, keys, scale, score, n_tokens, positions, ratio, width)`: iq, hw, keys bf16
   [>=G, ID] -> score bf16 [T, >=G]: score[t, g] = bf16(sum_h bf16(relu(bf16(iq_h . k_g)) * w_h)),
   w_h = bf16(hw_h * scale), scale = ID^-0.5 * IH^-0.5, for g < G = (positions[T-1] + 1) // ratio (the
-  oracle's keys are those G rows). Oracle: index_scores(iq, hw, keys, scale).
+  oracle's keys are those G rows). Oracle: index_scores(iq, hw, keys, scale). On a GPU the scores
+  run on the tensor cores (stages.index_scores_tc: the same bits; score_cores picks), on the
+  simulator and for other shapes on the CUDA cores (score_kernel).
 - `select(cfg, role, score, positions, candidates, selection, n_tokens)`: score -> selection int32
   [T, K] (ascending, -1 padded) and, on the candidate source, the block mask uint8 [T, >=NB] in
   `candidates` that later index sources respect (the oracle's mask is per position, [T, G] bool:
@@ -42,6 +44,7 @@ from numba import cuda, float32, float64, int32, int64, uint32
 
 from flashv41.host.config import LayerRole, ModelConfig
 from flashv41.host.errors import InputError
+from flashv41.stages import index_scores_tc
 from flashv41.stages.device import (
     SIM,
     DeviceArray,
@@ -322,13 +325,14 @@ def score_block_cap() -> int:
 
 def index_scores(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, scale: float, score: DeviceArray,
                  n_tokens: int, positions: DeviceArray, ratio: int, width: int, stream=0,
-                 tile: tuple[int, int] = (0, 0)) -> None:
+                 tile: tuple[int, int] = (0, 0), cores: str = "") -> None:
     """score[t, g] for t < T and g < G = (positions[T-1] + 1) // ratio (bf16 bits).
 
     scale: ID^-0.5 * IH^-0.5, rounded to fp32 here as the oracle does. width: G as the host knows
     it; it only sizes the grid (the kernel reads G off the positions, and its blocks stride over
     the row, so a captured graph may pass the cache's length). tile: (head threads, groups) per
-    block (0 = the default; tests force others).
+    block of the CUDA-core kernel (0 = the default; tests force others). cores: where the scores
+    run (score_cores; "" = the default).
     """
     check_array(keys, (np.uint16,), 2, "index_scores keys")
     index_dim = keys.shape[1]
@@ -338,12 +342,12 @@ def index_scores(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, scale: flo
     if n_tokens == 0 or width == 0:
         return
     _launch_scores(iq, hw, keys, scale, score, n_tokens, positions, ratio, width, heads, index_dim, tile, False,
-                   stream)
+                   stream, cores)
 
 
 def index_scores_tables(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, scale: float, score: DeviceArray,
                         n_tokens: int, positions: DeviceArray, ratio: int, width: int, index_dim: int,
-                        stream=0) -> None:
+                        stream=0, cores: str = "") -> None:
     """index_scores for a batch of T sequences, row t its sequence's only token: keys is an address
     table (uint64 [>= T, 2], stages.row_tables) of each row's own key cache [>= G_t, ID], and row t's
     scores are those of its own G_t = (positions[t] + 1) // ratio groups (what index_scores gives it
@@ -356,7 +360,7 @@ def index_scores_tables(iq: DeviceArray, hw: DeviceArray, keys: DeviceArray, sca
     if n_tokens == 0 or width == 0:
         return
     _launch_scores(iq, hw, keys, scale, score, n_tokens, positions, ratio, width, heads, index_dim, (0, 0), True,
-                   stream)
+                   stream, cores)
 
 
 def _check_queries(iq, hw, score, positions, n_tokens: int, index_dim: int, what: str) -> int:
@@ -372,8 +376,25 @@ def _check_queries(iq, hw, score, positions, n_tokens: int, index_dim: int, what
     return heads
 
 
+def score_cores(heads: int, index_dim: int, cores: str = "") -> str:
+    """Where index_scores runs: `cores` if given ("tc": stages.index_scores_tc; "cuda":
+    score_kernel), else the tensor cores on a GPU where the shape is whole fragments
+    (index_scores_tc.supports), the CUDA cores otherwise and on the simulator (whose emulated mma is
+    slow). Both give the same bits."""
+    if cores not in ("", "tc", "cuda"):
+        raise InputError(f"index_scores: cores {cores!r} is not one of 'tc', 'cuda'")
+    if cores == "tc" and not index_scores_tc.supports(heads, index_dim):
+        raise InputError(f"index_scores: the tensor-core kernel needs heads a multiple of {index_scores_tc.HEADS} "
+                         f"and index_dim of {index_scores_tc.FP4_BLOCK}, not {heads} x {index_dim}")
+    return cores or ("tc" if not SIM and index_scores_tc.supports(heads, index_dim) else "cuda")
+
+
 def _launch_scores(iq, hw, keys, scale, score, n_tokens, positions, ratio, width, heads, index_dim, tile, tables,
-                   stream) -> None:
+                   stream, cores) -> None:
+    if score_cores(heads, index_dim, cores) == "tc" and tile == (0, 0):
+        index_scores_tc.launch(iq, hw, keys, scale, score, n_tokens, positions, ratio, width, heads, index_dim,
+                               tables, stream)
+        return
     head_threads = tile[0] or min(SCORE_HEAD_THREADS, heads)
     groups = tile[1] or SCORE_GROUPS
     blocks = min((width + groups - 1) // groups, score_block_cap())

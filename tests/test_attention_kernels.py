@@ -344,11 +344,11 @@ def test_pooling_exact_on_random_projections():
 
 # ---- indexer -------------------------------------------------------------------------------------------
 
-def check_index_scores(tiny_cfg, seed, heads, dim, t, width, spare, c, tile=(0, 0)):
-    """index_queries + index_scores against oracle.index_queries + oracle.index_scores, every query
-    and score bit-exact. The projections are one-hot (exact in any implementation), so both sides
-    score the very same fp4 queries; key 2 is all zero (every dot zero); the kernel's key cache has
-    `spare` rows past the width (the oracle's ends there)."""
+def check_index_scores(tiny_cfg, seed, heads, dim, t, width, spare, c, tile=(0, 0), cores=""):
+    """index_queries + index_scores (on `cores`, index_scores' argument) against oracle.index_queries
+    + oracle.index_scores, every query and score bit-exact. The projections are one-hot (exact in
+    any implementation), so both sides score the very same fp4 queries; key 2 is all zero (every
+    dot zero); the kernel's key cache has `spare` rows past the width (the oracle's ends there)."""
     rng = np.random.default_rng(seed)
     qr = bf16(rng.standard_normal((t, heads * dim)).astype(np.float32))
     x = bf16(rng.standard_normal((t, c)).astype(np.float32))
@@ -371,7 +371,7 @@ def check_index_scores(tiny_cfg, seed, heads, dim, t, width, spare, c, tile=(0, 
     scale = dim ** -0.5 * heads ** -0.5
     ref = oracle.index_scores(ref_iq, ref_hw, keys[:width], scale)
     score = cuda.device_array((t, width + spare), np.uint16)
-    indexer.index_scores(iq, hw, dev_bf16(keys), scale, score, t, dargs[-1], 1, width, tile=tile)
+    indexer.index_scores(iq, hw, dev_bf16(keys), scale, score, t, dargs[-1], 1, width, tile=tile, cores=cores)
     got = host_bf16(score)[:, :width]
     assert np.array_equal(got, ref), f"{int((got != ref).sum())} scores differ"
     assert (ref == 0).any() and (ref > 0).any()
@@ -380,6 +380,21 @@ def check_index_scores(tiny_cfg, seed, heads, dim, t, width, spare, c, tile=(0, 
 @pytest.mark.parametrize("tile", [(0, 0), (2, 3)])
 def test_index_scores_exact(tiny_cfg, tile):
     check_index_scores(tiny_cfg, 9, heads=3, dim=64, t=5, width=13, spare=3, c=32, tile=tile)
+
+
+def test_index_scores_tensor_cores_exact(tiny_cfg):
+    """The tensor-core kernel on the emulated mma: two fragments of heads, three key tiles (the last
+    one partial), two tokens."""
+    check_index_scores(tiny_cfg, 10, heads=16, dim=64, t=2, width=37, spare=3, c=32, cores="tc")
+
+
+def test_index_scores_cores_refused(tiny_cfg):
+    """A shape the tensor-core kernel cannot take, or an unknown core name, is a named error."""
+    with pytest.raises(InputError, match="multiple of 8"):
+        indexer.score_cores(3, 64, "tc")
+    with pytest.raises(InputError, match="not one of"):
+        indexer.score_cores(32, 128, "gpu")
+    assert indexer.score_cores(3, 64) == "cuda"
 
 
 def score_patterns(rng, t: int, width: int) -> dict[str, np.ndarray]:
@@ -732,7 +747,16 @@ def test_flash_sparse_split_matches_one_block():
 
 
 @pytest.mark.gpu
-def test_flash_index_scores_exact(tiny_cfg):
-    """32 heads x 128 against 4096 keys."""
-    check_index_scores(tiny_cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64)
+@pytest.mark.parametrize("cores", ["tc", "cuda"])
+def test_flash_index_scores_exact(tiny_cfg, cores):
+    """32 heads x 128 against 4096 keys, on either kernel."""
+    check_index_scores(tiny_cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64, cores=cores)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, width", [(1, 65536), (8, 16383)])
+def test_flash_index_scores_long_exact(tiny_cfg, t, width):
+    """The tensor-core kernel (the GPU's default) at decode over 64k keys, and 8 tokens over a width
+    that ends in a partial tile."""
+    check_index_scores(tiny_cfg, 16, heads=32, dim=128, t=t, width=width, spare=5, c=64)
 

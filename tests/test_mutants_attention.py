@@ -47,7 +47,7 @@ import pytest
 from numba import float32, int32, uint16  # noqa: E402  (after conftest chose the backend)
 
 from flashv41.model import load_model
-from flashv41.stages import indexer  # noqa: E402
+from flashv41.stages import index_scores_tc, indexer  # noqa: E402
 from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
 from flashv41.stages import sparse_attention as sa  # noqa: E402
 from flashv41.stages.device import bf16_to_f32, device, f32_bits, f32_to_bf16
@@ -211,6 +211,20 @@ MUTANTS = [
            lambda: {"bf16_round": bf16_round_truncating}),
     Mutant("index_scores", "score_truncated", "the score rounded toward zero to bf16", indexer,
            lambda: {"f32_to_bf16": f32_to_bf16_truncating}),
+    Mutant("index_scores_tc", "slots_swapped", "a query's two words of a k16 step swapped (dims mismatched)",
+           index_scores_tc, lambda: {"score_tc_kernel": edited(
+               index_scores_tc, "score_tc_kernel", "mma(a0, b0, a1, b1, qw[f, b, 0], qw[f, b, 1],",
+               "mma(a0, b0, a1, b1, qw[f, b, 1], qw[f, b, 0],")}),
+    Mutant("index_scores_tc", "second_key_one_late", "the tile's keys g + 8 read one row late", index_scores_tc,
+           lambda: {"score_tc_kernel": edited(index_scores_tc, "score_tc_kernel", "rb = min(g0 + g + 8, width - 1)",
+                                              "rb = min(g0 + g + 9, width - 1)")}),
+    Mutant("index_scores_tc", "weight_1pct", "the head weights 1% large", index_scores_tc,
+           lambda: {"score_tc_kernel": edited(index_scores_tc, "score_tc_kernel", "]), w_scale))",
+                                              "]), w_scale * float32(1.01)))")}),
+    Mutant("index_scores_tc", "bf16_truncated", "the dot, weight and weighted-term roundings toward zero",
+           index_scores_tc, lambda: {"bf16_round": bf16_round_truncating}),
+    Mutant("index_scores_tc", "score_truncated", "the score rounded toward zero to bf16", index_scores_tc,
+           lambda: {"f32_to_bf16": f32_to_bf16_truncating}),
     Mutant("select", "visible_one_short", "the query's newest position masked out", indexer,
            lambda: {"select_kernel": edited(indexer, "select_kernel", "visible = (positions[t] + 1) // ratio",
                                             "visible = positions[t] // ratio")}),
@@ -265,6 +279,9 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
                                                           split=True, cores="tc"),
     "entries": lambda cfg: _every(check_entries, ENTRY_CASES),
     "index_scores": lambda cfg: check_index_scores(cfg, 9, heads=3, dim=64, t=5, width=13, spare=3, c=32),
+    # the emulated mma: two head fragments, three key tiles
+    "index_scores_tc": lambda cfg: check_index_scores(cfg, 10, heads=16, dim=64, t=2, width=37, spare=3, c=32,
+                                                      cores="tc"),
     "select": lambda cfg: _every(lambda case: check_select(cfg, case), [(c,) for c in SELECT_CASES]),
     # one spare table row past the last position, so that a kernel reading position p + 1 stays inside
     "rope": lambda cfg: _every(lambda compressed: check_rope(cfg, 3, compressed, max_seq=201), [(False,), (True,)]),
@@ -279,7 +296,10 @@ FLASH_CHECKS: dict[str, Callable[[Any], Any]] = {
                                                        split=True, cores="cuda"),
     "sparse_split_tc": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash, split, tc)",
                                                           split=True, cores="tc"),
-    "index_scores": lambda cfg: check_index_scores(cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64),
+    "index_scores": lambda cfg: check_index_scores(cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64,
+                                                   cores="cuda"),
+    "index_scores_tc": lambda cfg: check_index_scores(cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64,
+                                                      cores="tc"),
     "select": lambda cfg: check_select(cfg, FLASH_SELECT_CASE, seed=13),
 }
 

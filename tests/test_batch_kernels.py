@@ -21,6 +21,7 @@ from numba import cuda  # noqa: E402  (after conftest chose the backend)
 
 from flashv41.host.config import LayerRole
 from flashv41.host.numerics import act_quant, bf16, fp4_act_quant, rope_tables, to_bits
+from flashv41.host.oracle import attention as oracle
 from flashv41.model import load_model
 from flashv41.stages import indexer, kv_sources  # noqa: E402
 from flashv41.stages.linear import DeviceWeight  # noqa: E402
@@ -185,3 +186,25 @@ def test_compress_and_publish_batch(tiny_cfg, ratio):
         for name in ("kv_state", "score_state", "index_keys", "compressed"):
             got, want = (getattr(s[b], name).copy_to_host().view(np.uint8) for s in (batched, alone))
             assert np.array_equal(got, want), f"sequence {b} (position {p}): {name}"
+
+
+def test_index_scores_tables_tensor_cores(tiny_cfg):
+    """index_scores_tables on the tensor-core kernel (emulated mma): each row's scores over its own
+    key cache and its own width equal the oracle's for that row alone, bit for bit."""
+    rng = np.random.default_rng(23)
+    ratio, heads, dim = 2, 8, 64
+    keys = [fp4_act_quant(bf16(rng.standard_normal((GROUPS, dim)).astype(np.float32)), 32, False) for _ in range(B)]
+    iq = fp4_act_quant(bf16(rng.standard_normal((B, heads * dim)).astype(np.float32)), 32, False)
+    hw = bf16(rng.standard_normal((B, heads)).astype(np.float32))
+    widths = (POSITIONS + 1) // ratio
+    scale = dim ** -0.5 * heads ** -0.5
+    score = cuda.to_device(np.full((B, GROUPS), 0x7FC0, np.uint16))
+    dev_keys = [dev_bf16(k) for k in keys]  # alive while the table names them
+    indexer.index_scores_tables(dev_bf16(iq), dev_bf16(hw), table(dev_keys), scale, score, B,
+                                cuda.to_device(POSITIONS), ratio, int(widths.max()), dim, cores="tc")
+    got = score.copy_to_host()
+    for b in range(B):
+        w = widths[b]
+        ref = to_bits(oracle.index_scores(iq[b:b + 1].reshape(1, heads, dim), hw[b:b + 1], keys[b][:w], scale))
+        assert np.array_equal(got[b, :w], ref[0]), f"row {b}'s scores"
+        assert (got[b, w:] == 0x7FC0).all(), f"row {b}: scores past its width written"

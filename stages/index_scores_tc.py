@@ -62,6 +62,7 @@ def score_tc_kernel(index_heads: int, index_dim: int, warps: int, tables: bool =
     row_words = index_dim // 2
     q_shape = (frags, blocks, 4)  # [fragment, block, word]: head 8 f + g's unit t of each block
     w_shape = (frags, 2)  # [fragment, column]: the weights of heads 8 f + 2 t, 8 f + 2 t + 1
+    k_shape = (2, blocks, 4)  # [keys g / g + 8, block, word]: the tile's unit t of each block
     dot_shape = (frags, 4)  # [fragment, register]: float64 q . k, the C layout's keys and heads
     part_shape = (warps, KEYS, 4)  # [warp, key, t]: a lane's sum over its heads of a key
 
@@ -85,6 +86,7 @@ def score_tc_kernel(index_heads: int, index_dim: int, warps: int, tables: bool =
             for c in range(2):
                 wt[f, c] = bf16_round(mul_rn(bf16_to_f32(hw[t, HEADS * f + 2 * t4 + c]), w_scale))
         dot = cuda.local.array(dot_shape, float64)
+        kw = cuda.local.array(k_shape, uint32)
         tiles = (width + KEYS - 1) // KEYS
         stride = cuda.gridDim.x * warps
         for base in range(cuda.blockIdx.x * warps, tiles, stride):  # the block's warps go round together
@@ -94,14 +96,16 @@ def score_tc_kernel(index_heads: int, index_dim: int, warps: int, tables: bool =
             for f in range(frags):
                 for i in range(4):
                     dot[f, i] = float64(0)
+            for b in range(blocks):  # every load of the tile issued before the first mma
+                kw[0, b, 0], kw[0, b, 1], kw[0, b, 2], kw[0, b, 3] = load_words4(keys, ra, 16 * b + 4 * t4)
+                kw[1, b, 0], kw[1, b, 1], kw[1, b, 2], kw[1, b, 3] = load_words4(keys, rb, 16 * b + 4 * t4)
             for b in range(blocks):
-                a0, a1, a2, a3 = load_words4(keys, ra, 16 * b + 4 * t4)
-                b0, b1, b2, b3 = load_words4(keys, rb, 16 * b + 4 * t4)
                 for f in range(frags):
                     # step 0: words 0 (slots 2 t, 2 t + 1) and 1 (slots 2 t + 8, 2 t + 9); step 1: words 2, 3
-                    p0, p1, p2, p3 = mma(a0, b0, a1, b1, qw[f, b, 0], qw[f, b, 1],
+                    p0, p1, p2, p3 = mma(kw[0, b, 0], kw[1, b, 0], kw[0, b, 1], kw[1, b, 1], qw[f, b, 0], qw[f, b, 1],
                                          float32(0), float32(0), float32(0), float32(0))
-                    p0, p1, p2, p3 = mma(a2, b2, a3, b3, qw[f, b, 2], qw[f, b, 3], p0, p1, p2, p3)
+                    p0, p1, p2, p3 = mma(kw[0, b, 2], kw[1, b, 2], kw[0, b, 3], kw[1, b, 3], qw[f, b, 2], qw[f, b, 3],
+                                         p0, p1, p2, p3)
                     dot[f, 0] += float64(p0)
                     dot[f, 1] += float64(p1)
                     dot[f, 2] += float64(p2)

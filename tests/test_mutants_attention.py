@@ -213,8 +213,8 @@ MUTANTS = [
            lambda: {"f32_to_bf16": f32_to_bf16_truncating}),
     Mutant("index_scores_tc", "slots_swapped", "a query's two words of a k16 step swapped (dims mismatched)",
            index_scores_tc, lambda: {"score_tc_kernel": edited(
-               index_scores_tc, "score_tc_kernel", "mma(a0, b0, a1, b1, qw[f, b, 0], qw[f, b, 1],",
-               "mma(a0, b0, a1, b1, qw[f, b, 1], qw[f, b, 0],")}),
+               index_scores_tc, "score_tc_kernel", "kw[1, b, 1], qw[f, b, 0], qw[f, b, 1],",
+               "kw[1, b, 1], qw[f, b, 1], qw[f, b, 0],")}),
     Mutant("index_scores_tc", "second_key_one_late", "the tile's keys g + 8 read one row late", index_scores_tc,
            lambda: {"score_tc_kernel": edited(index_scores_tc, "score_tc_kernel", "rb = min(g0 + g + 8, width - 1)",
                                               "rb = min(g0 + g + 9, width - 1)")}),

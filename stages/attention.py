@@ -17,7 +17,8 @@ start .. start+T-1 (C dim, H x D heads, Q q_lora, W window, K index_topk; bf16 =
         then the selection (ratio > 0 layers)                 stages.sparse_attention
     o = sparse attention with the sink               [T, H, D]
     out = (RoPE^-1(o) grouped @ wo_a^T) @ wo_b^T     [T, C]
-    the ring takes the chunk's last min(T, W) rows (after the attention read it)
+    the ring takes the chunk's last min(T, W) rows (after the attention read it; a decode step's
+        one row, whose slot holds position p - W, which no entry names, as the kv chain writes it)
 
 Ratio > 0 layers rotate everything with the compressed (YaRN) table, ratio 0 with the plain one.
 
@@ -62,7 +63,7 @@ from flashv41.stages.indexer import IndexerWeights
 from flashv41.stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
 from flashv41.stages.linear import DeviceWeight, linear, linear_pair
 from flashv41.stages.norm_rope_quant import Chain, norm_rope_quant_pair, rope
-from flashv41.stages.row_tables import table_row, u16_rows
+from flashv41.stages.row_tables import table_row
 from flashv41.stages.sparse_attention import (
     SPLIT_BATCH_TOKENS,
     SparseWorkspace,
@@ -82,19 +83,6 @@ WORKSPACES = ("positions", "qa", "qr", "q", "kv_raw", "kv", "o", "oa", "entries_
 RING, KV_STATE, SCORE_STATE, COMPRESSED, INDEX_KEYS = range(5)
 ROW_KINDS = 5
 _SERIALS = itertools.count()
-
-
-@cuda.jit
-def _ring_write_batch_kernel(kv, rings, positions, n_tokens, width):
-    """A batch, token r its sequence's only one: its ring (address table rings [T, 2] of bf16
-    [W, D] rings) at slot positions[r] % W = kv[r]."""
-    i = cuda.grid(1)
-    if i >= n_tokens * width:
-        return
-    r = i // width
-    c = i % width
-    ring = u16_rows(rings, r, width)
-    ring[positions[r] % ring.shape[0], c] = kv[r, c]
 
 
 @cuda.jit
@@ -436,7 +424,7 @@ class AttentionStage:
         cos, sin = self.tables[role.ratio > 0]
 
         mark = self._mark
-        self._project_in(w, x, pos, cos, sin, t)
+        self._project_in(w, x, pos, cos, sin, t, st.ring if t == 1 else None)
 
         # a ratio-0 layer has no compressed rows: any bf16 [*, D] array stands in (no entry names it)
         entries, comp_rows, selection = self.entries_window, self.kv, None
@@ -451,21 +439,26 @@ class AttentionStage:
         if capture is not None:
             capture["attn_o"] = self._host(self.o, t)
         self._project_out(w, out, pos, cos, sin, t)
-        n_ring = min(t, cfg.window) * cfg.head_dim
-        _ring_write_kernel[grid_1d(n_ring, COPY_THREADS), COPY_THREADS, s](self.kv, st.ring, pos, t, cfg.head_dim)
-        mark("ring_write")
+        if t > 1:  # one row went with the kv chain (_project_in)
+            n_ring = min(t, cfg.window) * cfg.head_dim
+            _ring_write_kernel[grid_1d(n_ring, COPY_THREADS), COPY_THREADS, s](self.kv, st.ring, pos, t,
+                                                                                cfg.head_dim)
+            mark("ring_write")
         if capture is not None:
             capture.update(attn_x=self._host(x, t), qr=self._host(self.qr, t), q=self._host(self.q, t),
                            kv=self._host(self.kv, t), attn_out=self._host(out, t))
 
     def _project_in(self, w: LayerWeights, x: DeviceArray, pos: DeviceArray, cos: DeviceArray, sin: DeviceArray,
-                    t: int) -> None:
-        """q [T, H, D] and the window rows kv [T, D] of x's T rows at positions pos."""
+                    t: int, ring: DeviceArray | None, ring_table: bool = False) -> None:
+        """q [T, H, D] and the window rows kv [T, D] of x's T rows at positions pos; with a ring
+        (bf16 [W, D], or an address table of each row's own: ring_table), each row also to its slot
+        positions[r] % W there (a decode step's: no entry of this step names that slot)."""
         cfg, s, mark = self.cfg, self.stream, self._mark
         linear_pair(x, w.wq_a, self.qa, w.wkv, self.kv_raw, t, stream=s)  # one launch where it can
         mark("wq_a + wkv")
         norm_rope_quant_pair(Chain(self.qa, w.q_norm, self.eps, None, None, None, False, "none", out=self.qr),
-                             Chain(self.kv_raw, w.kv_norm, self.eps, cos, sin, pos, False, "act", out=self.kv), t,
+                             Chain(self.kv_raw, w.kv_norm, self.eps, cos, sin, pos, False, "act", out=self.kv,
+                                   ring=ring, ring_table=ring_table), t,
                              stream=s)
         mark("q_norm + kv_norm_rope_quant")
         if w.indexer is not None:  # the indexer's queries read qr too: its wq_b in the same launch
@@ -508,7 +501,7 @@ class AttentionStage:
         pos = self.positions
         cos, sin = self.tables[role.ratio > 0]
         rows = self.row_tables[layer]
-        self._project_in(w, x, pos, cos, sin, t)
+        self._project_in(w, x, pos, cos, sin, t, rows[RING], ring_table=True)
         entries, selection = self.entries_window, None
         if role.ratio > 0:
             self._sources_batch(layer, w, states, shareds, x, starts, t, cos, sin)
@@ -522,9 +515,6 @@ class AttentionStage:
                                 workspace=self.sparse_ws)
         self._mark("sparse_attention")
         self._project_out(w, out, pos, cos, sin, t)
-        _ring_write_batch_kernel[grid_1d(t * cfg.head_dim, COPY_THREADS), COPY_THREADS, s](
-            self.kv, rows[RING], pos, t, cfg.head_dim)
-        self._mark("ring_write")
 
     def _sources_batch(self, layer: int, w: LayerWeights, states: list[AttentionState], shareds: list[SharedRuntime],
                        x: DeviceArray, starts: list[int], t: int, cos: DeviceArray, sin: DeviceArray) -> None:

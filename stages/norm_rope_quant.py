@@ -73,6 +73,7 @@ from flashv41.stages.device import (
     mul_rn,
     rint_f32,
 )
+from flashv41.stages.row_tables import u16_rows
 
 ACT_BLOCK = 32
 FP8_MAX = float32(448.0)
@@ -98,6 +99,9 @@ QUANT_NONE, QUANT_ACT, QUANT_FP4_E8M0, QUANT_FP4_E4M3 = 0, 1, 2, 3
 QUANTS = {"none": (QUANT_NONE, 0), "act": (QUANT_ACT, ACT_BLOCK), "fp4_e8m0_32": (QUANT_FP4_E8M0, 32),
           "fp4_e4m3_16": (QUANT_FP4_E4M3, 16)}
 QUANT_BLOCK = dict(QUANTS.values())  # code -> values per block (0: none)
+# where a chain also writes its rows (Chain.ring): nowhere, a ring, or each row's own ring (an address table)
+MIRROR_NONE, MIRROR_RING, MIRROR_TABLE = 0, 1, 2
+THREADS_AT = 5  # where a chain's compile-time spec (fused_body's arguments) holds its block size
 
 
 def lane_mask(threads: int) -> int:
@@ -339,13 +343,15 @@ def _fp4_quant_kernel(x, n_rows, width, block, e4m3_scale):
 
 
 @cache
-def fused_body(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, threads: int):
+def fused_body(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, threads: int, mirror: int = MIRROR_NONE):
     """quant(rope(rms_norm(x))), each step optional, for block `item` = (row, head) of `threads`
     threads, `vals` consecutive values of the head in each thread's registers, from column c_lo of
     the head on (0, or the rope tail when nothing else changes). x bf16 bits (x_bf16) or fp32
     [R, heads * D], weight fp32 [D], out bf16 [R, heads * D] (may be x: a thread rewrites only what
     it read), cos, sin fp32 [max_seq, rope_dim / 2], positions int32 [R]. Every step rounds to bf16.
-    Inlined into its kernels (fused_kernel, fused_pair_kernel)."""
+    mirror: row r also goes to slot positions[r] % W of `ring` (bf16 [W, heads * D]; MIRROR_TABLE:
+    an address table [R, 2] of each row's own ring). Inlined into its kernels (fused_kernel,
+    fused_pair_kernel)."""
     block = QUANT_BLOCK[quant]
     per_block = min(vals, block)  # the values of one quant block in one thread
     blocks = vals // per_block if block else 0  # quant blocks per thread
@@ -354,7 +360,7 @@ def fused_body(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, thre
     mask = lane_mask(threads)
 
     @inlined
-    def body(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse, item):
+    def body(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse, ring, item):
         v = cuda.local.array(vals, float32)  # [vals]: columns c0 .. c0 + vals - 1 of the head
         scratch = cuda.shared.array(threads, float64)  # [threads]: block_sum's (and group_max's, simulated)
         r = item // heads
@@ -398,18 +404,26 @@ def fused_body(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, thre
         if active:
             for k in range(vals):
                 out[r, col + c0 + k] = f32_to_bf16(v[k])
+            if mirror == MIRROR_RING:
+                for k in range(vals):
+                    ring[positions[r] % ring.shape[0], col + c0 + k] = f32_to_bf16(v[k])
+            elif mirror == MIRROR_TABLE:
+                own = u16_rows(ring, r, heads * head_dim)
+                for k in range(vals):
+                    own[positions[r] % own.shape[0], col + c0 + k] = f32_to_bf16(v[k])
 
     return body
 
 
 @cache
-def fused_kernel(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, threads: int):
+def fused_kernel(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, threads: int, mirror: int):
     """fused_body's chain, one block of `threads` threads per (row, head)."""
-    body = fused_body(x_bf16, norm, rope, quant, vals, threads)
+    body = fused_body(x_bf16, norm, rope, quant, vals, threads, mirror)
 
     @jit_for(threads)
-    def kernel(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse):
-        body(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse, cuda.blockIdx.x)
+    def kernel(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse, ring):
+        body(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse, ring,
+             cuda.blockIdx.x)
 
     return kernel
 
@@ -417,21 +431,21 @@ def fused_kernel(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, th
 @cache
 def fused_pair_kernel(first: tuple, second: tuple):
     """Two chains of fused_body (their compile-time specs `first`, `second`: (x_bf16, norm, rope,
-    quant, vals, threads)) in one launch of blocks of the larger one's threads: the first `items`
+    quant, vals, threads, mirror)) in one launch of blocks of the larger one's threads: the first `items`
     blocks run the first chain's (row, head) items, the rest the second's. A chain of fewer threads
     than the block leaves the rest inactive: they load nothing and add zeros to its norm's sum
     (exact), so its result is its own launch's; its threads must be whole warps (the shuffles'
     mask covers the warp)."""
     body_a, body_b = fused_body(*first), fused_body(*second)
 
-    @jit_for(max(first[-1], second[-1]))
-    def kernel(xa, wa, oa, ca, sa, pa, heads_a, dim_a, lo_a, rope_a, eps_a, inv_a, items,
-               xb, wb, ob, cb, sb, pb, heads_b, dim_b, lo_b, rope_b, eps_b, inv_b):
+    @jit_for(max(first[THREADS_AT], second[THREADS_AT]))
+    def kernel(xa, wa, oa, ca, sa, pa, heads_a, dim_a, lo_a, rope_a, eps_a, inv_a, ring_a, items,
+               xb, wb, ob, cb, sb, pb, heads_b, dim_b, lo_b, rope_b, eps_b, inv_b, ring_b):
         item = cuda.blockIdx.x
         if item < items:
-            body_a(xa, wa, oa, ca, sa, pa, heads_a, dim_a, lo_a, rope_a, eps_a, inv_a, item)
+            body_a(xa, wa, oa, ca, sa, pa, heads_a, dim_a, lo_a, rope_a, eps_a, inv_a, ring_a, item)
         else:
-            body_b(xb, wb, ob, cb, sb, pb, heads_b, dim_b, lo_b, rope_b, eps_b, inv_b, item - items)
+            body_b(xb, wb, ob, cb, sb, pb, heads_b, dim_b, lo_b, rope_b, eps_b, inv_b, ring_b, item - items)
 
     return kernel
 
@@ -526,11 +540,11 @@ def fused_shape(width: int, rope: bool, block: int, threads: int = 0) -> tuple[i
 
 
 @cache
-def _placeholders() -> tuple[DeviceArray, DeviceArray, DeviceArray]:
-    """Typed stand-ins (weight fp32 [1], table fp32 [1, 1], positions int32 [1]) for the arrays of
-    a step left out, which the kernel never reads; allocated once."""
+def _placeholders() -> tuple[DeviceArray, DeviceArray, DeviceArray, DeviceArray]:
+    """Typed stand-ins (weight fp32 [1], table fp32 [1, 1], positions int32 [1], ring bf16 [1, 1])
+    for the arrays of a step left out, which the kernel never reads; allocated once."""
     return (cuda.to_device(np.zeros(1, np.float32)), cuda.to_device(np.zeros((1, 1), np.float32)),
-            cuda.to_device(np.zeros(1, np.int32)))
+            cuda.to_device(np.zeros(1, np.int32)), cuda.to_device(np.zeros((1, 1), np.uint16)))
 
 
 class Chain(NamedTuple):
@@ -546,6 +560,8 @@ class Chain(NamedTuple):
     quant: str
     heads: int = 1
     out: DeviceArray = None
+    ring: DeviceArray = None  # also write row r to slot positions[r] % W of this bf16 [W, heads * D] ring
+    ring_table: bool = False  # ring is an address table [R, 2] of each row's own ring (stages.row_tables)
 
 
 def norm_rope_quant(x: DeviceArray, weight: DeviceArray, eps: float | None, cos: DeviceArray, sin: DeviceArray,
@@ -571,7 +587,7 @@ def norm_rope_quant_pair(first: Chain, second: Chain, n_rows: int, stream=0) -> 
     spec_b, args_b = _fused_launch(second, n_rows, 0)
     if not n_rows:
         return
-    threads_a, threads_b = spec_a[-1], spec_b[-1]
+    threads_a, threads_b = spec_a[THREADS_AT], spec_b[THREADS_AT]
     if threads_a != threads_b and (threads_a % WARP or threads_b % WARP):
         _launch_chain(spec_a, args_a, n_rows * first.heads, stream)
         _launch_chain(spec_b, args_b, n_rows * second.heads, stream)
@@ -583,12 +599,12 @@ def norm_rope_quant_pair(first: Chain, second: Chain, n_rows: int, stream=0) -> 
 
 def _launch_chain(spec: tuple, args: tuple, items: int, stream) -> None:
     """fused_kernel of `spec` over `items` (row, head) blocks of its threads."""
-    fused_kernel(*spec)[items, spec[-1], stream](*args)
+    fused_kernel(*spec)[items, spec[THREADS_AT], stream](*args)
 
 
 def _fused_launch(chain: Chain, n_rows: int, threads: int) -> tuple[tuple, tuple]:
     """A chain's checked arguments: (fused_body's spec, the kernel's arguments)."""
-    x, weight, eps, cos, sin, positions, inverse, quant, heads, out = chain
+    x, weight, eps, cos, sin, positions, inverse, quant, heads, out, ring, ring_table = chain
     what = "norm_rope_quant"
     check_array(x, (np.uint16, np.float32), 2, f"{what} x")
     if quant not in QUANTS:
@@ -632,19 +648,36 @@ def _fused_launch(chain: Chain, n_rows: int, threads: int) -> tuple[tuple, tuple
         rope_dim = 2 * cos.shape[1]
         if not 0 < rope_dim <= head_dim:
             raise InputError(f"{what}: rope over {rope_dim} values of heads of {head_dim}")
-    elif sin is not None or positions is not None:
+    elif sin is not None or (positions is not None and ring is None):
         raise InputError(f"{what}: sin or positions given without cos")
+    mirror = _check_ring(ring, ring_table, positions, n_rows, heads * head_dim, what)
     code, block = QUANTS[quant]
     # rope alone, in place: only each head's tail changes, so only the tail is read and written
-    c_lo = head_dim - rope_dim if rope_on and not norm and code == QUANT_NONE and out is x else 0
+    c_lo = head_dim - rope_dim if rope_on and not norm and code == QUANT_NONE and out is x and not mirror else 0
     width = head_dim - c_lo
     if rope_on and width % 2:
         raise InputError(f"{what}: heads of {head_dim} values (odd) with rope over the last {rope_dim}")
     if block and width % block:
         raise InputError(f"{what}: heads of {width} values are not blocks of {block} ({quant})")
     vals, nt = fused_shape(width, rope_on, block, threads)
-    spare_weight, spare_table, spare_positions = _placeholders()
-    return (bool(x_bf16), norm, rope_on, code, vals, nt), (
+    spare_weight, spare_table, spare_positions, spare_ring = _placeholders()
+    return (bool(x_bf16), norm, rope_on, code, vals, nt, mirror), (
         x, weight if norm else spare_weight, out, cos if rope_on else spare_table,
-        sin if rope_on else spare_table, positions if rope_on else spare_positions, heads, head_dim, c_lo,
-        rope_dim, np.float32(eps if norm else 0.0), bool(inverse))
+        sin if rope_on else spare_table, spare_positions if positions is None else positions, heads, head_dim, c_lo,
+        rope_dim, np.float32(eps if norm else 0.0), bool(inverse), spare_ring if ring is None else ring)
+
+
+def _check_ring(ring, ring_table: bool, positions, n_rows: int, width: int, what: str) -> int:
+    """A chain's ring (Chain.ring) checked: its mirror code (MIRROR_NONE without one)."""
+    if ring is None:
+        return MIRROR_NONE
+    check_array(positions, (np.int32,), 1, f"{what} positions")
+    check_rows(positions, n_rows, f"{what} positions")
+    if ring_table:
+        check_array(ring, (np.uint64,), 2, f"{what} ring table")
+        check_rows(ring, n_rows, f"{what} ring table")
+        return MIRROR_TABLE
+    check_array(ring, (np.uint16,), 2, f"{what} ring")
+    if ring.shape[1] != width or ring.shape[0] < 1:
+        raise InputError(f"{what}: ring {ring.shape} for rows of {width} values")
+    return MIRROR_RING

@@ -87,6 +87,16 @@ def test_ring_slot_off_by_one(two_layer):
     assert call is not None and any("window_ring" in a.state_mismatch for a in call.layers), call
 
 
+def test_decode_ring_slot_off_by_one(two_layer):
+    """A decode step's window row goes to the ring with the kv chain (norm_rope_quant's mirror):
+    the prefill's rows land right, the decode steps' one slot late."""
+    late = edited(stages.norm_rope_quant, "fused_body", "ring[positions[r] % ring.shape[0]",
+                  "ring[(positions[r] + 1) % ring.shape[0]")
+    with mutant(stages.norm_rope_quant, fused_body=late):
+        call = first_disagreement(*two_layer)
+    assert call is not None and any("window_ring" in a.state_mismatch for a in call.layers), call
+
+
 def test_cache_row_in_the_wrong_group(two_layer):
     late = edited(stages.kv_sources, "_scatter_rows_kernel", "cache[g0 + i // width, i % width]",
                   "cache[min(g0 + i // width + 1, cache.shape[0] - 1), i % width]")

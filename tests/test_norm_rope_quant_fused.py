@@ -469,3 +469,60 @@ def test_flash_pair_is_each_chain_alone():
     assert nrq.fused_shape(keys.flash_dim, True, keys.block)[1] < nrq.fused_shape(latents.flash_dim, True,
                                                                                    latents.block)[1]
     check_pair(keys, latents, (keys.flash_dim, latents.flash_dim), (1, 1), tables, FLASH_MAX_SEQ, rows=4, seed=6)
+
+
+def check_ring_mirror(dims: tuple[int, int], tables, window: int, positions: np.ndarray, seed: int) -> None:
+    """The attention step's pair with the kv chain's rows mirrored into the window ring (a decode
+    step's: Chain.ring), one shared ring and each row's own through an address table: every out is
+    its chain alone, slot positions[r] % W of row r's ring holds its out row, every other slot is
+    untouched."""
+    from flashv41.stages.row_tables import address_table
+
+    rng = np.random.default_rng(seed)
+    rows = len(positions)
+    pos = cuda.to_device(positions.astype(np.int32))
+    q, kv = CHAIN["q_norm"], CHAIN["kv"]
+    xs = [cuda.to_device(to_bits(random_rows(rng, rows, d))) for d in dims]
+    weights = [cuda.to_device(rng.uniform(0.5, 1.5, d).astype(np.float32)) for d in dims]
+    cos, sin = (cuda.to_device(t) for t in tables[kv.table])
+    want = cuda.device_array((rows, dims[1]), np.uint16)
+    nrq.norm_rope_quant(xs[1], weights[1], EPS, cos, sin, pos, False, kv.quant, rows, out=want)
+    want_rows = want.copy_to_host()
+    for shared in (True, False):
+        rings = [cuda.to_device(np.full((window, dims[1]), SENTINEL, np.uint16)) for _ in range(1 if shared else rows)]
+        ring = rings[0] if shared else cuda.to_device(address_table(rings))
+        outs = [cuda.device_array((rows, d), np.uint16) for d in dims]
+        nrq.norm_rope_quant_pair(nrq.Chain(xs[0], weights[0], EPS, None, None, None, False, q.quant, out=outs[0]),
+                                 nrq.Chain(xs[1], weights[1], EPS, cos, sin, pos, False, kv.quant, out=outs[1],
+                                           ring=ring, ring_table=not shared), rows)
+        assert_same_bits(outs[1].copy_to_host(), want_rows, "kv chain with its ring")
+        for r in range(rows):
+            got = rings[0 if shared else r].copy_to_host()
+            slot = positions[r] % window
+            assert_same_bits(got[slot], want_rows[r], f"row {r}'s ring slot")
+            others = [s for s in range(window) if s != slot and not (shared and s in positions % window)]
+            assert np.all(got[others] == SENTINEL), f"row {r}: another slot of its ring written"
+
+
+def test_ring_mirror():
+    check_ring_mirror((CHAIN["q_norm"].dim, CHAIN["kv"].dim), TABLES, 8, np.array([5, 10, 19]), seed=6)
+
+
+@pytest.mark.gpu
+def test_flash_ring_mirror():
+    check_ring_mirror((CHAIN["q_norm"].flash_dim, CHAIN["kv"].flash_dim), rope_tables("flash", FLASH_MAX_SEQ), 128,
+                      np.array([1023, 4000, 130, 0, 77]), seed=7)
+
+
+def test_ring_errors():
+    """A ring of another width, or a ring without positions, is a named error."""
+    x = cuda.to_device(np.zeros((2, 16), np.uint16))
+    pos = cuda.to_device(np.zeros(2, np.int32))
+    with pytest.raises(InputError, match=r"ring \(4, 8\) for rows of 16"):
+        nrq.norm_rope_quant_pair(nrq.Chain(x, None, None, None, None, None, False, "none"),
+                                 nrq.Chain(x, None, None, None, None, pos, False, "none",
+                                           ring=cuda.to_device(np.zeros((4, 8), np.uint16))), 2)
+    with pytest.raises(InputError, match="positions"):
+        nrq.norm_rope_quant_pair(nrq.Chain(x, None, None, None, None, None, False, "none"),
+                                 nrq.Chain(x, None, None, None, None, None, False, "none",
+                                           ring=cuda.to_device(np.zeros((4, 16), np.uint16))), 2)

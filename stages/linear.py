@@ -95,9 +95,12 @@ if SIM:
     STREAM_MIN_BLOCKS = 1
     TM, TN, WM, WN = 16, 32, 16, 32
 else:
-    # at most STREAM_WARPS warps (rows, or slices of one) per block; 8192 warps: about what an H200
-    # holds resident (132 SMs x 64 warps)
-    LANES, STREAM_WARPS, STREAM_TARGET_WARPS = WARP, 8, 8192
+    # at most STREAM_WARPS warps (rows, or slices of one) per block; rows split into slices until
+    # 4096 warps walk them (half what an H200 holds resident, 132 SMs x 64 warps: the H200 probe of
+    # 2026-12-04 at T = 1 had Q8_0 wo_a 16.4 -> 14.5 us and wo_b 18.5 -> 16.7 against 8192, BF16
+    # level or better, the index wq_b 0.7 us slower: long rows lose more to the slices' sums than
+    # they gain from the extra warps)
+    LANES, STREAM_WARPS, STREAM_TARGET_WARPS = WARP, 8, 4096
     STREAM_MIN_BLOCKS = 128  # about one a streaming multiprocessor of an H200 (132)
     TM, TN, WM, WN = 32, 64, 2, 4
 # gemm tile: TM tokens x TN outputs, threads (TN / WN) x (TM / WM), each WM x WN outputs

@@ -263,12 +263,14 @@ def stream_lanes(units: int, row_groups: int, split: int) -> int:
     slice's rounds (units / (lanes * rounds) highest), the most lanes on a tie, among those that
     still give the launch STREAM_MIN_BLOCKS blocks (32 lanes always qualifies). A short row (K =
     1280: 10 to 40 units) then no longer leaves most of a 32-lane warp without work, and a small
-    matrix keeps every SM busy. One lane on the simulator, whose warps are one lane."""
+    matrix keeps every SM busy. A slice of no unit (a short row split over more warps than it has
+    units, in the tests' small models) idles every lane count alike. One lane on the simulator,
+    whose warps are one lane."""
     if LANES == 1:
         return 1
 
     def busy(lanes: int) -> float:
-        return units / (lanes * -(-units // lanes))
+        return units / (lanes * max(1, -(-units // lanes)))
 
     fitting = (lanes for lanes in (32, 16, 8)
                if lanes == 32 or stream_blocks(row_groups, split, lanes) >= STREAM_MIN_BLOCKS)

@@ -196,6 +196,7 @@ def test_stream_lanes():
         assert stream_lanes(96, 12800, 1) == 32
         assert stream_lanes(40, 256, 8) == 16  # 8 lanes: 64 blocks
         assert stream_lanes(40, 64, 8) == 32
+        assert stream_lanes(0, 64, 8) == 32  # K = 64 split over 8 warps: slices of no unit
 
 
 def test_pick_stream_for_a_batch_without_tensor_cores():

@@ -179,6 +179,7 @@ def digit_kernel(threads: int, digit: int, own_rows: bool):
         buf = cuda.shared.array(nt, int64)  # [threads]: the scans'
         found = cuda.shared.array(2, int64)  # the k-th key's digit bin, the count above it
         last = cuda.shared.array(1, int32)  # this slice finished the row's histogram
+        above_bin = cuda.shared.array(1, int32)  # digit 1: this slice's keys above b1's bin
         s, t, z = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         slices = cuda.gridDim.x
         tid = cuda.threadIdx.x
@@ -188,6 +189,8 @@ def digit_kernel(threads: int, digit: int, own_rows: bool):
         lo, hi = slice_range(n, s, slices)
         for b in range(tid, DIGIT_BINS, nt):
             local[b] = 0
+        if tid == 0:
+            above_bin[0] = 0
         if sync:
             cuda.syncthreads()
         high = int64(row_state[row, ROW_HIGH]) if digit == 1 else int64(0)
@@ -200,6 +203,8 @@ def digit_kernel(threads: int, digit: int, own_rows: bool):
                 above += 1
             elif (key >> DIGIT_BITS) == high:
                 cuda.atomic.add(local, int32(key & (DIGIT_BINS - 1)), 1)
+        if above != 0:
+            cuda.atomic.add(above_bin, 0, int32(above))
         if sync:
             cuda.syncthreads()
         for b in range(tid, DIGIT_BINS, nt):
@@ -219,9 +224,8 @@ def digit_kernel(threads: int, digit: int, own_rows: bool):
             for r in range(r0, r1):
                 c += local[DIGIT_BINS - 1 - r]
                 slice_counts[slot, DIGIT_BINS - 1 - r] = int32(c)
-            _, total_above = scan(above, buf, tid)
             if tid == 0:
-                slice_counts[slot, SLICE_ABOVE] = int32(total_above)
+                slice_counts[slot, SLICE_ABOVE] = above_bin[0]
         cuda.threadfence()
         if sync:
             cuda.syncthreads()
@@ -269,23 +273,31 @@ def write_kernel(threads: int, own_rows: bool):
     def kernel(score, cand, positions, n_tokens, ratio, candidate_source, masked, blk, sel, topk_blocks,
                row_state, slice_counts):
         buf = cuda.shared.array(nt, int64)  # [threads]: the scans'
+        before = cuda.shared.array(1, int64)  # the slices before this one: (keys above tau) << 32 | keys at tau
         s, t, z = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         slices = cuda.gridDim.x
         tid = cuda.threadIdx.x
         row = z * n_tokens + t
         mode, n, k, visible = problem(z, t, positions, n_tokens, ratio, own_rows, candidate_source, masked, blk,
                                       sel.shape[1], topk_blocks)
+        if tid == 0:
+            before[0] = 0
+        if nt > 1:
+            cuda.syncthreads()
         tau = int64(row_state[row, ROW_TAU])
         need = int64(row_state[row, ROW_NEED])
         low = tau & (DIGIT_BINS - 1)
-        before = int64(0)  # the slices before this one: (keys above tau) << 32 | keys at tau
+        part = int64(0)
         if tau < NO_KEY:
             for j in range(tid, s, nt):
                 slot = row * slices + j
                 at_or_above = slice_counts[slot, low]
                 strictly = slice_counts[slot, low + 1] if low + 1 < DIGIT_BINS else 0
-                before += (int64(slice_counts[slot, SLICE_ABOVE] + strictly) << 32) | (at_or_above - strictly)
-        _, before = scan(before, buf, tid)
+                part += (int64(slice_counts[slot, SLICE_ABOVE] + strictly) << 32) | (at_or_above - strictly)
+        if part != 0:
+            cuda.atomic.add(before, 0, part)
+        if nt > 1:
+            cuda.syncthreads()
         lo, hi = slice_range(n, s, slices)
         run = (hi - lo + nt - 1) // nt
         r_lo = min(lo + tid * run, hi)
@@ -299,7 +311,7 @@ def write_kernel(threads: int, own_rows: bool):
             elif key == tau:
                 n_eq += 1
         excl, _ = scan((n_gt << 32) | n_eq, buf, tid)
-        excl += before
+        excl += before[0]
         tie = excl & 0xFFFFFFFF
         o = (excl >> 32) + min(tie, need)
         for i in range(r_lo, r_hi):

@@ -38,7 +38,7 @@ import numpy as np
 from numba import cuda, int32, int64, uint32
 
 from flashv41.host.errors import InputError
-from flashv41.stages.device import SIM, DeviceArray, device, jit_for
+from flashv41.stages.device import SIM, WARP, DeviceArray, device, jit_for
 
 NEG_KEY = 0x007F  # the key of -inf
 POS_KEY = 0xFF80  # the key of +inf
@@ -87,8 +87,12 @@ def item_key(mode, score, cand, t, i, visible, blk):
 @cache
 def block_scan(threads: int):
     """scan(v, buf, tid) -> (sum of v over the threads before tid, sum over all threads), int64;
-    buf: shared int64 [threads]. Every thread of the block calls it."""
+    buf: shared int64 [threads]. Every thread of the block calls it. On the GPU, for whole warps,
+    each warp scans with shuffles and the warps' totals meet in buf (two barriers); else (the
+    simulator has no shuffles) a scan in buf, log2(threads) steps of two barriers."""
     sync = threads > 1
+    if not SIM and threads % WARP == 0:
+        return warp_block_scan(threads)
 
     @cuda.jit(device=True)  # a device function on the simulator too: it synchronises
     def scan(v, buf, tid):
@@ -107,6 +111,37 @@ def block_scan(threads: int):
         total = buf[threads - 1]
         cuda.syncthreads()  # buf is free again
         return incl - v, total
+
+    return scan
+
+
+def warp_block_scan(threads: int):
+    """block_scan's GPU form for a block of whole warps."""
+    warps = threads // WARP
+
+    @cuda.jit(device=True)
+    def scan(v, buf, tid):
+        lane = tid % WARP
+        warp = tid // WARP
+        incl = v
+        off = 1
+        while off < WARP:
+            up = cuda.shfl_up_sync(0xFFFFFFFF, incl, off)
+            if lane >= off:
+                incl += up
+            off *= 2
+        if lane == WARP - 1:
+            buf[warp] = incl
+        cuda.syncthreads()
+        base = int64(0)
+        total = int64(0)
+        for w in range(warps):
+            part = buf[w]
+            if w < warp:
+                base += part
+            total += part
+        cuda.syncthreads()  # buf is free again
+        return base + incl - v, total
 
     return scan
 

@@ -32,8 +32,9 @@ desc, position asc), written ascending. Candidate blocks are the same routine ov
 max key of the block's visible positions, the newest visible block pinned at +inf, kept only if
 above -inf). Two paths give that result: up to stages.topk.SPLIT_ROWS rows (decode steps and
 batches) the split path of stages.topk (each row in slices over the whole GPU, three kernels,
-the work following the visible width); more rows (prefill chunks) `select_kernel`, one block of
-threads a row (16 / RADIX_BITS histogram passes, then a block-wide prefix sum over per-thread
+the work following the visible width; a row of few items one block's, in the first kernel);
+more rows (prefill chunks) `select_kernel`, one block of threads a row (stages.topk's
+one_block_top_k: 16 / RADIX_BITS histogram passes, then a block-wide prefix sum over per-thread
 segments). Nothing leaves the device.
 """
 
@@ -55,7 +56,6 @@ from flashv41.stages.device import (
     bf16_to_f32,
     check_array,
     check_rows,
-    device,
     f32_to_bf16,
     jit_for,
     mul_rn,
@@ -66,13 +66,10 @@ from flashv41.stages.row_tables import u16_rows
 from flashv41.stages.topk import (
     BLOCKS,
     MASKED,
-    NEG_KEY,
     POSITIONS,
     SPLIT_ROWS,
     SelectWorkspace,
-    block_scan,
-    digit_search,
-    item_key,
+    one_block_top_k,
     split_select,
 )
 
@@ -163,71 +160,8 @@ def select_kernel(threads: int, radix_bits: int, own_rows: bool = False):
     top-k positions. own_rows: each row is its own sequence's (a batch), its candidate blocks those
     of its own width."""
     nt = threads
-    sync = nt > 1
     bins = 1 << radix_bits
-    passes = 16 // radix_bits
-    scan = block_scan(nt)
-    search = digit_search(nt, bins)
-
-    @device
-    def top_k(mode, score, cand, sel, t, n, k, visible, blk, finite_only, hist, buf, found, tid):
-        """The k items of 0..n-1 with the largest keys, ties to the lower index. BLOCKS: cand[t, i] =
-        kept (kept items must also be above -inf); else: sel[t] = the items ascending, -1 padded."""
-        prefix = int64(0)
-        prefix_mask = int64(0)
-        k_rem = int64(k)
-        above = int64(0)
-        if k > 0:
-            for ps in range(passes):
-                shift = 16 - radix_bits * (ps + 1)
-                for b in range(tid, bins, nt):
-                    hist[b] = 0
-                if sync:
-                    cuda.syncthreads()
-                for i in range(tid, n, nt):
-                    key = item_key(mode, score, cand, t, i, visible, blk)
-                    if (key & prefix_mask) == prefix:
-                        cuda.atomic.add(hist, int32((key >> shift) & (bins - 1)), 1)
-                if sync:
-                    cuda.syncthreads()
-                search(hist, k_rem, buf, found, tid)
-                prefix |= found[0] << shift
-                prefix_mask |= (bins - 1) << shift
-                above += found[1]
-                k_rem -= found[1]
-        tau = prefix
-        need = k_rem  # how many keys equal to tau to take, lowest indices first
-        if k == 0 or (finite_only and tau == NEG_KEY):
-            need = int64(0)
-        seg = (n + nt - 1) // nt
-        lo = min(tid * seg, n)
-        hi = min(lo + seg, n)
-        n_gt = int64(0)
-        n_eq = int64(0)
-        for i in range(lo, hi):
-            key = item_key(mode, score, cand, t, i, visible, blk)
-            if k > 0 and key > tau:
-                n_gt += 1
-            elif k > 0 and key == tau:
-                n_eq += 1
-        excl, _ = scan((n_gt << 32) | n_eq, buf, tid)
-        eq_before = excl & 0xFFFFFFFF
-        o = (excl >> 32) + min(eq_before, need)
-        tie = eq_before
-        for i in range(lo, hi):
-            key = item_key(mode, score, cand, t, i, visible, blk)
-            take = k > 0 and key > tau
-            if k > 0 and key == tau:
-                take = tie < need
-                tie += 1
-            if mode == BLOCKS:
-                cand[t, i] = 1 if take else 0
-            elif take:
-                sel[t, o] = i
-                o += 1
-        if mode != BLOCKS:
-            for i in range(above + need + tid, sel.shape[1], nt):
-                sel[t, i] = -1
+    top_k = one_block_top_k(nt, radix_bits)
 
     @jit_for(nt)
     def kernel(score, cand, sel, positions, n_tokens, ratio, candidate_source, masked, blk, topk_blocks):

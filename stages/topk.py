@@ -4,8 +4,10 @@ stages.indexer.select ranks items by 16-bit keys (score_key: unsigned key order 
 -0 and +0 one key, -inf the lowest) and keeps the k largest, ties to the lower index: the top
 positions of a row, and on the candidate source first the top candidate blocks (a block's key is
 the max key of its visible positions, the newest visible block pinned at +inf, kept only if above
--inf). This module holds those keys, the block-wide scan and digit search both selection paths
-use, and the split path that decode rows take (few rows: one block a row would leave the GPU idle).
+-inf). This module holds those keys, the block-wide scan and digit search, one block's whole
+selection (`one_block_top_k`: 16 / radix_bits histogram passes over the items, then an ordered
+compaction; stages.indexer.select_kernel runs it a row a block), and the split path that decode
+rows take (few rows: one block a row would leave the GPU idle).
 
 The split path. Each (problem, row) is cut into S contiguous slices of ceil(n / S) items, one
 block each (grid (S, T, P); P = 2 problems on the candidate source, its blocks and its positions,
@@ -17,12 +19,15 @@ grid: a graph captured for the whole cache still does what its position needs. T
   and finds the high byte b1 of the k-th largest key and how many of the k lie above its bin;
 - digit 1: the same for the low byte among keys whose high byte is b1, giving tau (the k-th
   largest key) and `need` (how many keys equal to tau are taken). Each slice also leaves in
-  `SelectWorkspace.slices` its count of keys above b1's bin and its low-byte counts as suffix sums,
+  `SelectWorkspace.slice_counts` its count of keys above b1's bin and its low-byte counts as suffix sums,
   so that its count above tau and at tau are two reads once tau is known;
 - write (`write_kernel`): each slice sums the counts of the slices before it (above tau, at tau),
   then compacts its own items in order (a block-wide prefix over per-thread runs) and writes the
   items above tau plus the first `need` ties at tau in index order: (key desc, index asc), the
   positions ascending and -1 padded, or the candidate blocks' flags.
+A (problem, row) of at most SPLIT_MIN_ITEMS items is instead selected whole by its first slice in
+the digit-0 kernel (one_block_top_k), the later kernels returning at once for it: at small widths
+that costs less than the split path's round trips (the fence, the count, the reads of the totals).
 The histogram and counter are left zero for the next call, so no launch clears them (and the
 writes stay inside the selection even if they were not). The result equals the one-block
 kernel's (stages.indexer.select_kernel) and the oracle's exactly.
@@ -49,6 +54,10 @@ DIGIT_BINS = 1 << DIGIT_BITS
 SPLIT_THREADS = 1 if SIM else 256
 SPLIT_ROWS = 64  # rows up to this many take the split path (a batch of sequences' tokens, decode)
 SLICE_ITEMS = 4 if SIM else 256  # items a slice covers at the width the host knows, before the cap
+# a (problem, row) of at most this many items (read on the device) is selected whole by its first
+# slice in the digit-0 kernel, one_block_top_k's passes (the others and the later kernels return at
+# once): at small widths a block's few passes cost less than the split kernels' round trips
+SPLIT_MIN_ITEMS = 4 if SIM else 4096
 # slices of all rows and problems together: at most SPLIT_BLOCKS_PER_SM blocks a multiprocessor
 SPLIT_BLOCKS_PER_SM = 2
 # the per-row state the digit kernels leave for the next: the high byte b1 of the k-th key, how
@@ -175,6 +184,81 @@ def digit_search(threads: int, bins: int):
     return search
 
 
+@cache
+def one_block_top_k(threads: int, radix_bits: int):
+    """top_k(mode, score, cand, sel, t, n, k, visible, blk, finite_only, hist, buf, found, tid): one
+    block's whole selection of row t's items 0..n-1 (16 / radix_bits histogram passes over all of
+    them, then a block-wide prefix over per-thread segments); hist: shared int32 [2^radix_bits]."""
+    nt = threads
+    sync = nt > 1
+    bins = 1 << radix_bits
+    passes = 16 // radix_bits
+    scan = block_scan(nt)
+    search = digit_search(nt, bins)
+
+    @cuda.jit(device=True)  # a device function on the simulator too: it synchronises
+    def top_k(mode, score, cand, sel, t, n, k, visible, blk, finite_only, hist, buf, found, tid):
+        """The k items of 0..n-1 with the largest keys, ties to the lower index. BLOCKS: cand[t, i] =
+        kept (kept items must also be above -inf); else: sel[t] = the items ascending, -1 padded."""
+        prefix = int64(0)
+        prefix_mask = int64(0)
+        k_rem = int64(k)
+        above = int64(0)
+        if k > 0:
+            for ps in range(passes):
+                shift = 16 - radix_bits * (ps + 1)
+                for b in range(tid, bins, nt):
+                    hist[b] = 0
+                if sync:
+                    cuda.syncthreads()
+                for i in range(tid, n, nt):
+                    key = item_key(mode, score, cand, t, i, visible, blk)
+                    if (key & prefix_mask) == prefix:
+                        cuda.atomic.add(hist, int32((key >> shift) & (bins - 1)), 1)
+                if sync:
+                    cuda.syncthreads()
+                search(hist, k_rem, buf, found, tid)
+                prefix |= found[0] << shift
+                prefix_mask |= (bins - 1) << shift
+                above += found[1]
+                k_rem -= found[1]
+        tau = prefix
+        need = k_rem  # how many keys equal to tau to take, lowest indices first
+        if k == 0 or (finite_only and tau == NEG_KEY):
+            need = int64(0)
+        seg = (n + nt - 1) // nt
+        lo = min(tid * seg, n)
+        hi = min(lo + seg, n)
+        n_gt = int64(0)
+        n_eq = int64(0)
+        for i in range(lo, hi):
+            key = item_key(mode, score, cand, t, i, visible, blk)
+            if k > 0 and key > tau:
+                n_gt += 1
+            elif k > 0 and key == tau:
+                n_eq += 1
+        excl, _ = scan((n_gt << 32) | n_eq, buf, tid)
+        eq_before = excl & 0xFFFFFFFF
+        o = (excl >> 32) + min(eq_before, need)
+        tie = eq_before
+        for i in range(lo, hi):
+            key = item_key(mode, score, cand, t, i, visible, blk)
+            take = k > 0 and key > tau
+            if k > 0 and key == tau:
+                take = tie < need
+                tie += 1
+            if mode == BLOCKS:
+                cand[t, i] = 1 if take else 0
+            elif take:
+                sel[t, o] = i
+                o += 1
+        if mode != BLOCKS:
+            for i in range(above + need + tid, sel.shape[1], nt):
+                sel[t, i] = -1
+
+    return top_k
+
+
 @device
 def problem(z, t, positions, n_tokens, ratio, own_rows, candidate_source, masked, blk, topk, topk_blocks):
     """Problem z of row t: (mode, items n, k, the row's visible positions). On the candidate source
@@ -204,9 +288,10 @@ def digit_kernel(threads: int, digit: int, own_rows: bool):
     sync = nt > 1
     search = digit_search(nt, DIGIT_BINS)
     scan = block_scan(nt)
+    whole = one_block_top_k(nt, DIGIT_BITS)
 
     @jit_for(nt)
-    def kernel(score, cand, positions, n_tokens, ratio, candidate_source, masked, blk, topk, topk_blocks,
+    def kernel(score, cand, positions, n_tokens, ratio, candidate_source, masked, blk, sel, topk_blocks,
                hist, done, row_state, slice_counts):
         # score bf16 [T, >= G], cand uint8 [T, >= NB]; hist int32 [P * T, 256], done int32 [P * T],
         # row_state int32 [P * T, 4], slice_counts int32 [>= P * T * S, 257]
@@ -220,7 +305,11 @@ def digit_kernel(threads: int, digit: int, own_rows: bool):
         tid = cuda.threadIdx.x
         row = z * n_tokens + t
         mode, n, k, visible = problem(z, t, positions, n_tokens, ratio, own_rows, candidate_source, masked, blk,
-                                      topk, topk_blocks)
+                                      sel.shape[1], topk_blocks)
+        if n <= SPLIT_MIN_ITEMS:
+            if digit == 0 and s == 0:
+                whole(mode, score, cand, sel, t, n, k, visible, blk, mode == BLOCKS, local, buf, found, tid)
+            return
         lo, hi = slice_range(n, s, slices)
         for b in range(tid, DIGIT_BINS, nt):
             local[b] = 0
@@ -315,6 +404,8 @@ def write_kernel(threads: int, own_rows: bool):
         row = z * n_tokens + t
         mode, n, k, visible = problem(z, t, positions, n_tokens, ratio, own_rows, candidate_source, masked, blk,
                                       sel.shape[1], topk_blocks)
+        if n <= SPLIT_MIN_ITEMS:
+            return  # the digit-0 kernel selected it whole
         if tid == 0:
             before[0] = 0
         if nt > 1:
@@ -420,6 +511,6 @@ def split_select(score: DeviceArray, positions: DeviceArray, candidates: DeviceA
     args = (score, candidates, positions, n_tokens, ratio, candidate_source, masked, blk)
     ws = workspace
     for digit in (0, 1):
-        digit_kernel(nt, digit, own_rows)[grid, nt, stream](*args, selection.shape[1], topk_blocks, ws.hist, ws.done,
+        digit_kernel(nt, digit, own_rows)[grid, nt, stream](*args, selection, topk_blocks, ws.hist, ws.done,
                                                             ws.row_state, ws.slice_counts)
     write_kernel(nt, own_rows)[grid, nt, stream](*args, selection, topk_blocks, ws.row_state, ws.slice_counts)

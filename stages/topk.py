@@ -25,8 +25,8 @@ grid: a graph captured for the whole cache still does what its position needs. T
   then compacts its own items in order (a block-wide prefix over per-thread runs) and writes the
   items above tau plus the first `need` ties at tau in index order: (key desc, index asc), the
   positions ascending and -1 padded, or the candidate blocks' flags.
-A (problem, row) of at most SPLIT_MIN_ITEMS items is instead selected whole by its first slice in
-the digit-0 kernel (one_block_top_k), the later kernels returning at once for it: at small widths
+A (problem, row) whose keys read at most SPLIT_MIN_READS scores is instead selected whole by its
+first slice in the digit-0 kernel (one_block_top_k), the later kernels returning at once for it: at small widths
 that costs less than the split path's round trips (the fence, the count, the reads of the totals).
 The histogram and counter are left zero for the next call, so no launch clears them (and the
 writes stay inside the selection even if they were not). The result equals the one-block
@@ -54,10 +54,11 @@ DIGIT_BINS = 1 << DIGIT_BITS
 SPLIT_THREADS = 1 if SIM else 256
 SPLIT_ROWS = 64  # rows up to this many take the split path (a batch of sequences' tokens, decode)
 SLICE_ITEMS = 4 if SIM else 256  # items a slice covers at the width the host knows, before the cap
-# a (problem, row) of at most this many items (read on the device) is selected whole by its first
-# slice in the digit-0 kernel, one_block_top_k's passes (the others and the later kernels return at
-# once): at small widths a block's few passes cost less than the split kernels' round trips
-SPLIT_MIN_ITEMS = 4 if SIM else 4096
+# a (problem, row) whose keys read at most this many scores (its width read on the device; a block
+# key reads blk) is selected whole by its first slice in the digit-0 kernel, one_block_top_k's
+# passes (the other slices and the later kernels return at once): at small widths a block's few
+# passes cost less than the split kernels' round trips
+SPLIT_MIN_READS = 4 if SIM else 4096
 # slices of all rows and problems together: at most SPLIT_BLOCKS_PER_SM blocks a multiprocessor
 SPLIT_BLOCKS_PER_SM = 2
 # the per-row state the digit kernels leave for the next: the high byte b1 of the k-th key, how
@@ -272,6 +273,12 @@ def problem(z, t, positions, n_tokens, ratio, own_rows, candidate_source, masked
 
 
 @device
+def whole_in_one(mode, n, blk):
+    """Whether a problem of n items is one block's (SPLIT_MIN_READS)."""
+    return n * (blk if mode == BLOCKS else 1) <= SPLIT_MIN_READS
+
+
+@device
 def slice_range(n, s, slices):
     """Slice s of `slices` over items 0..n-1: [lo, hi)."""
     seg = (n + slices - 1) // slices
@@ -306,7 +313,7 @@ def digit_kernel(threads: int, digit: int, own_rows: bool):
         row = z * n_tokens + t
         mode, n, k, visible = problem(z, t, positions, n_tokens, ratio, own_rows, candidate_source, masked, blk,
                                       sel.shape[1], topk_blocks)
-        if n <= SPLIT_MIN_ITEMS:
+        if whole_in_one(mode, n, blk):
             if digit == 0 and s == 0:
                 whole(mode, score, cand, sel, t, n, k, visible, blk, mode == BLOCKS, local, buf, found, tid)
             return
@@ -404,7 +411,7 @@ def write_kernel(threads: int, own_rows: bool):
         row = z * n_tokens + t
         mode, n, k, visible = problem(z, t, positions, n_tokens, ratio, own_rows, candidate_source, masked, blk,
                                       sel.shape[1], topk_blocks)
-        if n <= SPLIT_MIN_ITEMS:
+        if whole_in_one(mode, n, blk):
             return  # the digit-0 kernel selected it whole
         if tid == 0:
             before[0] = 0

@@ -34,10 +34,11 @@ call: the layers share them; skipped when they did not change). Every kernel rea
 the device (window slots, ring slot, group ids, visible counts, score width), entries and
 selections are built on the device, and nothing comes back to the host. Host decisions depend
 only on (start, T): how many groups a chunk completes, and whether a layer has any group to score.
-While a graph is captured (`capturing`), the index-score launch is sized for the cache rather than
-the width (stages.indexer.index_scores takes any width >= the real one, and caps its grid at what
-fills the GPU, its blocks striding over the row), so that a graph captured at one position serves
-every later one with the same host decisions (flashv41.engine).
+While a graph is captured (`capturing`), the index-score and selection launches are sized for the
+cache rather than the width (stages.indexer.index_scores and select take any width >= the real
+one, and cap their grids at what fills the GPU, their blocks striding over, or slicing, the width
+they read off the positions), so that a graph captured at one position serves every later one
+with the same host decisions (flashv41.engine).
 
 One forward call at a time per stage: the selection and candidate mask that a SharedRuntime
 points at are the stage's workspaces.
@@ -71,13 +72,15 @@ from flashv41.stages.sparse_attention import (
     sparse_attention,
     sparse_attention_tables,
 )
+from flashv41.stages.topk import SPLIT_ROWS, SelectWorkspace
 
 COPY_THREADS = 64 if SIM else 256
 ROLES = {**L.ATTENTION_ROLES, **L.OPTIONAL_ATTENTION_ROLES}  # blk.{i}.{role}.weight by weight name
 
 # The stage's device workspaces (attribute names), sized once for max_tokens.
 WORKSPACES = ("positions", "qa", "qr", "q", "kv_raw", "kv", "o", "oa", "entries_window", "entries_all", "selection",
-              "score", "candidates", "iq", "hw", "source_ws", "sparse_ws", "batch_rows")
+              "score", "candidates", "iq", "hw", "source_ws", "select_ws", "sparse_ws",
+              "batch_rows")
 # A sequence's arrays that a batched step reads through address tables (stages.row_tables), per
 # layer: its ring, and the compressor state and caches of the kv source the layer reads.
 RING, KV_STATE, SCORE_STATE, COMPRESSED, INDEX_KEYS = range(5)
@@ -295,6 +298,7 @@ class AttentionStage:
         ratios = [r.ratio for r in cfg.roles if r.ratio > 0]
         self.max_groups = self.max_seq // min(ratios) if ratios else 0
         self.entries_all = self.selection = self.score = self.candidates = self.iq = self.hw = None
+        self.select_ws: SelectWorkspace | None = None
         if ratios:
             self.entries_all = cuda.device_array((t, cfg.window + cfg.index_topk), np.int32)
             self.selection = cuda.device_array((t, cfg.index_topk), np.int32)  # [T, K]
@@ -304,6 +308,7 @@ class AttentionStage:
             self.hw = bf16(cfg.index_heads)  # [T, IH]
             self.score = bf16(max(1, self.max_groups))  # [T, G]
             self.candidates = cuda.device_array((t, max(1, blocks)), np.uint8)  # [T, NB]
+            self.select_ws = SelectWorkspace.allocate(min(t, SPLIT_ROWS))  # the split select's (decode rows)
         # the sparse attention's split (decode) path: scratch for its few tokens and longest entry list
         self.sparse_ws = SparseWorkspace.allocate(t, cfg.n_heads, cfg.head_dim,
                                                   cfg.window + (cfg.index_topk if ratios else 0), SPLIT_BATCH_TOKENS)
@@ -328,9 +333,10 @@ class AttentionStage:
         return sum(w.nbytes for w in self.layers[layer].matrices())
 
     def workspace_bytes(self) -> int:
-        arrays = [getattr(self, name) for name in WORKSPACES if name not in ("source_ws", "sparse_ws")]
-        if self.source_ws is not None:
-            arrays += list(vars(self.source_ws).values())
+        arrays = [getattr(self, name) for name in WORKSPACES if name not in ("source_ws", "select_ws", "sparse_ws")]
+        for ws in (self.source_ws, self.select_ws):
+            if ws is not None:
+                arrays += list(vars(ws).values())
         return sum(int(a.nbytes) for a in arrays if a is not None) + self.sparse_ws.nbytes
 
     def free(self) -> None:
@@ -548,7 +554,8 @@ class AttentionStage:
         indexer.index_scores_tables(self.iq, self.hw, rows[INDEX_KEYS], self.index_scale, self.score, t, pos,
                                     role.ratio, width, cfg.index_head_dim, stream=s)
         self._mark("index_scores")
-        indexer.select(cfg, role, self.score, pos, self.candidates, self.selection, t, stream=s, own_rows=True)
+        indexer.select(cfg, role, self.score, pos, self.candidates, self.selection, t, stream=s, own_rows=True,
+                       width=width, workspace=self.select_ws)
         self._mark("select")
         for shared, start in zip(shareds, starts, strict=True):
             shared.selection = self.selection
@@ -622,7 +629,8 @@ class AttentionStage:
         indexer.index_scores(self.iq, self.hw, shared.index_keys, self.index_scale, self.score, t, pos, role.ratio,
                              grid_width, stream=s)
         self._mark("index_scores")
-        indexer.select(cfg, role, self.score, pos, self.candidates, self.selection, t, stream=s)
+        indexer.select(cfg, role, self.score, pos, self.candidates, self.selection, t, stream=s, width=grid_width,
+                       workspace=self.select_ws)
         self._mark("select")
         if role.candidate_source:
             shared.candidates, shared.candidate_width = self.candidates, width

@@ -25,13 +25,17 @@ and the fp32 sum of a block's 32 products is exact in any order; the ID / 32 blo
 IH head terms (bf16 values) are added in float64, exactly. So a score equals the oracle's bit for
 bit (for other inputs the block sums would carry fp32 rounding). The selection is integer logic on
 the bf16 scores and equals the oracle's exactly: a score maps to a 16-bit key whose unsigned order
-is the score order (-0 and +0 one key, -inf the lowest), a radix select (16 / RADIX_BITS passes of
-one histogram each) finds the k-th largest key tau and how many keys lie above it, and an ordered
-compaction over positions (a block-wide prefix sum over per-thread segments) keeps every key above
-tau plus the first ties at tau, lower positions first: (score desc, position asc), written
-ascending. Candidate blocks are the same routine over block keys (the max key of the block's
-visible positions, the newest visible block pinned at +inf, kept only if above -inf). One block of
-threads per query row; nothing leaves the device.
+is the score order (-0 and +0 one key, -inf the lowest; stages.topk.score_key), a radix select
+finds the k-th largest key tau and how many keys lie above it, and an ordered compaction over
+positions keeps every key above tau plus the first ties at tau, lower positions first: (score
+desc, position asc), written ascending. Candidate blocks are the same routine over block keys (the
+max key of the block's visible positions, the newest visible block pinned at +inf, kept only if
+above -inf). Two paths give that result: up to stages.topk.SPLIT_ROWS rows (decode steps and
+batches) the split path of stages.topk (each row in slices over the whole GPU, three kernels,
+the work following the visible width; a row of few items one block's, in the first kernel);
+more rows (prefill chunks) `select_kernel`, one block of threads a row (stages.topk's
+one_block_top_k: 16 / RADIX_BITS histogram passes, then a block-wide prefix sum over per-thread
+segments). Nothing leaves the device.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
-from numba import cuda, float32, float64, int32, int64, uint32
+from numba import cuda, float32, float64, int32, int64
 
 from flashv41.host.config import LayerRole, ModelConfig
 from flashv41.host.errors import InputError
@@ -52,7 +56,6 @@ from flashv41.stages.device import (
     bf16_to_f32,
     check_array,
     check_rows,
-    device,
     f32_to_bf16,
     jit_for,
     mul_rn,
@@ -60,6 +63,15 @@ from flashv41.stages.device import (
 from flashv41.stages.linear import DeviceWeight, linear
 from flashv41.stages.norm_rope_quant import norm_rope_quant
 from flashv41.stages.row_tables import u16_rows
+from flashv41.stages.topk import (
+    BLOCKS,
+    MASKED,
+    POSITIONS,
+    SPLIT_ROWS,
+    SelectWorkspace,
+    one_block_top_k,
+    split_select,
+)
 
 FP4_BLOCK = 32  # the fp4 (E8M0) block of the index queries and keys
 # Score tiles: SCORE_GROUPS groups per block, SCORE_HEAD_THREADS threads over the heads; a block
@@ -75,10 +87,6 @@ SCORE_BLOCKS_PER_SM = 2
 SELECT_THREADS = 1 if SIM else 256
 RADIX_BITS = 4 if SIM else 8
 
-NEG_KEY = 0x007F  # the key of -inf
-POS_KEY = 0xFF80  # the key of +inf
-POSITIONS, MASKED, BLOCKS = 0, 1, 2  # what a top-k pass ranks
-
 if SIM:
     def _block_dot(qs, h, ks, g, d0):
         return np.float32(np.dot(qs[h, d0:d0 + FP4_BLOCK], ks[g, d0:d0 + FP4_BLOCK]))
@@ -89,17 +97,6 @@ else:
         for d in range(d0, d0 + FP4_BLOCK):
             s += qs[h, d] * ks[g, d]
         return s
-
-
-@device
-def score_key(bits):
-    """A bf16 score's 16-bit key: unsigned key order == score order; -0 and +0 share one key."""
-    b = uint32(bits)
-    if b == 0x8000:
-        b = uint32(0)
-    if b & 0x8000:
-        return int64((~b) & 0xFFFF)
-    return int64(b | 0x8000)
 
 
 @cache
@@ -163,123 +160,14 @@ def select_kernel(threads: int, radix_bits: int, own_rows: bool = False):
     top-k positions. own_rows: each row is its own sequence's (a batch), its candidate blocks those
     of its own width."""
     nt = threads
-    sync = nt > 1
     bins = 1 << radix_bits
-    passes = 16 // radix_bits
-    bins_per_thread = max(1, bins // nt)
-
-    @device
-    def exclusive_scan(v, buf, tid):
-        """(sum of v over the threads before tid, sum over all threads); int64."""
-        if not sync:
-            return int64(0), v
-        buf[tid] = v
-        cuda.syncthreads()
-        off = 1
-        while off < nt:
-            add = buf[tid - off] if tid >= off else int64(0)
-            cuda.syncthreads()
-            buf[tid] += add
-            cuda.syncthreads()
-            off *= 2
-        incl = buf[tid]
-        total = buf[nt - 1]
-        cuda.syncthreads()  # buf is free again
-        return incl - v, total
-
-    @device
-    def item_key(mode, score, cand, t, i, visible, blk):
-        """The key of item i: position i (mode POSITIONS / MASKED) or block i (BLOCKS)."""
-        if mode == BLOCKS:
-            if visible >= 1 and i == (visible - 1) // blk:
-                return int64(POS_KEY)
-            best = int64(NEG_KEY)
-            for g in range(i * blk, min(i * blk + blk, visible)):
-                best = max(best, score_key(score[t, g]))
-            return best
-        if mode == MASKED and cand[t, i // blk] == 0:
-            return int64(NEG_KEY)
-        return score_key(score[t, i])
-
-    @device
-    def top_k(mode, score, cand, sel, t, n, k, visible, blk, finite_only, hist, buf, found, tid):
-        """The k items of 0..n-1 with the largest keys, ties to the lower index. BLOCKS: cand[t, i] =
-        kept (kept items must also be above -inf); else: sel[t] = the items ascending, -1 padded."""
-        prefix = int64(0)
-        prefix_mask = int64(0)
-        k_rem = int64(k)
-        above = int64(0)
-        if k > 0:
-            for ps in range(passes):
-                shift = 16 - radix_bits * (ps + 1)
-                for b in range(tid, bins, nt):
-                    hist[b] = 0
-                if sync:
-                    cuda.syncthreads()
-                for i in range(tid, n, nt):
-                    key = item_key(mode, score, cand, t, i, visible, blk)
-                    if (key & prefix_mask) == prefix:
-                        cuda.atomic.add(hist, int32((key >> shift) & (bins - 1)), 1)
-                if sync:
-                    cuda.syncthreads()
-                # bins in descending key order: thread tid holds ranks tid*bpt .. tid*bpt+bpt-1
-                r0 = min(tid * bins_per_thread, bins)
-                r1 = min(r0 + bins_per_thread, bins)
-                local = int64(0)
-                for r in range(r0, r1):
-                    local += hist[bins - 1 - r]
-                c, _ = exclusive_scan(local, buf, tid)
-                for r in range(r0, r1):
-                    h = hist[bins - 1 - r]
-                    if c < k_rem and k_rem <= c + h:
-                        found[0] = bins - 1 - r
-                        found[1] = c
-                    c += h
-                if sync:
-                    cuda.syncthreads()
-                prefix |= found[0] << shift
-                prefix_mask |= (bins - 1) << shift
-                above += found[1]
-                k_rem -= found[1]
-        tau = prefix
-        need = k_rem  # how many keys equal to tau to take, lowest indices first
-        if k == 0 or (finite_only and tau == NEG_KEY):
-            need = int64(0)
-        seg = (n + nt - 1) // nt
-        lo = min(tid * seg, n)
-        hi = min(lo + seg, n)
-        n_gt = int64(0)
-        n_eq = int64(0)
-        for i in range(lo, hi):
-            key = item_key(mode, score, cand, t, i, visible, blk)
-            if k > 0 and key > tau:
-                n_gt += 1
-            elif k > 0 and key == tau:
-                n_eq += 1
-        excl, _ = exclusive_scan((n_gt << 32) | n_eq, buf, tid)
-        eq_before = excl & 0xFFFFFFFF
-        o = (excl >> 32) + min(eq_before, need)
-        tie = eq_before
-        for i in range(lo, hi):
-            key = item_key(mode, score, cand, t, i, visible, blk)
-            take = k > 0 and key > tau
-            if k > 0 and key == tau:
-                take = tie < need
-                tie += 1
-            if mode == BLOCKS:
-                cand[t, i] = 1 if take else 0
-            elif take:
-                sel[t, o] = i
-                o += 1
-        if mode != BLOCKS:
-            for i in range(above + need + tid, sel.shape[1], nt):
-                sel[t, i] = -1
+    top_k = one_block_top_k(nt, radix_bits)
 
     @jit_for(nt)
-    def kernel(score, cand, sel, positions, n_tokens, ratio, candidate_source, use_candidates, blk, topk_blocks):
+    def kernel(score, cand, sel, positions, n_tokens, ratio, candidate_source, masked, blk, topk_blocks):
         # score bf16 [T, >= G], cand uint8 [T, >= NB], sel int32 [T, K], positions int32 [T]
         hist = cuda.shared.array(bins, int32)  # [2^radix_bits]: one pass's histogram of key digits
-        buf = cuda.shared.array(nt, int64)  # [threads]: exclusive_scan's
+        buf = cuda.shared.array(nt, int64)  # [threads]: the scans'
         found = cuda.shared.array(2, int64)  # the pass's digit of the k-th key, and the count above it
         t = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -288,7 +176,7 @@ def select_kernel(threads: int, radix_bits: int, own_rows: bool = False):
         if candidate_source:
             nb = (width + blk - 1) // blk
             top_k(BLOCKS, score, cand, sel, t, nb, min(topk_blocks, nb), visible, blk, True, hist, buf, found, tid)
-        mode = MASKED if use_candidates else POSITIONS
+        mode = MASKED if masked else POSITIONS
         top_k(mode, score, cand, sel, t, visible, min(sel.shape[1], visible), visible, blk, False, hist, buf, found,
               tid)
 
@@ -405,7 +293,8 @@ def _launch_scores(iq, hw, keys, scale, score, n_tokens, positions, ratio, width
 
 def select(cfg: ModelConfig, role: LayerRole, score: DeviceArray, positions: DeviceArray, candidates: DeviceArray,
            selection: DeviceArray, n_tokens: int, stream=0, threads: int = 0, radix_bits: int = 0,
-           own_rows: bool = False) -> None:
+           own_rows: bool = False, width: int = 0, workspace: SelectWorkspace | None = None,
+           split: bool | None = None, slices: int = 0) -> None:
     """selection[:T] (int32 [T, K], K = cfg.index_topk): the top min(K, visible) visible positions
     of each row by (score desc, position asc), ascending, -1 padded; visible = (positions[t] + 1) //
     role.ratio.
@@ -413,9 +302,17 @@ def select(cfg: ModelConfig, role: LayerRole, score: DeviceArray, positions: Dev
     The candidate source first writes candidates[t, b] (uint8) = block b kept, for b < NB (blocks
     of cfg.candidate_block_size, cfg.candidate_topk_blocks of them); on a later index source
     (role.uses_candidates) positions in blocks with candidates[t, b] == 0 rank as -inf.
-    threads (a power of two), radix_bits (4 or 8): the kernel's shape (0 = the defaults; tests
-    force others). own_rows: the rows are a batch of sequences' tokens, one each (each row's
-    candidate blocks cover its own visible width; a row with none visible selects nothing).
+    own_rows: the rows are a batch of sequences' tokens, one each (each row's candidate blocks cover
+    its own visible width; a row with none visible selects nothing).
+
+    Two paths, the same result: up to SPLIT_ROWS rows (decode steps, batches) take the split path
+    (stages.topk: each row in slices over the GPU, its cost following the visible width), more
+    rows (prefill chunks, which fill the GPU with their rows) the one-block-a-row select_kernel.
+    split forces one (None: by the row count). width: the widest row's groups as the host knows
+    them, >= the real ones (0 = the score row's length; it sizes the split grid only). workspace:
+    the split path's scratch (None: a fresh one). threads (a power of two; <= 256 when split),
+    radix_bits (4 or 8; the one-block kernel's), slices (the split path's): the kernels' shapes
+    (0 = the defaults; tests force others).
     """
     check_array(score, (np.uint16,), 2, "select score")
     check_array(positions, (np.int32,), 1, "select positions")
@@ -427,7 +324,13 @@ def select(cfg: ModelConfig, role: LayerRole, score: DeviceArray, positions: Dev
         raise InputError(f"select: selection {selection.shape} for the top {cfg.index_topk}")
     if n_tokens == 0:
         return
+    masked = bool(role.uses_candidates and not role.candidate_source)
+    source, blk, topk_blocks = bool(role.candidate_source), cfg.candidate_block_size, cfg.candidate_topk_blocks
+    if n_tokens <= SPLIT_ROWS if split is None else split:
+        ws = workspace or SelectWorkspace.allocate(n_tokens, 2 * n_tokens * slices)
+        split_select(score, positions, candidates, selection, n_tokens, role.ratio, source, masked, blk, topk_blocks,
+                     width or score.shape[1], own_rows, ws, stream, threads, slices)
+        return
     nt = threads or SELECT_THREADS
     select_kernel(nt, radix_bits or RADIX_BITS, own_rows)[n_tokens, nt, stream](
-        score, candidates, selection, positions, n_tokens, role.ratio, bool(role.candidate_source),
-        bool(role.uses_candidates), cfg.candidate_block_size, cfg.candidate_topk_blocks)
+        score, candidates, selection, positions, n_tokens, role.ratio, source, masked, blk, topk_blocks)

@@ -399,11 +399,15 @@ def test_index_scores_cores_refused(tiny_cfg):
 
 def score_patterns(rng, t: int, width: int) -> dict[str, np.ndarray]:
     """Random scores and tie-heavy ones: a handful of values (signed zeros among them), one value
-    everywhere, negative-only rows, and scores rising with the position (the newest visible
-    positions rank first, so the selection's edge is the visible width itself)."""
+    everywhere, negative-only rows, scores rising with the position (the newest visible positions
+    rank first, so the selection's edge is the visible width itself), and infinities: -inf and
+    +inf among a few values, every other row all -inf."""
     few = np.array([-2.0, -0.5, -0.0, 0.0, 0.5, 1.0, 3.0], np.float32)
     rising = bf16((np.arange(width, dtype=np.float32) + 1) * np.float32(4 / max(width, 1)))
+    inf = np.array([-np.inf, -np.inf, -1.0, 2.0, np.inf], np.float32)[rng.integers(0, 5, (t, width))]
+    inf[::2] = -np.inf
     return {
+        "infinite": inf,
         "random": bf16(rng.standard_normal((t, width)).astype(np.float32)),
         "ties": few[rng.integers(0, few.size, (t, width))],
         "constant": np.full((t, width), 0.25, np.float32),
@@ -420,13 +424,22 @@ SELECT_CASES = [  # (ratio, start, T, topk, block, topk_blocks)
 ]
 FLASH_SELECT_CASE = (1, 32768 - 4, 4, 512, 8, 2048)  # top-512 of 32768, 8-position blocks (top 2048)
 SPARE_SCORE = 100.0  # beyond the width: above every pattern's score, so a kernel that reads there picks it
+# the selection's paths: the one-block kernel, the split path as it launches, and in 3 slices a row
+# (the simulator's default launches few slices for several rows)
+SELECT_PATHS = ({"split": False}, {"split": True}, {"split": True, "slices": 3})
 
 
-def check_select(cfg, case, seed: int | None = None) -> None:
+def check_select(cfg, case, seed: int | None = None, paths: tuple[dict, ...] = SELECT_PATHS) -> None:
     """Candidate source, a later index source respecting its mask, and a plain index source, each
-    against oracle.select on the same scores: selections and masks exactly equal (the kernel's mask
-    in blocks, each block's flag standing for its positions). The kernel's score rows run 3 columns
-    past the width, at SPARE_SCORE (the oracle sees only the width): it must not read them."""
+    against oracle.select on the same scores, on each of `paths` (select's arguments): selections
+    and masks exactly equal (the kernel's mask in blocks, each block's flag standing for its
+    positions). The kernel's score rows run 3 columns past the width, at SPARE_SCORE (the oracle
+    sees only the width): it must not read them."""
+    for path in paths:
+        check_select_path(cfg, case, seed, path)
+
+
+def check_select_path(cfg, case, seed: int | None, path: dict) -> None:
     ratio, start, t, topk, block, topk_blocks = case
     cfg = dataclasses.replace(cfg, index_topk=topk, candidate_block_size=block, candidate_topk_blocks=topk_blocks)
     rng = np.random.default_rng(10 + start if seed is None else seed)
@@ -442,21 +455,26 @@ def check_select(cfg, case, seed: int | None = None) -> None:
             ref, candidates = oracle.select(cfg, role, other, positions, candidates)
             padded = np.concatenate([other, np.full((t, 3), SPARE_SCORE, np.float32)], axis=1)
             sel = cuda.to_device(np.full((t, topk), 99, np.int32))
-            indexer.select(*dev((cfg, role, padded, positions)), cand, sel, t)
-            assert np.array_equal(sel.copy_to_host(), ref), f"{name} source={source} uses={uses}"
+            indexer.select(*dev((cfg, role, padded, positions)), cand, sel, t, **path)
+            assert np.array_equal(sel.copy_to_host(), ref), f"{path} {name} source={source} uses={uses}"
             if source:
                 mask = np.repeat(cand.copy_to_host()[:, :nb].astype(bool), block, axis=1)[:, :width]
-                assert np.array_equal(mask, candidates), f"{name}: candidate blocks"
+                assert np.array_equal(mask, candidates), f"{path} {name}: candidate blocks"
 
 
+@pytest.mark.parametrize("path", SELECT_PATHS, ids=str)
 @pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: f"r{c[0]}s{c[1]}T{c[2]}k{c[3]}b{c[4]}x{c[5]}")
-def test_select_exact(tiny_cfg, case):
-    check_select(tiny_cfg, case)
+def test_select_exact(tiny_cfg, case, path):
+    check_select(tiny_cfg, case, paths=(path,))
 
 
-@pytest.mark.parametrize("threads,radix_bits", [(2, 8), (4, 4)])
-def test_select_other_shapes(tiny_cfg, threads, radix_bits):
-    """The kernel with several threads per row (segments, block scans) and the GPU's 8-bit radix."""
+@pytest.mark.parametrize("path", [{"split": False, "threads": 2, "radix_bits": 8},
+                                  {"split": False, "threads": 4, "radix_bits": 4},
+                                  {"split": True, "threads": 2, "slices": 2},
+                                  {"split": True, "threads": 4, "slices": 5}], ids=str)
+def test_select_other_shapes(tiny_cfg, path):
+    """Both paths with several threads a block (segments, block scans), the one-block kernel with
+    the GPU's 8-bit radix, the split path over slices shorter and longer than a thread's share."""
     cfg = dataclasses.replace(tiny_cfg, index_topk=5, candidate_block_size=3, candidate_topk_blocks=2)
     rng = np.random.default_rng(11)
     t, start, ratio = 3, 17, 1
@@ -470,8 +488,41 @@ def test_select_other_shapes(tiny_cfg, threads, radix_bits):
         args = (cfg, role, scores, positions)
         ref, candidates = oracle.select(*args, candidates)
         sel = cuda.device_array((t, 5), np.int32)
-        indexer.select(*dev(args), cand, sel, t, threads=threads, radix_bits=radix_bits)
+        indexer.select(*dev(args), cand, sel, t, **path)
         assert np.array_equal(sel.copy_to_host(), ref)
+
+
+def check_select_batch(cfg, visible: np.ndarray, topk: int, block: int, topk_blocks: int, path: dict,
+                       seed: int = 12) -> None:
+    """select with own_rows over a batch of sequences' tokens (row b sees visible[b] groups, ratio 1):
+    the candidate source, then a source respecting its mask, each row against oracle.select of that
+    row alone (its own width), selections and candidate blocks exactly equal, on tie-heavy scores."""
+    cfg = dataclasses.replace(cfg, index_topk=topk, candidate_block_size=block, candidate_topk_blocks=topk_blocks)
+    rng = np.random.default_rng(seed)
+    rows, width = visible.size, int(visible.max())
+    positions = (visible - 1).astype(np.int32)
+    nb = -(-width // block)
+    cand = cuda.to_device(np.full((rows, nb + 2), 7, np.uint8))
+    alone: list = [None] * rows
+    for source, uses in ((True, False), (False, True)):
+        role = LayerRole(3, 1, False, True, source, uses, False)
+        scores = score_patterns(rng, rows, width)["ties"]
+        sel = cuda.to_device(np.full((rows, topk), 99, np.int32))
+        indexer.select(*dev((cfg, role, scores, positions)), cand, sel, rows, own_rows=True, **path)
+        got, blocks = sel.copy_to_host(), cand.copy_to_host()
+        for b in range(rows):
+            w = int(visible[b])
+            ref, alone[b] = oracle.select(cfg, role, scores[b:b + 1, :w], positions[b:b + 1], alone[b])
+            assert np.array_equal(got[b], ref[0]), f"{path} row {b} (width {w}): {source=}"
+            if source:
+                mask = np.repeat(blocks[b, :-(-w // block)].astype(bool), block)[:w]
+                assert np.array_equal(mask, alone[b][0]), f"{path} row {b}: candidate blocks"
+
+
+@pytest.mark.parametrize("path", SELECT_PATHS, ids=str)
+def test_select_batch_exact(tiny_cfg, path):
+    """A batch of 5 rows of their own widths (one sees a single group), fewer visible than k on some."""
+    check_select_batch(tiny_cfg, np.array([1, 9, 23, 4, 17]), 6, 3, 2, path)
 
 
 # ---- entries and sparse attention ---------------------------------------------------------------------
@@ -727,6 +778,29 @@ def test_sparse_workspace_shape_errors():
 def test_flash_select_exact(tiny_cfg):
     """Top-512 of 32768 scores with 8-position candidate blocks (top 2048), every score pattern."""
     check_select(tiny_cfg, FLASH_SELECT_CASE, seed=13)
+
+
+# the flash top-k at decode: (visible width, T); widths 1k .. 64k, one token and eight
+FLASH_DECODE_SELECT = [(1024, 1), (1024, 8), (16384, 1), (16384, 8), (65536, 1), (65536, 8)]
+# the paths at flash sizes, the split one also launched for the whole cache (a captured graph's width)
+FLASH_SELECT_PATHS = (*SELECT_PATHS, {"split": True, "width": 131072})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width,t", FLASH_DECODE_SELECT)
+def test_flash_select_decode_exact(tiny_cfg, width, t):
+    """Top-512 with 8-position blocks (top 2048) of T rows ending at the width: candidate source,
+    masked and plain sources, every score pattern, on each path."""
+    check_select(tiny_cfg, (1, width - t, t, 512, 8, 2048), seed=14, paths=FLASH_SELECT_PATHS)
+
+
+@pytest.mark.gpu
+def test_flash_select_batch_exact(tiny_cfg):
+    """own_rows: a batch of 32 sequences at widths 1 .. 65536 (1k, 16k and 64k among them)."""
+    rng = np.random.default_rng(15)
+    visible = np.concatenate([[1024, 16384, 65536, 1, 511, 512, 513], rng.integers(1, 65537, 25)])
+    for path in FLASH_SELECT_PATHS:
+        check_select_batch(tiny_cfg, visible, 512, 8, 2048, path)
 
 
 @pytest.mark.gpu

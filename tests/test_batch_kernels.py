@@ -33,7 +33,7 @@ from flashv41.stages.sparse_attention import (  # noqa: E402
     sparse_attention,
     sparse_attention_tables,
 )
-from tests.test_attention_kernels import dev_bf16, one_hot, score_patterns
+from tests.test_attention_kernels import SELECT_PATHS, dev_bf16, one_hot, score_patterns
 
 B = 10
 POSITIONS = np.array([9, 3, 31, 7, 8, 0, 16, 15, 30, 6], np.int32)  # window 8; ratio-2 groups; the last not the largest
@@ -127,17 +127,18 @@ def test_index_scores_and_select_tables(tiny_cfg):
     cand = cuda.to_device(np.full((B, GROUPS), 7, np.uint8))
     sel = cuda.device_array((B, TOPK), np.int32)
     alone_cand = [cuda.to_device(np.full((1, GROUPS), 7, np.uint8)) for _ in range(B)]
-    for source, uses in ((True, False), (False, True)):
-        role = LayerRole(3, ratio, False, True, source, uses, False)
-        indexer.select(cfg, role, scores, positions, cand, sel, B, own_rows=True)
-        for b in range(B):
-            one = cuda.device_array((1, TOPK), np.int32)
-            indexer.select(cfg, role, scores[b:b + 1], positions[b:b + 1], alone_cand[b], one, 1)
-            assert np.array_equal(sel.copy_to_host()[b], one.copy_to_host()[0]), f"row {b}: source={source}"
-            if source:
-                blocks = -(-int(widths[b]) // cfg.candidate_block_size)
-                assert np.array_equal(cand.copy_to_host()[b, :blocks], alone_cand[b].copy_to_host()[0, :blocks])
-    assert (sel.copy_to_host()[5] == -1).all()  # position 0 sees no group
+    for path in SELECT_PATHS:  # the batch on each path, each row alone on the split path
+        for source, uses in ((True, False), (False, True)):
+            role = LayerRole(3, ratio, False, True, source, uses, False)
+            indexer.select(cfg, role, scores, positions, cand, sel, B, own_rows=True, **path)
+            for b in range(B):
+                one = cuda.device_array((1, TOPK), np.int32)
+                indexer.select(cfg, role, scores[b:b + 1], positions[b:b + 1], alone_cand[b], one, 1)
+                assert np.array_equal(sel.copy_to_host()[b], one.copy_to_host()[0]), f"{path} row {b}: {source=}"
+                if source:
+                    blocks = -(-int(widths[b]) // cfg.candidate_block_size)
+                    assert np.array_equal(cand.copy_to_host()[b, :blocks], alone_cand[b].copy_to_host()[0, :blocks])
+        assert (sel.copy_to_host()[5] == -1).all()  # position 0 sees no group
 
 
 @pytest.mark.parametrize("ratio", [1, 2])

@@ -47,7 +47,7 @@ import pytest
 from numba import float32, int32, uint16  # noqa: E402  (after conftest chose the backend)
 
 from flashv41.model import load_model
-from flashv41.stages import index_scores_tc, indexer  # noqa: E402
+from flashv41.stages import index_scores_tc, indexer, topk  # noqa: E402
 from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
 from flashv41.stages import sparse_attention as sa  # noqa: E402
 from flashv41.stages.device import bf16_to_f32, device, f32_bits, f32_to_bf16
@@ -86,6 +86,10 @@ def bf16_round_truncating(x):
 def f32_to_bf16_one_percent_large(x):
     return f32_to_bf16(x * float32(1.01))
 
+
+# the split select's per-slice low-byte counts: at or above each byte (the kernel), or above it only
+SUFFIX_INCLUSIVE = "c += local[DIGIT_BINS - 1 - r]\n                slice_counts[slot, DIGIT_BINS - 1 - r] = int32(c)"
+SUFFIX_EXCLUSIVE = "slice_counts[slot, DIGIT_BINS - 1 - r] = int32(c)\n                c += local[DIGIT_BINS - 1 - r]"
 
 _resolve = sa._resolve  # the real one, which the replacements below fall back on
 FP4_BLOCK = indexer.FP4_BLOCK
@@ -231,6 +235,24 @@ MUTANTS = [
     Mutant("select", "visible_one_long", "the position after the query's visible", indexer,
            lambda: {"select_kernel": edited(indexer, "select_kernel", "visible = (positions[t] + 1) // ratio",
                                             "visible = (positions[t] + 2) // ratio")}),
+    Mutant("select", "split_visible_one_short", "the split path: the query's newest position masked out", topk,
+           lambda: {"problem": edited(topk, "problem", "visible = (positions[t] + 1) // ratio",
+                                      "visible = positions[t] // ratio")}),
+    Mutant("select", "split_ties_last", "the split path: the ties at tau after the first `need` taken", topk,
+           lambda: {"write_kernel": edited(topk, "write_kernel", "take = tie < need", "take = tie >= need")}),
+    Mutant("select", "one_block_ties_last", "one block's select: the ties at tau after the first `need` taken",
+           topk, lambda: {"one_block_top_k": edited(topk, "one_block_top_k", "take = tie < need",
+                                                    "take = tie >= need")}),
+    Mutant("select", "split_prefix_one_short", "the split path: a slice's prefix misses the slice before it",
+           topk, lambda: {"write_kernel": edited(topk, "write_kernel", "for j in range(tid, s, nt):",
+                                                 "for j in range(tid, s - 1, nt):")}),
+    Mutant("select", "split_wrong_digit", "the split path: the second histogram of the high byte", topk,
+           lambda: {"digit_kernel": edited(topk, "digit_kernel",
+                                           "cuda.atomic.add(local, int32(key & (DIGIT_BINS - 1)), 1)",
+                                           "cuda.atomic.add(local, int32(key >> DIGIT_BITS), 1)")}),
+    Mutant("select", "split_suffix_exclusive", "the split path: a slice's low-byte counts above, not at or above",
+           topk, lambda: {"digit_kernel": edited(topk, "digit_kernel",
+                                                 SUFFIX_INCLUSIVE, SUFFIX_EXCLUSIVE)}),
     Mutant("rope", "position_plus_1", "rotated by the angle of position p + 1", nrq,
            lambda: {"_rope_kernel": edited(nrq, "_rope_kernel", "pos = positions[r]", "pos = positions[r] + 1")}),
     Mutant("rope", "product_dropped", "b sin left out of the first output of each pair", nrq,

@@ -12,7 +12,7 @@ that runs a chunk of tokens through the layer stack.
     engine.close()
 
 Per layer, in the V4.1 order: engram (hash once per call for all engram layers -> rows ->
-projection -> gate) -> attention mixes, hc_pre + attn_norm -> attention -> hc_post -> the FFN
+projection -> gate) -> attention mixes with hc_pre + attn_norm -> attention -> hc_post -> the FFN
 sublayer as a zero output with its own mixes, whose `pre` is the next layer's pre-mix.
 
 The steps of a call are built once, at construction, into `Engine.plan` (flashv41.plan): which
@@ -205,8 +205,8 @@ class Engine:
 
     def _build_plan(self, batched: bool = False) -> Plan:
         """Every step of a call, once, in the V4.1 order: the host part (token ids, the engram hash,
-        each engram layer's rows), the embedding, each layer's engram -> hc_pre + attn_norm ->
-        attention -> hc_post -> the FFN sublayer as a zero output, and the highway's download.
+        each engram layer's rows), the embedding, each layer's engram -> mixes with hc_pre + attn_norm
+        -> attention -> hc_post -> the FFN sublayer as a zero output, and the highway's download.
         batched: the plan of `decode_batch`, one token of each of B sequences (the call's start,
         state and shared runtime are then lists, its hasher a BatchHasher); only the attention
         step differs (AttentionStage.forward_batch)."""
@@ -229,8 +229,8 @@ class Engine:
                 upload.append(Step("engram rows, projection, gate", i, engram, "upload_rows", (i, rows, TOKENS)))
                 engram_steps = (Step("engram rows, projection, gate", i, engram, "run",
                                      (i, h, TOKENS, MASK, Captured(i))),)
-            attn = (Step("hc mixes", i, hyper, "mixes", (i, "attn", h, unused, TOKENS)),
-                    Step("hc_pre + attn_norm", i, hyper, "pre_norm", (i, h, pre_mix, x, TOKENS)),
+            attn = (Step("hc mixes + hc_pre + attn_norm", i, hyper, "mixes_norm",
+                         (i, h, pre_mix, unused, x, TOKENS)),
                     Step(f"attention ({role.block_type})", i, attention, "forward_batch",
                          (i, x, a, STATE, SHARED, START, TOKENS)) if batched else
                     Step(f"attention ({role.block_type})", i, attention, "forward",

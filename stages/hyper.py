@@ -8,9 +8,11 @@ Shapes: T tokens, hc copies, C dim, M = (2 + hc) * hc mixes. The highway h is fl
 - `mixes`: raw = h_flat @ fn^T and the square sum of h_flat, in fp32 partial sums over slices of
   the flattened highway [T, M + 1, S] (stages.linear.stream_partials: the decode GEMV's walk, any
   T), then per token r = rsqrt(mean(h^2) + eps),
-  pre = sigmoid(raw * r * s0 + b) + hc_eps, post = 2 sigmoid(raw * r * s1 + b), comb = Sinkhorn.
-- `pre_norm`: x = attn_norm(bf16(sum_c pre[c] h[c])) in bf16.
-- `post`: h[c] = post[c] * a + sum_k comb[k, c] h[k], in place; a = None is a zero sublayer.
+  pre = sigmoid(raw * r * s0 + b) + hc_eps, post = 2 sigmoid(raw * r * s1 + b), comb = Sinkhorn
+  (one warp, shuffles, no barrier).
+- `mixes_norm`: the attention sublayer's mixes and x = attn_norm(bf16(sum_c pre[c] h[c])) in bf16
+  (pre: the layer before's mix) in one block per token.
+- `post_mix`: h[c] = post[c] * a + sum_k comb[k, c] h[k], in place; a = None is a zero sublayer.
 
 Oracle: host.oracle.hc (hc_mixes / sinkhorn_split, hc_pre, hc_post), host.numerics.rms_norm,
 host.oracle.Oracle.embed. Sums run in fp32 here (float64 there); transcendentals are CUDA's.
@@ -33,9 +35,8 @@ MAX_MIX = (2 + MAX_HC) * MAX_HC
 MIX_ROWS = MAX_MIX + 1  # the mixes and the highway's square sum
 PRE_NORM_THREADS = 4 if SIM else 1024  # threads per token of pre_norm (a power of two: the reduction halves it)
 LANES = 1 if SIM else WARP
-COMB_CELLS = MAX_HC * MAX_HC
 MIX_SLICE_CHUNKS = 8  # chunks of the flattened highway per partial sum (a slice of the product)
-SINKHORN_THREADS = 1 if SIM else 256  # the simulator pays dearly for the Sinkhorn loop's barriers
+MIXES_THREADS = 1 if SIM else 256  # the FFN mixes' block: the simulator pays dearly for barriers
 
 
 @cuda.jit(device=True)
@@ -58,14 +59,24 @@ def _block_sum(v, scratch):
 if SIM:
     @cuda.jit(device=True)
     def _sync():
-        """The Sinkhorn kernel's barrier: the simulator runs it in one-thread blocks, where a
-        barrier is a no-op that still costs, so it is skipped there."""
+        """The mixes kernel's barrier: the simulator runs it in one-thread blocks, where a barrier
+        is a no-op that still costs, so it is skipped there."""
         if cuda.blockDim.x > 1:
             cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def _cell(m, cell):
+        """Cell `cell` of the Sinkhorn matrix: the simulator's one-lane warp holds them all."""
+        return m[cell]
 else:
     @cuda.jit(device=True)
     def _sync():
         cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def _cell(m, cell):
+        """Cell `cell` of the Sinkhorn matrix, from lane `cell`, which holds it in m[0]."""
+        return cuda.shfl_sync(0xFFFFFFFF, m[0], cell)
 
 
 @cuda.jit(device=True)
@@ -74,39 +85,74 @@ def _sigmoid(x):
 
 
 @cache
-def mixes_kernel(hc: int):
-    """One block of SINKHORN_THREADS threads per token: the slices' partial products summed (one
-    warp per row), then the split and Sinkhorn, its row and column sums shared by the block's
-    threads. hc and the block size are compiled in: a loop over a run-time stride, or an index
-    divided by a run-time hc, costs a 64-bit division each (about a hundred instructions), and the
-    Sinkhorn loop is made of little else."""
-    n_mix = (2 + hc) * hc
+def split_sinkhorn(hc: int):
+    """A device function for one warp: pre, post and comb of token t from its summed mixes `raw`
+    and r = rsqrt(mean(h^2) + eps). Lane l holds cell l % hc^2 of the matrix (the simulator's one
+    lane all of them, `slots` a lane) and reads a line's other cells from their lanes by shuffles:
+    no barrier in the Sinkhorn loop. Each phase reads its cells before any is written (a shuffle
+    is synchronous; the simulator's slots loop reads them all first), and every sum runs in the
+    cells' index order, as the block-wide walk did: the same bits as hc_mixes' loop in fp32."""
     cells = hc * hc
-    threads = SINKHORN_THREADS
+    slots = cells if LANES == 1 else 1
+
+    @cuda.jit(device=True)
+    def line_sums(m, sums, rows, eps):
+        """sums[i] = eps + the sum over j of slot i's row (rows) or column, in j order."""
+        lane = cuda.threadIdx.x % LANES
+        for i in range(slots):
+            cell = (lane + i * LANES) % cells
+            line = cell // hc if rows else cell % hc
+            s = float32(0)
+            for j in range(hc):
+                s += _cell(m, line * hc + j) if rows else _cell(m, j * hc + line)
+            sums[i] = s + eps
+
+    @cuda.jit(device=True)
+    def split(raw, r, scale, base, pre, post, comb, t, iters, hc_eps):
+        lane = cuda.threadIdx.x % LANES
+        for c in range(lane, hc, LANES):
+            pre[t, c] = _sigmoid(raw[c] * r * scale[0] + base[c]) + hc_eps
+            post[t, c] = float32(2) * _sigmoid(raw[hc + c] * r * scale[1] + base[hc + c])
+        m = cuda.local.array(slots, float32)
+        sums = cuda.local.array(slots, float32)
+        for i in range(slots):
+            cell = (lane + i * LANES) % cells
+            m[i] = raw[2 * hc + cell] * r * scale[2] + base[2 * hc + cell]
+        for i in range(slots):  # row softmax: the row's max, exp, the row's sum
+            k = (lane + i * LANES) % cells // hc
+            row_max = float32(-math.inf)
+            for c in range(hc):
+                row_max = max(row_max, _cell(m, k * hc + c))
+            sums[i] = row_max
+        for i in range(slots):
+            m[i] = math.exp(m[i] - sums[i])
+        line_sums(m, sums, True, float32(0))
+        for i in range(slots):
+            m[i] = m[i] / sums[i] + hc_eps
+        for it in range(iters):
+            if it > 0:
+                line_sums(m, sums, True, hc_eps)
+                for i in range(slots):
+                    m[i] = m[i] / sums[i]
+            line_sums(m, sums, False, hc_eps)
+            for i in range(slots):
+                m[i] = m[i] / sums[i]
+        for i in range(slots):
+            cell = lane + i * LANES
+            if cell < cells:
+                comb[t, cell // hc, cell % hc] = m[i]
+
+    return split
+
+
+@cache
+def mix_sums(n_mix: int, threads: int):
+    """A device function for the block of token t: raw[row] = the sum of partial[t, row, :n_slices]
+    for the n_mix + 1 rows (one warp a row, its lanes strided over the slices), then a barrier."""
     warps = threads // LANES
 
     @cuda.jit(device=True)
-    def normalise(m, sums, rows, eps):
-        """m[line, j] /= (sum_j m[line, j] + eps) for each of the hc rows (rows) or columns; the
-        sums in j order, one thread a line."""
-        tid = cuda.threadIdx.x
-        for line in range(tid, hc, threads):
-            s = float32(0)
-            for j in range(hc):
-                s += m[line * hc + j] if rows else m[j * hc + line]
-            sums[line] = s + eps
-        _sync()
-        for cell in range(tid, cells, threads):
-            m[cell] = m[cell] / sums[cell // hc if rows else cell % hc]
-        _sync()
-
-    @cuda.jit
-    def kernel(partial, scale, base, pre, post, comb, n_slices, width, iters, norm_eps, hc_eps):
-        raw = cuda.shared.array(MIX_ROWS, float32)
-        m = cuda.shared.array(COMB_CELLS, float32)
-        sums = cuda.shared.array(MAX_HC, float32)
-        scratch = cuda.shared.array(SINKHORN_THREADS, float32)
-        t = cuda.blockIdx.x
+    def sums(partial, raw, t, n_slices, scratch):
         tid = cuda.threadIdx.x
         lane = tid % LANES
         warp = tid // LANES
@@ -120,47 +166,20 @@ def mixes_kernel(hc: int):
             if row <= n_mix and lane == 0:
                 raw[row] = total
         _sync()
-        r = float32(1) / math.sqrt(raw[n_mix] / float32(width) + norm_eps)
-        for c in range(tid, hc, threads):
-            pre[t, c] = _sigmoid(raw[c] * r * scale[0] + base[c]) + hc_eps
-            post[t, c] = float32(2) * _sigmoid(raw[hc + c] * r * scale[1] + base[hc + c])
-        for cell in range(tid, cells, threads):
-            m[cell] = raw[2 * hc + cell] * r * scale[2] + base[2 * hc + cell]
-        _sync()
-        for k in range(tid, hc, threads):  # row softmax
-            row_max = float32(-math.inf)
-            for c in range(hc):
-                row_max = max(row_max, m[k * hc + c])
-            row_sum = float32(0)
-            for c in range(hc):
-                e = math.exp(m[k * hc + c] - row_max)
-                m[k * hc + c] = e
-                row_sum += e
-            for c in range(hc):
-                m[k * hc + c] = m[k * hc + c] / row_sum + hc_eps
-        _sync()
-        for it in range(iters):
-            if it > 0:
-                normalise(m, sums, True, hc_eps)
-            normalise(m, sums, False, hc_eps)
-        for cell in range(tid, cells, threads):
-            comb[t, cell // hc, cell % hc] = m[cell]
 
-    return kernel
+    return sums
 
 
 @cache
-def pre_norm_kernel(hc: int, per_thread: int):
-    """One block of PRE_NORM_THREADS threads per token, per_thread values of the row each (their
-    loads issued together, the mixed values kept for the second pass): y = bf16(sum_c pre[c] h[c]);
-    out = bf16(w * (y * rsqrt(mean(y^2) + eps))). A walk that loads, adds and loads again waits on
-    each load in turn: that cost a one-token step about 20 us here."""
+def collapse_norm(hc: int, per_thread: int):
+    """A device function for the block of PRE_NORM_THREADS threads of token t, per_thread values of
+    the row each (their loads issued together, the mixed values kept for the second pass):
+    y = bf16(sum_c pre[c] h[c]); out = bf16(w * (y * rsqrt(mean(y^2) + eps))). A walk that loads,
+    adds and loads again waits on each load in turn: that cost a one-token step about 20 us here."""
     threads = PRE_NORM_THREADS
 
-    @cuda.jit
-    def kernel(h, pre, weight, out, dim, eps):
-        scratch = cuda.shared.array(PRE_NORM_THREADS, float32)
-        t = cuda.blockIdx.x
+    @cuda.jit(device=True)
+    def norm(h, pre, weight, out, t, dim, eps, scratch):
         tid = cuda.threadIdx.x
         mix = cuda.local.array(hc, float32)
         ys = cuda.local.array(per_thread, float32)
@@ -182,6 +201,56 @@ def pre_norm_kernel(hc: int, per_thread: int):
             d = tid + i * threads
             if d < dim:
                 out[t, d] = f32_to_bf16(weight[d] * (ys[i] * r))
+
+    return norm
+
+
+@cache
+def mixes_kernel(hc: int):
+    """One block of MIXES_THREADS threads per token: the slices' partial products summed (one warp
+    a row), then warp 0 runs the split and Sinkhorn (split_sinkhorn). hc and the block size are
+    compiled in: a loop over a run-time stride, or an index divided by a run-time hc, costs a
+    64-bit division each (about a hundred instructions), and the Sinkhorn loop is made of little
+    else."""
+    n_mix = (2 + hc) * hc
+    sums = mix_sums(n_mix, MIXES_THREADS)
+    split = split_sinkhorn(hc)
+
+    @cuda.jit
+    def kernel(partial, scale, base, pre, post, comb, n_slices, width, iters, norm_eps, hc_eps):
+        raw = cuda.shared.array(MIX_ROWS, float32)
+        scratch = cuda.shared.array(MIXES_THREADS, float32)
+        t = cuda.blockIdx.x
+        sums(partial, raw, t, n_slices, scratch)
+        r = float32(1) / math.sqrt(raw[n_mix] / float32(width) + norm_eps)
+        if cuda.threadIdx.x < LANES:
+            split(raw, r, scale, base, pre, post, comb, t, iters, hc_eps)
+
+    return kernel
+
+
+@cache
+def mixes_norm_kernel(hc: int, per_thread: int):
+    """The attention sublayer's mixes and its input in one block of PRE_NORM_THREADS threads per
+    token: the slices summed (as mixes_kernel), x = attn_norm(hc_pre(h, pre_in)) (collapse_norm;
+    pre_in is the mix the layer before wrote), then warp 0 runs the split and Sinkhorn. Each part's
+    arithmetic is the one its kernel ran alone: the same bits as mixes_kernel then the collapse."""
+    n_mix = (2 + hc) * hc
+    sums = mix_sums(n_mix, PRE_NORM_THREADS)
+    norm = collapse_norm(hc, per_thread)
+    split = split_sinkhorn(hc)
+
+    @cuda.jit
+    def kernel(partial, scale, base, pre, post, comb, n_slices, width, iters, norm_eps, hc_eps,
+               h, pre_in, weight, x, dim):
+        raw = cuda.shared.array(MIX_ROWS, float32)
+        scratch = cuda.shared.array(PRE_NORM_THREADS, float32)
+        t = cuda.blockIdx.x
+        sums(partial, raw, t, n_slices, scratch)
+        norm(h, pre_in, weight, x, t, dim, norm_eps, scratch)
+        r = float32(1) / math.sqrt(raw[n_mix] / float32(width) + norm_eps)
+        if cuda.threadIdx.x < LANES:
+            split(raw, r, scale, base, pre, post, comb, t, iters, hc_eps)
 
     return kernel
 
@@ -272,24 +341,35 @@ class HyperStage:
         embed_kernel(self.embedding.dequant)[grid, threads, self.stream](
             self.ids, self.embedding.data, h, n_tokens, self.cfg.hc, chunks)
 
+    def _mix_args(self, layer: int, kind: str, h, n_tokens: int) -> tuple:
+        """The product's partial sums for the mixes of sublayer `kind` (stream_partials' launch) and
+        the mixes kernels' first arguments."""
+        fn, scale, base = self.layers[layer][kind]
+        width = self.cfg.hc * self.cfg.dim
+        stream_partials(h.reshape(h.shape[0], width), fn, self.partial, n_tokens, self.stream)
+        return self.partial, self.n_slices, scale, base
+
     def mixes(self, layer: int, kind: str, h, pre, n_tokens: int) -> None:
         """pre [T, hc] (caller's buffer), self.post and self.comb from h for sublayer `kind`: the
         product and the highway's square sum by slices of MIX_SLICE_CHUNKS chunks (many warps for
         one token), then one block per token adds the slices up and runs the split and Sinkhorn."""
-        fn, scale, base = self.layers[layer][kind]
         cfg = self.cfg
-        width = cfg.hc * cfg.dim
-        stream_partials(h.reshape(h.shape[0], width), fn, self.partial, n_tokens, self.stream)
-        mixes_kernel(cfg.hc)[n_tokens, SINKHORN_THREADS, self.stream](
-            self.partial, scale, base, pre, self.post, self.comb, self.n_slices, width, cfg.sinkhorn_iters,
-            np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))
+        partial, n_slices, scale, base = self._mix_args(layer, kind, h, n_tokens)
+        mixes_kernel(cfg.hc)[n_tokens, MIXES_THREADS, self.stream](
+            partial, scale, base, pre, self.post, self.comb, n_slices,
+            cfg.hc * cfg.dim, cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))
 
-    def pre_norm(self, layer: int, h, pre, x, n_tokens: int) -> None:
-        """x [T, C] bf16 = attn_norm(hc_pre(h, pre))."""
+    def mixes_norm(self, layer: int, h, pre_in, pre, x, n_tokens: int) -> None:
+        """The attention sublayer's `mixes` (pre into the caller's `pre`) and its input x [T, C]
+        bf16 = attn_norm(hc_pre(h, pre_in)), pre_in the mix the layer before wrote, the sums, the
+        collapse and the Sinkhorn in one block per token."""
         cfg = self.cfg
+        partial, n_slices, scale, base = self._mix_args(layer, "attn", h, n_tokens)
         per_thread = -(-cfg.dim // PRE_NORM_THREADS)
-        pre_norm_kernel(cfg.hc, per_thread)[n_tokens, PRE_NORM_THREADS, self.stream](
-            h, pre, self.layers[layer]["attn_norm"], x, cfg.dim, np.float32(cfg.norm_eps))
+        mixes_norm_kernel(cfg.hc, per_thread)[n_tokens, PRE_NORM_THREADS, self.stream](
+            partial, scale, base, pre, self.post, self.comb, n_slices,
+            cfg.hc * cfg.dim, cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps),
+            h, pre_in, self.layers[layer]["attn_norm"], x, cfg.dim)
 
     def post_mix(self, h, a, n_tokens: int) -> None:
         """h = hc_post(a, h, self.post, self.comb) in place; a None is a zero sublayer output."""

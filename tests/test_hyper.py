@@ -62,31 +62,60 @@ def test_mixes(stages, preset, layer, kind, n_tokens):
     h = highway(cfg, layer, n_tokens)
     pre = cuda.device_array((16, cfg.hc), np.float32)
     stage.mixes(layer, kind, cuda.to_device(h), pre, n_tokens)
-    want_pre, want_post, want_comb = hc_mixes(h, oracle.weight(layer, f"hc_{kind}_fn"),
-                                              oracle.weight(layer, f"hc_{kind}_scale"),
-                                              oracle.weight(layer, f"hc_{kind}_base"), cfg.hc, cfg.sinkhorn_iters,
-                                              cfg.norm_eps, cfg.hc_eps)
     # fp32 sums and CUDA's exp vs float64 sums and correctly rounded exp: a few ulp on pre / post;
     # 20 Sinkhorn rounds amplify last-ulp differences (two correct fp32 implementations were seen
-    # 7e-6 apart on comb entries, which lie in [0, 1])
+    # 7e-6 apart on comb entries, which lie in [0, 1]): assert_mixes
+    assert_mixes(stage, pre, want_mixes(oracle, cfg, h, layer, kind), n_tokens)
+
+
+def want_mixes(oracle, cfg, h, layer, kind):
+    return hc_mixes(h, oracle.weight(layer, f"hc_{kind}_fn"), oracle.weight(layer, f"hc_{kind}_scale"),
+                    oracle.weight(layer, f"hc_{kind}_base"), cfg.hc, cfg.sinkhorn_iters, cfg.norm_eps, cfg.hc_eps)
+
+
+def assert_mixes(stage, pre, want, n_tokens):
+    """pre, post and comb within the bounds of test_mixes' comment."""
+    want_pre, want_post, want_comb = want
     assert_within(pre.copy_to_host()[:n_tokens], want_pre, 1e-6, "pre")
     assert_within(stage.post.copy_to_host()[:n_tokens], want_post, 2e-6, "post")
     assert_within(stage.comb.copy_to_host()[:n_tokens], want_comb, 2e-5, "comb")
 
 
-def test_pre_norm(setup):
-    model, oracle, stage = setup
-    cfg = model.config
-    h = highway(cfg, 7)
-    rng = np.random.default_rng(8)
-    pre = rng.uniform(0.1, 1.0, (T, cfg.hc)).astype(np.float32)
-    x = cuda.device_array((8, cfg.dim), np.uint16)
-    stage.pre_norm(2, cuda.to_device(h), cuda.to_device(pre), x, T)
-    want = rms_norm(hc_pre(h, pre), oracle.weight(2, "attn_norm"), cfg.norm_eps)
-    got = from_bits(x.copy_to_host()[:T])
+def assert_pre_norm(x, h, pre, oracle, cfg, layer, n_tokens):
+    want = rms_norm(hc_pre(h, pre), oracle.weight(layer, "attn_norm"), cfg.norm_eps)
+    got = from_bits(x.copy_to_host()[:n_tokens])
     # the collapsed value may round to a neighbouring bf16 (fp32 vs float64 sum over hc), and the
     # output adds its own rounding: two bf16 ulps
     assert_within(got, want, 2 * bf16_ulp(np.maximum(np.abs(got), np.abs(want))), "pre_norm")
+
+
+@pytest.mark.parametrize("preset,n_tokens", [("tiny", T), ("small", 3)])
+def test_mixes_norm(stages, preset, n_tokens):
+    """The attention sublayer's mixes with its input: x from the given mix, pre / post / comb as
+    `mixes` gives them, bit for bit."""
+    model, oracle, stage = stages(preset)
+    cfg = model.config
+    h = highway(cfg, 7, n_tokens)
+    rng = np.random.default_rng(8)
+    pre_in = rng.uniform(0.1, 1.0, (n_tokens, cfg.hc)).astype(np.float32)
+    x = cuda.device_array((16, cfg.dim), np.uint16)
+    pre = cuda.device_array((16, cfg.hc), np.float32)
+    hd = cuda.to_device(h)
+    stage.mixes_norm(2, hd, cuda.to_device(pre_in), pre, x, n_tokens)
+    assert_pre_norm(x, h, pre_in, oracle, cfg, 2, n_tokens)
+    assert_mixes(stage, pre, want_mixes(oracle, cfg, h, 2, "attn"), n_tokens)
+    got = [pre.copy_to_host()[:n_tokens], stage.post.copy_to_host()[:n_tokens], stage.comb.copy_to_host()[:n_tokens]]
+    alone = cuda.device_array((16, cfg.hc), np.float32)
+    stage.mixes(2, "attn", hd, alone, n_tokens)
+    for a, b in zip(got, [alone.copy_to_host()[:n_tokens], stage.post.copy_to_host()[:n_tokens],
+                          stage.comb.copy_to_host()[:n_tokens]], strict=True):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def post_bound(h, a, post, comb, want, cfg):
+    terms = np.abs(comb).transpose(0, 2, 1) @ np.abs(h) + (np.abs(post)[:, :, None] * np.abs(a)[:, None, :]
+                                                           if a is not None else 0)
+    return f32_sum_error(terms, cfg.hc + 1) + np.abs(want) * 2.0**-23
 
 
 @pytest.mark.parametrize("with_output", [True, False])
@@ -101,7 +130,5 @@ def test_post(setup, with_output):
     post, comb = stage.post.copy_to_host()[:T], stage.comb.copy_to_host()[:T]
     stage.post_mix(hd, cuda.to_device(to_bits(a)) if with_output else None, T)
     want = hc_post(a if with_output else None, h, post, comb)
-    terms = np.abs(comb).transpose(0, 2, 1) @ np.abs(h) + (np.abs(post)[:, :, None] * np.abs(a)[:, None, :]
-                                                           if with_output else 0)
-    bound = f32_sum_error(terms, cfg.hc + 1) + np.abs(want) * 2.0**-23
-    assert_within(hd.copy_to_host()[:T], want, bound, "post")
+    assert_within(hd.copy_to_host()[:T], want, post_bound(h, a if with_output else None, post, comb, want, cfg),
+                  "post")

@@ -7,12 +7,14 @@ Shapes: T tokens, hc copies, C dim, M = (2 + hc) * hc mixes. The highway h is fl
 - `embed`: h[t, c] = bf16(dequant(token_embd[id_t])) for every copy c.
 - `mixes`: raw = h_flat @ fn^T and the square sum of h_flat, in fp32 partial sums over slices of
   the flattened highway [T, M + 1, S] (stages.linear.stream_partials: the decode GEMV's walk, any
-  T), then per token r = rsqrt(mean(h^2) + eps),
+  T; or the post kernel's, below), then per token r = rsqrt(mean(h^2) + eps),
   pre = sigmoid(raw * r * s0 + b) + hc_eps, post = 2 sigmoid(raw * r * s1 + b), comb = Sinkhorn
   (one warp, shuffles, no barrier).
 - `mixes_norm`: the attention sublayer's mixes and x = attn_norm(bf16(sum_c pre[c] h[c])) in bf16
   (pre: the layer before's mix) in one block per token.
 - `post_mix`: h[c] = post[c] * a + sum_k comb[k, c] h[k], in place; a = None is a zero sublayer.
+  With the next sublayer's mixes named (F32 / F16 / BF16 fn: `fuses`), the same launch also forms
+  their product from the new h, [T, M + 1, S'] by d-ranges of POST_SLICE over as many blocks.
 
 Oracle: host.oracle.hc (hc_mixes / sinkhorn_split, hc_pre, hc_post), host.numerics.rms_norm,
 host.oracle.Oracle.embed. Sums run in fp32 here (float64 there); transcendentals are CUDA's.
@@ -27,6 +29,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from flashv41.host.errors import UnsupportedError
+from flashv41.host.quants import GGMLType
 from flashv41.stages.device import CHUNK, SIM, WARP, bf16_round, bf16_to_f32, f32_to_bf16, warp_sum
 from flashv41.stages.linear import DeviceWeight, stream_partials
 
@@ -35,6 +38,8 @@ MAX_MIX = (2 + MAX_HC) * MAX_HC
 MIX_ROWS = MAX_MIX + 1  # the mixes and the highway's square sum
 PRE_NORM_THREADS = 4 if SIM else 1024  # threads per token of pre_norm (a power of two: the reduction halves it)
 LANES = 1 if SIM else WARP
+POST_SLICE = 32  # d values of each copy a block of the post-and-product kernel takes
+POST_WARPS = 2 if SIM else 8  # that block's warps, each a share of the product's rows
 MIX_SLICE_CHUNKS = 8  # chunks of the flattened highway per partial sum (a slice of the product)
 MIXES_THREADS = 1 if SIM else 256  # the FFN mixes' block: the simulator pays dearly for barriers
 
@@ -255,13 +260,10 @@ def mixes_norm_kernel(hc: int, per_thread: int):
     return kernel
 
 
-@cuda.jit
-def _post_kernel(h, a, post, comb, hc, dim, has_output):
-    """h[t, c, d] = post[c] * a[t, d] + sum_k comb[k, c] h[t, k, d], in place (one thread per d)."""
-    t = cuda.blockIdx.y
-    d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if d >= dim:
-        return
+@cuda.jit(device=True)
+def _post_values(h, a, post, comb, t, d, hc, has_output, out, o):
+    """out[o + c] = post[t, c] * a[t, d] + sum_k comb[t, k, c] h[t, k, d] for every copy c (h's
+    values before any is written)."""
     old = cuda.local.array(MAX_HC, float32)
     for k in range(hc):
         old[k] = h[t, k, d]
@@ -270,7 +272,91 @@ def _post_kernel(h, a, post, comb, hc, dim, has_output):
         s = float32(0)
         for k in range(hc):
             s += comb[t, k, c] * old[k]
-        h[t, c, d] = post[t, c] * av + s if has_output else s
+        out[o + c] = post[t, c] * av + s if has_output else s
+
+
+@cuda.jit
+def _post_kernel(h, a, post, comb, hc, dim, has_output):
+    """h[t, c, d] = post[c] * a[t, d] + sum_k comb[k, c] h[t, k, d], in place (one thread per d)."""
+    t = cuda.blockIdx.y
+    d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if d >= dim:
+        return
+    new = cuda.local.array(MAX_HC, float32)
+    _post_values(h, a, post, comb, t, d, hc, has_output, new, 0)
+    for c in range(hc):
+        h[t, c, d] = new[c]
+
+
+@cuda.jit(device=True)
+def _as_f32(v):
+    return float32(v)
+
+
+# the mix weight types the post kernel reads value by value: the view of a row's bytes, its decode
+FN_READERS = {GGMLType.F32: (np.float32, _as_f32), GGMLType.F16: (np.float16, _as_f32),
+              GGMLType.BF16: (np.uint16, bf16_to_f32)}
+
+
+@cache
+def post_product_kernel(hc: int, gtype: GGMLType):
+    """hc_post fused with the next sublayer's mixes product: block (s, t) of (LANES, POST_WARPS)
+    threads takes d = POST_SLICE s .. POST_SLICE (s + 1) - 1 of token t (one d a lane on the GPU;
+    the simulator's one lane all of them); every warp forms the new h[t, :, d] (_post_values, the
+    arithmetic of _post_kernel: the same bits), warp 0 writes them after a barrier (the update is in
+    place), and warp w adds up rows w, w + POST_WARPS, ... of the product of the values against fn
+    [M, hc C] (row M: their squares) into partial[t, row, s], its weights loaded before the highway.
+    The mixes' slices are then the d-ranges of every copy together: another fp32 order than
+    stream_partials' runs of the flattened highway, within the same bounds."""
+    n_mix = (2 + hc) * hc
+    per_lane = POST_SLICE // LANES
+    rows = -(-(n_mix + 1) // POST_WARPS)  # rows a warp adds up, at most
+    view, value = FN_READERS[gtype]
+    values = per_lane * MAX_HC  # a lane's new highway values
+    weights = rows * values  # and the weights they meet
+
+    @cuda.jit
+    def kernel(h, a, post, comb, fn, partial, dim, has_output):
+        t = cuda.blockIdx.y
+        s = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        warp = cuda.threadIdx.y
+        wv = fn.view(view)
+        w = cuda.local.array(weights, float32)
+        new = cuda.local.array(values, float32)
+        for i in range(rows):
+            row = warp + i * POST_WARPS
+            for j in range(per_lane):
+                d = s * POST_SLICE + j * LANES + lane
+                for c in range(hc):
+                    w[(i * per_lane + j) * MAX_HC + c] = value(wv[row, c * dim + d]) if row < n_mix and d < dim \
+                        else float32(0)
+        for j in range(per_lane):
+            d = s * POST_SLICE + j * LANES + lane
+            if d < dim:
+                _post_values(h, a, post, comb, t, d, hc, has_output, new, j * MAX_HC)
+            else:
+                for c in range(hc):
+                    new[j * MAX_HC + c] = float32(0)
+        cuda.syncthreads()  # every warp has read the old values
+        if warp == 0:
+            for j in range(per_lane):
+                d = s * POST_SLICE + j * LANES + lane
+                if d < dim:
+                    for c in range(hc):
+                        h[t, c, d] = new[j * MAX_HC + c]
+        for i in range(rows):
+            row = warp + i * POST_WARPS
+            acc = float32(0)
+            for j in range(per_lane):
+                for c in range(hc):
+                    v = new[j * MAX_HC + c]
+                    acc += v * (v if row == n_mix else w[(i * per_lane + j) * MAX_HC + c])
+            total = warp_sum(acc, new) if LANES > 1 else acc  # (shuffles: no scratch)
+            if lane == 0 and row <= n_mix:
+                partial[t, row, s] = total
+
+    return kernel
 
 
 @cache
@@ -319,6 +405,8 @@ class HyperStage:
         hc = cfg.hc
         self.n_slices = -(-cfg.hc * cfg.dim // (MIX_SLICE_CHUNKS * CHUNK))
         self.partial = cuda.device_array((max_tokens, cfg.mix_hc + 1, self.n_slices), np.float32)  # [T, M+1, S]
+        # [T, M+1, S'], S' the post kernel's d-ranges of POST_SLICE
+        self.post_partial = cuda.device_array((max_tokens, cfg.mix_hc + 1, -(-cfg.dim // POST_SLICE)), np.float32)
         self.post = cuda.device_array((max_tokens, hc), np.float32)  # [T, hc]
         self.comb = cuda.device_array((max_tokens, hc, hc), np.float32)  # [T, hc(k), hc(c)]
         self.ids = cuda.device_array(max_tokens, np.int32)  # [T]
@@ -341,45 +429,65 @@ class HyperStage:
         embed_kernel(self.embedding.dequant)[grid, threads, self.stream](
             self.ids, self.embedding.data, h, n_tokens, self.cfg.hc, chunks)
 
-    def _mix_args(self, layer: int, kind: str, h, n_tokens: int) -> tuple:
-        """The product's partial sums for the mixes of sublayer `kind` (stream_partials' launch) and
-        the mixes kernels' first arguments."""
-        fn, scale, base = self.layers[layer][kind]
-        width = self.cfg.hc * self.cfg.dim
-        stream_partials(h.reshape(h.shape[0], width), fn, self.partial, n_tokens, self.stream)
-        return self.partial, self.n_slices, scale, base
+    def fuses(self, layer: int, kind: str) -> bool:
+        """Whether post_mix can form the product of sublayer `kind`'s mixes (its fn type is one the
+        post kernel reads: FN_READERS); else `mixes` launches stream_partials for it."""
+        return self.layers[layer][kind][0].gtype in FN_READERS
 
-    def mixes(self, layer: int, kind: str, h, pre, n_tokens: int) -> None:
-        """pre [T, hc] (caller's buffer), self.post and self.comb from h for sublayer `kind`: the
-        product and the highway's square sum by slices of MIX_SLICE_CHUNKS chunks (many warps for
-        one token), then one block per token adds the slices up and runs the split and Sinkhorn."""
+    def _mix_args(self, layer: int, kind: str, h, n_tokens: int, after_post: bool) -> tuple:
+        """The product's partial sums for the mixes of sublayer `kind` (stream_partials' launch unless
+        post_mix formed them: after_post) and the mixes kernels' first arguments."""
+        fn, scale, base = self.layers[layer][kind]
         cfg = self.cfg
-        partial, n_slices, scale, base = self._mix_args(layer, kind, h, n_tokens)
+        width = cfg.hc * cfg.dim
+        if after_post:
+            partial, n_slices = self.post_partial, self.post_partial.shape[2]
+        else:
+            partial, n_slices = self.partial, self.n_slices
+            stream_partials(h.reshape(h.shape[0], width), fn, partial, n_tokens, self.stream)
+        return partial, n_slices, scale, base
+
+    def mixes(self, layer: int, kind: str, h, pre, n_tokens: int, after_post: bool = False) -> None:
+        """pre [T, hc] (caller's buffer), self.post and self.comb from h for sublayer `kind`: the
+        product and the highway's square sum by slices (stream_partials' slices of MIX_SLICE_CHUNKS
+        chunks, many warps for one token; after_post: the slices post_mix wrote), then one block
+        per token adds the slices up and runs the split and Sinkhorn."""
+        cfg = self.cfg
+        partial, n_slices, scale, base = self._mix_args(layer, kind, h, n_tokens, after_post)
         mixes_kernel(cfg.hc)[n_tokens, MIXES_THREADS, self.stream](
             partial, scale, base, pre, self.post, self.comb, n_slices,
             cfg.hc * cfg.dim, cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))
 
-    def mixes_norm(self, layer: int, h, pre_in, pre, x, n_tokens: int) -> None:
+    def mixes_norm(self, layer: int, h, pre_in, pre, x, n_tokens: int, after_post: bool = False) -> None:
         """The attention sublayer's `mixes` (pre into the caller's `pre`) and its input x [T, C]
         bf16 = attn_norm(hc_pre(h, pre_in)), pre_in the mix the layer before wrote, the sums, the
         collapse and the Sinkhorn in one block per token."""
         cfg = self.cfg
-        partial, n_slices, scale, base = self._mix_args(layer, "attn", h, n_tokens)
+        partial, n_slices, scale, base = self._mix_args(layer, "attn", h, n_tokens, after_post)
         per_thread = -(-cfg.dim // PRE_NORM_THREADS)
         mixes_norm_kernel(cfg.hc, per_thread)[n_tokens, PRE_NORM_THREADS, self.stream](
             partial, scale, base, pre, self.post, self.comb, n_slices,
             cfg.hc * cfg.dim, cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps),
             h, pre_in, self.layers[layer]["attn_norm"], x, cfg.dim)
 
-    def post_mix(self, h, a, n_tokens: int) -> None:
-        """h = hc_post(a, h, self.post, self.comb) in place; a None is a zero sublayer output."""
+    def post_mix(self, h, a, n_tokens: int, then: tuple[int, str] | None = None) -> None:
+        """h = hc_post(a, h, self.post, self.comb) in place; a None is a zero sublayer output.
+        then = (layer, kind): also the product of that sublayer's mixes from the new h, into
+        self.post_partial (post_product_kernel; `fuses` says for which), for its `mixes` with
+        after_post."""
         cfg = self.cfg
+        out = self.no_output if a is None else a
+        if then is not None:
+            fn = self.layers[then[0]][then[1]][0]
+            grid = (self.post_partial.shape[2], n_tokens)
+            post_product_kernel(cfg.hc, fn.gtype)[grid, (LANES, POST_WARPS), self.stream](
+                h, out, self.post, self.comb, fn.data, self.post_partial, cfg.dim, a is not None)
+            return
         threads = 32 if SIM else 128
         grid = ((cfg.dim + threads - 1) // threads, n_tokens)
-        _post_kernel[grid, threads, self.stream](h, self.no_output if a is None else a, self.post, self.comb,
-                                                 cfg.hc, cfg.dim, a is not None)
+        _post_kernel[grid, threads, self.stream](h, out, self.post, self.comb, cfg.hc, cfg.dim, a is not None)
 
     def free(self) -> None:
         self.layers = []
         self.embedding = None  # type: ignore[assignment]
-        self.partial = self.post = self.comb = self.ids = self.no_output = None
+        self.partial = self.post_partial = self.post = self.comb = self.ids = self.no_output = None

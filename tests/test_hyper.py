@@ -57,7 +57,10 @@ def test_embed_is_exact(setup):
 def test_mixes(stages, preset, layer, kind, n_tokens):
     """The tiny highway is one partial slice (4 of 8 chunks); small's is four, and 11 tokens are two
     token groups, the second one partly empty."""
-    model, oracle, stage = stages(preset)
+    check_mixes(*stages(preset), layer, kind, n_tokens)
+
+
+def check_mixes(model, oracle, stage, layer, kind, n_tokens):
     cfg = model.config
     h = highway(cfg, layer, n_tokens)
     pre = cuda.device_array((16, cfg.hc), np.float32)
@@ -91,9 +94,12 @@ def assert_pre_norm(x, h, pre, oracle, cfg, layer, n_tokens):
 
 @pytest.mark.parametrize("preset,n_tokens", [("tiny", T), ("small", 3)])
 def test_mixes_norm(stages, preset, n_tokens):
+    check_mixes_norm(*stages(preset), n_tokens)
+
+
+def check_mixes_norm(model, oracle, stage, n_tokens):
     """The attention sublayer's mixes with its input: x from the given mix, pre / post / comb as
     `mixes` gives them, bit for bit."""
-    model, oracle, stage = stages(preset)
     cfg = model.config
     h = highway(cfg, 7, n_tokens)
     rng = np.random.default_rng(8)
@@ -132,3 +138,85 @@ def test_post(setup, with_output):
     want = hc_post(a if with_output else None, h, post, comb)
     assert_within(hd.copy_to_host()[:T], want, post_bound(h, a if with_output else None, post, comb, want, cfg),
                   "post")
+
+
+@pytest.mark.parametrize("preset,layer,kind,n_tokens,with_output", [("tiny", 1, "ffn", T, True),
+                                                                     ("small", 2, "attn", 3, False)])
+def test_post_with_next_product(stages, preset, layer, kind, n_tokens, with_output):
+    check_post_with_next_product(*stages(preset), layer, kind, n_tokens, with_output)
+
+
+def check_post_with_next_product(model, oracle, stage, layer, kind, n_tokens, with_output):
+    """post_mix forming the next mixes' product: h as post_mix alone gives it, bit for bit, and the
+    mixes from its partial sums within test_mixes' bounds of the oracle's from that h."""
+    cfg = model.config
+    assert stage.fuses(layer, kind)
+    h = highway(cfg, 11, n_tokens)
+    rng = np.random.default_rng(12)
+    a = to_bits(bf16(rng.standard_normal((n_tokens, cfg.dim)).astype(np.float32)))
+    stage.mixes(0, "attn", cuda.to_device(h), cuda.device_array((16, cfg.hc), np.float32), n_tokens)
+    alone, fused = cuda.to_device(h), cuda.to_device(h)
+    stage.post_mix(alone, cuda.to_device(a) if with_output else None, n_tokens)
+    stage.post_mix(fused, cuda.to_device(a) if with_output else None, n_tokens, then=(layer, kind))
+    new_h = fused.copy_to_host()[:n_tokens]
+    assert np.array_equal(new_h.view(np.uint32), alone.copy_to_host()[:n_tokens].view(np.uint32))
+    pre = cuda.device_array((16, cfg.hc), np.float32)
+    stage.mixes(layer, kind, fused, pre, n_tokens, after_post=True)
+    assert_mixes(stage, pre, want_mixes(oracle, cfg, new_h, layer, kind), n_tokens)
+
+
+@pytest.mark.parametrize("fn_type,fuses", [("F16", True), ("BF16", True), ("Q8_0", False), ("Q2_K", False)])
+def test_fn_types(synth_model, fn_type, fuses):
+    """The post kernel reads F32 (the presets'), F16 and BF16 mix weights; the K-quants and Q8_0
+    keep the product launch of `mixes` (the engine's plan asks `fuses`)."""
+    model = flashv41.load_model(synth_model("small", type_map={"hc_attn_fn": fn_type, "hc_ffn_fn": fn_type}))
+    oracle, stage = Oracle(model, max_seq=64), HyperStage(model, max_tokens=16)
+    try:
+        assert stage.fuses(1, "ffn") is fuses
+        if fuses:
+            check_post_with_next_product(model, oracle, stage, 1, "ffn", 3, True)
+    finally:
+        stage.free()
+
+
+@pytest.fixture(scope="module")
+def flash(synth_model):
+    """The flash preset's hc 4 x 5120 in two window-only layers, F16 attention and BF16 FFN mixes."""
+    model = flashv41.load_model(synth_model("flash", type_map={"hc_attn_fn": "F16", "hc_ffn_fn": "BF16"},
+                                            compress_ratios=(0, 0), kv_sources=(), index_sources=(),
+                                            candidate_source=99, engram_layers=(), vocab=1024))
+    stage = HyperStage(model, max_tokens=8)
+    yield model, Oracle(model, max_seq=64), stage
+    stage.free()
+    model.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tokens", [1, 3, 8])
+def test_flash_glue(flash, n_tokens):
+    """At V4.1-Flash size (hc 4 x 5120), the real kernel paths: mixes_norm (x, pre, post, comb),
+    post_mix forming each sublayer's next product (F16 and BF16 fn), the mixes from it; each token's
+    results the bits it gets alone (T = 1)."""
+    model, oracle, stage = flash
+    cfg = model.config
+    h = highway(cfg, 13, n_tokens)
+    pre_in = np.random.default_rng(14).uniform(0.1, 1.0, (n_tokens, cfg.hc)).astype(np.float32)
+
+    def run(rows):
+        x = cuda.device_array((8, cfg.dim), np.uint16)
+        pre = cuda.device_array((8, cfg.hc), np.float32)
+        stage.mixes_norm(1, cuda.to_device(h[rows]), cuda.to_device(pre_in[rows]), pre, x, len(rows))
+        got = [x.copy_to_host()[:len(rows)], pre.copy_to_host()[:len(rows)], stage.post.copy_to_host()[:len(rows)],
+               stage.comb.copy_to_host()[:len(rows)]]
+        return got, x, pre
+
+    rows = list(range(n_tokens))
+    got, x, pre = run(rows)
+    assert_pre_norm(x, h, pre_in, oracle, cfg, 1, n_tokens)
+    assert_mixes(stage, pre, want_mixes(oracle, cfg, h, 1, "attn"), n_tokens)
+    for t in rows[1:]:
+        alone, _, _ = run([t])
+        for a, b in zip(got, alone, strict=True):
+            assert a[t:t + 1].tobytes() == b.tobytes()
+    for layer, kind in ((1, "ffn"), (0, "attn")):
+        check_post_with_next_product(model, oracle, stage, layer, kind, n_tokens, kind == "ffn")

@@ -209,7 +209,8 @@ class Engine:
         each engram layer's rows), the embedding, each layer's engram -> mixes with hc_pre + attn_norm
         -> attention -> hc_post -> the FFN sublayer as a zero output, and the highway's download.
         An hc_post forms the next mixes' product where HyperStage.fuses allows it and no engram runs
-        between them; those mixes then skip their own product launch (after_post).
+        between them; those mixes then skip their own product launch (after_post). An FFN sublayer
+        between two such posts is one launch (mixes_post: its mixes, post and the next product).
         batched: the plan of `decode_batch`, one token of each of B sequences (the call's start,
         state and shared runtime are then lists, its hasher a BatchHasher); only the attention
         step differs (AttentionStage.forward_batch)."""
@@ -247,8 +248,12 @@ class Engine:
                          (i, x, a, STATE, SHARED, START, TOKENS, Captured(i))),
                     Step(post_name(ffn_after_post), i, hyper, "post_mix",
                          (h, a, TOKENS, (i, "ffn") if ffn_after_post else None)))
-            ffn = (Step("hc mixes", i, hyper, "mixes", (i, "ffn", h, pre_next, TOKENS, ffn_after_post)),
-                   Step(post_name(then_attn is not None), i, hyper, "post_mix", (h, None, TOKENS, then_attn)))
+            if ffn_after_post and then_attn is not None:
+                ffn: tuple[Step, ...] = (Step("hc mixes + hc_post + next mixes' product", i, hyper, "mixes_post",
+                                              (i, h, pre_next, TOKENS, then_attn)),)
+            else:
+                ffn = (Step("hc mixes", i, hyper, "mixes", (i, "ffn", h, pre_next, TOKENS, ffn_after_post)),
+                       Step(post_name(then_attn is not None), i, hyper, "post_mix", (h, None, TOKENS, then_attn)))
             layers.append(LayerPlan(i, pre_mix, rows, engram_steps, attn, ffn))
             pre_mix, pre_next = pre_next, pre_mix
         head = (Step("embedding", None, hyper, "embed_uploaded", (h, TOKENS)),)

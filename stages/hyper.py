@@ -13,8 +13,11 @@ Shapes: T tokens, hc copies, C dim, M = (2 + hc) * hc mixes. The highway h is fl
 - `mixes_norm`: the attention sublayer's mixes and x = attn_norm(bf16(sum_c pre[c] h[c])) in bf16
   (pre: the layer before's mix) in one block per token.
 - `post_mix`: h[c] = post[c] * a + sum_k comb[k, c] h[k], in place; a = None is a zero sublayer.
-  With the next sublayer's mixes named (F32 / F16 / BF16 fn: `fuses`), the same launch also forms
-  their product from the new h, [T, M + 1, S'] by d-ranges of POST_SLICE over as many blocks.
+  With the next sublayer's mixes named (F32 / F16 / BF16 fn: `fuses`) and T <= POST_PRODUCT_MAX_TOKENS,
+  the same launch also forms their product from the new h, [T, M + 1, S'] by d-ranges of
+  POST_SLICE over as many blocks (past that T the mixes launch stream_partials as without it).
+- `mixes_post`: a zero-output (FFN) sublayer between two such posts in one launch: each post
+  block sums the slices and runs the Sinkhorn itself, then the post and the next product.
 
 Oracle: host.oracle.hc (hc_mixes / sinkhorn_split, hc_pre, hc_post), host.numerics.rms_norm,
 host.oracle.Oracle.embed. Sums run in fp32 here (float64 there); transcendentals are CUDA's.
@@ -31,7 +34,7 @@ from numba import cuda, float32, int32
 from flashv41.host.errors import UnsupportedError
 from flashv41.host.quants import GGMLType
 from flashv41.stages.device import CHUNK, SIM, WARP, bf16_round, bf16_to_f32, f32_to_bf16, warp_sum
-from flashv41.stages.linear import DeviceWeight, stream_partials
+from flashv41.stages.linear import GEMV_MAX_TOKENS, DeviceWeight, stream_partials
 
 MAX_HC = 4
 MAX_MIX = (2 + MAX_HC) * MAX_HC
@@ -40,6 +43,10 @@ PRE_NORM_THREADS = 4 if SIM else 1024  # threads per token of pre_norm (a power 
 LANES = 1 if SIM else WARP
 POST_SLICE = 32  # d values of each copy a block of the post-and-product kernel takes
 POST_WARPS = 2 if SIM else 8  # that block's warps, each a share of the product's rows
+# the most tokens a post forms the next product for: past them each block re-reading its weights
+# costs more than stream_partials' one read per GEMV_MAX_TOKENS tokens (and mixes_post's Sinkhorn
+# in every block more than one block a token); up to them a token's bits do not depend on T
+POST_PRODUCT_MAX_TOKENS = GEMV_MAX_TOKENS
 MIX_SLICE_CHUNKS = 8  # chunks of the flattened highway per partial sum (a slice of the product)
 MIXES_THREADS = 1 if SIM else 256  # the FFN mixes' block: the simulator pays dearly for barriers
 
@@ -64,9 +71,9 @@ def _block_sum(v, scratch):
 if SIM:
     @cuda.jit(device=True)
     def _sync():
-        """The mixes kernel's barrier: the simulator runs it in one-thread blocks, where a barrier
+        """The mixes kernels' barrier: the simulator runs some in one-thread blocks, where a barrier
         is a no-op that still costs, so it is skipped there."""
-        if cuda.blockDim.x > 1:
+        if cuda.blockDim.x * cuda.blockDim.y > 1:
             cuda.syncthreads()
 
     @cuda.jit(device=True)
@@ -152,13 +159,14 @@ def split_sinkhorn(hc: int):
 
 @cache
 def mix_sums(n_mix: int, threads: int):
-    """A device function for the block of token t: raw[row] = the sum of partial[t, row, :n_slices]
-    for the n_mix + 1 rows (one warp a row, its lanes strided over the slices), then a barrier."""
+    """A device function for the block of token t (`threads` threads, x fastest): raw[row] = the sum
+    of partial[t, row, :n_slices] for the n_mix + 1 rows (one warp a row, its lanes strided over
+    the slices), then a barrier."""
     warps = threads // LANES
 
     @cuda.jit(device=True)
     def sums(partial, raw, t, n_slices, scratch):
-        tid = cuda.threadIdx.x
+        tid = cuda.threadIdx.x + cuda.threadIdx.y * cuda.blockDim.x
         lane = tid % LANES
         warp = tid // LANES
         for first in range(0, n_mix + 1, warps):  # a uniform walk: every thread meets warp_sum's barriers
@@ -261,9 +269,9 @@ def mixes_norm_kernel(hc: int, per_thread: int):
 
 
 @cuda.jit(device=True)
-def _post_values(h, a, post, comb, t, d, hc, has_output, out, o):
-    """out[o + c] = post[t, c] * a[t, d] + sum_k comb[t, k, c] h[t, k, d] for every copy c (h's
-    values before any is written)."""
+def _post_values(h, a, post, comb, t, m, d, hc, has_output, out, o):
+    """out[o + c] = post[m, c] * a[t, d] + sum_k comb[m, k, c] h[t, k, d] for every copy c (h's
+    values before any is written; m: token t's row of post and comb)."""
     old = cuda.local.array(MAX_HC, float32)
     for k in range(hc):
         old[k] = h[t, k, d]
@@ -271,8 +279,8 @@ def _post_values(h, a, post, comb, t, d, hc, has_output, out, o):
     for c in range(hc):
         s = float32(0)
         for k in range(hc):
-            s += comb[t, k, c] * old[k]
-        out[o + c] = post[t, c] * av + s if has_output else s
+            s += comb[m, k, c] * old[k]
+        out[o + c] = post[m, c] * av + s if has_output else s
 
 
 @cuda.jit
@@ -283,7 +291,7 @@ def _post_kernel(h, a, post, comb, hc, dim, has_output):
     if d >= dim:
         return
     new = cuda.local.array(MAX_HC, float32)
-    _post_values(h, a, post, comb, t, d, hc, has_output, new, 0)
+    _post_values(h, a, post, comb, t, t, d, hc, has_output, new, 0)
     for c in range(hc):
         h[t, c, d] = new[c]
 
@@ -299,7 +307,7 @@ FN_READERS = {GGMLType.F32: (np.float32, _as_f32), GGMLType.F16: (np.float16, _a
 
 
 @cache
-def post_product_kernel(hc: int, gtype: GGMLType):
+def post_product_kernel(hc: int, gtype: GGMLType, split: bool):
     """hc_post fused with the next sublayer's mixes product: block (s, t) of (LANES, POST_WARPS)
     threads takes d = POST_SLICE s .. POST_SLICE (s + 1) - 1 of token t (one d a lane on the GPU;
     the simulator's one lane all of them); every warp forms the new h[t, :, d] (_post_values, the
@@ -307,16 +315,24 @@ def post_product_kernel(hc: int, gtype: GGMLType):
     place), and warp w adds up rows w, w + POST_WARPS, ... of the product of the values against fn
     [M, hc C] (row M: their squares) into partial[t, row, s], its weights loaded before the highway.
     The mixes' slices are then the d-ranges of every copy together: another fp32 order than
-    stream_partials' runs of the flattened highway, within the same bounds."""
+    stream_partials' runs of the flattened highway, within the same bounds.
+    split: the post's own mixes too (a zero-output sublayer's, whose post and comb nothing else
+    reads): each block sums partial_in's n_slices slices of token t (mix_sums) and warp 0 runs the
+    split and Sinkhorn (split_sinkhorn) into shared memory, the same bits in every block and as
+    mixes_kernel gives them; block 0 writes pre. Without split, partial_in .. pre are not read."""
     n_mix = (2 + hc) * hc
     per_lane = POST_SLICE // LANES
     rows = -(-(n_mix + 1) // POST_WARPS)  # rows a warp adds up, at most
     view, value = FN_READERS[gtype]
     values = per_lane * MAX_HC  # a lane's new highway values
     weights = rows * values  # and the weights they meet
+    threads = LANES * POST_WARPS
+    sums = mix_sums(n_mix, threads)
+    split_mixes = split_sinkhorn(hc)
 
     @cuda.jit
-    def kernel(h, a, post, comb, fn, partial, dim, has_output):
+    def kernel(h, a, post, comb, fn, partial, dim, has_output, partial_in, n_slices, scale, base, pre, iters,
+               norm_eps, hc_eps):
         t = cuda.blockIdx.y
         s = cuda.blockIdx.x
         lane = cuda.threadIdx.x
@@ -331,10 +347,26 @@ def post_product_kernel(hc: int, gtype: GGMLType):
                 for c in range(hc):
                     w[(i * per_lane + j) * MAX_HC + c] = value(wv[row, c * dim + d]) if row < n_mix and d < dim \
                         else float32(0)
+        own_pre = cuda.shared.array((1, MAX_HC), float32)
+        own_post = cuda.shared.array((1, MAX_HC), float32)
+        own_comb = cuda.shared.array((1, MAX_HC, MAX_HC), float32)
+        if split:
+            raw = cuda.shared.array(MIX_ROWS, float32)
+            scratch = cuda.shared.array(threads, float32)
+            sums(partial_in, raw, t, n_slices, scratch)
+            if warp == 0:
+                r = float32(1) / math.sqrt(raw[n_mix] / float32(hc * dim) + norm_eps)
+                split_mixes(raw, r, scale, base, own_pre, own_post, own_comb, 0, iters, hc_eps)
+                if s == 0:
+                    for c in range(lane, hc, LANES):
+                        pre[t, c] = own_pre[0, c]
+            cuda.syncthreads()
         for j in range(per_lane):
             d = s * POST_SLICE + j * LANES + lane
-            if d < dim:
-                _post_values(h, a, post, comb, t, d, hc, has_output, new, j * MAX_HC)
+            if d < dim and split:
+                _post_values(h, a, own_post, own_comb, t, 0, d, hc, has_output, new, j * MAX_HC)
+            elif d < dim:
+                _post_values(h, a, post, comb, t, t, d, hc, has_output, new, j * MAX_HC)
             else:
                 for c in range(hc):
                     new[j * MAX_HC + c] = float32(0)
@@ -405,8 +437,9 @@ class HyperStage:
         hc = cfg.hc
         self.n_slices = -(-cfg.hc * cfg.dim // (MIX_SLICE_CHUNKS * CHUNK))
         self.partial = cuda.device_array((max_tokens, cfg.mix_hc + 1, self.n_slices), np.float32)  # [T, M+1, S]
-        # [T, M+1, S'], S' the post kernel's d-ranges of POST_SLICE
-        self.post_partial = cuda.device_array((max_tokens, cfg.mix_hc + 1, -(-cfg.dim // POST_SLICE)), np.float32)
+        # by the sublayer kind whose mixes read it: [T, M+1, S'], S' the post kernel's d-ranges of POST_SLICE
+        self.post_partial = {kind: cuda.device_array((max_tokens, cfg.mix_hc + 1, -(-cfg.dim // POST_SLICE)),
+                                                     np.float32) for kind in ("attn", "ffn")}
         self.post = cuda.device_array((max_tokens, hc), np.float32)  # [T, hc]
         self.comb = cuda.device_array((max_tokens, hc, hc), np.float32)  # [T, hc(k), hc(c)]
         self.ids = cuda.device_array(max_tokens, np.int32)  # [T]
@@ -440,8 +473,9 @@ class HyperStage:
         fn, scale, base = self.layers[layer][kind]
         cfg = self.cfg
         width = cfg.hc * cfg.dim
-        if after_post:
-            partial, n_slices = self.post_partial, self.post_partial.shape[2]
+        if after_post and n_tokens <= POST_PRODUCT_MAX_TOKENS:
+            partial = self.post_partial[kind]
+            n_slices = partial.shape[2]
         else:
             partial, n_slices = self.partial, self.n_slices
             stream_partials(h.reshape(h.shape[0], width), fn, partial, n_tokens, self.stream)
@@ -473,21 +507,45 @@ class HyperStage:
     def post_mix(self, h, a, n_tokens: int, then: tuple[int, str] | None = None) -> None:
         """h = hc_post(a, h, self.post, self.comb) in place; a None is a zero sublayer output.
         then = (layer, kind): also the product of that sublayer's mixes from the new h, into
-        self.post_partial (post_product_kernel; `fuses` says for which), for its `mixes` with
-        after_post."""
+        self.post_partial[kind] (post_product_kernel; `fuses` says for which), for its `mixes` with
+        after_post; past POST_PRODUCT_MAX_TOKENS tokens those launch their own product instead."""
         cfg = self.cfg
         out = self.no_output if a is None else a
-        if then is not None:
-            fn = self.layers[then[0]][then[1]][0]
-            grid = (self.post_partial.shape[2], n_tokens)
-            post_product_kernel(cfg.hc, fn.gtype)[grid, (LANES, POST_WARPS), self.stream](
-                h, out, self.post, self.comb, fn.data, self.post_partial, cfg.dim, a is not None)
+        if then is not None and n_tokens <= POST_PRODUCT_MAX_TOKENS:
+            self._post_product(h, out, n_tokens, then, None)
             return
         threads = 32 if SIM else 128
         grid = ((cfg.dim + threads - 1) // threads, n_tokens)
         _post_kernel[grid, threads, self.stream](h, out, self.post, self.comb, cfg.hc, cfg.dim, a is not None)
 
+    def mixes_post(self, layer: int, h, pre, n_tokens: int, then: tuple[int, str]) -> None:
+        """The FFN sublayer in one launch: its `mixes` from the product the attention's post_mix
+        formed (pre into the caller's buffer; its post and comb stay in the kernel), its post_mix
+        as a zero output, and the product of sublayer `then`'s mixes, as post_mix with `then`. Past
+        POST_PRODUCT_MAX_TOKENS tokens, `mixes` and post_mix (the same bits)."""
+        if n_tokens > POST_PRODUCT_MAX_TOKENS:
+            self.mixes(layer, "ffn", h, pre, n_tokens, after_post=True)
+            self.post_mix(h, None, n_tokens, then)
+            return
+        self._post_product(h, self.no_output, n_tokens, then, (layer, pre))
+
+    def _post_product(self, h, a, n_tokens: int, then: tuple[int, str], own: tuple[int, object] | None) -> None:
+        """post_product_kernel's launch: the post of h (a: the sublayer output, or no_output) and the
+        product of `then`'s mixes; own = (layer, pre): the post's own FFN mixes run in it too."""
+        cfg = self.cfg
+        fn = self.layers[then[0]][then[1]][0]
+        partial = self.post_partial[then[1]]
+        layer, pre = own if own is not None else (then[0], self.post)  # (not read without own)
+        _, scale, base = self.layers[layer]["ffn"]
+        partial_in = self.post_partial["ffn"]
+        post_product_kernel(cfg.hc, fn.gtype, own is not None)[(partial.shape[2], n_tokens), (LANES, POST_WARPS),
+                                                               self.stream](
+            h, a, self.post, self.comb, fn.data, partial, cfg.dim, a is not self.no_output, partial_in,
+            partial_in.shape[2], scale, base, pre, cfg.sinkhorn_iters, np.float32(cfg.norm_eps),
+            np.float32(cfg.hc_eps))
+
     def free(self) -> None:
         self.layers = []
+        self.post_partial = {}
         self.embedding = None  # type: ignore[assignment]
-        self.partial = self.post_partial = self.post = self.comb = self.ids = self.no_output = None
+        self.partial = self.post = self.comb = self.ids = self.no_output = None

@@ -165,6 +165,36 @@ def check_post_with_next_product(model, oracle, stage, layer, kind, n_tokens, wi
     assert_mixes(stage, pre, want_mixes(oracle, cfg, new_h, layer, kind), n_tokens)
 
 
+@pytest.mark.parametrize("preset,n_tokens", [("tiny", T), ("small", 3), ("small", 11)])
+def test_mixes_post(stages, preset, n_tokens):
+    """11 tokens: past POST_PRODUCT_MAX_TOKENS, where the launches are those of the sublayer alone."""
+    check_mixes_post(*stages(preset), 1, n_tokens)
+
+
+def check_mixes_post(model, oracle, stage, layer, n_tokens):
+    """The FFN sublayer in one launch (mixes_post) against its launches one by one (mixes from the
+    attention post's product, post_mix forming the next attention mixes' product): the same pre,
+    new h and next product, bit for bit; pre within test_mixes' bound of the oracle's."""
+    cfg = model.config
+    h = highway(cfg, 15, n_tokens)
+    a = to_bits(bf16(np.random.default_rng(16).standard_normal((n_tokens, cfg.dim)).astype(np.float32)))
+    then = (layer + 1, "attn")
+    stage.mixes(layer, "attn", cuda.to_device(h), cuda.device_array((16, cfg.hc), np.float32), n_tokens)
+    attn_out = cuda.to_device(h)
+    stage.post_mix(attn_out, cuda.to_device(a), n_tokens, then=(layer, "ffn"))
+    h_attn = attn_out.copy_to_host()[:n_tokens]
+    alone, fused = cuda.to_device(h_attn), cuda.to_device(h_attn)
+    pre_alone, pre_fused = cuda.device_array((16, cfg.hc), np.float32), cuda.device_array((16, cfg.hc), np.float32)
+    stage.mixes(layer, "ffn", alone, pre_alone, n_tokens, after_post=True)
+    stage.post_mix(alone, None, n_tokens, then=then)
+    product_alone = stage.post_partial["attn"].copy_to_host()[:n_tokens]
+    stage.mixes_post(layer, fused, pre_fused, n_tokens, then)
+    for got, want in ((fused, alone), (pre_fused, pre_alone)):
+        assert got.copy_to_host()[:n_tokens].tobytes() == want.copy_to_host()[:n_tokens].tobytes()
+    assert stage.post_partial["attn"].copy_to_host()[:n_tokens].tobytes() == product_alone.tobytes()
+    assert_within(pre_fused.copy_to_host()[:n_tokens], want_mixes(oracle, cfg, h_attn, layer, "ffn")[0], 1e-6, "pre")
+
+
 @pytest.mark.parametrize("fn_type,fuses", [("F16", True), ("BF16", True), ("Q8_0", False), ("Q2_K", False)])
 def test_fn_types(synth_model, fn_type, fuses):
     """The post kernel reads F32 (the presets'), F16 and BF16 mix weights; the K-quants and Q8_0
@@ -195,8 +225,9 @@ def flash(synth_model):
 @pytest.mark.parametrize("n_tokens", [1, 3, 8])
 def test_flash_glue(flash, n_tokens):
     """At V4.1-Flash size (hc 4 x 5120), the real kernel paths: mixes_norm (x, pre, post, comb),
-    post_mix forming each sublayer's next product (F16 and BF16 fn), the mixes from it; each token's
-    results the bits it gets alone (T = 1)."""
+    post_mix forming each sublayer's next product (F16 and BF16 fn), the mixes from it, the FFN
+    sublayer in one launch (mixes_post); mixes_norm's results for each token the bits it gets
+    alone (T = 1)."""
     model, oracle, stage = flash
     cfg = model.config
     h = highway(cfg, 13, n_tokens)
@@ -220,3 +251,4 @@ def test_flash_glue(flash, n_tokens):
             assert a[t:t + 1].tobytes() == b.tobytes()
     for layer, kind in ((1, "ffn"), (0, "attn")):
         check_post_with_next_product(model, oracle, stage, layer, kind, n_tokens, kind == "ffn")
+    check_mixes_post(model, oracle, stage, 0, n_tokens)

@@ -4,7 +4,8 @@ eight post d-ranges, 3 tokens); `test_unmutated_passes` runs every check with th
 Each mutant edits one line of a kernel's own source (tests.mutants.edited): a Sinkhorn column read
 as a row, a sigmoid's sign, the last slice left out of the sums, the attention input collapsed with
 the sublayer's own mix instead of the layer before's, the last copy left out of the product, the
-product's weights read at a neighbouring d, the new copies written in the wrong places.
+product's weights read at a neighbouring d, the new copies written in the wrong places; in the
+FFN sublayer's one launch, its own mixes' mean over one copy, its post written as pre.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from flashv41.host.oracle import Oracle
 from flashv41.stages import hyper
 from flashv41.stages.hyper import HyperStage
 from tests.mutants import edited, mutant
-from tests.test_hyper import check_mixes, check_mixes_norm, check_post_with_next_product
+from tests.test_hyper import check_mixes, check_mixes_norm, check_mixes_post, check_post_with_next_product
 
 CHECKS = {
     "mixes": lambda m, o, s: check_mixes(m, o, s, 1, "ffn", 3),
     "mixes_norm": lambda m, o, s: check_mixes_norm(m, o, s, 3),
     "post_product": lambda m, o, s: check_post_with_next_product(m, o, s, 1, "ffn", 3, True),
+    "mixes_post": lambda m, o, s: check_mixes_post(m, o, s, 1, 3),
 }
 
 
@@ -47,6 +49,9 @@ MUTANTS = [
            "for c in range(hc - 1):\n                    v"),
     Mutant("post_product", "weight_neighbour", "post_product_kernel", "wv[row, c * dim + d]",
            "wv[row, (c * dim + d) ^ 1]"),
+    Mutant("mixes_post", "own_width_one_copy", "post_product_kernel", "float32(hc * dim)", "float32(dim)"),
+    Mutant("mixes_post", "post_for_pre", "post_product_kernel", "pre[t, c] = own_pre[0, c]",
+           "pre[t, c] = own_post[0, c]"),
     Mutant("post_product", "copies_rotated", "post_product_kernel", "h[t, c, d] = new[j * MAX_HC + c]",
            "h[t, c, d] = new[j * MAX_HC + (c + 1) % hc]"),
 ]

@@ -12,8 +12,9 @@ that runs a chunk of tokens through the layer stack.
     engine.close()
 
 Per layer, in the V4.1 order: engram (hash once per call for all engram layers -> rows ->
-projection -> gate) -> attention mixes, hc_pre + attn_norm -> attention -> hc_post -> the FFN
-sublayer as a zero output with its own mixes, whose `pre` is the next layer's pre-mix.
+projection -> gate) -> attention mixes with hc_pre + attn_norm -> attention -> hc_post -> the FFN
+sublayer as a zero output with its own mixes, whose `pre` is the next layer's pre-mix. Each hc_post
+also forms the next mixes' product where it can (HyperStage.fuses; not before an engram layer).
 
 The steps of a call are built once, at construction, into `Engine.plan` (flashv41.plan): which
 stage, which method, which buffers. A call walks it: the host part (token ids, the engram hash,
@@ -205,8 +206,11 @@ class Engine:
 
     def _build_plan(self, batched: bool = False) -> Plan:
         """Every step of a call, once, in the V4.1 order: the host part (token ids, the engram hash,
-        each engram layer's rows), the embedding, each layer's engram -> hc_pre + attn_norm ->
-        attention -> hc_post -> the FFN sublayer as a zero output, and the highway's download.
+        each engram layer's rows), the embedding, each layer's engram -> mixes with hc_pre + attn_norm
+        -> attention -> hc_post -> the FFN sublayer as a zero output, and the highway's download.
+        An hc_post forms the next mixes' product where HyperStage.fuses allows it and no engram runs
+        between them; those mixes then skip their own product launch (after_post). An FFN sublayer
+        between two such posts is one launch (mixes_post: its mixes, post and the next product).
         batched: the plan of `decode_batch`, one token of each of B sequences (the call's start,
         state and shared runtime are then lists, its hasher a BatchHasher); only the attention
         step differs (AttentionStage.forward_batch)."""
@@ -218,8 +222,13 @@ class Engine:
         # the attention sublayer reads the mix the previous layer's FFN mixes wrote (layer 0: the
         # uploaded one-hot), so two buffers alternate; its own mixes' `pre` goes to the third
         pre_mix, pre_next, unused = self.pre
+        # which mixes' product the post before them forms (HyperStage.fuses): not the first layer's
+        # attention mixes (after the embedding), nor an engram layer's (the engram runs between)
+        roles = cfg.roles
+        attn_after_post = [n > 0 and not role.engram and hyper.fuses(role.layer, "attn")
+                           for n, role in enumerate(roles)]
         layers = []
-        for role in cfg.roles:
+        for n, role in enumerate(roles):
             i = role.layer
             rows: Rows | None = None
             engram_steps: tuple[Step, ...] = ()
@@ -229,15 +238,22 @@ class Engine:
                 upload.append(Step("engram rows, projection, gate", i, engram, "upload_rows", (i, rows, TOKENS)))
                 engram_steps = (Step("engram rows, projection, gate", i, engram, "run",
                                      (i, h, TOKENS, MASK, Captured(i))),)
-            attn = (Step("hc mixes", i, hyper, "mixes", (i, "attn", h, unused, TOKENS)),
-                    Step("hc_pre + attn_norm", i, hyper, "pre_norm", (i, h, pre_mix, x, TOKENS)),
+            ffn_after_post = hyper.fuses(i, "ffn")
+            then_attn = (roles[n + 1].layer, "attn") if n + 1 < len(roles) and attn_after_post[n + 1] else None
+            attn = (Step("hc mixes + hc_pre + attn_norm", i, hyper, "mixes_norm",
+                         (i, h, pre_mix, unused, x, TOKENS, attn_after_post[n])),
                     Step(f"attention ({role.block_type})", i, attention, "forward_batch",
                          (i, x, a, STATE, SHARED, START, TOKENS)) if batched else
                     Step(f"attention ({role.block_type})", i, attention, "forward",
                          (i, x, a, STATE, SHARED, START, TOKENS, Captured(i))),
-                    Step("hc_post", i, hyper, "post_mix", (h, a, TOKENS)))
-            ffn = (Step("hc mixes", i, hyper, "mixes", (i, "ffn", h, pre_next, TOKENS)),
-                   Step("hc_post", i, hyper, "post_mix", (h, None, TOKENS)))
+                    Step(post_name(ffn_after_post), i, hyper, "post_mix",
+                         (h, a, TOKENS, (i, "ffn") if ffn_after_post else None)))
+            if ffn_after_post and then_attn is not None:
+                ffn: tuple[Step, ...] = (Step("hc mixes + hc_post + next mixes' product", i, hyper, "mixes_post",
+                                              (i, h, pre_next, TOKENS, then_attn)),)
+            else:
+                ffn = (Step("hc mixes", i, hyper, "mixes", (i, "ffn", h, pre_next, TOKENS, ffn_after_post)),
+                       Step(post_name(then_attn is not None), i, hyper, "post_mix", (h, None, TOKENS, then_attn)))
             layers.append(LayerPlan(i, pre_mix, rows, engram_steps, attn, ffn))
             pre_mix, pre_next = pre_next, pre_mix
         head = (Step("embedding", None, hyper, "embed_uploaded", (h, TOKENS)),)
@@ -393,6 +409,11 @@ class Engine:
             graphs[key] = graph
         self._cuda.synchronize()  # eager work queued on other streams comes first
         self._runner.launch(graph)
+
+
+def post_name(with_product: bool) -> str:
+    """The step name of an hc_post: the profile shows where it also forms the next mixes' product."""
+    return "hc_post + next mixes' product" if with_product else "hc_post"
 
 
 def one_token_mask(mask: Any, what: str) -> np.ndarray | None:

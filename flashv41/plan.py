@@ -144,7 +144,7 @@ class LayerPlan:
     pre_mix: Any  # [T, hc] fp32 (device): the attention sublayer's mix, written by the layer before
     rows: Rows | None  # where the layer's engram row ids are in the call's hash; None without engram
     engram: tuple[Step, ...]  # rows -> projection -> gate, in place on the highway (empty without engram)
-    attn: tuple[Step, ...]  # mixes, hc_pre + attn_norm, attention, hc_post
+    attn: tuple[Step, ...]  # mixes with hc_pre + attn_norm, attention, hc_post (and the FFN mixes' product)
     ffn: tuple[Step, ...]  # the FFN sublayer as a zero output: its mixes (the next layer's pre), hc_post
 
     @property

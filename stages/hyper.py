@@ -7,10 +7,17 @@ Shapes: T tokens, hc copies, C dim, M = (2 + hc) * hc mixes. The highway h is fl
 - `embed`: h[t, c] = bf16(dequant(token_embd[id_t])) for every copy c.
 - `mixes`: raw = h_flat @ fn^T and the square sum of h_flat, in fp32 partial sums over slices of
   the flattened highway [T, M + 1, S] (stages.linear.stream_partials: the decode GEMV's walk, any
-  T), then per token r = rsqrt(mean(h^2) + eps),
-  pre = sigmoid(raw * r * s0 + b) + hc_eps, post = 2 sigmoid(raw * r * s1 + b), comb = Sinkhorn.
-- `pre_norm`: x = attn_norm(bf16(sum_c pre[c] h[c])) in bf16.
-- `post`: h[c] = post[c] * a + sum_k comb[k, c] h[k], in place; a = None is a zero sublayer.
+  T; or the post kernel's, below), then per token r = rsqrt(mean(h^2) + eps),
+  pre = sigmoid(raw * r * s0 + b) + hc_eps, post = 2 sigmoid(raw * r * s1 + b), comb = Sinkhorn
+  (one warp, shuffles, no barrier).
+- `mixes_norm`: the attention sublayer's mixes and x = attn_norm(bf16(sum_c pre[c] h[c])) in bf16
+  (pre: the layer before's mix) in one block per token.
+- `post_mix`: h[c] = post[c] * a + sum_k comb[k, c] h[k], in place; a = None is a zero sublayer.
+  With the next sublayer's mixes named (F32 / F16 / BF16 fn: `fuses`) and T <= POST_PRODUCT_MAX_TOKENS,
+  the same launch also forms their product from the new h, [T, M + 1, S'] by d-ranges of
+  POST_SLICE over as many blocks (past that T the mixes launch stream_partials as without it).
+- `mixes_post`: a zero-output (FFN) sublayer between two such posts in one launch: each post
+  block sums the slices and runs the Sinkhorn itself, then the post and the next product.
 
 Oracle: host.oracle.hc (hc_mixes / sinkhorn_split, hc_pre, hc_post), host.numerics.rms_norm,
 host.oracle.Oracle.embed. Sums run in fp32 here (float64 there); transcendentals are CUDA's.
@@ -25,17 +32,23 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from flashv41.host.errors import UnsupportedError
+from flashv41.host.quants import GGMLType
 from flashv41.stages.device import CHUNK, SIM, WARP, bf16_round, bf16_to_f32, f32_to_bf16, warp_sum
-from flashv41.stages.linear import DeviceWeight, stream_partials
+from flashv41.stages.linear import GEMV_MAX_TOKENS, DeviceWeight, stream_partials
 
 MAX_HC = 4
 MAX_MIX = (2 + MAX_HC) * MAX_HC
 MIX_ROWS = MAX_MIX + 1  # the mixes and the highway's square sum
 PRE_NORM_THREADS = 4 if SIM else 1024  # threads per token of pre_norm (a power of two: the reduction halves it)
 LANES = 1 if SIM else WARP
-COMB_CELLS = MAX_HC * MAX_HC
+POST_SLICE = 32  # d values of each copy a block of the post-and-product kernel takes
+POST_WARPS = 2 if SIM else 8  # that block's warps, each a share of the product's rows
+# the most tokens a post forms the next product for: past them each block re-reading its weights
+# costs more than stream_partials' one read per GEMV_MAX_TOKENS tokens (and mixes_post's Sinkhorn
+# in every block more than one block a token); up to them a token's bits do not depend on T
+POST_PRODUCT_MAX_TOKENS = GEMV_MAX_TOKENS
 MIX_SLICE_CHUNKS = 8  # chunks of the flattened highway per partial sum (a slice of the product)
-SINKHORN_THREADS = 1 if SIM else 256  # the simulator pays dearly for the Sinkhorn loop's barriers
+MIXES_THREADS = 1 if SIM else 256  # the FFN mixes' block: the simulator pays dearly for barriers
 
 
 @cuda.jit(device=True)
@@ -58,14 +71,24 @@ def _block_sum(v, scratch):
 if SIM:
     @cuda.jit(device=True)
     def _sync():
-        """The Sinkhorn kernel's barrier: the simulator runs it in one-thread blocks, where a
-        barrier is a no-op that still costs, so it is skipped there."""
-        if cuda.blockDim.x > 1:
+        """The mixes kernels' barrier: the simulator runs some in one-thread blocks, where a barrier
+        is a no-op that still costs, so it is skipped there."""
+        if cuda.blockDim.x * cuda.blockDim.y > 1:
             cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def _cell(m, cell):
+        """Cell `cell` of the Sinkhorn matrix: the simulator's one-lane warp holds them all."""
+        return m[cell]
 else:
     @cuda.jit(device=True)
     def _sync():
         cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def _cell(m, cell):
+        """Cell `cell` of the Sinkhorn matrix, from lane `cell`, which holds it in m[0]."""
+        return cuda.shfl_sync(0xFFFFFFFF, m[0], cell)
 
 
 @cuda.jit(device=True)
@@ -74,40 +97,76 @@ def _sigmoid(x):
 
 
 @cache
-def mixes_kernel(hc: int):
-    """One block of SINKHORN_THREADS threads per token: the slices' partial products summed (one
-    warp per row), then the split and Sinkhorn, its row and column sums shared by the block's
-    threads. hc and the block size are compiled in: a loop over a run-time stride, or an index
-    divided by a run-time hc, costs a 64-bit division each (about a hundred instructions), and the
-    Sinkhorn loop is made of little else."""
-    n_mix = (2 + hc) * hc
+def split_sinkhorn(hc: int):
+    """A device function for one warp: pre, post and comb of token t from its summed mixes `raw`
+    and r = rsqrt(mean(h^2) + eps). Lane l holds cell l % hc^2 of the matrix (the simulator's one
+    lane all of them, `slots` a lane) and reads a line's other cells from their lanes by shuffles:
+    no barrier in the Sinkhorn loop. Each phase reads its cells before any is written (a shuffle
+    is synchronous; the simulator's slots loop reads them all first), and every sum runs in the
+    cells' index order, as the block-wide walk did: the same bits as hc_mixes' loop in fp32."""
     cells = hc * hc
-    threads = SINKHORN_THREADS
+    slots = cells if LANES == 1 else 1
+
+    @cuda.jit(device=True)
+    def line_sums(m, sums, rows, eps):
+        """sums[i] = eps + the sum over j of slot i's row (rows) or column, in j order."""
+        lane = cuda.threadIdx.x % LANES
+        for i in range(slots):
+            cell = (lane + i * LANES) % cells
+            line = cell // hc if rows else cell % hc
+            s = float32(0)
+            for j in range(hc):
+                s += _cell(m, line * hc + j) if rows else _cell(m, j * hc + line)
+            sums[i] = s + eps
+
+    @cuda.jit(device=True)
+    def split(raw, r, scale, base, pre, post, comb, t, iters, hc_eps):
+        lane = cuda.threadIdx.x % LANES
+        for c in range(lane, hc, LANES):
+            pre[t, c] = _sigmoid(raw[c] * r * scale[0] + base[c]) + hc_eps
+            post[t, c] = float32(2) * _sigmoid(raw[hc + c] * r * scale[1] + base[hc + c])
+        m = cuda.local.array(slots, float32)
+        sums = cuda.local.array(slots, float32)
+        for i in range(slots):
+            cell = (lane + i * LANES) % cells
+            m[i] = raw[2 * hc + cell] * r * scale[2] + base[2 * hc + cell]
+        for i in range(slots):  # row softmax: the row's max, exp, the row's sum
+            k = (lane + i * LANES) % cells // hc
+            row_max = float32(-math.inf)
+            for c in range(hc):
+                row_max = max(row_max, _cell(m, k * hc + c))
+            sums[i] = row_max
+        for i in range(slots):
+            m[i] = math.exp(m[i] - sums[i])
+        line_sums(m, sums, True, float32(0))
+        for i in range(slots):
+            m[i] = m[i] / sums[i] + hc_eps
+        for it in range(iters):
+            if it > 0:
+                line_sums(m, sums, True, hc_eps)
+                for i in range(slots):
+                    m[i] = m[i] / sums[i]
+            line_sums(m, sums, False, hc_eps)
+            for i in range(slots):
+                m[i] = m[i] / sums[i]
+        for i in range(slots):
+            cell = lane + i * LANES
+            if cell < cells:
+                comb[t, cell // hc, cell % hc] = m[i]
+
+    return split
+
+
+@cache
+def mix_sums(n_mix: int, threads: int):
+    """A device function for the block of token t (`threads` threads, x fastest): raw[row] = the sum
+    of partial[t, row, :n_slices] for the n_mix + 1 rows (one warp a row, its lanes strided over
+    the slices), then a barrier."""
     warps = threads // LANES
 
     @cuda.jit(device=True)
-    def normalise(m, sums, rows, eps):
-        """m[line, j] /= (sum_j m[line, j] + eps) for each of the hc rows (rows) or columns; the
-        sums in j order, one thread a line."""
-        tid = cuda.threadIdx.x
-        for line in range(tid, hc, threads):
-            s = float32(0)
-            for j in range(hc):
-                s += m[line * hc + j] if rows else m[j * hc + line]
-            sums[line] = s + eps
-        _sync()
-        for cell in range(tid, cells, threads):
-            m[cell] = m[cell] / sums[cell // hc if rows else cell % hc]
-        _sync()
-
-    @cuda.jit
-    def kernel(partial, scale, base, pre, post, comb, n_slices, width, iters, norm_eps, hc_eps):
-        raw = cuda.shared.array(MIX_ROWS, float32)
-        m = cuda.shared.array(COMB_CELLS, float32)
-        sums = cuda.shared.array(MAX_HC, float32)
-        scratch = cuda.shared.array(SINKHORN_THREADS, float32)
-        t = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
+    def sums(partial, raw, t, n_slices, scratch):
+        tid = cuda.threadIdx.x + cuda.threadIdx.y * cuda.blockDim.x
         lane = tid % LANES
         warp = tid // LANES
         for first in range(0, n_mix + 1, warps):  # a uniform walk: every thread meets warp_sum's barriers
@@ -120,47 +179,20 @@ def mixes_kernel(hc: int):
             if row <= n_mix and lane == 0:
                 raw[row] = total
         _sync()
-        r = float32(1) / math.sqrt(raw[n_mix] / float32(width) + norm_eps)
-        for c in range(tid, hc, threads):
-            pre[t, c] = _sigmoid(raw[c] * r * scale[0] + base[c]) + hc_eps
-            post[t, c] = float32(2) * _sigmoid(raw[hc + c] * r * scale[1] + base[hc + c])
-        for cell in range(tid, cells, threads):
-            m[cell] = raw[2 * hc + cell] * r * scale[2] + base[2 * hc + cell]
-        _sync()
-        for k in range(tid, hc, threads):  # row softmax
-            row_max = float32(-math.inf)
-            for c in range(hc):
-                row_max = max(row_max, m[k * hc + c])
-            row_sum = float32(0)
-            for c in range(hc):
-                e = math.exp(m[k * hc + c] - row_max)
-                m[k * hc + c] = e
-                row_sum += e
-            for c in range(hc):
-                m[k * hc + c] = m[k * hc + c] / row_sum + hc_eps
-        _sync()
-        for it in range(iters):
-            if it > 0:
-                normalise(m, sums, True, hc_eps)
-            normalise(m, sums, False, hc_eps)
-        for cell in range(tid, cells, threads):
-            comb[t, cell // hc, cell % hc] = m[cell]
 
-    return kernel
+    return sums
 
 
 @cache
-def pre_norm_kernel(hc: int, per_thread: int):
-    """One block of PRE_NORM_THREADS threads per token, per_thread values of the row each (their
-    loads issued together, the mixed values kept for the second pass): y = bf16(sum_c pre[c] h[c]);
-    out = bf16(w * (y * rsqrt(mean(y^2) + eps))). A walk that loads, adds and loads again waits on
-    each load in turn: that cost a one-token step about 20 us here."""
+def collapse_norm(hc: int, per_thread: int):
+    """A device function for the block of PRE_NORM_THREADS threads of token t, per_thread values of
+    the row each (their loads issued together, the mixed values kept for the second pass):
+    y = bf16(sum_c pre[c] h[c]); out = bf16(w * (y * rsqrt(mean(y^2) + eps))). A walk that loads,
+    adds and loads again waits on each load in turn: that cost a one-token step about 20 us here."""
     threads = PRE_NORM_THREADS
 
-    @cuda.jit
-    def kernel(h, pre, weight, out, dim, eps):
-        scratch = cuda.shared.array(PRE_NORM_THREADS, float32)
-        t = cuda.blockIdx.x
+    @cuda.jit(device=True)
+    def norm(h, pre, weight, out, t, dim, eps, scratch):
         tid = cuda.threadIdx.x
         mix = cuda.local.array(hc, float32)
         ys = cuda.local.array(per_thread, float32)
@@ -183,7 +215,72 @@ def pre_norm_kernel(hc: int, per_thread: int):
             if d < dim:
                 out[t, d] = f32_to_bf16(weight[d] * (ys[i] * r))
 
+    return norm
+
+
+@cache
+def mixes_kernel(hc: int):
+    """One block of MIXES_THREADS threads per token: the slices' partial products summed (one warp
+    a row), then warp 0 runs the split and Sinkhorn (split_sinkhorn). hc and the block size are
+    compiled in: a loop over a run-time stride, or an index divided by a run-time hc, costs a
+    64-bit division each (about a hundred instructions), and the Sinkhorn loop is made of little
+    else."""
+    n_mix = (2 + hc) * hc
+    sums = mix_sums(n_mix, MIXES_THREADS)
+    split = split_sinkhorn(hc)
+
+    @cuda.jit
+    def kernel(partial, scale, base, pre, post, comb, n_slices, width, iters, norm_eps, hc_eps):
+        raw = cuda.shared.array(MIX_ROWS, float32)
+        scratch = cuda.shared.array(MIXES_THREADS, float32)
+        t = cuda.blockIdx.x
+        sums(partial, raw, t, n_slices, scratch)
+        r = float32(1) / math.sqrt(raw[n_mix] / float32(width) + norm_eps)
+        if cuda.threadIdx.x < LANES:
+            split(raw, r, scale, base, pre, post, comb, t, iters, hc_eps)
+
     return kernel
+
+
+@cache
+def mixes_norm_kernel(hc: int, per_thread: int):
+    """The attention sublayer's mixes and its input in one block of PRE_NORM_THREADS threads per
+    token: the slices summed (as mixes_kernel), x = attn_norm(hc_pre(h, pre_in)) (collapse_norm;
+    pre_in is the mix the layer before wrote), then warp 0 runs the split and Sinkhorn. Each part's
+    arithmetic is the one its kernel ran alone: the same bits as mixes_kernel then the collapse."""
+    n_mix = (2 + hc) * hc
+    sums = mix_sums(n_mix, PRE_NORM_THREADS)
+    norm = collapse_norm(hc, per_thread)
+    split = split_sinkhorn(hc)
+
+    @cuda.jit
+    def kernel(partial, scale, base, pre, post, comb, n_slices, width, iters, norm_eps, hc_eps,
+               h, pre_in, weight, x, dim):
+        raw = cuda.shared.array(MIX_ROWS, float32)
+        scratch = cuda.shared.array(PRE_NORM_THREADS, float32)
+        t = cuda.blockIdx.x
+        sums(partial, raw, t, n_slices, scratch)
+        norm(h, pre_in, weight, x, t, dim, norm_eps, scratch)
+        r = float32(1) / math.sqrt(raw[n_mix] / float32(width) + norm_eps)
+        if cuda.threadIdx.x < LANES:
+            split(raw, r, scale, base, pre, post, comb, t, iters, hc_eps)
+
+    return kernel
+
+
+@cuda.jit(device=True)
+def _post_values(h, a, post, comb, t, m, d, hc, has_output, out, o):
+    """out[o + c] = post[m, c] * a[t, d] + sum_k comb[m, k, c] h[t, k, d] for every copy c (h's
+    values before any is written; m: token t's row of post and comb)."""
+    old = cuda.local.array(MAX_HC, float32)
+    for k in range(hc):
+        old[k] = h[t, k, d]
+    av = bf16_to_f32(a[t, d]) if has_output else float32(0)
+    for c in range(hc):
+        s = float32(0)
+        for k in range(hc):
+            s += comb[m, k, c] * old[k]
+        out[o + c] = post[m, c] * av + s if has_output else s
 
 
 @cuda.jit
@@ -193,15 +290,105 @@ def _post_kernel(h, a, post, comb, hc, dim, has_output):
     d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if d >= dim:
         return
-    old = cuda.local.array(MAX_HC, float32)
-    for k in range(hc):
-        old[k] = h[t, k, d]
-    av = bf16_to_f32(a[t, d]) if has_output else float32(0)
+    new = cuda.local.array(MAX_HC, float32)
+    _post_values(h, a, post, comb, t, t, d, hc, has_output, new, 0)
     for c in range(hc):
-        s = float32(0)
-        for k in range(hc):
-            s += comb[t, k, c] * old[k]
-        h[t, c, d] = post[t, c] * av + s if has_output else s
+        h[t, c, d] = new[c]
+
+
+@cuda.jit(device=True)
+def _as_f32(v):
+    return float32(v)
+
+
+# the mix weight types the post kernel reads value by value: the view of a row's bytes, its decode
+FN_READERS = {GGMLType.F32: (np.float32, _as_f32), GGMLType.F16: (np.float16, _as_f32),
+              GGMLType.BF16: (np.uint16, bf16_to_f32)}
+
+
+@cache
+def post_product_kernel(hc: int, gtype: GGMLType, split: bool):
+    """hc_post fused with the next sublayer's mixes product: block (s, t) of (LANES, POST_WARPS)
+    threads takes d = POST_SLICE s .. POST_SLICE (s + 1) - 1 of token t (one d a lane on the GPU;
+    the simulator's one lane all of them); every warp forms the new h[t, :, d] (_post_values, the
+    arithmetic of _post_kernel: the same bits), warp 0 writes them after a barrier (the update is in
+    place), and warp w adds up rows w, w + POST_WARPS, ... of the product of the values against fn
+    [M, hc C] (row M: their squares) into partial[t, row, s], its weights loaded before the highway.
+    The mixes' slices are then the d-ranges of every copy together: another fp32 order than
+    stream_partials' runs of the flattened highway, within the same bounds.
+    split: the post's own mixes too (a zero-output sublayer's, whose post and comb nothing else
+    reads): each block sums partial_in's n_slices slices of token t (mix_sums) and warp 0 runs the
+    split and Sinkhorn (split_sinkhorn) into shared memory, the same bits in every block and as
+    mixes_kernel gives them; block 0 writes pre. Without split, partial_in .. pre are not read."""
+    n_mix = (2 + hc) * hc
+    per_lane = POST_SLICE // LANES
+    rows = -(-(n_mix + 1) // POST_WARPS)  # rows a warp adds up, at most
+    view, value = FN_READERS[gtype]
+    values = per_lane * MAX_HC  # a lane's new highway values
+    weights = rows * values  # and the weights they meet
+    threads = LANES * POST_WARPS
+    sums = mix_sums(n_mix, threads)
+    split_mixes = split_sinkhorn(hc)
+
+    @cuda.jit
+    def kernel(h, a, post, comb, fn, partial, dim, has_output, partial_in, n_slices, scale, base, pre, iters,
+               norm_eps, hc_eps):
+        t = cuda.blockIdx.y
+        s = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        warp = cuda.threadIdx.y
+        wv = fn.view(view)
+        w = cuda.local.array(weights, float32)
+        new = cuda.local.array(values, float32)
+        for i in range(rows):
+            row = warp + i * POST_WARPS
+            for j in range(per_lane):
+                d = s * POST_SLICE + j * LANES + lane
+                for c in range(hc):
+                    w[(i * per_lane + j) * MAX_HC + c] = value(wv[row, c * dim + d]) if row < n_mix and d < dim \
+                        else float32(0)
+        own_pre = cuda.shared.array((1, MAX_HC), float32)
+        own_post = cuda.shared.array((1, MAX_HC), float32)
+        own_comb = cuda.shared.array((1, MAX_HC, MAX_HC), float32)
+        if split:
+            raw = cuda.shared.array(MIX_ROWS, float32)
+            scratch = cuda.shared.array(threads, float32)
+            sums(partial_in, raw, t, n_slices, scratch)
+            if warp == 0:
+                r = float32(1) / math.sqrt(raw[n_mix] / float32(hc * dim) + norm_eps)
+                split_mixes(raw, r, scale, base, own_pre, own_post, own_comb, 0, iters, hc_eps)
+                if s == 0:
+                    for c in range(lane, hc, LANES):
+                        pre[t, c] = own_pre[0, c]
+            cuda.syncthreads()
+        for j in range(per_lane):
+            d = s * POST_SLICE + j * LANES + lane
+            if d < dim and split:
+                _post_values(h, a, own_post, own_comb, t, 0, d, hc, has_output, new, j * MAX_HC)
+            elif d < dim:
+                _post_values(h, a, post, comb, t, t, d, hc, has_output, new, j * MAX_HC)
+            else:
+                for c in range(hc):
+                    new[j * MAX_HC + c] = float32(0)
+        cuda.syncthreads()  # every warp has read the old values
+        if warp == 0:
+            for j in range(per_lane):
+                d = s * POST_SLICE + j * LANES + lane
+                if d < dim:
+                    for c in range(hc):
+                        h[t, c, d] = new[j * MAX_HC + c]
+        for i in range(rows):
+            row = warp + i * POST_WARPS
+            acc = float32(0)
+            for j in range(per_lane):
+                for c in range(hc):
+                    v = new[j * MAX_HC + c]
+                    acc += v * (v if row == n_mix else w[(i * per_lane + j) * MAX_HC + c])
+            total = warp_sum(acc, new) if LANES > 1 else acc  # (shuffles: no scratch)
+            if lane == 0 and row <= n_mix:
+                partial[t, row, s] = total
+
+    return kernel
 
 
 @cache
@@ -250,6 +437,9 @@ class HyperStage:
         hc = cfg.hc
         self.n_slices = -(-cfg.hc * cfg.dim // (MIX_SLICE_CHUNKS * CHUNK))
         self.partial = cuda.device_array((max_tokens, cfg.mix_hc + 1, self.n_slices), np.float32)  # [T, M+1, S]
+        # by the sublayer kind whose mixes read it: [T, M+1, S'], S' the post kernel's d-ranges of POST_SLICE
+        self.post_partial = {kind: cuda.device_array((max_tokens, cfg.mix_hc + 1, -(-cfg.dim // POST_SLICE)),
+                                                     np.float32) for kind in ("attn", "ffn")}
         self.post = cuda.device_array((max_tokens, hc), np.float32)  # [T, hc]
         self.comb = cuda.device_array((max_tokens, hc, hc), np.float32)  # [T, hc(k), hc(c)]
         self.ids = cuda.device_array(max_tokens, np.int32)  # [T]
@@ -272,34 +462,90 @@ class HyperStage:
         embed_kernel(self.embedding.dequant)[grid, threads, self.stream](
             self.ids, self.embedding.data, h, n_tokens, self.cfg.hc, chunks)
 
-    def mixes(self, layer: int, kind: str, h, pre, n_tokens: int) -> None:
-        """pre [T, hc] (caller's buffer), self.post and self.comb from h for sublayer `kind`: the
-        product and the highway's square sum by slices of MIX_SLICE_CHUNKS chunks (many warps for
-        one token), then one block per token adds the slices up and runs the split and Sinkhorn."""
+    def fuses(self, layer: int, kind: str) -> bool:
+        """Whether post_mix can form the product of sublayer `kind`'s mixes (its fn type is one the
+        post kernel reads: FN_READERS); else `mixes` launches stream_partials for it."""
+        return self.layers[layer][kind][0].gtype in FN_READERS
+
+    def _mix_args(self, layer: int, kind: str, h, n_tokens: int, after_post: bool) -> tuple:
+        """The product's partial sums for the mixes of sublayer `kind` (stream_partials' launch unless
+        post_mix formed them: after_post) and the mixes kernels' first arguments."""
         fn, scale, base = self.layers[layer][kind]
         cfg = self.cfg
         width = cfg.hc * cfg.dim
-        stream_partials(h.reshape(h.shape[0], width), fn, self.partial, n_tokens, self.stream)
-        mixes_kernel(cfg.hc)[n_tokens, SINKHORN_THREADS, self.stream](
-            self.partial, scale, base, pre, self.post, self.comb, self.n_slices, width, cfg.sinkhorn_iters,
-            np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))
+        if after_post and n_tokens <= POST_PRODUCT_MAX_TOKENS:
+            partial = self.post_partial[kind]
+            n_slices = partial.shape[2]
+        else:
+            partial, n_slices = self.partial, self.n_slices
+            stream_partials(h.reshape(h.shape[0], width), fn, partial, n_tokens, self.stream)
+        return partial, n_slices, scale, base
 
-    def pre_norm(self, layer: int, h, pre, x, n_tokens: int) -> None:
-        """x [T, C] bf16 = attn_norm(hc_pre(h, pre))."""
+    def mixes(self, layer: int, kind: str, h, pre, n_tokens: int, after_post: bool = False) -> None:
+        """pre [T, hc] (caller's buffer), self.post and self.comb from h for sublayer `kind`: the
+        product and the highway's square sum by slices (stream_partials' slices of MIX_SLICE_CHUNKS
+        chunks, many warps for one token; after_post: the slices post_mix wrote), then one block
+        per token adds the slices up and runs the split and Sinkhorn."""
         cfg = self.cfg
+        partial, n_slices, scale, base = self._mix_args(layer, kind, h, n_tokens, after_post)
+        mixes_kernel(cfg.hc)[n_tokens, MIXES_THREADS, self.stream](
+            partial, scale, base, pre, self.post, self.comb, n_slices,
+            cfg.hc * cfg.dim, cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))
+
+    def mixes_norm(self, layer: int, h, pre_in, pre, x, n_tokens: int, after_post: bool = False) -> None:
+        """The attention sublayer's `mixes` (pre into the caller's `pre`) and its input x [T, C]
+        bf16 = attn_norm(hc_pre(h, pre_in)), pre_in the mix the layer before wrote, the sums, the
+        collapse and the Sinkhorn in one block per token."""
+        cfg = self.cfg
+        partial, n_slices, scale, base = self._mix_args(layer, "attn", h, n_tokens, after_post)
         per_thread = -(-cfg.dim // PRE_NORM_THREADS)
-        pre_norm_kernel(cfg.hc, per_thread)[n_tokens, PRE_NORM_THREADS, self.stream](
-            h, pre, self.layers[layer]["attn_norm"], x, cfg.dim, np.float32(cfg.norm_eps))
+        mixes_norm_kernel(cfg.hc, per_thread)[n_tokens, PRE_NORM_THREADS, self.stream](
+            partial, scale, base, pre, self.post, self.comb, n_slices,
+            cfg.hc * cfg.dim, cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps),
+            h, pre_in, self.layers[layer]["attn_norm"], x, cfg.dim)
 
-    def post_mix(self, h, a, n_tokens: int) -> None:
-        """h = hc_post(a, h, self.post, self.comb) in place; a None is a zero sublayer output."""
+    def post_mix(self, h, a, n_tokens: int, then: tuple[int, str] | None = None) -> None:
+        """h = hc_post(a, h, self.post, self.comb) in place; a None is a zero sublayer output.
+        then = (layer, kind): also the product of that sublayer's mixes from the new h, into
+        self.post_partial[kind] (post_product_kernel; `fuses` says for which), for its `mixes` with
+        after_post; past POST_PRODUCT_MAX_TOKENS tokens those launch their own product instead."""
         cfg = self.cfg
+        out = self.no_output if a is None else a
+        if then is not None and n_tokens <= POST_PRODUCT_MAX_TOKENS:
+            self._post_product(h, out, n_tokens, then, None)
+            return
         threads = 32 if SIM else 128
         grid = ((cfg.dim + threads - 1) // threads, n_tokens)
-        _post_kernel[grid, threads, self.stream](h, self.no_output if a is None else a, self.post, self.comb,
-                                                 cfg.hc, cfg.dim, a is not None)
+        _post_kernel[grid, threads, self.stream](h, out, self.post, self.comb, cfg.hc, cfg.dim, a is not None)
+
+    def mixes_post(self, layer: int, h, pre, n_tokens: int, then: tuple[int, str]) -> None:
+        """The FFN sublayer in one launch: its `mixes` from the product the attention's post_mix
+        formed (pre into the caller's buffer; its post and comb stay in the kernel), its post_mix
+        as a zero output, and the product of sublayer `then`'s mixes, as post_mix with `then`. Past
+        POST_PRODUCT_MAX_TOKENS tokens, `mixes` and post_mix (the same bits)."""
+        if n_tokens > POST_PRODUCT_MAX_TOKENS:
+            self.mixes(layer, "ffn", h, pre, n_tokens, after_post=True)
+            self.post_mix(h, None, n_tokens, then)
+            return
+        self._post_product(h, self.no_output, n_tokens, then, (layer, pre))
+
+    def _post_product(self, h, a, n_tokens: int, then: tuple[int, str], own: tuple[int, object] | None) -> None:
+        """post_product_kernel's launch: the post of h (a: the sublayer output, or no_output) and the
+        product of `then`'s mixes; own = (layer, pre): the post's own FFN mixes run in it too."""
+        cfg = self.cfg
+        fn = self.layers[then[0]][then[1]][0]
+        partial = self.post_partial[then[1]]
+        layer, pre = own if own is not None else (then[0], self.post)  # (not read without own)
+        _, scale, base = self.layers[layer]["ffn"]
+        partial_in = self.post_partial["ffn"]
+        post_product_kernel(cfg.hc, fn.gtype, own is not None)[(partial.shape[2], n_tokens), (LANES, POST_WARPS),
+                                                               self.stream](
+            h, a, self.post, self.comb, fn.data, partial, cfg.dim, a is not self.no_output, partial_in,
+            partial_in.shape[2], scale, base, pre, cfg.sinkhorn_iters, np.float32(cfg.norm_eps),
+            np.float32(cfg.hc_eps))
 
     def free(self) -> None:
         self.layers = []
+        self.post_partial = {}
         self.embedding = None  # type: ignore[assignment]
         self.partial = self.post = self.comb = self.ids = self.no_output = None

@@ -1,22 +1,28 @@
-"""Sparse single-kv-head attention with a sink on the device, and the per-query entry lists.
+"""Sparse single-kv-head attention with a sink on the device, each query's entry list made in the kernels.
 
-Shapes (T tokens, H heads x D head_dim, W window slots, E entries per query; bf16 = uint16 bits):
-- `sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens)`:
+Shapes (T tokens, H heads x D head_dim, W window slots, K selected, E = W + K entries per query;
+bf16 = uint16 bits):
+- `sparse_attention(q, ring, chunk_rows, comp_rows, positions, selection, sinks, scale, out, n_tokens)`:
   q bf16 [T, H, D]; ring bf16 [W, D] (the window ring, slot = position % W); chunk_rows bf16 [Cn, D]
-  (this chunk's window rows); comp_rows bf16 [G, D] (the compressed cache); entries int32 [T, E]:
-  e < 0 skipped, e < W -> ring[e], e < W + Cn -> chunk_rows[e - W], else comp_rows[e - W - Cn];
-  sinks fp32 [H]; out bf16 [T, H, D]. K = V = the row (MQA). With a `SparseWorkspace` and
-  T <= its token capacity and SPLIT_MAX_TOKENS it takes the split path below.
-- `sparse_attention_tables(q, rings, chunk_rows, comps, ...)`: the same for a batch of sequences,
-  token t its sequence's only one, reading its own ring and compressed rows through address tables
-  (stages.row_tables); the split path for up to SPLIT_BATCH_TOKENS tokens.
-- `build_entries(positions, selection, window, chunk_capacity, entries, n_tokens)`: the canonical
-  list of each query at position p in that encoding: the W window positions p - W + 1 .. p oldest
-  first (-1 before 0; ring slots for positions before the chunk, chunk rows from the chunk's
-  first position on), then the K selected compressed positions as given (ascending, -1 padded).
-Oracle: host.oracle.attention.sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale)
-and host.oracle.attention.build_entries(positions, selection, window, chunk_capacity): the wrappers
-take those arguments in that order, then their output and row count.
+  (this chunk's window rows, the chunk's first position in row 0); comp_rows bf16 [G, D] (the
+  compressed cache); positions int32 [T] (the chunk's, consecutive); selection int32 [T, K] (each
+  query's selected groups, -1 = none) or None (K = 0); sinks fp32 [H]; out bf16 [T, H, D]. K = V =
+  the row (MQA). With a `SparseWorkspace` and T <= its token capacity and SPLIT_MAX_TOKENS it takes
+  the split path below.
+- `sparse_attention_tables(q, rings, chunk_rows, comps, positions, selection, window, ...)`: the same
+  for a batch of sequences, token t its sequence's only one (its window row in chunk row t), reading
+  its own ring and compressed rows through address tables (stages.row_tables); the split path for up
+  to SPLIT_BATCH_TOKENS tokens.
+Each query's list is the canonical one (`entry_at`, written once, called where a kernel needs an
+entry: no entries array): the W window positions p - W + 1 .. p oldest first (-1 before 0; ring
+slots for positions before the chunk, chunk rows from the chunk's first position on), then the K
+selected compressed positions as given, encoded e < 0 skipped, e < W -> ring[e], e < W + Cn ->
+chunk_rows[e - W], else comp_rows[e - W - Cn].
+Oracle: host.oracle.attention.attend(q, ring, chunk_rows, comp_rows, positions, selection, sinks,
+scale) = its sparse_attention over build_entries(positions, selection, W, Cn): the wrappers take
+those arguments in that order (the tables one the window after the selection), then their output
+and row count. The kernels give the bits the former build_entries kernel + entries-reading kernels
+gave: the entries are the same integers, read from registers instead of memory.
 
 The online softmax walks the entries in blocks of 64 in the oracle's order and roundings: per
 block the running max (from -1e30) is updated, p = exp(s - max) (float64 exp rounded once, as the
@@ -92,7 +98,6 @@ NEG_INF = float32(-np.inf)
 # the 64 dot products of an entry block, and a thread owns D / 512 output dims).
 ATTN_THREADS = 1 if SIM else 512
 LANES = 1 if SIM else WARP
-ENTRY_THREADS = 64 if SIM else 256
 
 # The split path (GPU sizes; the simulator runs lanes of one and a few threads a block).
 SPLIT_MAX_TOKENS = 8  # sparse_attention's split path: decode steps (prefill chunks take the other)
@@ -359,12 +364,12 @@ def _write_tile_max(tile_s, tile_max, t, tile_i, hb, n_heads, tile, block_heads,
 
 
 @device
-def _entry_sources(entries, t, b0, n_entries, window, chunk_rows, src, row, tid, threads):
+def _entry_sources(positions, selection, t, b0, n_entries, window, chunk_rows, own_rows, src, row, tid, threads):
     """src[j], row[j] = _resolve of token t's entry b0 + j, j < 64 (-1 past E), the block's threads
     sharing them out."""
     for j in range(tid, SPARSE_BLOCK, threads):
-        e = entries[t, b0 + j] if b0 + j < n_entries else -1
-        sr, ix = _resolve(e, window, chunk_rows)
+        sr, ix = _resolve(entry_at(positions, selection, t, b0 + j, window, chunk_rows, n_entries, own_rows),
+                          window, chunk_rows)
         src[j] = sr
         row[j] = ix
 
@@ -404,6 +409,28 @@ def _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads,
 
 
 @device
+def entry_at(positions, selection, t, j, window, chunk_rows, n_entries, own_rows):
+    """Entry j of token t's list (module docstring; -1 from j = n_entries = W + K on): window
+    position wp = positions[t] - W + 1 + j for j < W (-1 before 0; ring slot wp % W before the
+    chunk's first position, chunk row W + (wp - that position) from it on), then selected group
+    s = selection[t, j - W] (W + chunk_rows + s; -1 stays -1). The chunk's first position is
+    positions[0], or with own_rows (a batch, token t its own sequence's only one, in chunk row t)
+    positions[t]: host.oracle.attention.build_entries, with chunk_capacity = chunk_rows."""
+    if j >= n_entries:
+        return int32(-1)
+    if j < window:
+        wp = positions[t] - window + 1 + j
+        start = positions[t] if own_rows else positions[0]
+        if wp < 0:
+            return int32(-1)
+        if wp >= start:
+            return int32(window + (t if own_rows else 0) + (wp - start))
+        return int32(wp % window)
+    s = selection[t, j - window]
+    return int32(-1) if s < 0 else int32(window + chunk_rows + s)
+
+
+@device
 def _resolve(e, window, chunk_rows):
     """(source, row) of entry e: 0 ring, 1 chunk rows, 2 compressed rows; -1 skipped."""
     if e < 0:
@@ -425,7 +452,7 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False)
     per_thread = head_dim // threads
 
     @jit_for(threads)
-    def kernel(q, rings, chunk, comps, entries, sinks, out, n_entries, scale):
+    def kernel(q, rings, chunk, comps, positions, selection, sinks, out, n_entries, scale):
         qs = cuda.shared.array(head_dim, float32)  # [D]: the query, fp32
         ss = cuda.shared.array(SPARSE_BLOCK, float32)  # [64]: the block's scores (-inf: skipped)
         ps = cuda.shared.array(SPARSE_BLOCK, float32)  # [64]: their probabilities, fp32
@@ -452,8 +479,8 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False)
             cuda.syncthreads()
         for b0 in range(0, n_entries, SPARSE_BLOCK):
             for j in range(warp, SPARSE_BLOCK, warps):
-                e = entries[t, b0 + j] if b0 + j < n_entries else -1
-                sr, ix = _resolve(e, window, chunk_rows)
+                sr, ix = _resolve(entry_at(positions, selection, t, b0 + j, window, chunk_rows, n_entries, tables),
+                                  window, chunk_rows)
                 part = float32(0)
                 if sr >= 0:
                     part = _row_dot(qs, ring, chunk, comp, sr, ix, lane, lanes)
@@ -517,7 +544,7 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
     n_out = 1 if lanes > 1 else n_sums  # the sums each lane finishes
 
     @jit_for(threads)
-    def kernel(q32, rings, chunk32, comps, entries, scores, tile_max, n_entries, n_heads, scale):
+    def kernel(q32, rings, chunk32, comps, positions, selection, scores, tile_max, n_entries, n_heads, scale):
         tile_s = cuda.shared.array((tile, block_heads), float32)  # [tile, heads]: the block's scores
         tid = cuda.threadIdx.x
         lane = tid % lanes
@@ -540,8 +567,8 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
             _load_query(qv, k, q32, t * n_heads + h0 + k, lane, lanes, per_lane, units)
         skipped = 0  # bit i: entry i skipped
         for i in range(per_warp):  # every row load issued before the first is used
-            e = entries[t, e0 + i] if e0 + i < n_entries else -1
-            sr, ix = _resolve(e, window, chunk_rows)
+            sr, ix = _resolve(entry_at(positions, selection, t, e0 + i, window, chunk_rows, n_entries, tables),
+                              window, chunk_rows)
             if sr < 0:
                 skipped |= 1 << i
             _load_row(rw, i, ring32, chunk32, comp32, sr, ix, lane, lanes, per_lane, units)
@@ -593,7 +620,7 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
     assert SCORE_TILE % 8 == 0, "a score tile is whole fragments of 8 entries"
 
     @jit_for(threads)
-    def kernel(q32, rings, chunk32, comps, entries, scores, tile_max, n_entries, n_heads, scale):
+    def kernel(q32, rings, chunk32, comps, positions, selection, scores, tile_max, n_entries, n_heads, scale):
         tile_s = cuda.shared.array(tile_shape, float32)  # [tile, heads]: the block's scores
         tid = cuda.threadIdx.x
         warp, g, t4 = _mma_lane(tid)
@@ -611,7 +638,7 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
         rows = cuda.local.array(rows_shape, int32)  # its entry of each fragment
         acc = cuda.local.array(acc_shape, float32)
         for f in range(fragments):
-            e = entries[t, e0 + 8 * f + g] if e0 + 8 * f + g < n_entries else -1
+            e = entry_at(positions, selection, t, e0 + 8 * f + g, window, chunk_rows, n_entries, tables)
             rows[f, 0], rows[f, 1] = _resolve(e, window, chunk_rows)
             for i in range(4):
                 acc[f, i] = float32(0)
@@ -638,8 +665,8 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
             for i in range(4):
                 j = 8 * f + 2 * t4 + i % 2  # the entry within the tile
                 k = 16 * warp + g + 8 * (i // 2)  # the head within the block
-                e = entries[t, e0 + j] if e0 + j < n_entries else -1
-                sr, ix = _resolve(e, window, chunk_rows)
+                sr, ix = _resolve(entry_at(positions, selection, t, e0 + j, window, chunk_rows, n_entries, tables),
+                                  window, chunk_rows)
                 part = acc[f, i]
                 v = mul_rn(part, scale) if sr >= 0 else NEG_INF
                 tile_s[j, k] = v
@@ -676,7 +703,8 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
     later_shape = (max(1, entry_groups - 1), block_heads, head_dim)
 
     @jit_for(threads)
-    def kernel(rings, chunk32, comps, entries, scores, tile_max, pv, block_sum, block_max, rescale, n_entries):
+    def kernel(rings, chunk32, comps, positions, selection, scores, tile_max, pv, block_sum, block_max, rescale,
+               n_entries):
         src = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: the source of each entry's row (_resolve)
         row = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: its row there
         # [64, heads]: p_j in fp32 and rounded to bf16, an entry's heads side by side
@@ -696,7 +724,7 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
             rings, comps)
         window = ring32.shape[0]
         chunk_rows = chunk32.shape[0]
-        _entry_sources(entries, t, b0, n_entries, window, chunk_rows, src, row, tid, threads)
+        _entry_sources(positions, selection, t, b0, n_entries, window, chunk_rows, tables, src, row, tid, threads)
         _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads, tiles, tile_max.shape[2],
                       tile_prev, tile_new, prev_max, new_max, sync)
         for i in range(tid, SPARSE_BLOCK * block_heads, threads):
@@ -777,7 +805,8 @@ def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool 
     assert d_slice % 8 == 0 and head_dim % d_slice == 0
 
     @jit_for(threads)
-    def kernel(rings, chunk32, comps, entries, scores, tile_max, pv, block_sum, block_max, rescale, n_entries):
+    def kernel(rings, chunk32, comps, positions, selection, scores, tile_max, pv, block_sum, block_max, rescale,
+               n_entries):
         src = cuda.shared.array(SPARSE_BLOCK, int32)
         row = cuda.shared.array(SPARSE_BLOCK, int32)
         vt = cuda.shared.array(vt_shape, uint32)
@@ -796,7 +825,8 @@ def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool 
         n_heads = pv.shape[2]
         ring32, comp32 = (u32_rows(rings, t, head_dim // 2), u32_rows(comps, t, head_dim // 2)) if tables else (
             rings, comps)
-        _entry_sources(entries, t, b0, n_entries, ring32.shape[0], chunk32.shape[0], src, row, tid, threads)
+        _entry_sources(positions, selection, t, b0, n_entries, ring32.shape[0], chunk32.shape[0], tables, src, row,
+                       tid, threads)
         _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads, tiles, n_heads, tile_prev,
                       tile_new, prev_max, new_max, True)
         # bf16(p) of entry pairs, [head, pair]; heads past H and entries past E get p = 0
@@ -905,57 +935,6 @@ def split_combine_kernel(head_dim: int, per_thread: int):
     return kernel
 
 
-@cuda.jit
-def _entries_kernel(positions, selection, entries, n_tokens, window, chunk_rows, n_selected, own_rows):
-    """One thread per (token, entry): the window entries, then the selection shifted past the ring
-    and the chunk rows. positions int32 [T]; selection int32 [T, K]; entries int32 [T, W + K].
-    own_rows: every token is its own sequence's only one (a batch), in chunk row t."""
-    i = cuda.grid(1)
-    width = window + n_selected
-    if i >= n_tokens * width:
-        return
-    t = i // width
-    j = i % width
-    start = positions[t] if own_rows else positions[0]
-    first = t if own_rows else 0  # the chunk row of position `start`
-    if j < window:
-        wp = positions[t] - window + 1 + j
-        if wp < 0:
-            e = -1
-        elif wp >= start:
-            e = window + first + (wp - start)
-        else:
-            e = wp % window
-    else:
-        s = selection[t, j - window]
-        e = -1 if s < 0 else window + chunk_rows + s
-    entries[t, j] = e
-
-
-def build_entries(positions: DeviceArray, selection: DeviceArray | None, window: int, chunk_capacity: int,
-                  entries: DeviceArray, n_tokens: int, stream=0, own_rows: bool = False) -> None:
-    """entries[:T, :W + K] as sparse_attention reads them (K = selection.shape[1], 0 without one).
-    own_rows: the T tokens are a batch of T sequences' (token t its sequence's only one, its window
-    row in chunk row t; each sequence's ring and compressed rows its own, sparse_attention_tables)."""
-    check_array(positions, (np.int32,), 1, "build_entries positions")
-    check_array(entries, (np.int32,), 2, "build_entries entries")
-    n_selected = 0
-    if selection is not None:
-        check_array(selection, (np.int32,), 2, "build_entries selection")
-        check_rows(selection, n_tokens, "build_entries selection")
-        n_selected = selection.shape[1]
-    check_rows(positions, n_tokens, "build_entries positions")
-    check_rows(entries, n_tokens, "build_entries entries")
-    if entries.shape[1] != window + n_selected:
-        raise InputError(f"build_entries: entries {entries.shape} for {window} window + {n_selected} selected")
-    total = n_tokens * (window + n_selected)
-    if total:
-        # without a selection the kernel reads none: any int32 [T, *] array stands in for it
-        _entries_kernel[grid_1d(total, ENTRY_THREADS), ENTRY_THREADS, stream](
-            positions, entries if selection is None else selection, entries, n_tokens, window, chunk_capacity,
-            n_selected, own_rows)
-
-
 @dataclass
 class SparseWorkspace:
     """The split path's scratch for T tokens (SPLIT_BATCH_TOKENS at most), H heads x D, up to E entries
@@ -1040,21 +1019,20 @@ def split_cores(head_dim: int, n_tokens: int, cores: str = "") -> str:
     return cores or ("tc" if not SIM and head_dim % 32 == 0 and n_tokens > SPLIT_MAX_TOKENS else "cuda")
 
 
-def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-                     ws: SparseWorkspace, tables: bool, cores: str) -> None:
+def _split_attention(q, ring, chunk_rows, comp_rows, positions, selection, n_entries, sinks, scale, out, n_tokens,
+                     stream, threads, ws: SparseWorkspace, tables: bool, cores: str) -> None:
     """The split path (module docstring): scores, values and combine on `stream`, each sized for the
     call (heads per block shrink until the grid covers the GPU)."""
     heads, head_dim = q.shape[1], q.shape[2]
-    n_entries = entries.shape[1]
     n_blocks = -(-n_entries // SPARSE_BLOCK)
     if n_entries:
         q32 = q.reshape(q.shape[0] * heads, head_dim).view(np.uint32)
         rows = (ring, chunk_rows.view(np.uint32), comp_rows) if tables else tuple(
             a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
         n_tiles = -(-n_entries // SCORE_TILE)
-        score_args = (q32, *rows, entries, ws.scores, ws.tile_max, n_entries, heads, np.float32(scale))
-        value_args = (*rows, entries, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max, ws.rescale,
-                      n_entries)
+        score_args = (q32, *rows, positions, selection, ws.scores, ws.tile_max, n_entries, heads, np.float32(scale))
+        value_args = (*rows, positions, selection, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max,
+                      ws.rescale, n_entries)
         if split_cores(head_dim, n_tokens, cores) == "tc":
             warps = min(SCORE_TC_WARPS, -(-heads // 16))
             head_blocks = -(-heads // (16 * warps))
@@ -1091,48 +1069,56 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
 
 
 def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray, comp_rows: DeviceArray,
-                     entries: DeviceArray, sinks: DeviceArray, scale: float, out: DeviceArray, n_tokens: int,
-                     stream=0, threads: int = 0, workspace: SparseWorkspace | None = None, cores: str = "") -> None:
-    """out[:T] = attention of q[:T] over the rows its entries name (see the module docstring).
+                     positions: DeviceArray, selection: DeviceArray | None, sinks: DeviceArray, scale: float,
+                     out: DeviceArray, n_tokens: int, stream=0, threads: int = 0,
+                     workspace: SparseWorkspace | None = None, cores: str = "") -> None:
+    """out[:T] = attention of q[:T] over the rows of its entry lists (see the module docstring).
     workspace: the split path's, taken when T <= its tokens and SPLIT_MAX_TOKENS. threads: the block size of the
     one-block-a-head kernel, or the row-unit threads of the split path's values kernel (0 = the default; tests
     force others). cores: where the split path's scores and values run (split_cores; "" = the default)."""
-    _, head_dim = _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens, "sparse_attention")
-    for a, what in ((ring, "ring"), (comp_rows, "comp_rows")):
-        check_array(a, (np.uint16,), 2, f"sparse_attention {what}")
+    what = "sparse_attention"
+    _, head_dim = _check_query_side(q, chunk_rows, positions, selection, sinks, out, n_tokens, what)
+    for a, name in ((ring, "ring"), (comp_rows, "comp_rows")):
+        check_array(a, (np.uint16,), 2, f"{what} {name}")
     if ring.shape[1] != head_dim or comp_rows.shape[1] != head_dim:
-        raise InputError(f"sparse_attention: q {q.shape}, ring {ring.shape}, comp_rows {comp_rows.shape} do not agree")
-    _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads, workspace,
-            SPLIT_MAX_TOKENS, False, cores)
+        raise InputError(f"{what}: q {q.shape}, ring {ring.shape}, comp_rows {comp_rows.shape} do not agree")
+    _attend(q, ring, chunk_rows, comp_rows, positions, selection, ring.shape[0], sinks, scale, out, n_tokens, stream,
+            threads, workspace, SPLIT_MAX_TOKENS, False, cores)
 
 
 def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: DeviceArray, comps: DeviceArray,
-                            entries: DeviceArray, sinks: DeviceArray, scale: float, out: DeviceArray, n_tokens: int,
-                            stream=0, workspace: SparseWorkspace | None = None, cores: str = "") -> None:
-    """sparse_attention for a batch of T sequences, token t its sequence's only one: rings and comps
-    are address tables (uint64 [>= T, 2], stages.row_tables) of each token's own ring [W, D] and
-    compressed rows [G, D], chunk_rows the batch's window rows (token t's in row t), entries as
-    build_entries(..., own_rows=True) makes them. Token t's result is what sparse_attention gives
-    for it alone over its own arrays, on the same path (split or not)."""
+                            positions: DeviceArray, selection: DeviceArray | None, window: int, sinks: DeviceArray,
+                            scale: float, out: DeviceArray, n_tokens: int, stream=0,
+                            workspace: SparseWorkspace | None = None, cores: str = "") -> None:
+    """sparse_attention for a batch of T sequences, token t its sequence's only one at positions[t]:
+    rings and comps are address tables (uint64 [>= T, 2], stages.row_tables) of each token's own ring
+    [window, D] and compressed rows [G, D], chunk_rows the batch's window rows (token t's in row t),
+    selection token t's selected groups of its own compressed rows. Token t's result is what
+    sparse_attention gives for it alone over its own arrays, on the same path (split or not)."""
     what = "sparse_attention_tables"
-    _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens, what)
+    _check_query_side(q, chunk_rows, positions, selection, sinks, out, n_tokens, what)
     check_rows(chunk_rows, n_tokens, f"{what} chunk_rows")
     for a, name in ((rings, "rings"), (comps, "comps")):
         check_array(a, (np.uint64,), 2, f"{what} {name}")
         check_rows(a, n_tokens, f"{what} {name}")
-    _attend(q, rings, chunk_rows, comps, entries, sinks, scale, out, n_tokens, stream, 0, workspace,
-            SPLIT_BATCH_TOKENS, True, cores)
+    if window < 1:
+        raise InputError(f"{what}: window {window} (at least 1)")
+    _attend(q, rings, chunk_rows, comps, positions, selection, window, sinks, scale, out, n_tokens, stream, 0,
+            workspace, SPLIT_BATCH_TOKENS, True, cores)
 
 
-def _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens: int, what: str) -> tuple[int, int]:
+def _check_query_side(q, chunk_rows, positions, selection, sinks, out, n_tokens: int, what: str) -> tuple[int, int]:
     """The arguments sparse_attention and sparse_attention_tables share, checked: (heads, head_dim)."""
     check_array(q, (np.uint16,), 3, f"{what} q")
     check_array(out, (np.uint16,), 3, f"{what} out")
     check_array(chunk_rows, (np.uint16,), 2, f"{what} chunk_rows")
-    check_array(entries, (np.int32,), 2, f"{what} entries")
+    check_array(positions, (np.int32,), 1, f"{what} positions")
     check_array(sinks, (np.float32,), 1, f"{what} sinks")
-    for a, name in ((q, "q"), (out, "out"), (entries, "entries")):
+    for a, name in ((q, "q"), (out, "out"), (positions, "positions")):
         check_rows(a, n_tokens, f"{what} {name}")
+    if selection is not None:
+        check_array(selection, (np.int32,), 2, f"{what} selection")
+        check_rows(selection, n_tokens, f"{what} selection")
     heads, head_dim = q.shape[1], q.shape[2]
     if out.shape[1:] != q.shape[1:] or sinks.shape[0] != heads or chunk_rows.shape[1] != head_dim:
         raise InputError(f"{what}: q {q.shape}, out {out.shape}, sinks {sinks.shape}, chunk_rows {chunk_rows.shape} "
@@ -1140,24 +1126,28 @@ def _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens: int, what: s
     return heads, head_dim
 
 
-def _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-            workspace: SparseWorkspace | None, split_tokens: int, tables: bool, cores: str) -> None:
+def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, sinks, scale, out, n_tokens, stream,
+            threads, workspace: SparseWorkspace | None, split_tokens: int, tables: bool, cores: str) -> None:
     """The launch of sparse_attention (tables: of sparse_attention_tables), its arguments checked:
-    the split path for up to split_tokens tokens that the workspace holds."""
+    the split path for up to split_tokens tokens that the workspace holds. Each query's list is
+    window + K entries (K = selection.shape[1], 0 without one), made in the kernels (entry_at)."""
     heads, head_dim = q.shape[1], q.shape[2]
+    n_entries = window + (0 if selection is None else selection.shape[1])
+    # without a selection the kernels read none (entry_at stops at W): any int32 [T, *] array stands in
+    chosen = positions.reshape(positions.shape[0], 1) if selection is None else selection
     if workspace is not None:
         if head_dim % 8:
             raise InputError(f"sparse_attention: the split path needs head_dim a multiple of 8, not {head_dim}")
-        workspace.check(heads, head_dim, entries.shape[1])
+        workspace.check(heads, head_dim, n_entries)
     if n_tokens == 0:
         return
     if workspace is not None and n_tokens <= min(workspace.tokens, split_tokens):
-        _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-                         workspace, tables, cores)
+        _split_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries, sinks, scale, out, n_tokens,
+                         stream, threads, workspace, tables, cores)
         return
     nt = threads or min(ATTN_THREADS, head_dim)
     lanes = min(LANES, nt)
     if head_dim % nt or nt % lanes:
         raise InputError(f"sparse_attention: {nt} threads do not divide head_dim {head_dim}")
     sparse_kernel(head_dim, nt, lanes, tables)[(heads, n_tokens), nt, stream](
-        q, ring, chunk_rows, comp_rows, entries, sinks, out, entries.shape[1], np.float32(scale))
+        q, ring, chunk_rows, comp_rows, positions, chosen, sinks, out, n_entries, np.float32(scale))

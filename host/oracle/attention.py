@@ -314,6 +314,15 @@ def sparse_attention(q: np.ndarray, ring: np.ndarray, chunk_rows: np.ndarray, co
         return bf16(acc / sum_exp[:, :, None])
 
 
+def attend(q: np.ndarray, ring: np.ndarray, chunk_rows: np.ndarray, comp_rows: np.ndarray, positions: np.ndarray,
+           selection: np.ndarray | None, sinks: np.ndarray, scale: float) -> np.ndarray:
+    """The layer's attention of the queries q [T, H, D] at positions [T] (a chunk's, its first
+    position's window row in chunk_rows[0]) over their canonical lists: sparse_attention over
+    build_entries(positions, selection, W, chunk_rows' count), W the ring's slots."""
+    entries = build_entries(positions, selection, ring.shape[0], chunk_rows.shape[0])
+    return sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale)
+
+
 def output_projection(cfg: ModelConfig, w: AttentionWeights, o: np.ndarray) -> np.ndarray:
     """o [T, H, D] bf16 -> [T, C] bf16: group g of heads times its own wo_a block, then wo_b."""
     t = o.shape[0]
@@ -375,8 +384,7 @@ def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tabl
             if shared.candidates is not None:
                 capture["candidates"] = shared.candidates.copy()
 
-    entries = build_entries(positions, selection, win, t)
-    o = sparse_attention(q, state.window_ring, kv, comp_rows, entries, w.sinks, cfg.head_dim ** -0.5)
+    o = attend(q, state.window_ring, kv, comp_rows, positions, selection, w.sinks, cfg.head_dim ** -0.5)
     # the ring keeps the chunk's last W rows, written once the attention has read the older ones
     for i in range(max(0, t - win), t):
         state.window_ring[(start + i) % win] = kv[i]

@@ -15,8 +15,9 @@ start .. start+T-1 (C dim, H x D heads, Q q_lora, W window, K index_topk; bf16 =
                                                               stages.indexer
     o = sparse attention with the sink over each query's entries: W window positions oldest first
         (ring slots before the chunk, chunk rows after), then the selection (ratio > 0 layers),
-        made in the attention's kernels                [T, H, D]  stages.sparse_attention
-    out = (RoPE^-1(o) grouped @ wo_a^T) @ wo_b^T     [T, C]
+        made in the attention's kernels, and its output rotated back there: o = RoPE^-1(attention)
+                                                     [T, H, D]    stages.sparse_attention
+    out = (o grouped @ wo_a^T) @ wo_b^T              [T, C]
     the ring takes the chunk's last min(T, W) rows (after the attention read it; a decode step's
         one row, whose slot holds position p - W, which no entry names, as the kv chain writes it)
 
@@ -433,12 +434,14 @@ class AttentionStage:
         if role.ratio > 0:
             selection = self._sources(layer, w, st, shared, x, start, t, cos, sin, capture)
             comp_rows = shared.compressed
-        sparse_attention(self.q, st.ring, self.kv, comp_rows, pos, selection, w.sinks, self.scale, self.o, t, stream=s,
-                         workspace=self.sparse_ws)
+        attended = (self.q, st.ring, self.kv, comp_rows, pos, selection, w.sinks, self.scale)
+        sparse_attention(*attended, cos, sin, self.o, t, stream=s, workspace=self.sparse_ws)
         mark("sparse_attention")
-        if capture is not None:
-            capture["attn_o"] = self._host(self.o, t)
-        self._project_out(w, out, pos, cos, sin, t)
+        if capture is not None:  # the output before its inverse RoPE: the attention again, unrotated
+            o = cuda.device_array_like(self.o)
+            sparse_attention(*attended, None, None, o, t, stream=s, workspace=self.sparse_ws)
+            capture["attn_o"] = self._host(o, t)
+        self._project_out(w, out, t)
         if t > 1:  # one row went with the kv chain (_project_in)
             n_ring = min(t, cfg.window) * cfg.head_dim
             _ring_write_kernel[grid_1d(n_ring, COPY_THREADS), COPY_THREADS, s](self.kv, st.ring, pos, t,
@@ -469,12 +472,9 @@ class AttentionStage:
         rope(self.q_rows, cos, sin, pos, False, t, cfg.n_heads, stream=s)
         mark("q_rope")
 
-    def _project_out(self, w: LayerWeights, out: DeviceArray, pos: DeviceArray, cos: DeviceArray, sin: DeviceArray,
-                     t: int) -> None:
-        """out[:T] from the attention output o [T, H, D]: inverse RoPE, the grouped wo_a, wo_b."""
+    def _project_out(self, w: LayerWeights, out: DeviceArray, t: int) -> None:
+        """out[:T] from the attention output o [T, H, D] (its inverse RoPE done): the grouped wo_a, wo_b."""
         cfg, s, mark = self.cfg, self.stream, self._mark
-        rope(self.o_rows, cos, sin, pos, True, t, cfg.n_heads, stream=s)
-        mark("o_rope")
         linear(self.o_rows, w.wo_a, self.oa, t, group_rows=cfg.o_lora_rank, stream=s)
         mark("wo_a")
         linear(self.oa, w.wo_b, out, t, stream=s)
@@ -510,9 +510,9 @@ class AttentionStage:
         # a ratio-0 layer names no compressed row: its ring table stands in for the caches'
         comps = rows[COMPRESSED] if role.ratio > 0 else rows[RING]
         sparse_attention_tables(self.q, rows[RING], self.kv, comps, pos, selection, cfg.window, w.sinks, self.scale,
-                                self.o, t, stream=s, workspace=self.sparse_ws)
+                                cos, sin, self.o, t, stream=s, workspace=self.sparse_ws)
         self._mark("sparse_attention")
-        self._project_out(w, out, pos, cos, sin, t)
+        self._project_out(w, out, t)
 
     def _sources_batch(self, layer: int, w: LayerWeights, states: list[AttentionState], shareds: list[SharedRuntime],
                        x: DeviceArray, starts: list[int], t: int, cos: DeviceArray, sin: DeviceArray) -> None:

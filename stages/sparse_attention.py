@@ -79,6 +79,7 @@ from flashv41.stages.device import (
     jit_for,
     load_words4,
     mul_rn,
+    rotate_pair,
     warp_sum,
 )
 from flashv41.stages.row_tables import u16_rows, u32_rows
@@ -142,9 +143,10 @@ VALUE_ENTRY_GROUPS = 1 if SIM else 4
 VALUE_FILL = 1 if SIM else 128
 VALUE_BATCH = 8
 assert SPARSE_BLOCK % (VALUE_ENTRY_GROUPS * VALUE_BATCH) == 0, "an entry group must be whole batches"
-# Combine: a thread per (token, head, dim) on the GPU (per (token, head) on the simulator), reading
-# COMBINE_BATCH blocks' partial results before it folds them in.
-COMBINE_THREADS = 8 if SIM else 256
+# Combine: a thread per (token, head, dim pair) on the GPU (per (token, head) on the simulator), reading
+# COMBINE_BATCH blocks' partial results before it folds them in; 128 threads a block, so that one
+# token's 64 heads x 256 pairs still make 128 blocks.
+COMBINE_THREADS = 8 if SIM else 128
 COMBINE_BATCH = 16
 
 if SIM:
@@ -443,16 +445,19 @@ def _resolve(e, window, chunk_rows):
 
 
 @cache
-def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False):
+def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False, rope_dim: int = 0):
     """Block of `threads` threads (warps of `lanes`) per (head, token). q bf16 [T, H, D]; ring
     [W, D], chunk [Cn, D], comp [G, D] bf16 (tables: ring and comp are address tables [T, 2] of
-    each token's own, stages.row_tables); entries int32 [T, E]; sinks fp32 [H]; out bf16 [T, H, D]."""
+    each token's own, stages.row_tables); positions int32 [T], selection int32 [T, E - W] (entry_at);
+    sinks fp32 [H]; cos, sin fp32 [max_seq, rope_dim / 2]; out bf16 [T, H, D]: the output rounded to
+    bf16, its last rope_dim dims then rotated back (_output_pair; none for rope_dim 0)."""
     sync = threads > 1
     warps = threads // lanes
     per_thread = head_dim // threads
+    tail = head_dim - rope_dim
 
     @jit_for(threads)
-    def kernel(q, rings, chunk, comps, positions, selection, sinks, out, n_entries, scale):
+    def kernel(q, rings, chunk, comps, positions, selection, sinks, cos, sin, out, n_entries, scale):
         qs = cuda.shared.array(head_dim, float32)  # [D]: the query, fp32
         ss = cuda.shared.array(SPARSE_BLOCK, float32)  # [64]: the block's scores (-inf: skipped)
         ps = cuda.shared.array(SPARSE_BLOCK, float32)  # [64]: their probabilities, fp32
@@ -515,10 +520,34 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False)
             if sync:
                 cuda.syncthreads()  # the next block overwrites ss, ps, src, row
         sum_exp = sum_exp + exp_f32(sinks[h] - run_max)
+        # a rope pair's two dims may be two threads': the outputs meet in qs (no longer read)
         for i in range(per_thread):
-            out[t, h, tid + i * threads] = f32_to_bf16(acc[i] / sum_exp)
+            qs[tid + i * threads] = acc[i] / sum_exp
+        if sync:
+            cuda.syncthreads()
+        for i in range(per_thread):
+            d = tid + i * threads
+            e = d - d % 2  # the pair's first dim
+            a, b = _output_pair(qs[e], qs[e + 1], e, tail, cos, sin, positions[t])
+            out[t, h, d] = b if d % 2 else a
 
     return kernel
+
+
+@device
+def _output_pair(x, y, d, tail, cos, sin, pos):
+    """The bf16 bits that out stores for the output pair (x, y) (fp32) at dims d, d + 1 (d even):
+    x and y rounded to bf16, then where d is in the rope tail (d >= tail) rotated back by the angle
+    of position pos, as norm_rope_quant.rope(..., inverse=True) rotates the bf16 output (fp32, then
+    bf16 again): the bits of the two launches."""
+    a = f32_to_bf16(x)
+    b = f32_to_bf16(y)
+    if d >= tail:
+        pair = (d - tail) // 2
+        u, v = rotate_pair(bf16_to_f32(a), bf16_to_f32(b), cos[pos, pair], -sin[pos, pair])
+        a = f32_to_bf16(u)
+        b = f32_to_bf16(v)
+    return a, b
 
 
 @cache
@@ -893,14 +922,18 @@ def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool 
 
 
 @cache
-def split_combine_kernel(head_dim: int, per_thread: int):
-    """Split path, combine: a thread per (token, head, D / per_thread dims d, d + D / per_thread, ...):
-    the first path's rescaling over the blocks in order, then the sink. pv, block_sum, block_max,
-    rescale as split_value_kernel writes them; sinks fp32 [H]; out bf16 [T, H, D]."""
+def split_combine_kernel(head_dim: int, per_thread: int, rope_dim: int = 0):
+    """Split path, combine: a thread per (token, head, per_thread consecutive dims: whole rope
+    pairs): the first path's rescaling over the blocks in order, then the sink, and the output as
+    the first path stores it (_output_pair). pv, block_sum, block_max, rescale as
+    split_value_kernel writes them; sinks fp32 [H]; positions int32 [T]; cos, sin fp32 [max_seq,
+    rope_dim / 2]; out bf16 [T, H, D]."""
     lanes_d = head_dim // per_thread  # threads per (token, head)
+    tail = head_dim - rope_dim
+    assert per_thread % 2 == 0, "a thread owns whole pairs"
 
     @jit_for(COMBINE_THREADS)
-    def kernel(pv, block_sum, block_max, rescale, sinks, out, n_blocks, n_tokens):
+    def kernel(pv, block_sum, block_max, rescale, sinks, positions, cos, sin, out, n_blocks, n_tokens):
         i = cuda.grid(1)
         heads = out.shape[1]
         if i >= n_tokens * heads * lanes_d:
@@ -921,7 +954,7 @@ def split_combine_kernel(head_dim: int, per_thread: int):
                     scales[c] = rescale[t, c0 + c, h]
                     sums[c] = block_sum[t, c0 + c, h]
                     for k in range(per_thread):
-                        vals[c, k] = pv[t, c0 + c, h, d0 + k * lanes_d]
+                        vals[c, k] = pv[t, c0 + c, h, d0 * per_thread + k]
             for c in range(COMBINE_BATCH):
                 if c0 + c < n_blocks:
                     sum_exp = mul_rn(sum_exp, scales[c]) + sums[c]
@@ -929,8 +962,10 @@ def split_combine_kernel(head_dim: int, per_thread: int):
                         acc[k] = mul_rn(acc[k], scales[c]) + vals[c, k]
         run_max = block_max[t, n_blocks - 1, h] if n_blocks > 0 else START_MAX
         sum_exp = sum_exp + exp_f32(sinks[h] - run_max)
-        for k in range(per_thread):
-            out[t, h, d0 + k * lanes_d] = f32_to_bf16(acc[k] / sum_exp)
+        for k in range(0, per_thread, 2):
+            d = d0 * per_thread + k
+            out[t, h, d], out[t, h, d + 1] = _output_pair(acc[k] / sum_exp, acc[k + 1] / sum_exp, d, tail, cos, sin,
+                                                          positions[t])
 
     return kernel
 
@@ -1019,8 +1054,8 @@ def split_cores(head_dim: int, n_tokens: int, cores: str = "") -> str:
     return cores or ("tc" if not SIM and head_dim % 32 == 0 and n_tokens > SPLIT_MAX_TOKENS else "cuda")
 
 
-def _split_attention(q, ring, chunk_rows, comp_rows, positions, selection, n_entries, sinks, scale, out, n_tokens,
-                     stream, threads, ws: SparseWorkspace, tables: bool, cores: str) -> None:
+def _split_attention(q, ring, chunk_rows, comp_rows, positions, selection, n_entries, sinks, scale, cos, sin, out,
+                     n_tokens, stream, threads, ws: SparseWorkspace, tables: bool, cores: str, rope_dim: int) -> None:
     """The split path (module docstring): scores, values and combine on `stream`, each sized for the
     call (heads per block shrink until the grid covers the GPU)."""
     heads, head_dim = q.shape[1], q.shape[2]
@@ -1062,52 +1097,55 @@ def _split_attention(q, ring, chunk_rows, comp_rows, positions, selection, n_ent
             split_value_kernel(head_dim, unit_threads, units // unit_threads, block_heads, thread_heads, entry_groups,
                                tables)[(n_blocks, heads // block_heads, n_tokens),
                                        unit_threads * head_groups * entry_groups, stream](*value_args)
-    per_thread = head_dim if SIM else 1
+    per_thread = head_dim if SIM else 2
     total = n_tokens * heads * (head_dim // per_thread)
-    split_combine_kernel(head_dim, per_thread)[grid_1d(total, COMBINE_THREADS), COMBINE_THREADS, stream](
-        ws.pv, ws.block_sum, ws.block_max, ws.rescale, sinks, out, n_blocks, n_tokens)
+    split_combine_kernel(head_dim, per_thread, rope_dim)[grid_1d(total, COMBINE_THREADS), COMBINE_THREADS, stream](
+        ws.pv, ws.block_sum, ws.block_max, ws.rescale, sinks, positions, cos, sin, out, n_blocks, n_tokens)
 
 
 def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray, comp_rows: DeviceArray,
                      positions: DeviceArray, selection: DeviceArray | None, sinks: DeviceArray, scale: float,
-                     out: DeviceArray, n_tokens: int, stream=0, threads: int = 0,
-                     workspace: SparseWorkspace | None = None, cores: str = "") -> None:
-    """out[:T] = attention of q[:T] over the rows of its entry lists (see the module docstring).
+                     cos: DeviceArray | None, sin: DeviceArray | None, out: DeviceArray, n_tokens: int, stream=0,
+                     threads: int = 0, workspace: SparseWorkspace | None = None, cores: str = "") -> None:
+    """out[:T] = attention of q[:T] over the rows of its entry lists, the rope tail of each head's
+    output rotated back by the angle of its position (cos, sin: the layer's table; None: not
+    rotated) (see the module docstring).
     workspace: the split path's, taken when T <= its tokens and SPLIT_MAX_TOKENS. threads: the block size of the
     one-block-a-head kernel, or the row-unit threads of the split path's values kernel (0 = the default; tests
     force others). cores: where the split path's scores and values run (split_cores; "" = the default)."""
     what = "sparse_attention"
-    _, head_dim = _check_query_side(q, chunk_rows, positions, selection, sinks, out, n_tokens, what)
+    _, head_dim = _check_query_side(q, chunk_rows, positions, selection, sinks, cos, sin, out, n_tokens, what)
     for a, name in ((ring, "ring"), (comp_rows, "comp_rows")):
         check_array(a, (np.uint16,), 2, f"{what} {name}")
     if ring.shape[1] != head_dim or comp_rows.shape[1] != head_dim:
         raise InputError(f"{what}: q {q.shape}, ring {ring.shape}, comp_rows {comp_rows.shape} do not agree")
-    _attend(q, ring, chunk_rows, comp_rows, positions, selection, ring.shape[0], sinks, scale, out, n_tokens, stream,
-            threads, workspace, SPLIT_MAX_TOKENS, False, cores)
+    _attend(q, ring, chunk_rows, comp_rows, positions, selection, ring.shape[0], sinks, scale, cos, sin, out, n_tokens,
+            stream, threads, workspace, SPLIT_MAX_TOKENS, False, cores)
 
 
 def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: DeviceArray, comps: DeviceArray,
                             positions: DeviceArray, selection: DeviceArray | None, window: int, sinks: DeviceArray,
-                            scale: float, out: DeviceArray, n_tokens: int, stream=0,
-                            workspace: SparseWorkspace | None = None, cores: str = "") -> None:
+                            scale: float, cos: DeviceArray | None, sin: DeviceArray | None, out: DeviceArray,
+                            n_tokens: int, stream=0, workspace: SparseWorkspace | None = None, cores: str = "") -> None:
     """sparse_attention for a batch of T sequences, token t its sequence's only one at positions[t]:
     rings and comps are address tables (uint64 [>= T, 2], stages.row_tables) of each token's own ring
     [window, D] and compressed rows [G, D], chunk_rows the batch's window rows (token t's in row t),
     selection token t's selected groups of its own compressed rows. Token t's result is what
     sparse_attention gives for it alone over its own arrays, on the same path (split or not)."""
     what = "sparse_attention_tables"
-    _check_query_side(q, chunk_rows, positions, selection, sinks, out, n_tokens, what)
+    _check_query_side(q, chunk_rows, positions, selection, sinks, cos, sin, out, n_tokens, what)
     check_rows(chunk_rows, n_tokens, f"{what} chunk_rows")
     for a, name in ((rings, "rings"), (comps, "comps")):
         check_array(a, (np.uint64,), 2, f"{what} {name}")
         check_rows(a, n_tokens, f"{what} {name}")
     if window < 1:
         raise InputError(f"{what}: window {window} (at least 1)")
-    _attend(q, rings, chunk_rows, comps, positions, selection, window, sinks, scale, out, n_tokens, stream, 0,
-            workspace, SPLIT_BATCH_TOKENS, True, cores)
+    _attend(q, rings, chunk_rows, comps, positions, selection, window, sinks, scale, cos, sin, out, n_tokens, stream,
+            0, workspace, SPLIT_BATCH_TOKENS, True, cores)
 
 
-def _check_query_side(q, chunk_rows, positions, selection, sinks, out, n_tokens: int, what: str) -> tuple[int, int]:
+def _check_query_side(q, chunk_rows, positions, selection, sinks, cos, sin, out, n_tokens: int,
+                      what: str) -> tuple[int, int]:
     """The arguments sparse_attention and sparse_attention_tables share, checked: (heads, head_dim)."""
     check_array(q, (np.uint16,), 3, f"{what} q")
     check_array(out, (np.uint16,), 3, f"{what} out")
@@ -1123,11 +1161,18 @@ def _check_query_side(q, chunk_rows, positions, selection, sinks, out, n_tokens:
     if out.shape[1:] != q.shape[1:] or sinks.shape[0] != heads or chunk_rows.shape[1] != head_dim:
         raise InputError(f"{what}: q {q.shape}, out {out.shape}, sinks {sinks.shape}, chunk_rows {chunk_rows.shape} "
                          "do not agree")
+    if (cos is None) != (sin is None):
+        raise InputError(f"{what}: cos and sin are both given or both None")
+    if cos is not None and sin is not None:
+        check_array(cos, (np.float32,), 2, f"{what} cos")
+        check_array(sin, (np.float32,), 2, f"{what} sin")
+        if sin.shape != cos.shape or not 0 < 2 * cos.shape[1] <= head_dim:
+            raise InputError(f"{what}: cos {cos.shape}, sin {sin.shape} for heads of {head_dim}")
     return heads, head_dim
 
 
-def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, sinks, scale, out, n_tokens, stream,
-            threads, workspace: SparseWorkspace | None, split_tokens: int, tables: bool, cores: str) -> None:
+def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, sinks, scale, cos, sin, out, n_tokens,
+            stream, threads, workspace: SparseWorkspace | None, split_tokens: int, tables: bool, cores: str) -> None:
     """The launch of sparse_attention (tables: of sparse_attention_tables), its arguments checked:
     the split path for up to split_tokens tokens that the workspace holds. Each query's list is
     window + K entries (K = selection.shape[1], 0 without one), made in the kernels (entry_at)."""
@@ -1135,6 +1180,10 @@ def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, s
     n_entries = window + (0 if selection is None else selection.shape[1])
     # without a selection the kernels read none (entry_at stops at W): any int32 [T, *] array stands in
     chosen = positions.reshape(positions.shape[0], 1) if selection is None else selection
+    # without a table no dim is in the rope tail, and the kernels read none: the sinks stand in
+    rope_dim = 0 if cos is None else 2 * cos.shape[1]
+    if cos is None:
+        cos = sin = sinks.reshape(1, heads)
     if workspace is not None:
         if head_dim % 8:
             raise InputError(f"sparse_attention: the split path needs head_dim a multiple of 8, not {head_dim}")
@@ -1142,12 +1191,12 @@ def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, s
     if n_tokens == 0:
         return
     if workspace is not None and n_tokens <= min(workspace.tokens, split_tokens):
-        _split_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries, sinks, scale, out, n_tokens,
-                         stream, threads, workspace, tables, cores)
+        _split_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries, sinks, scale, cos, sin, out,
+                         n_tokens, stream, threads, workspace, tables, cores, rope_dim)
         return
     nt = threads or min(ATTN_THREADS, head_dim)
     lanes = min(LANES, nt)
     if head_dim % nt or nt % lanes:
         raise InputError(f"sparse_attention: {nt} threads do not divide head_dim {head_dim}")
-    sparse_kernel(head_dim, nt, lanes, tables)[(heads, n_tokens), nt, stream](
-        q, ring, chunk_rows, comp_rows, positions, chosen, sinks, out, n_entries, np.float32(scale))
+    sparse_kernel(head_dim, nt, lanes, tables, rope_dim)[(heads, n_tokens), nt, stream](
+        q, ring, chunk_rows, comp_rows, positions, chosen, sinks, cos, sin, out, n_entries, np.float32(scale))

@@ -657,10 +657,22 @@ FLASH_SPARSE_CASE = (14, 4, 64, 512, 128, 64, 1024, 512)  # 64 heads x 512, wind
 SPARSE_CASES = [SPARSE_CASE, (21, 3, 4, 64, 8, 6, 40, 20), (22, 5, 2, 32, 16, 8, 100, 48)]
 
 
+def rope_angles(rng, n_positions: int, rope_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin fp32 [n_positions, rope_dim / 2] of random angles (a RoPE table's layout)."""
+    angle = rng.uniform(-np.pi, np.pi, (n_positions, rope_dim // 2))
+    return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+
+
 def sparse_inputs(seed, t, heads, dim, window, chunk, groups, selected) -> tuple:
-    """attention_inputs of a case and its scale: the arguments of oracle.attend."""
+    """attention_inputs of a case, its scale and a RoPE table for its positions (and one past them)
+    over the last dim / 8 dims of a head: the arguments of oracle.attend."""
     rng = np.random.default_rng(seed)
-    return (*attention_inputs(rng, t, heads, dim, window, chunk, groups, selected), dim ** -0.5)
+    inputs = attention_inputs(rng, t, heads, dim, window, chunk, groups, selected)
+    cos, sin = rope_angles(rng, int(inputs[4].max()) + 2, dim // 8)
+    return (*inputs, dim ** -0.5, cos, sin)
+
+
+SPARSE_FP32 = (6, 8, 9)  # the arguments of oracle.attend that go to the device as fp32: sinks, cos, sin
 
 
 def case_entries(args: tuple) -> np.ndarray:
@@ -677,8 +689,37 @@ def run_sparse(args: tuple, threads: int = 0, split: bool = False, cores: str = 
     t, heads, dim = q.shape
     ws = SparseWorkspace.allocate(t + 1, heads, dim, case_entries(args).shape[1] + 70) if split else None
     out = cuda.device_array((t, heads, dim), np.uint16)
-    sparse_attention(*dev(args, fp32=(6,)), out, t, threads=threads, workspace=ws, cores=cores)
+    sparse_attention(*dev(args, fp32=SPARSE_FP32), out, t, threads=threads, workspace=ws, cores=cores)
     return host_bf16(out)
+
+
+def rotated_bound(bound: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray,
+                  ref: np.ndarray, o_ref: np.ndarray) -> np.ndarray:
+    """What a bound on the output o before its inverse RoPE allows after it: a rotated pair
+    (a c + b s, b c - a s) moves by at most |c| da + |s| db, plus the fp32 products' and sums'
+    roundings (2^-22 of the terms) and the bf16 rounding of either side (one ulp of the larger)."""
+    rd = 2 * cos.shape[1]
+    c = np.abs(cos[positions])[:, None, :].astype(np.float64)
+    s = np.abs(sin[positions])[:, None, :].astype(np.float64)
+    da, db = bound[..., -rd::2], bound[..., -rd + 1::2]
+    size = np.abs(o_ref[..., -rd::2]) + np.abs(o_ref[..., -rd + 1::2]) + da + db
+    out = bound.astype(np.float64).copy()
+    for i, moved in ((0, c * da + s * db), (1, s * da + c * db)):
+        e = moved + 2.0**-22 * size
+        r = ref[..., -rd + i::2]
+        out[..., -rd + i::2] = e + bf16_ulp(np.abs(r) + e + bf16_ulp(r))
+    return out
+
+
+def sparse_reference(args: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """oracle.attend of the arguments, and what fp32 accumulation may change of it: sparse_bound on
+    the output before its inverse RoPE, rotated_bound after."""
+    q, ring, chunk_rows, comp, positions, _, sinks, scale, cos, sin = args
+    o_ref = oracle.attend(*args[:8], None, None)
+    rows = np.concatenate([ring, chunk_rows, comp])
+    bound = sparse_bound(q, rows, case_entries(args), sinks, scale, o_ref)
+    ref = oracle.attend(*args)
+    return ref, rotated_bound(bound, cos, sin, positions, ref, o_ref)
 
 
 def check_sparse_attention(seed, t, heads, dim, window, chunk, groups, selected, what, threads=0, split=False,
@@ -687,11 +728,9 @@ def check_sparse_attention(seed, t, heads, dim, window, chunk, groups, selected,
     and the oracle (attend): every value within sparse_bound, and at least SPARSE_EQUAL_MIN of them
     bit-equal. Returns (got, ref)."""
     args = sparse_inputs(seed, t, heads, dim, window, chunk, groups, selected)
-    q, ring, chunk_rows, comp, _, _, sinks, scale = args
-    ref = oracle.attend(*args)
+    ref, bound = sparse_reference(args)
     got = run_sparse(args, threads, split, cores)
-    rows = np.concatenate([ring, chunk_rows, comp])
-    assert_within(got, ref, sparse_bound(q, rows, case_entries(args), sinks, scale, ref), what)
+    assert_within(got, ref, bound, what)
     equal = float(np.mean(got == ref))
     assert equal >= SPARSE_EQUAL_MIN, f"{what}: {equal:.2%} of values bit-equal < {SPARSE_EQUAL_MIN:.0%}"
     return got, ref
@@ -738,15 +777,36 @@ def check_split_matches_one_block(case) -> None:
     if SIM:
         assert_bits_equal(to_bits(split), one, "split path against the one-block-a-head kernel")
         return
-    q, ring, chunk_rows, comp, _, _, sinks, scale = args
-    ref = oracle.attend(*args)
-    bound = sparse_bound(q, np.concatenate([ring, chunk_rows, comp]), case_entries(args), sinks, scale, ref)
-    assert_within(split, one, 2 * bound, "split path against the one-block-a-head kernel")
+    assert_within(split, one, 2 * sparse_reference(args)[1], "split path against the one-block-a-head kernel")
 
 
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: f"T{c[1]}H{c[2]}D{c[3]}E{c[4] + c[7]}")
 def test_sparse_split_matches_one_block(case):
     check_split_matches_one_block(case)
+
+
+FOLD_CASE = (23, 8, 4, 64, 8, 8, 40, 20)  # seed, T (the split path's most), H, D, W, chunk rows, groups, selected
+
+
+def unfused_sparse(args: tuple, split: bool, cores: str) -> np.ndarray:
+    """What the folded rotation replaces: the attention without a table (run_sparse), then
+    norm_rope_quant.rope's inverse of its output."""
+    t, heads, dim = args[0].shape
+    o = dev_bf16(run_sparse((*args[:8], None, None), split=split, cores=cores).reshape(t, heads * dim))
+    nrq.rope(o, *dev(args[8:10], fp32=(0, 1)), cuda.to_device(args[4].astype(np.int32)), True, t, heads)
+    return host_bf16(o).reshape(t, heads, dim)
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc"])
+def test_sparse_fold_matches_unfused(path, t):
+    """The output's inverse RoPE in the kernels that write it (sparse_kernel, split_combine_kernel)
+    gives the bits of the launches it replaces, on every path."""
+    split = path != "one_block"
+    cores = path.removeprefix("split_") if split else ""
+    args = sparse_inputs(FOLD_CASE[0], t, *FOLD_CASE[2:])
+    assert_bits_equal(to_bits(run_sparse(args, split=split, cores=cores)), unfused_sparse(args, split, cores),
+                      f"folded against unfused ({path}, T {t})")
 
 
 def test_sparse_workspace_capacity():
@@ -759,7 +819,7 @@ def test_sparse_workspace_capacity():
     assert ws.tokens == 2 and ws.nbytes == sum(getattr(ws, f.name).nbytes for f in dataclasses.fields(ws))
     args = sparse_inputs(*SPARSE_CASES[1])  # T = 3
     out = cuda.device_array((3, 4, 64), np.uint16)
-    sparse_attention(*dev(args, fp32=(6,)), out, 3, workspace=ws)
+    sparse_attention(*dev(args, fp32=SPARSE_FP32), out, 3, workspace=ws)
     assert np.array_equal(out.copy_to_host(), to_bits(run_sparse(args)))
 
 
@@ -768,7 +828,7 @@ def test_sparse_attention_shape_errors():
     rows = cuda.device_array((8, 64), np.uint16)
     with pytest.raises(InputError, match="do not agree"):
         sparse_attention(q, rows, rows, cuda.device_array((4, 32), np.uint16), cuda.device_array(2, np.int32), None,
-                         cuda.to_device(np.zeros(2, np.float32)), 0.1, q, 2)
+                         cuda.to_device(np.zeros(2, np.float32)), 0.1, None, None, q, 2)
 
 
 def test_sparse_workspace_shape_errors():
@@ -781,7 +841,7 @@ def test_sparse_workspace_shape_errors():
     sinks = cuda.to_device(np.zeros(2, np.float32))
 
     def call(ws):
-        sparse_attention(q, rows, rows, rows, positions, selection, sinks, 0.1, q, 2, workspace=ws)
+        sparse_attention(q, rows, rows, rows, positions, selection, sinks, 0.1, None, None, q, 2, workspace=ws)
 
     with pytest.raises(InputError, match=r"SparseWorkspace\.scores: \(2, 2, 64\)"):
         call(SparseWorkspace.allocate(2, 2, 64, 64))  # 64 entries, not 140
@@ -798,7 +858,8 @@ def test_sparse_workspace_shape_errors():
         SparseWorkspace.allocate(2, 2, 60, 140)
     q60, rows60 = cuda.device_array((2, 2, 60), np.uint16), cuda.device_array((8, 60), np.uint16)
     with pytest.raises(InputError, match="multiple of 8"):
-        sparse_attention(q60, rows60, rows60, rows60, positions, selection, sinks, 0.1, q60, 2, workspace=ws)
+        sparse_attention(q60, rows60, rows60, rows60, positions, selection, sinks, 0.1, None, None, q60, 2,
+                         workspace=ws)
 
 
 # ---- V4.1-Flash sizes on the GPU -----------------------------------------------------------------------

@@ -32,7 +32,7 @@ from flashv41.stages.sparse_attention import (  # noqa: E402
     sparse_attention,
     sparse_attention_tables,
 )
-from tests.test_attention_kernels import SELECT_PATHS, dev_bf16, one_hot, score_patterns
+from tests.test_attention_kernels import SELECT_PATHS, dev_bf16, one_hot, rope_angles, score_patterns
 
 B = 10
 POSITIONS = np.array([9, 3, 31, 7, 8, 0, 16, 15, 30, 6], np.int32)  # window 8; ratio-2 groups; the last not the largest
@@ -69,19 +69,22 @@ def test_sparse_attention_tables():
         selection[b, :k] = np.sort(rng.choice((p + 1) // 2, k, replace=False))
     positions, chosen = cuda.to_device(POSITIONS), cuda.to_device(selection)
     scale = DIM ** -0.5
+    cos, sin = (cuda.to_device(a) for a in rope_angles(rng, POSITIONS.max() + 1, DIM // 8))
     out = cuda.device_array((B, HEADS, DIM), np.uint16)
     ws = SparseWorkspace.allocate(B, HEADS, DIM, WINDOW + TOPK, most=SPLIT_BATCH_TOKENS)
     assert ws.tokens == B  # the split path takes the whole batch
-    sparse_attention_tables(q, table(rings), rows, table(comps), positions, chosen, WINDOW, sinks, scale, out, B,
-                            workspace=ws)
+    sparse_attention_tables(q, table(rings), rows, table(comps), positions, chosen, WINDOW, sinks, scale, cos, sin,
+                            out, B, workspace=ws)
     got = out.copy_to_host()
     # a batch the workspace cannot hold (or none) takes the one-block-a-head path, tables and all
     wide = cuda.device_array((B, HEADS, DIM), np.uint16)
-    sparse_attention_tables(q, table(rings), rows, table(comps), positions, chosen, WINDOW, sinks, scale, wide, B)
+    sparse_attention_tables(q, table(rings), rows, table(comps), positions, chosen, WINDOW, sinks, scale, cos, sin,
+                            wide, B)
     wide_rows = wide.copy_to_host()
     one_ws = SparseWorkspace.allocate(1, HEADS, DIM, WINDOW + TOPK)
     for b in range(B):
-        alone = (q[b:b + 1], rings[b], rows[b:b + 1], comps[b], positions[b:b + 1], chosen[b:b + 1], sinks, scale)
+        alone = (q[b:b + 1], rings[b], rows[b:b + 1], comps[b], positions[b:b + 1], chosen[b:b + 1], sinks, scale,
+                 cos, sin)
         one = cuda.device_array((1, HEADS, DIM), np.uint16)
         sparse_attention(*alone, one, 1, workspace=one_ws)
         assert np.array_equal(got[b], one.copy_to_host()[0]), f"row {b} (position {POSITIONS[b]})"

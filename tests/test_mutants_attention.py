@@ -17,6 +17,8 @@ What rejects each (measured on the simulator, at the CI shape and, for the `gpu`
   slot, the sink left out: sparse_bound (40-327 of 512 values out of it; 1657-87662 of 131072).
   The sink counts because attention_inputs puts each head's sink near its log-sum-exp, and a
   window row because its queries' entries are the layer's own lists (each names every window row).
+  The folded inverse RoPE of the output (its position one late, rotated forward, a sine term
+  dropped): sparse_bound rotated (rotated_bound).
   The split path's kernels carry the same mutants (sparse_mutants) and fail the same checks: on the
   simulator with the same numbers, since there the two paths give the same bits, mutated or not.
   Its tensor-core kernels (split_score_tc_kernel and split_value_tc_kernel, the GPU's default)
@@ -47,6 +49,7 @@ import pytest
 from numba import float32, int32, uint16  # noqa: E402  (after conftest chose the backend)
 
 from flashv41.model import load_model
+from flashv41.stages import device as device_module  # noqa: E402
 from flashv41.stages import index_scores_tc, indexer, topk  # noqa: E402
 from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
 from flashv41.stages import sparse_attention as sa  # noqa: E402
@@ -191,6 +194,14 @@ def sparse_mutants(check: str, scores: str, combine: str) -> list[Mutant]:
         Mutant(check, "ring_slot_dropped", "entries naming ring slot 0 skipped", sa,
                lambda: {"_resolve": resolve_skipping_ring_slot_0}),
         # a kernel that forgot the sink and then guarded the row without entries (0 / 0) on its own
+        Mutant(check, "o_rope_position_plus_1", "the output rotated back by the angle of position p + 1", sa,
+               lambda: {"_output_pair": edited(sa, "_output_pair", "cos[pos, pair], -sin[pos, pair]",
+                                               "cos[pos + 1, pair], -sin[pos + 1, pair]")}),
+        Mutant(check, "o_rope_forward", "the output rotated forward, not back (the sine's sign)", sa,
+               lambda: {"_output_pair": edited(sa, "_output_pair", "-sin[pos, pair]", "sin[pos, pair]")}),
+        Mutant(check, "rope_sin_dropped", "b sin left out of the first output of each rotated pair", sa,
+               lambda: {"rotate_pair": edited(device_module, "rotate_pair", "mul_rn(a, c) - mul_rn(b, s)",
+                                              "mul_rn(a, c)")}),
         Mutant(check, "sink_ignored", "the sink's term left out of the denominator", sa,
                lambda: {combine: edited(sa, combine, "sum_exp = sum_exp + exp_f32(sinks[h] - run_max)",
                                         "sum_exp = sum_exp if sum_exp > 0 else float32(np.inf)")}),

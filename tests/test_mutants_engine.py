@@ -61,15 +61,15 @@ def _previous_rows(selection, shifted, n_tokens):
             shifted[t, j] = selection[max(t - 1, 0), j]
 
 
-def attending_the_previous_tokens_selection(q, ring, chunk_rows, comp_rows, positions, selection, sinks, scale, out,
-                                            n_tokens, stream=0, workspace=None):
+def attending_the_previous_tokens_selection(q, ring, chunk_rows, comp_rows, positions, selection, sinks, scale, cos,
+                                            sin, out, n_tokens, stream=0, workspace=None):
     """sparse_attention with each query but the first attending the previous token's selection."""
     if selection is not None:
         shifted = cuda.device_array(selection.shape, np.int32)
         _previous_rows[1, 64, stream](selection, shifted, n_tokens)
         selection = shifted
-    sparse_attention(q, ring, chunk_rows, comp_rows, positions, selection, sinks, scale, out, n_tokens, stream,
-                     workspace=workspace)
+    sparse_attention(q, ring, chunk_rows, comp_rows, positions, selection, sinks, scale, cos, sin, out, n_tokens,
+                     stream, workspace=workspace)
 
 
 @device

@@ -315,12 +315,15 @@ def sparse_attention(q: np.ndarray, ring: np.ndarray, chunk_rows: np.ndarray, co
 
 
 def attend(q: np.ndarray, ring: np.ndarray, chunk_rows: np.ndarray, comp_rows: np.ndarray, positions: np.ndarray,
-           selection: np.ndarray | None, sinks: np.ndarray, scale: float) -> np.ndarray:
+           selection: np.ndarray | None, sinks: np.ndarray, scale: float, cos: np.ndarray | None,
+           sin: np.ndarray | None) -> np.ndarray:
     """The layer's attention of the queries q [T, H, D] at positions [T] (a chunk's, its first
-    position's window row in chunk_rows[0]) over their canonical lists: sparse_attention over
-    build_entries(positions, selection, W, chunk_rows' count), W the ring's slots."""
+    position's window row in chunk_rows[0]) over their canonical lists, then the inverse RoPE of
+    its output: rope_tail(sparse_attention over build_entries(positions, selection, W, chunk_rows'
+    count), inverse=True), W the ring's slots; cos, sin None: the output as it is."""
     entries = build_entries(positions, selection, ring.shape[0], chunk_rows.shape[0])
-    return sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale)
+    o = sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale)
+    return o if cos is None or sin is None else rope_tail(o, cos, sin, positions, inverse=True)
 
 
 def output_projection(cfg: ModelConfig, w: AttentionWeights, o: np.ndarray) -> np.ndarray:
@@ -384,11 +387,14 @@ def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tabl
             if shared.candidates is not None:
                 capture["candidates"] = shared.candidates.copy()
 
-    o = attend(q, state.window_ring, kv, comp_rows, positions, selection, w.sinks, cfg.head_dim ** -0.5)
+    attended = (q, state.window_ring, kv, comp_rows, positions, selection, w.sinks, cfg.head_dim ** -0.5)
+    o = attend(*attended, cos, sin)
+    if capture is not None:  # the output before its inverse RoPE
+        capture["attn_o"] = attend(*attended, None, None)
     # the ring keeps the chunk's last W rows, written once the attention has read the older ones
     for i in range(max(0, t - win), t):
         state.window_ring[(start + i) % win] = kv[i]
-    out = output_projection(cfg, w, rope_tail(o, cos, sin, positions, inverse=True))
+    out = output_projection(cfg, w, o)
     if capture is not None:
-        capture.update(attn_x=x, qr=qr, q=q, kv=kv, attn_o=o, attn_out=out)
+        capture.update(attn_x=x, qr=qr, q=q, kv=kv, attn_out=out)
     return out

@@ -7,7 +7,7 @@ start .. start+T-1 (C dim, H x D heads, Q q_lora, W window, K index_topk; bf16 =
     qr = q_norm(x @ wq_a^T)                      [T, Q]       stages.linear, norm_rope_quant
     kv = act_quant(RoPE(kv_norm(x @ wkv^T)))     [T, D]       this chunk's window rows (wq_a and wkv
         in one launch, linear_pair, then q_norm and the kv chain in one, norm_rope_quant_pair)
-    q = RoPE(qr @ wq_b^T)                        [T, H, D]
+    q = qr @ wq_b^T                              [T, H, D]  (RoPE'd where the attention reads it)
     kv sources: compressor -> latents of the completed groups -> index keys and compressed rows
         published into the sequence's caches                 stages.kv_sources
     index sources: scores against the last kv source's index keys, candidate blocks (candidate
@@ -15,8 +15,8 @@ start .. start+T-1 (C dim, H x D heads, Q q_lora, W window, K index_topk; bf16 =
                                                               stages.indexer
     o = sparse attention with the sink over each query's entries: W window positions oldest first
         (ring slots before the chunk, chunk rows after), then the selection (ratio > 0 layers),
-        made in the attention's kernels, and its output rotated back there: o = RoPE^-1(attention)
-                                                     [T, H, D]    stages.sparse_attention
+        made in the attention's kernels, which also rotate q as they load it and rotate the output
+        back: o = RoPE^-1(attention(RoPE(q)))        [T, H, D]    stages.sparse_attention
     out = (o grouped @ wo_a^T) @ wo_b^T              [T, C]
     the ring takes the chunk's last min(T, W) rows (after the attention read it; a decode step's
         one row, whose slot holds position p - W, which no entry names, as the kv chain writes it)
@@ -415,7 +415,8 @@ class AttentionStage:
                 start: int, n_tokens: int, capture: dict | None = None) -> None:
         """out[:T] = attention of layer `layer` over x[:T] (bf16 [>=T, C], the normed sublayer
         input) at positions start..start+T-1; updates the sequence's state and, on source layers,
-        `shared`. capture: filled with the oracle's capture keys (host arrays, bf16 values as fp32)."""
+        `shared`. capture: filled with the oracle's capture keys (host arrays, bf16 values as fp32);
+        "q" and "attn_o", which the folded attention never writes, computed apart (_capture_attention)."""
         self._check_call(layer, x, out, state, start, n_tokens)
         cfg, s, t = self.cfg, self.stream, n_tokens
         w = self.layers[layer]
@@ -434,13 +435,11 @@ class AttentionStage:
         if role.ratio > 0:
             selection = self._sources(layer, w, st, shared, x, start, t, cos, sin, capture)
             comp_rows = shared.compressed
-        attended = (self.q, st.ring, self.kv, comp_rows, pos, selection, w.sinks, self.scale)
-        sparse_attention(*attended, cos, sin, self.o, t, stream=s, workspace=self.sparse_ws)
+        sparse_attention(self.q, st.ring, self.kv, comp_rows, pos, selection, w.sinks, self.scale, cos, sin, self.o, t,
+                         stream=s, workspace=self.sparse_ws)
         mark("sparse_attention")
-        if capture is not None:  # the output before its inverse RoPE: the attention again, unrotated
-            o = cuda.device_array_like(self.o)
-            sparse_attention(*attended, None, None, o, t, stream=s, workspace=self.sparse_ws)
-            capture["attn_o"] = self._host(o, t)
+        if capture is not None:
+            self._capture_attention(st.ring, comp_rows, selection, w.sinks, cos, sin, t, capture)
         self._project_out(w, out, t)
         if t > 1:  # one row went with the kv chain (_project_in)
             n_ring = min(t, cfg.window) * cfg.head_dim
@@ -448,15 +447,29 @@ class AttentionStage:
                                                                                 cfg.head_dim)
             mark("ring_write")
         if capture is not None:
-            capture.update(attn_x=self._host(x, t), qr=self._host(self.qr, t), q=self._host(self.q, t),
-                           kv=self._host(self.kv, t), attn_out=self._host(out, t))
+            capture.update(attn_x=self._host(x, t), qr=self._host(self.qr, t), kv=self._host(self.kv, t),
+                           attn_out=self._host(out, t))
+
+    def _capture_attention(self, ring: DeviceArray, comp_rows: DeviceArray, selection: DeviceArray | None,
+                           sinks: DeviceArray, cos: DeviceArray, sin: DeviceArray, t: int, capture: dict) -> None:
+        """capture["q"] (the rotated queries) and ["attn_o"] (the output before its inverse RoPE),
+        which the folded path never holds: computed apart, as the unfused sequence did, with the rope
+        kernel on a copy of q and the attention without a table (a test and debug path)."""
+        cfg, s, pos = self.cfg, self.stream, self.positions
+        q = cuda.device_array_like(self.q)
+        q.copy_to_device(self.q, stream=s)
+        rope(q.reshape(q.shape[0], cfg.n_heads * cfg.head_dim), cos, sin, pos, False, t, cfg.n_heads, stream=s)
+        o = cuda.device_array_like(self.o)
+        sparse_attention(q, ring, self.kv, comp_rows, pos, selection, sinks, self.scale, None, None, o, t, stream=s,
+                         workspace=self.sparse_ws)
+        capture.update(q=self._host(q, t), attn_o=self._host(o, t))
 
     def _project_in(self, w: LayerWeights, x: DeviceArray, pos: DeviceArray, cos: DeviceArray, sin: DeviceArray,
                     t: int, ring: DeviceArray | None, ring_table: bool = False) -> None:
         """q [T, H, D] and the window rows kv [T, D] of x's T rows at positions pos; with a ring
         (bf16 [W, D], or an address table of each row's own: ring_table), each row also to its slot
         positions[r] % W there (a decode step's: no entry of this step names that slot)."""
-        cfg, s, mark = self.cfg, self.stream, self._mark
+        s, mark = self.stream, self._mark
         linear_pair(x, w.wq_a, self.qa, w.wkv, self.kv_raw, t, stream=s)  # one launch where it can
         mark("wq_a + wkv")
         norm_rope_quant_pair(Chain(self.qa, w.q_norm, self.eps, None, None, None, False, "none", out=self.qr),
@@ -469,8 +482,6 @@ class AttentionStage:
         else:
             linear(self.qr, w.wq_b, self.q_rows, t, stream=s)
         mark("wq_b")
-        rope(self.q_rows, cos, sin, pos, False, t, cfg.n_heads, stream=s)
-        mark("q_rope")
 
     def _project_out(self, w: LayerWeights, out: DeviceArray, t: int) -> None:
         """out[:T] from the attention output o [T, H, D] (its inverse RoPE done): the grouped wo_a, wo_b."""

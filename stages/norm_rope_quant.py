@@ -21,7 +21,8 @@ function's arguments in the oracle's order, then the device's own (output, row c
   quant: "act" (act_quant), "fp4_e8m0_32" (fp4_quant(x, 32, False)), "fp4_e4m3_16" (fp4_quant(x, 16,
   True)). The decode chains (one token): q_norm (1280 values), kv norm + rope + act (512), index
   keys norm + rope + fp4_e8m0_32 (128), compressed rows rope + fp4_e4m3_16 (512), index queries
-  rope + fp4_e8m0_32 (32 heads x 128), q / o rope (64 heads x 512).
+  rope + fp4_e8m0_32 (32 heads x 128). The attention's q and o rope (64 heads x 512) are folded into
+  stages.sparse_attention's kernels, with these roundings (`rope` still rotates q for the captures).
 
 How the fused kernel runs: one block per (row, head); each thread holds `vals` consecutive values of
 the head in registers (a rope pair and a quant block never straddle two threads, or a block spans an

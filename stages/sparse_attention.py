@@ -200,8 +200,12 @@ if SIM:
         w = _source(ring, chunk, comp, src)[ix, 4 * unit:4 * unit + 4]
         return w[0], w[1], w[2], w[3]
 
-    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units):
-        qv[k] = _pairs(_lane_words(q32, ix, lane, lanes))
+    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units, tail, cos, sin, pos):
+        v = _pairs(_lane_words(q32, ix, lane, lanes))
+        dims = (8 * np.arange(lane, units, lanes)[:, None] + np.arange(8)[None, :]).reshape(-1)
+        for i in range(0, v.size, 2):
+            v[i], v[i + 1] = _query_pair(v[i], v[i + 1], dims[i], tail, cos, sin, pos)
+        qv[k] = v
 
     def _load_row(rw, i, ring, chunk, comp, src, ix, lane, lanes, per_lane, units):
         rw[i] = _lane_words(_source(ring, chunk, comp, src), ix, lane, lanes) if src >= 0 else 0
@@ -243,21 +247,21 @@ else:
         return w0, w1, w2, w3
 
     @cuda.jit(device=True)
-    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units):
+    def _put_query_pair(qv, k, i, word, d, tail, cos, sin, pos):
+        """qv[k, i], qv[k, i + 1] = the query pair in `word` at dims d, d + 1 (_query_pair)."""
+        a, b = _pair(word)
+        qv[k, i], qv[k, i + 1] = _query_pair(a, b, d, tail, cos, sin, pos)
+
+    @cuda.jit(device=True)
+    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units, tail, cos, sin, pos):
         for u in range(per_lane):
-            w0, w1, w2, w3 = _unit(q32, q32, q32, 0, ix, lane + u * lanes, units)
-            a, b = _pair(w0)
-            qv[k, 8 * u] = a
-            qv[k, 8 * u + 1] = b
-            a, b = _pair(w1)
-            qv[k, 8 * u + 2] = a
-            qv[k, 8 * u + 3] = b
-            a, b = _pair(w2)
-            qv[k, 8 * u + 4] = a
-            qv[k, 8 * u + 5] = b
-            a, b = _pair(w3)
-            qv[k, 8 * u + 6] = a
-            qv[k, 8 * u + 7] = b
+            unit = lane + u * lanes
+            w0, w1, w2, w3 = _unit(q32, q32, q32, 0, ix, unit, units)
+            d = 8 * unit if unit < units else 0  # (a unit past the row is zeros, and no rope pair)
+            _put_query_pair(qv, k, 8 * u, w0, d, tail, cos, sin, pos)
+            _put_query_pair(qv, k, 8 * u + 2, w1, d + 2, tail, cos, sin, pos)
+            _put_query_pair(qv, k, 8 * u + 4, w2, d + 4, tail, cos, sin, pos)
+            _put_query_pair(qv, k, 8 * u + 6, w3, d + 6, tail, cos, sin, pos)
 
     @cuda.jit(device=True)
     def _load_row(rw, i, ring, chunk, comp, src, ix, lane, lanes, per_lane, units):
@@ -345,6 +349,26 @@ def _add_later(acc, k, later, g, h, u0, step, per_thread):
     """acc[k] += what _store_later(later, g, h, ...) stored for this thread."""
     for i in range(8 * per_thread):
         acc[k, i] += later[g, h, i * step + u0]
+
+
+@device
+def _query_pair(a, b, d, tail, cos, sin, pos):
+    """The query pair (a, b) (bf16 values, fp32) at dims d, d + 1 (d even) as the scores use it:
+    where d is in the rope tail (d >= tail) rotated by the angle of position pos and rounded to
+    bf16, as norm_rope_quant.rope rotates wq_b's product (the bits of its launch)."""
+    if d >= tail:
+        pair = (d - tail) // 2
+        u, v = rotate_pair(a, b, cos[pos, pair], sin[pos, pair])
+        return bf16_to_f32(f32_to_bf16(u)), bf16_to_f32(f32_to_bf16(v))
+    return a, b
+
+
+@device
+def _query_word(word, d, tail, cos, sin, pos):
+    """A 32-bit word of the query (the bf16 pair at dims d, d + 1, low half first) as the scores use
+    it (_query_pair), as a word again."""
+    a, b = _query_pair(f32_from_bits(word << 16), f32_from_bits(word & 0xFFFF0000), d, tail, cos, sin, pos)
+    return uint32(f32_to_bf16(a)) | (uint32(f32_to_bf16(b)) << 16)
 
 
 @device
@@ -472,8 +496,14 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False,
         ring, comp = (u16_rows(rings, t, head_dim), u16_rows(comps, t, head_dim)) if tables else (rings, comps)
         window = ring.shape[0]
         chunk_rows = chunk.shape[0]
-        for d in range(tid, head_dim, threads):
-            qs[d] = bf16_to_f32(q[t, h, d])
+        pos = positions[t]
+        for d in range(tid, head_dim, threads):  # the query, its rope tail rotated (_query_pair)
+            if d < tail:
+                qs[d] = bf16_to_f32(q[t, h, d])
+            else:
+                e = d - d % 2  # the pair's first dim
+                a, b = _query_pair(bf16_to_f32(q[t, h, e]), bf16_to_f32(q[t, h, e + 1]), e, tail, cos, sin, pos)
+                qs[d] = b if d % 2 else a
         acc = cuda.local.array(per_thread, float32)  # [D / threads]: this thread's output dims
         pv = cuda.local.array(per_thread, float32)  # [D / threads]: their value sum over a block
         for i in range(per_thread):
@@ -528,7 +558,7 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False,
         for i in range(per_thread):
             d = tid + i * threads
             e = d - d % 2  # the pair's first dim
-            a, b = _output_pair(qs[e], qs[e + 1], e, tail, cos, sin, positions[t])
+            a, b = _output_pair(qs[e], qs[e + 1], e, tail, cos, sin, pos)
             out[t, h, d] = b if d % 2 else a
 
     return kernel
@@ -552,7 +582,7 @@ def _output_pair(x, y, d, tail, cos, sin, pos):
 
 @cache
 def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, entry_warps: int, per_warp: int,
-                       tables: bool = False):
+                       tables: bool = False, rope_dim: int = 0):
     """Split path, scores: a warp of `lanes` lanes per (token, `heads` heads, `per_warp` entries);
     a block of head_warps x entry_warps warps per (tile of per_warp x entry_warps entries, heads x
     head_warps heads, token). q32 [T * H, D / 2] and ring32, chunk32, comp32 [*, D / 2]: the bf16
@@ -560,6 +590,7 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
     entries int32 [T, E]; scores fp32 [>= T, H, >= E] (-inf: skipped);
     tile_max fp32 [>= T, >= NT, H] (NT = ceil(E / tile))."""
     units = head_dim // 8  # 16-byte units of a row
+    tail = head_dim - rope_dim  # the query's rope tail, rotated as it is loaded (_query_pair)
     per_lane = -(-units // lanes)  # units a lane holds
     q_dims = per_lane * 8  # (local array shapes must be compile-time constants)
     row_words = per_lane * 4
@@ -573,7 +604,8 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
     n_out = 1 if lanes > 1 else n_sums  # the sums each lane finishes
 
     @jit_for(threads)
-    def kernel(q32, rings, chunk32, comps, positions, selection, scores, tile_max, n_entries, n_heads, scale):
+    def kernel(q32, rings, chunk32, comps, positions, selection, cos, sin, scores, tile_max, n_entries, n_heads,
+               scale):
         tile_s = cuda.shared.array((tile, block_heads), float32)  # [tile, heads]: the block's scores
         tid = cuda.threadIdx.x
         lane = tid % lanes
@@ -592,8 +624,9 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
         qv = cuda.local.array((heads, q_dims), float32)  # [heads, D / lanes]: the lane's query dims
         rw = cuda.local.array((per_warp, row_words), uint32)  # [entries, D / 2 / lanes]: its row words
         sums = cuda.local.array(n_sums, float32)  # [entries x heads (+ padding)]: the lane's partial dots
+        pos = positions[t]
         for k in range(heads):
-            _load_query(qv, k, q32, t * n_heads + h0 + k, lane, lanes, per_lane, units)
+            _load_query(qv, k, q32, t * n_heads + h0 + k, lane, lanes, per_lane, units, tail, cos, sin, pos)
         skipped = 0  # bit i: entry i skipped
         for i in range(per_warp):  # every row load issued before the first is used
             sr, ix = _resolve(entry_at(positions, selection, t, e0 + i, window, chunk_rows, n_entries, tables),
@@ -626,7 +659,7 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
 
 
 @cache
-def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
+def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False, rope_dim: int = 0):
     """Split path, scores on the tensor cores (mma m16n8k16, bf16 in, fp32 sums): what
     split_score_kernel computes, another fp32 order of q . k over D. A warp is 16 heads (the mma's
     rows; heads past H read head H - 1 and are not written) x the SCORE_TILE entries of one score
@@ -636,6 +669,7 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
     two k16 steps permuted alike, as stages.linear_narrow's weights and inputs do. Arguments as
     split_score_kernel's."""
     units = head_dim // 8  # 16-byte units of a row
+    tail = head_dim - rope_dim  # the query's rope tail, rotated as it is loaded (_query_word)
     blocks = head_dim // 32
     threads = WARP * warps
     block_heads = 16 * warps
@@ -649,7 +683,8 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
     assert SCORE_TILE % 8 == 0, "a score tile is whole fragments of 8 entries"
 
     @jit_for(threads)
-    def kernel(q32, rings, chunk32, comps, positions, selection, scores, tile_max, n_entries, n_heads, scale):
+    def kernel(q32, rings, chunk32, comps, positions, selection, cos, sin, scores, tile_max, n_entries, n_heads,
+               scale):
         tile_s = cuda.shared.array(tile_shape, float32)  # [tile, heads]: the block's scores
         tid = cuda.threadIdx.x
         warp, g, t4 = _mma_lane(tid)
@@ -662,6 +697,7 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
             rings, comps)
         window = ring32.shape[0]
         chunk_rows = chunk32.shape[0]
+        pos = positions[t]
         qa = t * n_heads + min(h0 + g, n_heads - 1)  # this lane's two query rows
         qb = t * n_heads + min(h0 + g + 8, n_heads - 1)
         rows = cuda.local.array(rows_shape, int32)  # its entry of each fragment
@@ -678,6 +714,10 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
                 unit = 4 * (c0 + j) + t4
                 qw[j, 0], qw[j, 1], qw[j, 2], qw[j, 3] = _unit(q32, q32, q32, 0, qa, unit, units)
                 qw[j, 4], qw[j, 5], qw[j, 6], qw[j, 7] = _unit(q32, q32, q32, 0, qb, unit, units)
+                if 8 * unit + 8 > tail:  # the unit reaches into the rope tail
+                    for m in range(4):
+                        qw[j, m] = _query_word(qw[j, m], 8 * unit + 2 * m, tail, cos, sin, pos)
+                        qw[j, 4 + m] = _query_word(qw[j, 4 + m], 8 * unit + 2 * m, tail, cos, sin, pos)
                 for f in range(fragments):
                     rw[j, f, 0], rw[j, f, 1], rw[j, f, 2], rw[j, f, 3] = _unit(
                         ring32, chunk32, comp32, rows[f, 0], rows[f, 1], unit, units)
@@ -1065,13 +1105,14 @@ def _split_attention(q, ring, chunk_rows, comp_rows, positions, selection, n_ent
         rows = (ring, chunk_rows.view(np.uint32), comp_rows) if tables else tuple(
             a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
         n_tiles = -(-n_entries // SCORE_TILE)
-        score_args = (q32, *rows, positions, selection, ws.scores, ws.tile_max, n_entries, heads, np.float32(scale))
+        score_args = (q32, *rows, positions, selection, cos, sin, ws.scores, ws.tile_max, n_entries, heads,
+                      np.float32(scale))
         value_args = (*rows, positions, selection, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max,
                       ws.rescale, n_entries)
         if split_cores(head_dim, n_tokens, cores) == "tc":
             warps = min(SCORE_TC_WARPS, -(-heads // 16))
             head_blocks = -(-heads // (16 * warps))
-            split_score_tc_kernel(head_dim, warps, tables)[
+            split_score_tc_kernel(head_dim, warps, tables, rope_dim)[
                 (n_tiles, head_blocks, n_tokens), WARP * warps, stream](*score_args)
             d_slice = _widest(head_dim, VALUE_TC_SLICE)
             split_value_tc_kernel(head_dim, warps, d_slice, tables)[
@@ -1079,7 +1120,7 @@ def _split_attention(q, ring, chunk_rows, comp_rows, positions, selection, n_ent
         else:
             hw = _widest(heads, SCORE_HEADS)
             head_warps = _widest(heads // hw, SCORE_HEAD_WARPS)
-            split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES, tables)[
+            split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES, tables, rope_dim)[
                 (n_tiles, heads // (hw * head_warps), n_tokens), LANES * head_warps * SCORE_ENTRY_WARPS, stream](
                 *score_args)
             units = head_dim // 8

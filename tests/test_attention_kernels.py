@@ -713,11 +713,12 @@ def rotated_bound(bound: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions
 
 def sparse_reference(args: tuple) -> tuple[np.ndarray, np.ndarray]:
     """oracle.attend of the arguments, and what fp32 accumulation may change of it: sparse_bound on
-    the output before its inverse RoPE, rotated_bound after."""
+    the output before its inverse RoPE (of the rotated queries), rotated_bound after."""
     q, ring, chunk_rows, comp, positions, _, sinks, scale, cos, sin = args
-    o_ref = oracle.attend(*args[:8], None, None)
+    q_rotated = oracle.rope_tail(q, cos, sin, positions)
+    o_ref = oracle.attend(q_rotated, *args[1:8], None, None)
     rows = np.concatenate([ring, chunk_rows, comp])
-    bound = sparse_bound(q, rows, case_entries(args), sinks, scale, o_ref)
+    bound = sparse_bound(q_rotated, rows, case_entries(args), sinks, scale, o_ref)
     ref = oracle.attend(*args)
     return ref, rotated_bound(bound, cos, sin, positions, ref, o_ref)
 
@@ -789,19 +790,24 @@ FOLD_CASE = (23, 8, 4, 64, 8, 8, 40, 20)  # seed, T (the split path's most), H, 
 
 
 def unfused_sparse(args: tuple, split: bool, cores: str) -> np.ndarray:
-    """What the folded rotation replaces: the attention without a table (run_sparse), then
-    norm_rope_quant.rope's inverse of its output."""
+    """What the folded rotations replace: norm_rope_quant.rope of the queries, the attention without
+    a table (run_sparse), then the rope's inverse of its output."""
     t, heads, dim = args[0].shape
-    o = dev_bf16(run_sparse((*args[:8], None, None), split=split, cores=cores).reshape(t, heads * dim))
-    nrq.rope(o, *dev(args[8:10], fp32=(0, 1)), cuda.to_device(args[4].astype(np.int32)), True, t, heads)
+    table = (*dev(args[8:10], fp32=(0, 1)), cuda.to_device(args[4].astype(np.int32)))
+    q = dev_bf16(args[0].reshape(t, heads * dim))
+    nrq.rope(q, *table, False, t, heads)
+    q_rotated = host_bf16(q).reshape(t, heads, dim)
+    o = dev_bf16(run_sparse((q_rotated, *args[1:8], None, None), split=split, cores=cores).reshape(t, heads * dim))
+    nrq.rope(o, *table, True, t, heads)
     return host_bf16(o).reshape(t, heads, dim)
 
 
 @pytest.mark.parametrize("t", [1, 3, 8])
 @pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc"])
 def test_sparse_fold_matches_unfused(path, t):
-    """The output's inverse RoPE in the kernels that write it (sparse_kernel, split_combine_kernel)
-    gives the bits of the launches it replaces, on every path."""
+    """The queries' RoPE where the scores load them (sparse_kernel, split_score_kernel,
+    split_score_tc_kernel) and the output's inverse RoPE in the kernels that write it (sparse_kernel,
+    split_combine_kernel) give the bits of the launches they replace, on every path."""
     split = path != "one_block"
     cores = path.removeprefix("split_") if split else ""
     args = sparse_inputs(FOLD_CASE[0], t, *FOLD_CASE[2:])

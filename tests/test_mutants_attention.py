@@ -17,8 +17,8 @@ What rejects each (measured on the simulator, at the CI shape and, for the `gpu`
   slot, the sink left out: sparse_bound (40-327 of 512 values out of it; 1657-87662 of 131072).
   The sink counts because attention_inputs puts each head's sink near its log-sum-exp, and a
   window row because its queries' entries are the layer's own lists (each names every window row).
-  The folded inverse RoPE of the output (its position one late, rotated forward, a sine term
-  dropped): sparse_bound rotated (rotated_bound).
+  The folded RoPE of the queries and inverse RoPE of the output (either's position one late,
+  either rotated the wrong way, a sine term dropped): sparse_bound rotated (rotated_bound).
   The split path's kernels carry the same mutants (sparse_mutants) and fail the same checks: on the
   simulator with the same numbers, since there the two paths give the same bits, mutated or not.
   Its tensor-core kernels (split_score_tc_kernel and split_value_tc_kernel, the GPU's default)
@@ -199,7 +199,13 @@ def sparse_mutants(check: str, scores: str, combine: str) -> list[Mutant]:
                                                "cos[pos + 1, pair], -sin[pos + 1, pair]")}),
         Mutant(check, "o_rope_forward", "the output rotated forward, not back (the sine's sign)", sa,
                lambda: {"_output_pair": edited(sa, "_output_pair", "-sin[pos, pair]", "sin[pos, pair]")}),
-        Mutant(check, "rope_sin_dropped", "b sin left out of the first output of each rotated pair", sa,
+        Mutant(check, "q_rope_position_plus_1", "the queries rotated by the angle of position p + 1", sa,
+               lambda: {"_query_pair": edited(sa, "_query_pair", "cos[pos, pair], sin[pos, pair]",
+                                              "cos[pos + 1, pair], sin[pos + 1, pair]")}),
+        Mutant(check, "q_rope_inverse", "the queries rotated back, not forward (the sine's sign)", sa,
+               lambda: {"_query_pair": edited(sa, "_query_pair", "cos[pos, pair], sin[pos, pair]",
+                                              "cos[pos, pair], -sin[pos, pair]")}),
+        Mutant(check, "rope_sin_dropped", "b sin left out of the first value of each rotated pair (q and out)", sa,
                lambda: {"rotate_pair": edited(device_module, "rotate_pair", "mul_rn(a, c) - mul_rn(b, s)",
                                               "mul_rn(a, c)")}),
         Mutant(check, "sink_ignored", "the sink's term left out of the denominator", sa,

@@ -318,12 +318,15 @@ def attend(q: np.ndarray, ring: np.ndarray, chunk_rows: np.ndarray, comp_rows: n
            selection: np.ndarray | None, sinks: np.ndarray, scale: float, cos: np.ndarray | None,
            sin: np.ndarray | None) -> np.ndarray:
     """The layer's attention of the queries q [T, H, D] at positions [T] (a chunk's, its first
-    position's window row in chunk_rows[0]) over their canonical lists, then the inverse RoPE of
-    its output: rope_tail(sparse_attention over build_entries(positions, selection, W, chunk_rows'
-    count), inverse=True), W the ring's slots; cos, sin None: the output as it is."""
+    position's window row in chunk_rows[0]) over their canonical lists, the queries rotated first
+    and the output rotated back: rope_tail(sparse_attention(rope_tail(q), ..., build_entries(
+    positions, selection, W, chunk_rows' count), ...), inverse=True), W the ring's slots; cos, sin
+    None: q and the output as they are."""
     entries = build_entries(positions, selection, ring.shape[0], chunk_rows.shape[0])
-    o = sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale)
-    return o if cos is None or sin is None else rope_tail(o, cos, sin, positions, inverse=True)
+    if cos is None or sin is None:
+        return sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale)
+    o = sparse_attention(rope_tail(q, cos, sin, positions), ring, chunk_rows, comp_rows, entries, sinks, scale)
+    return rope_tail(o, cos, sin, positions, inverse=True)
 
 
 def output_projection(cfg: ModelConfig, w: AttentionWeights, o: np.ndarray) -> np.ndarray:
@@ -349,7 +352,7 @@ def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tabl
     cos, sin = tables.for_ratio(role.ratio)
 
     qr = rms_norm(linear(x, w.wq_a), w.q_norm, cfg.norm_eps)
-    q = rope_tail(linear(qr, w.wq_b).reshape(t, cfg.n_heads, cfg.head_dim), cos, sin, positions)
+    q = linear(qr, w.wq_b).reshape(t, cfg.n_heads, cfg.head_dim)  # rotated in attend
     kv = rms_norm(linear(x, w.wkv), w.kv_norm, cfg.norm_eps)
     kv = adopt("window_rows", act_quant(rope_tail(kv, cos, sin, positions), 32))
 
@@ -387,14 +390,15 @@ def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tabl
             if shared.candidates is not None:
                 capture["candidates"] = shared.candidates.copy()
 
-    attended = (q, state.window_ring, kv, comp_rows, positions, selection, w.sinks, cfg.head_dim ** -0.5)
-    o = attend(*attended, cos, sin)
-    if capture is not None:  # the output before its inverse RoPE
-        capture["attn_o"] = attend(*attended, None, None)
+    rows = (state.window_ring, kv, comp_rows, positions, selection, w.sinks, cfg.head_dim ** -0.5)
+    o = attend(q, *rows, cos, sin)
+    if capture is not None:  # the rotated queries, and the output before its inverse RoPE
+        q_rotated = rope_tail(q, cos, sin, positions)
+        capture.update(q=q_rotated, attn_o=attend(q_rotated, *rows, None, None))
     # the ring keeps the chunk's last W rows, written once the attention has read the older ones
     for i in range(max(0, t - win), t):
         state.window_ring[(start + i) % win] = kv[i]
     out = output_projection(cfg, w, o)
     if capture is not None:
-        capture.update(attn_x=x, qr=qr, q=q, kv=kv, attn_out=out)
+        capture.update(attn_x=x, qr=qr, kv=kv, attn_out=out)
     return out

@@ -1,14 +1,16 @@
-"""Sparse single-kv-head attention with a sink on the device, each query's entry list made in the kernels.
+"""Sparse single-kv-head attention with a sink on the device, each query's entry list and the RoPE of
+the queries and of the output made in the kernels.
 
 Shapes (T tokens, H heads x D head_dim, W window slots, K selected, E = W + K entries per query;
 bf16 = uint16 bits):
-- `sparse_attention(q, ring, chunk_rows, comp_rows, positions, selection, sinks, scale, out, n_tokens)`:
-  q bf16 [T, H, D]; ring bf16 [W, D] (the window ring, slot = position % W); chunk_rows bf16 [Cn, D]
-  (this chunk's window rows, the chunk's first position in row 0); comp_rows bf16 [G, D] (the
-  compressed cache); positions int32 [T] (the chunk's, consecutive); selection int32 [T, K] (each
-  query's selected groups, -1 = none) or None (K = 0); sinks fp32 [H]; out bf16 [T, H, D]. K = V =
-  the row (MQA). With a `SparseWorkspace` and T <= its token capacity and SPLIT_MAX_TOKENS it takes
-  the split path below.
+- `sparse_attention(q, ring, chunk_rows, comp_rows, positions, selection, sinks, scale, cos, sin, out,
+  n_tokens)`: q bf16 [T, H, D] (not rotated); ring bf16 [W, D] (the window ring, slot = position %
+  W); chunk_rows bf16 [Cn, D] (this chunk's window rows, the chunk's first position in row 0);
+  comp_rows bf16 [G, D] (the compressed cache); positions int32 [T] (the chunk's, consecutive);
+  selection int32 [T, K] (each query's selected groups, -1 = none) or None (K = 0); sinks fp32 [H];
+  cos, sin fp32 [max_seq, R / 2] (the layer's RoPE table over the last R dims of a head) or None
+  (no rotation); out bf16 [T, H, D] (rotated back). K = V = the row (MQA). With a
+  `SparseWorkspace` and T <= its token capacity and SPLIT_MAX_TOKENS it takes the split path below.
 - `sparse_attention_tables(q, rings, chunk_rows, comps, positions, selection, window, ...)`: the same
   for a batch of sequences, token t its sequence's only one (its window row in chunk row t), reading
   its own ring and compressed rows through address tables (stages.row_tables); the split path for up
@@ -18,18 +20,23 @@ entry: no entries array): the W window positions p - W + 1 .. p oldest first (-1
 slots for positions before the chunk, chunk rows from the chunk's first position on), then the K
 selected compressed positions as given, encoded e < 0 skipped, e < W -> ring[e], e < W + Cn ->
 chunk_rows[e - W], else comp_rows[e - W - Cn].
+The RoPE: the score kernels rotate the rope tail of each query as they load it (_query_pair: bf16
+in, fp32 rotation, bf16), the kernels that write out rotate the bf16 output back (_output_pair),
+each in stages.norm_rope_quant.rope's roundings, so the result has the bits of the launches it
+replaces (rope(q), the former entries kernel, the attention, rope(o, inverse)); the entries are the
+same integers, made in registers instead of read from memory.
 Oracle: host.oracle.attention.attend(q, ring, chunk_rows, comp_rows, positions, selection, sinks,
-scale) = its sparse_attention over build_entries(positions, selection, W, Cn): the wrappers take
-those arguments in that order (the tables one the window after the selection), then their output
-and row count. The kernels give the bits the former build_entries kernel + entries-reading kernels
-gave: the entries are the same integers, read from registers instead of memory.
+scale, cos, sin) = rope_tail(its sparse_attention of rope_tail(q) over build_entries(positions,
+selection, W, Cn), inverse=True): the wrappers take those arguments in that order (the tables one
+the window after the selection), then their output and row count.
 
 The online softmax walks the entries in blocks of 64 in the oracle's order and roundings: per
 block the running max (from -1e30) is updated, p = exp(s - max) (float64 exp rounded once, as the
 oracle), the block's p summed in float64 into the fp32 running sum after its fp32 rescale, p
-rounded to bf16 before the value product; the sink adds exp(sink - max) to the denominator only;
-a row without entries gives 0 / inf = 0. What differs from the oracle is the fp32 accumulation of
-q . k over D and of the value products over a block (the oracle's are float64). The bound this
+rounded to bf16 before the value product; the sink adds exp(sink - max) to the denominator only
+(every list holds the query's own position, so no row is without entries). What differs from the
+oracle is the fp32 accumulation of q . k over D and of the value products over a block (the
+oracle's are float64). The bound this
 implies is derived in tests/test_attention_kernels.py.
 
 Two paths compute that same recurrence:
@@ -47,9 +54,9 @@ Two paths compute that same recurrence:
   the block's float64 sum and its value sums (a thread per 16-byte unit of the row, a few heads and
   a run of the block's entries, the runs' sums added in run order; on the tensor cores a warp per
   16 heads x a slice of D, over the block's rows staged in shared memory). Combine: a thread per
-  (token, head, dim) runs the rescaling over b in order and adds the sink. Only fp32 orders differ
-  from the first path: q . k over D, and a block's value sums (on the simulator, lanes of one and
-  one run, not even those: the two agree bit for bit).
+  (token, head, dim pair) runs the rescaling over b in order, adds the sink and rotates the pair
+  back. Only fp32 orders differ from the first path: q . k over D, and a block's value sums (on
+  the simulator, lanes of one and one run, not even those: the two agree bit for bit).
 """
 
 from __future__ import annotations

@@ -912,6 +912,20 @@ def test_flash_sparse_attention_within_bound(path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc"])
+def test_flash_sparse_fold_matches_unfused(path, t):
+    """64 heads x 512 (the rope on the last 64 dims), a 128-slot window plus top-512 entries: the
+    folded rotations against the launches they replace, bit for bit, in the GPU's block shapes (the
+    one-block kernel's pairs across threads, the combine's thread per pair, the tensor cores' words)."""
+    split = path != "one_block"
+    cores = path.removeprefix("split_") if split else ""
+    args = sparse_inputs(FLASH_SPARSE_CASE[0], t, *FLASH_SPARSE_CASE[2:])
+    assert_bits_equal(to_bits(run_sparse(args, split=split, cores=cores)), unfused_sparse(args, split, cores),
+                      f"flash folded against unfused ({path}, T {t})")
+
+
+@pytest.mark.gpu
 def test_flash_sparse_split_matches_one_block():
     check_split_matches_one_block(FLASH_SPARSE_CASE)
 

@@ -7,16 +7,17 @@ start .. start+T-1 (C dim, H x D heads, Q q_lora, W window, K index_topk; bf16 =
     qr = q_norm(x @ wq_a^T)                      [T, Q]       stages.linear, norm_rope_quant
     kv = act_quant(RoPE(kv_norm(x @ wkv^T)))     [T, D]       this chunk's window rows (wq_a and wkv
         in one launch, linear_pair, then q_norm and the kv chain in one, norm_rope_quant_pair)
-    q = RoPE(qr @ wq_b^T)                        [T, H, D]
+    q = qr @ wq_b^T                              [T, H, D]  (RoPE'd where the attention reads it)
     kv sources: compressor -> latents of the completed groups -> index keys and compressed rows
         published into the sequence's caches                 stages.kv_sources
     index sources: scores against the last kv source's index keys, candidate blocks (candidate
         source) or their mask (later index sources), top-k -> the shared selection [T, K]
                                                               stages.indexer
-    entries: W window positions oldest first (ring slots before the chunk, chunk rows after),
-        then the selection (ratio > 0 layers)                 stages.sparse_attention
-    o = sparse attention with the sink               [T, H, D]
-    out = (RoPE^-1(o) grouped @ wo_a^T) @ wo_b^T     [T, C]
+    o = sparse attention with the sink over each query's entries: W window positions oldest first
+        (ring slots before the chunk, chunk rows after), then the selection (ratio > 0 layers),
+        made in the attention's kernels, which also rotate q as they load it and rotate the output
+        back: o = RoPE^-1(attention(RoPE(q)))        [T, H, D]    stages.sparse_attention
+    out = (o grouped @ wo_a^T) @ wo_b^T              [T, C]
     the ring takes the chunk's last min(T, W) rows (after the attention read it; a decode step's
         one row, whose slot holds position p - W, which no entry names, as the kv chain writes it)
 
@@ -31,7 +32,7 @@ API (what the engine calls):
 Decode (T = 1) allocates nothing on the device: every array is a workspace sized once for
 max_tokens, or sequence state. It uploads one thing, the positions (int32 [T], once per forward
 call: the layers share them; skipped when they did not change). Every kernel reads positions off
-the device (window slots, ring slot, group ids, visible counts, score width), entries and
+the device (window slots, ring slot, group ids, visible counts, score width, each query's entries),
 selections are built on the device, and nothing comes back to the host. Host decisions depend
 only on (start, T): how many groups a chunk completes, and whether a layer has any group to score.
 While a graph is captured (`capturing`), the index-score and selection launches are sized for the
@@ -68,7 +69,6 @@ from flashv41.stages.row_tables import table_row
 from flashv41.stages.sparse_attention import (
     SPLIT_BATCH_TOKENS,
     SparseWorkspace,
-    build_entries,
     sparse_attention,
     sparse_attention_tables,
 )
@@ -78,9 +78,8 @@ COPY_THREADS = 64 if SIM else 256
 ROLES = {**L.ATTENTION_ROLES, **L.OPTIONAL_ATTENTION_ROLES}  # blk.{i}.{role}.weight by weight name
 
 # The stage's device workspaces (attribute names), sized once for max_tokens.
-WORKSPACES = ("positions", "qa", "qr", "q", "kv_raw", "kv", "o", "oa", "entries_window", "entries_all", "selection",
-              "score", "candidates", "iq", "hw", "source_ws", "select_ws", "sparse_ws",
-              "batch_rows")
+WORKSPACES = ("positions", "qa", "qr", "q", "kv_raw", "kv", "o", "oa", "selection", "score", "candidates", "iq", "hw",
+              "source_ws", "select_ws", "sparse_ws", "batch_rows")
 # A sequence's arrays that a batched step reads through address tables (stages.row_tables), per
 # layer: its ring, and the compressor state and caches of the kv source the layer reads.
 RING, KV_STATE, SCORE_STATE, COMPRESSED, INDEX_KEYS = range(5)
@@ -294,13 +293,11 @@ class AttentionStage:
         self.o = bf16(cfg.n_heads, cfg.head_dim)
         self.o_rows = self.o.reshape(t, cfg.n_heads * cfg.head_dim)
         self.oa = bf16(cfg.o_groups * cfg.o_lora_rank)
-        self.entries_window = cuda.device_array((t, cfg.window), np.int32)
         ratios = [r.ratio for r in cfg.roles if r.ratio > 0]
         self.max_groups = self.max_seq // min(ratios) if ratios else 0
-        self.entries_all = self.selection = self.score = self.candidates = self.iq = self.hw = None
+        self.selection = self.score = self.candidates = self.iq = self.hw = None
         self.select_ws: SelectWorkspace | None = None
         if ratios:
-            self.entries_all = cuda.device_array((t, cfg.window + cfg.index_topk), np.int32)
             self.selection = cuda.device_array((t, cfg.index_topk), np.int32)  # [T, K]
         if any(r.index_source for r in cfg.roles):
             blocks = -(-self.max_groups // cfg.candidate_block_size)
@@ -418,7 +415,8 @@ class AttentionStage:
                 start: int, n_tokens: int, capture: dict | None = None) -> None:
         """out[:T] = attention of layer `layer` over x[:T] (bf16 [>=T, C], the normed sublayer
         input) at positions start..start+T-1; updates the sequence's state and, on source layers,
-        `shared`. capture: filled with the oracle's capture keys (host arrays, bf16 values as fp32)."""
+        `shared`. capture: filled with the oracle's capture keys (host arrays, bf16 values as fp32);
+        "q" and "attn_o", which the folded attention never writes, computed apart (_capture_attention)."""
         self._check_call(layer, x, out, state, start, n_tokens)
         cfg, s, t = self.cfg, self.stream, n_tokens
         w = self.layers[layer]
@@ -433,33 +431,45 @@ class AttentionStage:
         self._project_in(w, x, pos, cos, sin, t, st.ring if t == 1 else None)
 
         # a ratio-0 layer has no compressed rows: any bf16 [*, D] array stands in (no entry names it)
-        entries, comp_rows, selection = self.entries_window, self.kv, None
+        comp_rows, selection = self.kv, None
         if role.ratio > 0:
             selection = self._sources(layer, w, st, shared, x, start, t, cos, sin, capture)
-            entries, comp_rows = self.entries_all, shared.compressed
-        build_entries(pos, selection, cfg.window, self.kv.shape[0], entries, t, stream=s)
-        mark("entries")
-        sparse_attention(self.q, st.ring, self.kv, comp_rows, entries, w.sinks, self.scale, self.o, t, stream=s,
-                         workspace=self.sparse_ws)
+            comp_rows = shared.compressed
+        sparse_attention(self.q, st.ring, self.kv, comp_rows, pos, selection, w.sinks, self.scale, cos, sin, self.o, t,
+                         stream=s, workspace=self.sparse_ws)
         mark("sparse_attention")
         if capture is not None:
-            capture["attn_o"] = self._host(self.o, t)
-        self._project_out(w, out, pos, cos, sin, t)
+            self._capture_attention(st.ring, comp_rows, selection, w.sinks, cos, sin, t, capture)
+        self._project_out(w, out, t)
         if t > 1:  # one row went with the kv chain (_project_in)
             n_ring = min(t, cfg.window) * cfg.head_dim
             _ring_write_kernel[grid_1d(n_ring, COPY_THREADS), COPY_THREADS, s](self.kv, st.ring, pos, t,
                                                                                 cfg.head_dim)
             mark("ring_write")
         if capture is not None:
-            capture.update(attn_x=self._host(x, t), qr=self._host(self.qr, t), q=self._host(self.q, t),
-                           kv=self._host(self.kv, t), attn_out=self._host(out, t))
+            capture.update(attn_x=self._host(x, t), qr=self._host(self.qr, t), kv=self._host(self.kv, t),
+                           attn_out=self._host(out, t))
+
+    def _capture_attention(self, ring: DeviceArray, comp_rows: DeviceArray, selection: DeviceArray | None,
+                           sinks: DeviceArray, cos: DeviceArray, sin: DeviceArray, t: int, capture: dict) -> None:
+        """capture["q"] (the rotated queries) and ["attn_o"] (the output before its inverse RoPE),
+        which the folded path never holds: computed apart, as the unfused sequence did, with the rope
+        kernel on a copy of q and the attention without a table (a test and debug path)."""
+        cfg, s, pos = self.cfg, self.stream, self.positions
+        q = cuda.device_array_like(self.q)
+        q.copy_to_device(self.q, stream=s)
+        rope(q.reshape(q.shape[0], cfg.n_heads * cfg.head_dim), cos, sin, pos, False, t, cfg.n_heads, stream=s)
+        o = cuda.device_array_like(self.o)
+        sparse_attention(q, ring, self.kv, comp_rows, pos, selection, sinks, self.scale, None, None, o, t, stream=s,
+                         workspace=self.sparse_ws)
+        capture.update(q=self._host(q, t), attn_o=self._host(o, t))
 
     def _project_in(self, w: LayerWeights, x: DeviceArray, pos: DeviceArray, cos: DeviceArray, sin: DeviceArray,
                     t: int, ring: DeviceArray | None, ring_table: bool = False) -> None:
         """q [T, H, D] and the window rows kv [T, D] of x's T rows at positions pos; with a ring
         (bf16 [W, D], or an address table of each row's own: ring_table), each row also to its slot
         positions[r] % W there (a decode step's: no entry of this step names that slot)."""
-        cfg, s, mark = self.cfg, self.stream, self._mark
+        s, mark = self.stream, self._mark
         linear_pair(x, w.wq_a, self.qa, w.wkv, self.kv_raw, t, stream=s)  # one launch where it can
         mark("wq_a + wkv")
         norm_rope_quant_pair(Chain(self.qa, w.q_norm, self.eps, None, None, None, False, "none", out=self.qr),
@@ -472,15 +482,10 @@ class AttentionStage:
         else:
             linear(self.qr, w.wq_b, self.q_rows, t, stream=s)
         mark("wq_b")
-        rope(self.q_rows, cos, sin, pos, False, t, cfg.n_heads, stream=s)
-        mark("q_rope")
 
-    def _project_out(self, w: LayerWeights, out: DeviceArray, pos: DeviceArray, cos: DeviceArray, sin: DeviceArray,
-                     t: int) -> None:
-        """out[:T] from the attention output o [T, H, D]: inverse RoPE, the grouped wo_a, wo_b."""
+    def _project_out(self, w: LayerWeights, out: DeviceArray, t: int) -> None:
+        """out[:T] from the attention output o [T, H, D] (its inverse RoPE done): the grouped wo_a, wo_b."""
         cfg, s, mark = self.cfg, self.stream, self._mark
-        rope(self.o_rows, cos, sin, pos, True, t, cfg.n_heads, stream=s)
-        mark("o_rope")
         linear(self.o_rows, w.wo_a, self.oa, t, group_rows=cfg.o_lora_rank, stream=s)
         mark("wo_a")
         linear(self.oa, w.wo_b, out, t, stream=s)
@@ -491,9 +496,9 @@ class AttentionStage:
         """out[:B] = layer `layer`'s attention for B sequences, one token each (B = n_tokens): row b
         of x is sequence b's token at position starts[b], with its state states[b] and its forward
         call's shareds[b]. Every stage is one launch for the B rows: the products read each weight
-        once, and the per-sequence stages (compressor, index scores, selection, entries, sparse
-        attention, ring write) read each row's own state and caches through the address tables
-        (upload_rows), deciding on the device what depends on a row's position (whether it
+        once, and the per-sequence stages (compressor, index scores, selection, sparse attention
+        with its entry lists, ring write) read each row's own state and caches through the address
+        tables (upload_rows), deciding on the device what depends on a row's position (whether it
         completes a compressor group, how many groups it sees), so nothing here depends on the
         positions but the index-score grid. Each row's result is what `forward` gives its token
         alone on the same kernel paths (the products' kernel follows B: the stream kernel for B <=
@@ -508,19 +513,17 @@ class AttentionStage:
         cos, sin = self.tables[role.ratio > 0]
         rows = self.row_tables[layer]
         self._project_in(w, x, pos, cos, sin, t, rows[RING], ring_table=True)
-        entries, selection = self.entries_window, None
+        selection = None
         if role.ratio > 0:
             self._sources_batch(layer, w, states, shareds, x, starts, t, cos, sin)
-            assert self.entries_all is not None and self.selection is not None  # allocated for ratio > 0 layers
-            entries, selection = self.entries_all, self.selection
-        build_entries(pos, selection, cfg.window, self.kv.shape[0], entries, t, stream=s, own_rows=True)
-        self._mark("entries")
+            assert self.selection is not None  # allocated for ratio > 0 layers
+            selection = self.selection
         # a ratio-0 layer names no compressed row: its ring table stands in for the caches'
         comps = rows[COMPRESSED] if role.ratio > 0 else rows[RING]
-        sparse_attention_tables(self.q, rows[RING], self.kv, comps, entries, w.sinks, self.scale, self.o, t, stream=s,
-                                workspace=self.sparse_ws)
+        sparse_attention_tables(self.q, rows[RING], self.kv, comps, pos, selection, cfg.window, w.sinks, self.scale,
+                                cos, sin, self.o, t, stream=s, workspace=self.sparse_ws)
         self._mark("sparse_attention")
-        self._project_out(w, out, pos, cos, sin, t)
+        self._project_out(w, out, t)
 
     def _sources_batch(self, layer: int, w: LayerWeights, states: list[AttentionState], shareds: list[SharedRuntime],
                        x: DeviceArray, starts: list[int], t: int, cos: DeviceArray, sin: DeviceArray) -> None:

@@ -445,6 +445,14 @@ else:
         return libdevice.rintf(float32(x))
 
 
+@device
+def rotate_pair(a, b, c, s):
+    """The pair (a, b) rotated by the angle whose cosine and sine are c and s (the inverse: -s):
+    (a c - b s, a s + b c) in fp32, each product rounded before the sum (mul_rn: no FMA), as
+    host.numerics.rotate computes it; the caller rounds the two to bf16."""
+    return mul_rn(a, c) - mul_rn(b, s), mul_rn(a, s) + mul_rn(b, c)
+
+
 def jit_for(threads: int):
     """cuda.jit for a kernel launched with `threads` threads a block: on the GPU the compiler keeps
     registers x threads inside the register file (launch bounds), so any block size launches."""

@@ -21,7 +21,8 @@ function's arguments in the oracle's order, then the device's own (output, row c
   quant: "act" (act_quant), "fp4_e8m0_32" (fp4_quant(x, 32, False)), "fp4_e4m3_16" (fp4_quant(x, 16,
   True)). The decode chains (one token): q_norm (1280 values), kv norm + rope + act (512), index
   keys norm + rope + fp4_e8m0_32 (128), compressed rows rope + fp4_e4m3_16 (512), index queries
-  rope + fp4_e8m0_32 (32 heads x 128), q / o rope (64 heads x 512).
+  rope + fp4_e8m0_32 (32 heads x 128). The attention's q and o rope (64 heads x 512) are folded into
+  stages.sparse_attention's kernels, with these roundings (`rope` still rotates q for the captures).
 
 How the fused kernel runs: one block per (row, head); each thread holds `vals` consecutive values of
 the head in registers (a rope pair and a quant block never straddle two threads, or a block spans an
@@ -38,8 +39,9 @@ Why every result here equals the oracle's bit for bit (not just within an ulp):
   2^-32 relative, the fp32 rounding step 2^-24), unless the exact mean sits within 2^-32 of an fp32
   rounding boundary, which no test input does. 1/sqrt is taken in float64 and rounded once, like
   the oracle's; the two products are fp32 in the oracle's order.
-- RoPE: both products of each output are rounded before the add or subtract (`mul_rn`: NVVM would
-  otherwise contract one of them into an FMA), then one bf16 rounding, exactly the NumPy sequence.
+- RoPE (stages.device.rotate_pair): both products of each output are rounded before the add or
+  subtract (`mul_rn`: NVVM would otherwise contract one of them into an FMA), then one bf16
+  rounding, exactly the NumPy sequence.
 - The quantisers use only exact operations: power-of-two scales from exponent bits, IEEE division
   (Numba-CUDA without fastmath divides exactly), e4m3 / E2M1 rounding on the bits, products of a
   few significant bits. A block maximum is exact in any order.
@@ -72,6 +74,7 @@ from flashv41.stages.device import (
     load_f32,
     mul_rn,
     rint_f32,
+    rotate_pair,
 )
 from flashv41.stages.row_tables import u16_rows
 
@@ -305,10 +308,9 @@ def _rope_kernel(x, cos, sin, positions, n_rows, heads, head_dim, rope_dim, inve
     c = cos[pos, pair]
     s = -sin[pos, pair] if inverse else sin[pos, pair]
     col = h * head_dim + head_dim - rope_dim + 2 * pair
-    a = bf16_to_f32(x[r, col])
-    b = bf16_to_f32(x[r, col + 1])
-    x[r, col] = f32_to_bf16(mul_rn(a, c) - mul_rn(b, s))
-    x[r, col + 1] = f32_to_bf16(mul_rn(a, s) + mul_rn(b, c))
+    u, v = rotate_pair(bf16_to_f32(x[r, col]), bf16_to_f32(x[r, col + 1]), c, s)
+    x[r, col] = f32_to_bf16(u)
+    x[r, col + 1] = f32_to_bf16(v)
 
 
 @cuda.jit
@@ -388,10 +390,9 @@ def fused_body(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, thre
                     pair = (c0 + k - tail) // 2
                     cs = cos[pos, pair]
                     sn = -sin[pos, pair] if inverse else sin[pos, pair]
-                    a = v[k]
-                    b = v[k + 1]
-                    v[k] = round_bf16(mul_rn(a, cs) - mul_rn(b, sn))
-                    v[k + 1] = round_bf16(mul_rn(a, sn) + mul_rn(b, cs))
+                    a, b = rotate_pair(v[k], v[k + 1], cs, sn)
+                    v[k] = round_bf16(a)
+                    v[k + 1] = round_bf16(b)
         for j in range(blocks):
             amax = float32(0)
             for k in range(j * per_block, (j + 1) * per_block):

@@ -1,29 +1,42 @@
-"""Sparse single-kv-head attention with a sink on the device, and the per-query entry lists.
+"""Sparse single-kv-head attention with a sink on the device, each query's entry list and the RoPE of
+the queries and of the output made in the kernels.
 
-Shapes (T tokens, H heads x D head_dim, W window slots, E entries per query; bf16 = uint16 bits):
-- `sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens)`:
-  q bf16 [T, H, D]; ring bf16 [W, D] (the window ring, slot = position % W); chunk_rows bf16 [Cn, D]
-  (this chunk's window rows); comp_rows bf16 [G, D] (the compressed cache); entries int32 [T, E]:
-  e < 0 skipped, e < W -> ring[e], e < W + Cn -> chunk_rows[e - W], else comp_rows[e - W - Cn];
-  sinks fp32 [H]; out bf16 [T, H, D]. K = V = the row (MQA). With a `SparseWorkspace` and
-  T <= its token capacity and SPLIT_MAX_TOKENS it takes the split path below.
-- `sparse_attention_tables(q, rings, chunk_rows, comps, ...)`: the same for a batch of sequences,
-  token t its sequence's only one, reading its own ring and compressed rows through address tables
-  (stages.row_tables); the split path for up to SPLIT_BATCH_TOKENS tokens.
-- `build_entries(positions, selection, window, chunk_capacity, entries, n_tokens)`: the canonical
-  list of each query at position p in that encoding: the W window positions p - W + 1 .. p oldest
-  first (-1 before 0; ring slots for positions before the chunk, chunk rows from the chunk's
-  first position on), then the K selected compressed positions as given (ascending, -1 padded).
-Oracle: host.oracle.attention.sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale)
-and host.oracle.attention.build_entries(positions, selection, window, chunk_capacity): the wrappers
-take those arguments in that order, then their output and row count.
+Shapes (T tokens, H heads x D head_dim, W window slots, K selected, E = W + K entries per query;
+bf16 = uint16 bits):
+- `sparse_attention(q, ring, chunk_rows, comp_rows, positions, selection, sinks, scale, cos, sin, out,
+  n_tokens)`: q bf16 [T, H, D] (not rotated); ring bf16 [W, D] (the window ring, slot = position %
+  W); chunk_rows bf16 [Cn, D] (this chunk's window rows, the chunk's first position in row 0);
+  comp_rows bf16 [G, D] (the compressed cache); positions int32 [T] (the chunk's, consecutive);
+  selection int32 [T, K] (each query's selected groups, -1 = none) or None (K = 0); sinks fp32 [H];
+  cos, sin fp32 [max_seq, R / 2] (the layer's RoPE table over the last R dims of a head) or None
+  (no rotation); out bf16 [T, H, D] (rotated back). K = V = the row (MQA). With a
+  `SparseWorkspace` and T <= its token capacity and SPLIT_MAX_TOKENS it takes the split path below.
+- `sparse_attention_tables(q, rings, chunk_rows, comps, positions, selection, window, ...)`: the same
+  for a batch of sequences, token t its sequence's only one (its window row in chunk row t), reading
+  its own ring and compressed rows through address tables (stages.row_tables); the split path for up
+  to SPLIT_BATCH_TOKENS tokens.
+Each query's list is the canonical one (`entry_at`, written once, called where a kernel needs an
+entry: no entries array): the W window positions p - W + 1 .. p oldest first (-1 before 0; ring
+slots for positions before the chunk, chunk rows from the chunk's first position on), then the K
+selected compressed positions as given, encoded e < 0 skipped, e < W -> ring[e], e < W + Cn ->
+chunk_rows[e - W], else comp_rows[e - W - Cn].
+The RoPE: the score kernels rotate the rope tail of each query as they load it (_query_pair: bf16
+in, fp32 rotation, bf16), the kernels that write out rotate the bf16 output back (_output_pair),
+each in stages.norm_rope_quant.rope's roundings, so the result has the bits of the launches it
+replaces (rope(q), the former entries kernel, the attention, rope(o, inverse)); the entries are the
+same integers, made in registers instead of read from memory.
+Oracle: host.oracle.attention.attend(q, ring, chunk_rows, comp_rows, positions, selection, sinks,
+scale, cos, sin) = rope_tail(its sparse_attention of rope_tail(q) over build_entries(positions,
+selection, W, Cn), inverse=True): the wrappers take those arguments in that order (the tables one
+the window after the selection), then their output and row count.
 
 The online softmax walks the entries in blocks of 64 in the oracle's order and roundings: per
 block the running max (from -1e30) is updated, p = exp(s - max) (float64 exp rounded once, as the
 oracle), the block's p summed in float64 into the fp32 running sum after its fp32 rescale, p
-rounded to bf16 before the value product; the sink adds exp(sink - max) to the denominator only;
-a row without entries gives 0 / inf = 0. What differs from the oracle is the fp32 accumulation of
-q . k over D and of the value products over a block (the oracle's are float64). The bound this
+rounded to bf16 before the value product; the sink adds exp(sink - max) to the denominator only
+(every list holds the query's own position, so no row is without entries). What differs from the
+oracle is the fp32 accumulation of q . k over D and of the value products over a block (the
+oracle's are float64). The bound this
 implies is derived in tests/test_attention_kernels.py.
 
 Two paths compute that same recurrence:
@@ -41,9 +54,9 @@ Two paths compute that same recurrence:
   the block's float64 sum and its value sums (a thread per 16-byte unit of the row, a few heads and
   a run of the block's entries, the runs' sums added in run order; on the tensor cores a warp per
   16 heads x a slice of D, over the block's rows staged in shared memory). Combine: a thread per
-  (token, head, dim) runs the rescaling over b in order and adds the sink. Only fp32 orders differ
-  from the first path: q . k over D, and a block's value sums (on the simulator, lanes of one and
-  one run, not even those: the two agree bit for bit).
+  (token, head, dim pair) runs the rescaling over b in order, adds the sink and rotates the pair
+  back. Only fp32 orders differ from the first path: q . k over D, and a block's value sums (on
+  the simulator, lanes of one and one run, not even those: the two agree bit for bit).
 """
 
 from __future__ import annotations
@@ -73,6 +86,7 @@ from flashv41.stages.device import (
     jit_for,
     load_words4,
     mul_rn,
+    rotate_pair,
     warp_sum,
 )
 from flashv41.stages.row_tables import u16_rows, u32_rows
@@ -92,7 +106,6 @@ NEG_INF = float32(-np.inf)
 # the 64 dot products of an entry block, and a thread owns D / 512 output dims).
 ATTN_THREADS = 1 if SIM else 512
 LANES = 1 if SIM else WARP
-ENTRY_THREADS = 64 if SIM else 256
 
 # The split path (GPU sizes; the simulator runs lanes of one and a few threads a block).
 SPLIT_MAX_TOKENS = 8  # sparse_attention's split path: decode steps (prefill chunks take the other)
@@ -137,9 +150,10 @@ VALUE_ENTRY_GROUPS = 1 if SIM else 4
 VALUE_FILL = 1 if SIM else 128
 VALUE_BATCH = 8
 assert SPARSE_BLOCK % (VALUE_ENTRY_GROUPS * VALUE_BATCH) == 0, "an entry group must be whole batches"
-# Combine: a thread per (token, head, dim) on the GPU (per (token, head) on the simulator), reading
-# COMBINE_BATCH blocks' partial results before it folds them in.
-COMBINE_THREADS = 8 if SIM else 256
+# Combine: a thread per (token, head, dim pair) on the GPU (per (token, head) on the simulator), reading
+# COMBINE_BATCH blocks' partial results before it folds them in; 128 threads a block, so that one
+# token's 64 heads x 256 pairs still make 128 blocks.
+COMBINE_THREADS = 8 if SIM else 128
 COMBINE_BATCH = 16
 
 if SIM:
@@ -193,8 +207,12 @@ if SIM:
         w = _source(ring, chunk, comp, src)[ix, 4 * unit:4 * unit + 4]
         return w[0], w[1], w[2], w[3]
 
-    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units):
-        qv[k] = _pairs(_lane_words(q32, ix, lane, lanes))
+    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units, tail, cos, sin, pos):
+        v = _pairs(_lane_words(q32, ix, lane, lanes))
+        dims = (8 * np.arange(lane, units, lanes)[:, None] + np.arange(8)[None, :]).reshape(-1)
+        for i in range(0, v.size, 2):
+            v[i], v[i + 1] = _query_pair(v[i], v[i + 1], dims[i], tail, cos, sin, pos)
+        qv[k] = v
 
     def _load_row(rw, i, ring, chunk, comp, src, ix, lane, lanes, per_lane, units):
         rw[i] = _lane_words(_source(ring, chunk, comp, src), ix, lane, lanes) if src >= 0 else 0
@@ -236,21 +254,21 @@ else:
         return w0, w1, w2, w3
 
     @cuda.jit(device=True)
-    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units):
+    def _put_query_pair(qv, k, i, word, d, tail, cos, sin, pos):
+        """qv[k, i], qv[k, i + 1] = the query pair in `word` at dims d, d + 1 (_query_pair)."""
+        a, b = _pair(word)
+        qv[k, i], qv[k, i + 1] = _query_pair(a, b, d, tail, cos, sin, pos)
+
+    @cuda.jit(device=True)
+    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units, tail, cos, sin, pos):
         for u in range(per_lane):
-            w0, w1, w2, w3 = _unit(q32, q32, q32, 0, ix, lane + u * lanes, units)
-            a, b = _pair(w0)
-            qv[k, 8 * u] = a
-            qv[k, 8 * u + 1] = b
-            a, b = _pair(w1)
-            qv[k, 8 * u + 2] = a
-            qv[k, 8 * u + 3] = b
-            a, b = _pair(w2)
-            qv[k, 8 * u + 4] = a
-            qv[k, 8 * u + 5] = b
-            a, b = _pair(w3)
-            qv[k, 8 * u + 6] = a
-            qv[k, 8 * u + 7] = b
+            unit = lane + u * lanes
+            w0, w1, w2, w3 = _unit(q32, q32, q32, 0, ix, unit, units)
+            d = 8 * unit if unit < units else 0  # (a unit past the row is zeros, and no rope pair)
+            _put_query_pair(qv, k, 8 * u, w0, d, tail, cos, sin, pos)
+            _put_query_pair(qv, k, 8 * u + 2, w1, d + 2, tail, cos, sin, pos)
+            _put_query_pair(qv, k, 8 * u + 4, w2, d + 4, tail, cos, sin, pos)
+            _put_query_pair(qv, k, 8 * u + 6, w3, d + 6, tail, cos, sin, pos)
 
     @cuda.jit(device=True)
     def _load_row(rw, i, ring, chunk, comp, src, ix, lane, lanes, per_lane, units):
@@ -341,6 +359,26 @@ def _add_later(acc, k, later, g, h, u0, step, per_thread):
 
 
 @device
+def _query_pair(a, b, d, tail, cos, sin, pos):
+    """The query pair (a, b) (bf16 values, fp32) at dims d, d + 1 (d even) as the scores use it:
+    where d is in the rope tail (d >= tail) rotated by the angle of position pos and rounded to
+    bf16, as norm_rope_quant.rope rotates wq_b's product (the bits of its launch)."""
+    if d >= tail:
+        pair = (d - tail) // 2
+        u, v = rotate_pair(a, b, cos[pos, pair], sin[pos, pair])
+        return bf16_to_f32(f32_to_bf16(u)), bf16_to_f32(f32_to_bf16(v))
+    return a, b
+
+
+@device
+def _query_word(word, d, tail, cos, sin, pos):
+    """A 32-bit word of the query (the bf16 pair at dims d, d + 1, low half first) as the scores use
+    it (_query_pair), as a word again."""
+    a, b = _query_pair(f32_from_bits(word << 16), f32_from_bits(word & 0xFFFF0000), d, tail, cos, sin, pos)
+    return uint32(f32_to_bf16(a)) | (uint32(f32_to_bf16(b)) << 16)
+
+
+@device
 def _mma_lane(tid):
     """(warp, g, t) of thread tid for the mma fragments: lane (g, t) = (lane >> 2, lane & 3)."""
     lane = tid % WARP
@@ -359,12 +397,12 @@ def _write_tile_max(tile_s, tile_max, t, tile_i, hb, n_heads, tile, block_heads,
 
 
 @device
-def _entry_sources(entries, t, b0, n_entries, window, chunk_rows, src, row, tid, threads):
+def _entry_sources(positions, selection, t, b0, n_entries, window, chunk_rows, own_rows, src, row, tid, threads):
     """src[j], row[j] = _resolve of token t's entry b0 + j, j < 64 (-1 past E), the block's threads
     sharing them out."""
     for j in range(tid, SPARSE_BLOCK, threads):
-        e = entries[t, b0 + j] if b0 + j < n_entries else -1
-        sr, ix = _resolve(e, window, chunk_rows)
+        sr, ix = _resolve(entry_at(positions, selection, t, b0 + j, window, chunk_rows, n_entries, own_rows),
+                          window, chunk_rows)
         src[j] = sr
         row[j] = ix
 
@@ -404,6 +442,28 @@ def _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads,
 
 
 @device
+def entry_at(positions, selection, t, j, window, chunk_rows, n_entries, own_rows):
+    """Entry j of token t's list (module docstring; -1 from j = n_entries = W + K on): window
+    position wp = positions[t] - W + 1 + j for j < W (-1 before 0; ring slot wp % W before the
+    chunk's first position, chunk row W + (wp - that position) from it on), then selected group
+    s = selection[t, j - W] (W + chunk_rows + s; -1 stays -1). The chunk's first position is
+    positions[0], or with own_rows (a batch, token t its own sequence's only one, in chunk row t)
+    positions[t]: host.oracle.attention.build_entries, with chunk_capacity = chunk_rows."""
+    if j >= n_entries:
+        return int32(-1)
+    if j < window:
+        wp = positions[t] - window + 1 + j
+        start = positions[t] if own_rows else positions[0]
+        if wp < 0:
+            return int32(-1)
+        if wp >= start:
+            return int32(window + (t if own_rows else 0) + (wp - start))
+        return int32(wp % window)
+    s = selection[t, j - window]
+    return int32(-1) if s < 0 else int32(window + chunk_rows + s)
+
+
+@device
 def _resolve(e, window, chunk_rows):
     """(source, row) of entry e: 0 ring, 1 chunk rows, 2 compressed rows; -1 skipped."""
     if e < 0:
@@ -416,16 +476,19 @@ def _resolve(e, window, chunk_rows):
 
 
 @cache
-def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False):
+def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False, rope_dim: int = 0):
     """Block of `threads` threads (warps of `lanes`) per (head, token). q bf16 [T, H, D]; ring
     [W, D], chunk [Cn, D], comp [G, D] bf16 (tables: ring and comp are address tables [T, 2] of
-    each token's own, stages.row_tables); entries int32 [T, E]; sinks fp32 [H]; out bf16 [T, H, D]."""
+    each token's own, stages.row_tables); positions int32 [T], selection int32 [T, E - W] (entry_at);
+    sinks fp32 [H]; cos, sin fp32 [max_seq, rope_dim / 2]; out bf16 [T, H, D]: the output rounded to
+    bf16, its last rope_dim dims then rotated back (_output_pair; none for rope_dim 0)."""
     sync = threads > 1
     warps = threads // lanes
     per_thread = head_dim // threads
+    tail = head_dim - rope_dim
 
     @jit_for(threads)
-    def kernel(q, rings, chunk, comps, entries, sinks, out, n_entries, scale):
+    def kernel(q, rings, chunk, comps, positions, selection, sinks, cos, sin, out, n_entries, scale):
         qs = cuda.shared.array(head_dim, float32)  # [D]: the query, fp32
         ss = cuda.shared.array(SPARSE_BLOCK, float32)  # [64]: the block's scores (-inf: skipped)
         ps = cuda.shared.array(SPARSE_BLOCK, float32)  # [64]: their probabilities, fp32
@@ -440,8 +503,14 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False)
         ring, comp = (u16_rows(rings, t, head_dim), u16_rows(comps, t, head_dim)) if tables else (rings, comps)
         window = ring.shape[0]
         chunk_rows = chunk.shape[0]
-        for d in range(tid, head_dim, threads):
-            qs[d] = bf16_to_f32(q[t, h, d])
+        pos = positions[t]
+        for d in range(tid, head_dim, threads):  # the query, its rope tail rotated (_query_pair)
+            if d < tail:
+                qs[d] = bf16_to_f32(q[t, h, d])
+            else:
+                e = d - d % 2  # the pair's first dim
+                a, b = _query_pair(bf16_to_f32(q[t, h, e]), bf16_to_f32(q[t, h, e + 1]), e, tail, cos, sin, pos)
+                qs[d] = b if d % 2 else a
         acc = cuda.local.array(per_thread, float32)  # [D / threads]: this thread's output dims
         pv = cuda.local.array(per_thread, float32)  # [D / threads]: their value sum over a block
         for i in range(per_thread):
@@ -452,8 +521,8 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False)
             cuda.syncthreads()
         for b0 in range(0, n_entries, SPARSE_BLOCK):
             for j in range(warp, SPARSE_BLOCK, warps):
-                e = entries[t, b0 + j] if b0 + j < n_entries else -1
-                sr, ix = _resolve(e, window, chunk_rows)
+                sr, ix = _resolve(entry_at(positions, selection, t, b0 + j, window, chunk_rows, n_entries, tables),
+                                  window, chunk_rows)
                 part = float32(0)
                 if sr >= 0:
                     part = _row_dot(qs, ring, chunk, comp, sr, ix, lane, lanes)
@@ -488,15 +557,39 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False)
             if sync:
                 cuda.syncthreads()  # the next block overwrites ss, ps, src, row
         sum_exp = sum_exp + exp_f32(sinks[h] - run_max)
+        # a rope pair's two dims may be two threads': the outputs meet in qs (no longer read)
         for i in range(per_thread):
-            out[t, h, tid + i * threads] = f32_to_bf16(acc[i] / sum_exp)
+            qs[tid + i * threads] = acc[i] / sum_exp
+        if sync:
+            cuda.syncthreads()
+        for i in range(per_thread):
+            d = tid + i * threads
+            e = d - d % 2  # the pair's first dim
+            a, b = _output_pair(qs[e], qs[e + 1], e, tail, cos, sin, pos)
+            out[t, h, d] = b if d % 2 else a
 
     return kernel
 
 
+@device
+def _output_pair(x, y, d, tail, cos, sin, pos):
+    """The bf16 bits that out stores for the output pair (x, y) (fp32) at dims d, d + 1 (d even):
+    x and y rounded to bf16, then where d is in the rope tail (d >= tail) rotated back by the angle
+    of position pos, as norm_rope_quant.rope(..., inverse=True) rotates the bf16 output (fp32, then
+    bf16 again): the bits of the two launches."""
+    a = f32_to_bf16(x)
+    b = f32_to_bf16(y)
+    if d >= tail:
+        pair = (d - tail) // 2
+        u, v = rotate_pair(bf16_to_f32(a), bf16_to_f32(b), cos[pos, pair], -sin[pos, pair])
+        a = f32_to_bf16(u)
+        b = f32_to_bf16(v)
+    return a, b
+
+
 @cache
 def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, entry_warps: int, per_warp: int,
-                       tables: bool = False):
+                       tables: bool = False, rope_dim: int = 0):
     """Split path, scores: a warp of `lanes` lanes per (token, `heads` heads, `per_warp` entries);
     a block of head_warps x entry_warps warps per (tile of per_warp x entry_warps entries, heads x
     head_warps heads, token). q32 [T * H, D / 2] and ring32, chunk32, comp32 [*, D / 2]: the bf16
@@ -504,6 +597,7 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
     entries int32 [T, E]; scores fp32 [>= T, H, >= E] (-inf: skipped);
     tile_max fp32 [>= T, >= NT, H] (NT = ceil(E / tile))."""
     units = head_dim // 8  # 16-byte units of a row
+    tail = head_dim - rope_dim  # the query's rope tail, rotated as it is loaded (_query_pair)
     per_lane = -(-units // lanes)  # units a lane holds
     q_dims = per_lane * 8  # (local array shapes must be compile-time constants)
     row_words = per_lane * 4
@@ -517,7 +611,8 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
     n_out = 1 if lanes > 1 else n_sums  # the sums each lane finishes
 
     @jit_for(threads)
-    def kernel(q32, rings, chunk32, comps, entries, scores, tile_max, n_entries, n_heads, scale):
+    def kernel(q32, rings, chunk32, comps, positions, selection, cos, sin, scores, tile_max, n_entries, n_heads,
+               scale):
         tile_s = cuda.shared.array((tile, block_heads), float32)  # [tile, heads]: the block's scores
         tid = cuda.threadIdx.x
         lane = tid % lanes
@@ -536,12 +631,13 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
         qv = cuda.local.array((heads, q_dims), float32)  # [heads, D / lanes]: the lane's query dims
         rw = cuda.local.array((per_warp, row_words), uint32)  # [entries, D / 2 / lanes]: its row words
         sums = cuda.local.array(n_sums, float32)  # [entries x heads (+ padding)]: the lane's partial dots
+        pos = positions[t]
         for k in range(heads):
-            _load_query(qv, k, q32, t * n_heads + h0 + k, lane, lanes, per_lane, units)
+            _load_query(qv, k, q32, t * n_heads + h0 + k, lane, lanes, per_lane, units, tail, cos, sin, pos)
         skipped = 0  # bit i: entry i skipped
         for i in range(per_warp):  # every row load issued before the first is used
-            e = entries[t, e0 + i] if e0 + i < n_entries else -1
-            sr, ix = _resolve(e, window, chunk_rows)
+            sr, ix = _resolve(entry_at(positions, selection, t, e0 + i, window, chunk_rows, n_entries, tables),
+                              window, chunk_rows)
             if sr < 0:
                 skipped |= 1 << i
             _load_row(rw, i, ring32, chunk32, comp32, sr, ix, lane, lanes, per_lane, units)
@@ -570,7 +666,7 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
 
 
 @cache
-def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
+def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False, rope_dim: int = 0):
     """Split path, scores on the tensor cores (mma m16n8k16, bf16 in, fp32 sums): what
     split_score_kernel computes, another fp32 order of q . k over D. A warp is 16 heads (the mma's
     rows; heads past H read head H - 1 and are not written) x the SCORE_TILE entries of one score
@@ -580,6 +676,7 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
     two k16 steps permuted alike, as stages.linear_narrow's weights and inputs do. Arguments as
     split_score_kernel's."""
     units = head_dim // 8  # 16-byte units of a row
+    tail = head_dim - rope_dim  # the query's rope tail, rotated as it is loaded (_query_word)
     blocks = head_dim // 32
     threads = WARP * warps
     block_heads = 16 * warps
@@ -593,7 +690,8 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
     assert SCORE_TILE % 8 == 0, "a score tile is whole fragments of 8 entries"
 
     @jit_for(threads)
-    def kernel(q32, rings, chunk32, comps, entries, scores, tile_max, n_entries, n_heads, scale):
+    def kernel(q32, rings, chunk32, comps, positions, selection, cos, sin, scores, tile_max, n_entries, n_heads,
+               scale):
         tile_s = cuda.shared.array(tile_shape, float32)  # [tile, heads]: the block's scores
         tid = cuda.threadIdx.x
         warp, g, t4 = _mma_lane(tid)
@@ -606,12 +704,13 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
             rings, comps)
         window = ring32.shape[0]
         chunk_rows = chunk32.shape[0]
+        pos = positions[t]
         qa = t * n_heads + min(h0 + g, n_heads - 1)  # this lane's two query rows
         qb = t * n_heads + min(h0 + g + 8, n_heads - 1)
         rows = cuda.local.array(rows_shape, int32)  # its entry of each fragment
         acc = cuda.local.array(acc_shape, float32)
         for f in range(fragments):
-            e = entries[t, e0 + 8 * f + g] if e0 + 8 * f + g < n_entries else -1
+            e = entry_at(positions, selection, t, e0 + 8 * f + g, window, chunk_rows, n_entries, tables)
             rows[f, 0], rows[f, 1] = _resolve(e, window, chunk_rows)
             for i in range(4):
                 acc[f, i] = float32(0)
@@ -622,6 +721,10 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
                 unit = 4 * (c0 + j) + t4
                 qw[j, 0], qw[j, 1], qw[j, 2], qw[j, 3] = _unit(q32, q32, q32, 0, qa, unit, units)
                 qw[j, 4], qw[j, 5], qw[j, 6], qw[j, 7] = _unit(q32, q32, q32, 0, qb, unit, units)
+                if 8 * unit + 8 > tail:  # the unit reaches into the rope tail
+                    for m in range(4):
+                        qw[j, m] = _query_word(qw[j, m], 8 * unit + 2 * m, tail, cos, sin, pos)
+                        qw[j, 4 + m] = _query_word(qw[j, 4 + m], 8 * unit + 2 * m, tail, cos, sin, pos)
                 for f in range(fragments):
                     rw[j, f, 0], rw[j, f, 1], rw[j, f, 2], rw[j, f, 3] = _unit(
                         ring32, chunk32, comp32, rows[f, 0], rows[f, 1], unit, units)
@@ -638,8 +741,8 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False):
             for i in range(4):
                 j = 8 * f + 2 * t4 + i % 2  # the entry within the tile
                 k = 16 * warp + g + 8 * (i // 2)  # the head within the block
-                e = entries[t, e0 + j] if e0 + j < n_entries else -1
-                sr, ix = _resolve(e, window, chunk_rows)
+                sr, ix = _resolve(entry_at(positions, selection, t, e0 + j, window, chunk_rows, n_entries, tables),
+                                  window, chunk_rows)
                 part = acc[f, i]
                 v = mul_rn(part, scale) if sr >= 0 else NEG_INF
                 tile_s[j, k] = v
@@ -676,7 +779,8 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
     later_shape = (max(1, entry_groups - 1), block_heads, head_dim)
 
     @jit_for(threads)
-    def kernel(rings, chunk32, comps, entries, scores, tile_max, pv, block_sum, block_max, rescale, n_entries):
+    def kernel(rings, chunk32, comps, positions, selection, scores, tile_max, pv, block_sum, block_max, rescale,
+               n_entries):
         src = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: the source of each entry's row (_resolve)
         row = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: its row there
         # [64, heads]: p_j in fp32 and rounded to bf16, an entry's heads side by side
@@ -696,7 +800,7 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
             rings, comps)
         window = ring32.shape[0]
         chunk_rows = chunk32.shape[0]
-        _entry_sources(entries, t, b0, n_entries, window, chunk_rows, src, row, tid, threads)
+        _entry_sources(positions, selection, t, b0, n_entries, window, chunk_rows, tables, src, row, tid, threads)
         _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads, tiles, tile_max.shape[2],
                       tile_prev, tile_new, prev_max, new_max, sync)
         for i in range(tid, SPARSE_BLOCK * block_heads, threads):
@@ -777,7 +881,8 @@ def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool 
     assert d_slice % 8 == 0 and head_dim % d_slice == 0
 
     @jit_for(threads)
-    def kernel(rings, chunk32, comps, entries, scores, tile_max, pv, block_sum, block_max, rescale, n_entries):
+    def kernel(rings, chunk32, comps, positions, selection, scores, tile_max, pv, block_sum, block_max, rescale,
+               n_entries):
         src = cuda.shared.array(SPARSE_BLOCK, int32)
         row = cuda.shared.array(SPARSE_BLOCK, int32)
         vt = cuda.shared.array(vt_shape, uint32)
@@ -796,7 +901,8 @@ def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool 
         n_heads = pv.shape[2]
         ring32, comp32 = (u32_rows(rings, t, head_dim // 2), u32_rows(comps, t, head_dim // 2)) if tables else (
             rings, comps)
-        _entry_sources(entries, t, b0, n_entries, ring32.shape[0], chunk32.shape[0], src, row, tid, threads)
+        _entry_sources(positions, selection, t, b0, n_entries, ring32.shape[0], chunk32.shape[0], tables, src, row,
+                       tid, threads)
         _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads, tiles, n_heads, tile_prev,
                       tile_new, prev_max, new_max, True)
         # bf16(p) of entry pairs, [head, pair]; heads past H and entries past E get p = 0
@@ -863,14 +969,18 @@ def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool 
 
 
 @cache
-def split_combine_kernel(head_dim: int, per_thread: int):
-    """Split path, combine: a thread per (token, head, D / per_thread dims d, d + D / per_thread, ...):
-    the first path's rescaling over the blocks in order, then the sink. pv, block_sum, block_max,
-    rescale as split_value_kernel writes them; sinks fp32 [H]; out bf16 [T, H, D]."""
+def split_combine_kernel(head_dim: int, per_thread: int, rope_dim: int = 0):
+    """Split path, combine: a thread per (token, head, per_thread consecutive dims: whole rope
+    pairs): the first path's rescaling over the blocks in order, then the sink, and the output as
+    the first path stores it (_output_pair). pv, block_sum, block_max, rescale as
+    split_value_kernel writes them; sinks fp32 [H]; positions int32 [T]; cos, sin fp32 [max_seq,
+    rope_dim / 2]; out bf16 [T, H, D]."""
     lanes_d = head_dim // per_thread  # threads per (token, head)
+    tail = head_dim - rope_dim
+    assert per_thread % 2 == 0, "a thread owns whole pairs"
 
     @jit_for(COMBINE_THREADS)
-    def kernel(pv, block_sum, block_max, rescale, sinks, out, n_blocks, n_tokens):
+    def kernel(pv, block_sum, block_max, rescale, sinks, positions, cos, sin, out, n_blocks, n_tokens):
         i = cuda.grid(1)
         heads = out.shape[1]
         if i >= n_tokens * heads * lanes_d:
@@ -891,7 +1001,7 @@ def split_combine_kernel(head_dim: int, per_thread: int):
                     scales[c] = rescale[t, c0 + c, h]
                     sums[c] = block_sum[t, c0 + c, h]
                     for k in range(per_thread):
-                        vals[c, k] = pv[t, c0 + c, h, d0 + k * lanes_d]
+                        vals[c, k] = pv[t, c0 + c, h, d0 * per_thread + k]
             for c in range(COMBINE_BATCH):
                 if c0 + c < n_blocks:
                     sum_exp = mul_rn(sum_exp, scales[c]) + sums[c]
@@ -899,61 +1009,12 @@ def split_combine_kernel(head_dim: int, per_thread: int):
                         acc[k] = mul_rn(acc[k], scales[c]) + vals[c, k]
         run_max = block_max[t, n_blocks - 1, h] if n_blocks > 0 else START_MAX
         sum_exp = sum_exp + exp_f32(sinks[h] - run_max)
-        for k in range(per_thread):
-            out[t, h, d0 + k * lanes_d] = f32_to_bf16(acc[k] / sum_exp)
+        for k in range(0, per_thread, 2):
+            d = d0 * per_thread + k
+            out[t, h, d], out[t, h, d + 1] = _output_pair(acc[k] / sum_exp, acc[k + 1] / sum_exp, d, tail, cos, sin,
+                                                          positions[t])
 
     return kernel
-
-
-@cuda.jit
-def _entries_kernel(positions, selection, entries, n_tokens, window, chunk_rows, n_selected, own_rows):
-    """One thread per (token, entry): the window entries, then the selection shifted past the ring
-    and the chunk rows. positions int32 [T]; selection int32 [T, K]; entries int32 [T, W + K].
-    own_rows: every token is its own sequence's only one (a batch), in chunk row t."""
-    i = cuda.grid(1)
-    width = window + n_selected
-    if i >= n_tokens * width:
-        return
-    t = i // width
-    j = i % width
-    start = positions[t] if own_rows else positions[0]
-    first = t if own_rows else 0  # the chunk row of position `start`
-    if j < window:
-        wp = positions[t] - window + 1 + j
-        if wp < 0:
-            e = -1
-        elif wp >= start:
-            e = window + first + (wp - start)
-        else:
-            e = wp % window
-    else:
-        s = selection[t, j - window]
-        e = -1 if s < 0 else window + chunk_rows + s
-    entries[t, j] = e
-
-
-def build_entries(positions: DeviceArray, selection: DeviceArray | None, window: int, chunk_capacity: int,
-                  entries: DeviceArray, n_tokens: int, stream=0, own_rows: bool = False) -> None:
-    """entries[:T, :W + K] as sparse_attention reads them (K = selection.shape[1], 0 without one).
-    own_rows: the T tokens are a batch of T sequences' (token t its sequence's only one, its window
-    row in chunk row t; each sequence's ring and compressed rows its own, sparse_attention_tables)."""
-    check_array(positions, (np.int32,), 1, "build_entries positions")
-    check_array(entries, (np.int32,), 2, "build_entries entries")
-    n_selected = 0
-    if selection is not None:
-        check_array(selection, (np.int32,), 2, "build_entries selection")
-        check_rows(selection, n_tokens, "build_entries selection")
-        n_selected = selection.shape[1]
-    check_rows(positions, n_tokens, "build_entries positions")
-    check_rows(entries, n_tokens, "build_entries entries")
-    if entries.shape[1] != window + n_selected:
-        raise InputError(f"build_entries: entries {entries.shape} for {window} window + {n_selected} selected")
-    total = n_tokens * (window + n_selected)
-    if total:
-        # without a selection the kernel reads none: any int32 [T, *] array stands in for it
-        _entries_kernel[grid_1d(total, ENTRY_THREADS), ENTRY_THREADS, stream](
-            positions, entries if selection is None else selection, entries, n_tokens, window, chunk_capacity,
-            n_selected, own_rows)
 
 
 @dataclass
@@ -1040,25 +1101,25 @@ def split_cores(head_dim: int, n_tokens: int, cores: str = "") -> str:
     return cores or ("tc" if not SIM and head_dim % 32 == 0 and n_tokens > SPLIT_MAX_TOKENS else "cuda")
 
 
-def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-                     ws: SparseWorkspace, tables: bool, cores: str) -> None:
+def _split_attention(q, ring, chunk_rows, comp_rows, positions, selection, n_entries, sinks, scale, cos, sin, out,
+                     n_tokens, stream, threads, ws: SparseWorkspace, tables: bool, cores: str, rope_dim: int) -> None:
     """The split path (module docstring): scores, values and combine on `stream`, each sized for the
     call (heads per block shrink until the grid covers the GPU)."""
     heads, head_dim = q.shape[1], q.shape[2]
-    n_entries = entries.shape[1]
     n_blocks = -(-n_entries // SPARSE_BLOCK)
     if n_entries:
         q32 = q.reshape(q.shape[0] * heads, head_dim).view(np.uint32)
         rows = (ring, chunk_rows.view(np.uint32), comp_rows) if tables else tuple(
             a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
         n_tiles = -(-n_entries // SCORE_TILE)
-        score_args = (q32, *rows, entries, ws.scores, ws.tile_max, n_entries, heads, np.float32(scale))
-        value_args = (*rows, entries, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max, ws.rescale,
-                      n_entries)
+        score_args = (q32, *rows, positions, selection, cos, sin, ws.scores, ws.tile_max, n_entries, heads,
+                      np.float32(scale))
+        value_args = (*rows, positions, selection, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max,
+                      ws.rescale, n_entries)
         if split_cores(head_dim, n_tokens, cores) == "tc":
             warps = min(SCORE_TC_WARPS, -(-heads // 16))
             head_blocks = -(-heads // (16 * warps))
-            split_score_tc_kernel(head_dim, warps, tables)[
+            split_score_tc_kernel(head_dim, warps, tables, rope_dim)[
                 (n_tiles, head_blocks, n_tokens), WARP * warps, stream](*score_args)
             d_slice = _widest(head_dim, VALUE_TC_SLICE)
             split_value_tc_kernel(head_dim, warps, d_slice, tables)[
@@ -1066,7 +1127,7 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
         else:
             hw = _widest(heads, SCORE_HEADS)
             head_warps = _widest(heads // hw, SCORE_HEAD_WARPS)
-            split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES, tables)[
+            split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES, tables, rope_dim)[
                 (n_tiles, heads // (hw * head_warps), n_tokens), LANES * head_warps * SCORE_ENTRY_WARPS, stream](
                 *score_args)
             units = head_dim // 8
@@ -1084,80 +1145,106 @@ def _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out,
             split_value_kernel(head_dim, unit_threads, units // unit_threads, block_heads, thread_heads, entry_groups,
                                tables)[(n_blocks, heads // block_heads, n_tokens),
                                        unit_threads * head_groups * entry_groups, stream](*value_args)
-    per_thread = head_dim if SIM else 1
+    per_thread = head_dim if SIM else 2
     total = n_tokens * heads * (head_dim // per_thread)
-    split_combine_kernel(head_dim, per_thread)[grid_1d(total, COMBINE_THREADS), COMBINE_THREADS, stream](
-        ws.pv, ws.block_sum, ws.block_max, ws.rescale, sinks, out, n_blocks, n_tokens)
+    split_combine_kernel(head_dim, per_thread, rope_dim)[grid_1d(total, COMBINE_THREADS), COMBINE_THREADS, stream](
+        ws.pv, ws.block_sum, ws.block_max, ws.rescale, sinks, positions, cos, sin, out, n_blocks, n_tokens)
 
 
 def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray, comp_rows: DeviceArray,
-                     entries: DeviceArray, sinks: DeviceArray, scale: float, out: DeviceArray, n_tokens: int,
-                     stream=0, threads: int = 0, workspace: SparseWorkspace | None = None, cores: str = "") -> None:
-    """out[:T] = attention of q[:T] over the rows its entries name (see the module docstring).
+                     positions: DeviceArray, selection: DeviceArray | None, sinks: DeviceArray, scale: float,
+                     cos: DeviceArray | None, sin: DeviceArray | None, out: DeviceArray, n_tokens: int, stream=0,
+                     threads: int = 0, workspace: SparseWorkspace | None = None, cores: str = "") -> None:
+    """out[:T] = attention of q[:T] over the rows of its entry lists, the rope tail of each head's
+    output rotated back by the angle of its position (cos, sin: the layer's table; None: not
+    rotated) (see the module docstring).
     workspace: the split path's, taken when T <= its tokens and SPLIT_MAX_TOKENS. threads: the block size of the
     one-block-a-head kernel, or the row-unit threads of the split path's values kernel (0 = the default; tests
     force others). cores: where the split path's scores and values run (split_cores; "" = the default)."""
-    _, head_dim = _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens, "sparse_attention")
-    for a, what in ((ring, "ring"), (comp_rows, "comp_rows")):
-        check_array(a, (np.uint16,), 2, f"sparse_attention {what}")
+    what = "sparse_attention"
+    _, head_dim = _check_query_side(q, chunk_rows, positions, selection, sinks, cos, sin, out, n_tokens, what)
+    for a, name in ((ring, "ring"), (comp_rows, "comp_rows")):
+        check_array(a, (np.uint16,), 2, f"{what} {name}")
     if ring.shape[1] != head_dim or comp_rows.shape[1] != head_dim:
-        raise InputError(f"sparse_attention: q {q.shape}, ring {ring.shape}, comp_rows {comp_rows.shape} do not agree")
-    _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads, workspace,
-            SPLIT_MAX_TOKENS, False, cores)
+        raise InputError(f"{what}: q {q.shape}, ring {ring.shape}, comp_rows {comp_rows.shape} do not agree")
+    _attend(q, ring, chunk_rows, comp_rows, positions, selection, ring.shape[0], sinks, scale, cos, sin, out, n_tokens,
+            stream, threads, workspace, SPLIT_MAX_TOKENS, False, cores)
 
 
 def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: DeviceArray, comps: DeviceArray,
-                            entries: DeviceArray, sinks: DeviceArray, scale: float, out: DeviceArray, n_tokens: int,
-                            stream=0, workspace: SparseWorkspace | None = None, cores: str = "") -> None:
-    """sparse_attention for a batch of T sequences, token t its sequence's only one: rings and comps
-    are address tables (uint64 [>= T, 2], stages.row_tables) of each token's own ring [W, D] and
-    compressed rows [G, D], chunk_rows the batch's window rows (token t's in row t), entries as
-    build_entries(..., own_rows=True) makes them. Token t's result is what sparse_attention gives
-    for it alone over its own arrays, on the same path (split or not)."""
+                            positions: DeviceArray, selection: DeviceArray | None, window: int, sinks: DeviceArray,
+                            scale: float, cos: DeviceArray | None, sin: DeviceArray | None, out: DeviceArray,
+                            n_tokens: int, stream=0, workspace: SparseWorkspace | None = None, cores: str = "") -> None:
+    """sparse_attention for a batch of T sequences, token t its sequence's only one at positions[t]:
+    rings and comps are address tables (uint64 [>= T, 2], stages.row_tables) of each token's own ring
+    [window, D] and compressed rows [G, D], chunk_rows the batch's window rows (token t's in row t),
+    selection token t's selected groups of its own compressed rows. Token t's result is what
+    sparse_attention gives for it alone over its own arrays, on the same path (split or not)."""
     what = "sparse_attention_tables"
-    _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens, what)
+    _check_query_side(q, chunk_rows, positions, selection, sinks, cos, sin, out, n_tokens, what)
     check_rows(chunk_rows, n_tokens, f"{what} chunk_rows")
     for a, name in ((rings, "rings"), (comps, "comps")):
         check_array(a, (np.uint64,), 2, f"{what} {name}")
         check_rows(a, n_tokens, f"{what} {name}")
-    _attend(q, rings, chunk_rows, comps, entries, sinks, scale, out, n_tokens, stream, 0, workspace,
-            SPLIT_BATCH_TOKENS, True, cores)
+    if window < 1:
+        raise InputError(f"{what}: window {window} (at least 1)")
+    _attend(q, rings, chunk_rows, comps, positions, selection, window, sinks, scale, cos, sin, out, n_tokens, stream,
+            0, workspace, SPLIT_BATCH_TOKENS, True, cores)
 
 
-def _check_query_side(q, chunk_rows, entries, sinks, out, n_tokens: int, what: str) -> tuple[int, int]:
+def _check_query_side(q, chunk_rows, positions, selection, sinks, cos, sin, out, n_tokens: int,
+                      what: str) -> tuple[int, int]:
     """The arguments sparse_attention and sparse_attention_tables share, checked: (heads, head_dim)."""
     check_array(q, (np.uint16,), 3, f"{what} q")
     check_array(out, (np.uint16,), 3, f"{what} out")
     check_array(chunk_rows, (np.uint16,), 2, f"{what} chunk_rows")
-    check_array(entries, (np.int32,), 2, f"{what} entries")
+    check_array(positions, (np.int32,), 1, f"{what} positions")
     check_array(sinks, (np.float32,), 1, f"{what} sinks")
-    for a, name in ((q, "q"), (out, "out"), (entries, "entries")):
+    for a, name in ((q, "q"), (out, "out"), (positions, "positions")):
         check_rows(a, n_tokens, f"{what} {name}")
+    if selection is not None:
+        check_array(selection, (np.int32,), 2, f"{what} selection")
+        check_rows(selection, n_tokens, f"{what} selection")
     heads, head_dim = q.shape[1], q.shape[2]
     if out.shape[1:] != q.shape[1:] or sinks.shape[0] != heads or chunk_rows.shape[1] != head_dim:
         raise InputError(f"{what}: q {q.shape}, out {out.shape}, sinks {sinks.shape}, chunk_rows {chunk_rows.shape} "
                          "do not agree")
+    if (cos is None) != (sin is None):
+        raise InputError(f"{what}: cos and sin are both given or both None")
+    if cos is not None and sin is not None:
+        check_array(cos, (np.float32,), 2, f"{what} cos")
+        check_array(sin, (np.float32,), 2, f"{what} sin")
+        if sin.shape != cos.shape or not 0 < 2 * cos.shape[1] <= head_dim:
+            raise InputError(f"{what}: cos {cos.shape}, sin {sin.shape} for heads of {head_dim}")
     return heads, head_dim
 
 
-def _attend(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-            workspace: SparseWorkspace | None, split_tokens: int, tables: bool, cores: str) -> None:
+def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, sinks, scale, cos, sin, out, n_tokens,
+            stream, threads, workspace: SparseWorkspace | None, split_tokens: int, tables: bool, cores: str) -> None:
     """The launch of sparse_attention (tables: of sparse_attention_tables), its arguments checked:
-    the split path for up to split_tokens tokens that the workspace holds."""
+    the split path for up to split_tokens tokens that the workspace holds. Each query's list is
+    window + K entries (K = selection.shape[1], 0 without one), made in the kernels (entry_at)."""
     heads, head_dim = q.shape[1], q.shape[2]
+    n_entries = window + (0 if selection is None else selection.shape[1])
+    # without a selection the kernels read none (entry_at stops at W): any int32 [T, *] array stands in
+    chosen = positions.reshape(positions.shape[0], 1) if selection is None else selection
+    # without a table no dim is in the rope tail, and the kernels read none: the sinks stand in
+    rope_dim = 0 if cos is None else 2 * cos.shape[1]
+    if cos is None:
+        cos = sin = sinks.reshape(1, heads)
     if workspace is not None:
         if head_dim % 8:
             raise InputError(f"sparse_attention: the split path needs head_dim a multiple of 8, not {head_dim}")
-        workspace.check(heads, head_dim, entries.shape[1])
+        workspace.check(heads, head_dim, n_entries)
     if n_tokens == 0:
         return
     if workspace is not None and n_tokens <= min(workspace.tokens, split_tokens):
-        _split_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale, out, n_tokens, stream, threads,
-                         workspace, tables, cores)
+        _split_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries, sinks, scale, cos, sin, out,
+                         n_tokens, stream, threads, workspace, tables, cores, rope_dim)
         return
     nt = threads or min(ATTN_THREADS, head_dim)
     lanes = min(LANES, nt)
     if head_dim % nt or nt % lanes:
         raise InputError(f"sparse_attention: {nt} threads do not divide head_dim {head_dim}")
-    sparse_kernel(head_dim, nt, lanes, tables)[(heads, n_tokens), nt, stream](
-        q, ring, chunk_rows, comp_rows, entries, sinks, out, entries.shape[1], np.float32(scale))
+    sparse_kernel(head_dim, nt, lanes, tables, rope_dim)[(heads, n_tokens), nt, stream](
+        q, ring, chunk_rows, comp_rows, positions, chosen, sinks, cos, sin, out, n_entries, np.float32(scale))

@@ -40,13 +40,13 @@ from flashv41.host.oracle import attention as oracle
 from flashv41.model import load_model
 from flashv41.stages import indexer, kv_sources  # noqa: E402
 from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
+from flashv41.stages import sparse_attention as sa  # noqa: E402
 from flashv41.stages.device import SIM  # noqa: E402
 from flashv41.stages.linear import DeviceWeight  # noqa: E402
 from flashv41.stages.sparse_attention import (  # noqa: E402
     SPLIT_BATCH_TOKENS,
     SPLIT_MAX_TOKENS,
     SparseWorkspace,
-    build_entries,
     sparse_attention,
     split_cores,
 )
@@ -527,19 +527,45 @@ def test_select_batch_exact(tiny_cfg, path):
 
 # ---- entries and sparse attention ---------------------------------------------------------------------
 
+def _entries_of(positions, selection, entries, window, chunk_rows, n_entries, own_rows):
+    """entries[t, j] = entry_at(..., t, j, ...): the kernels' entry lists laid out, a thread each."""
+    t, j = cuda.grid(2)
+    if t < entries.shape[0] and j < entries.shape[1]:
+        entries[t, j] = sa.entry_at(positions, selection, t, j, window, chunk_rows, n_entries, own_rows)
+
+
+def entry_lists(positions, selection, window: int, chunk_capacity: int, own_rows: bool = False) -> np.ndarray:
+    """The lists the sparse kernels make (stages.sparse_attention.entry_at), one column past E (which
+    must read -1), through a kernel compiled afresh each call (so a mutant of entry_at is the one run)."""
+    t = len(positions)
+    k = 0 if selection is None else selection.shape[1]
+    chosen = np.zeros((t, 1), np.int64) if selection is None else selection
+    entries = cuda.device_array((t, window + k + 1), np.int32)
+    cuda.jit(_entries_of)[(t, window + k + 1), 1](*dev((positions, chosen)), entries, window, chunk_capacity,
+                                                   window + k, own_rows)
+    got = entries.copy_to_host()
+    assert np.all(got[:, -1] == -1), "entry_at past the list"
+    return got[:, :-1]
+
+
 def check_entries(start: int, t: int) -> None:
-    """build_entries against oracle.build_entries, exactly, with a selection (-1 padded) and without;
-    the chunk rows' capacity above T, as the stage's workspace has it. (That the oracle's entries name
-    the right positions is tests/test_oracle_attention.py's business.)"""
+    """entry_at against oracle.build_entries, exactly, with a selection (-1 padded) and without; the
+    chunk rows' capacity above T, as the stage's workspace has it; and with own_rows (a batch: token
+    t at position start + t its sequence's only one, in chunk row t) against the oracle's list of
+    that token alone, its chunk row moved to t. (That the oracle's entries name the right positions
+    is tests/test_oracle_attention.py's business.)"""
     window, cap, k = 8, 12, 3
     positions = np.arange(start, start + t)
     selection = np.where(np.arange(k)[None, :] < 2, np.arange(t)[:, None] + np.arange(k)[None, :], -1)
     for chosen in (selection, None):
         args = (positions, chosen, window, cap)
-        entries = cuda.device_array((t, window + (0 if chosen is None else k)), np.int32)
-        build_entries(*dev(args), entries, t)
-        got, want = entries.copy_to_host(), oracle.build_entries(*args)
+        got, want = entry_lists(*args), oracle.build_entries(*args)
         assert np.array_equal(got, want), f"entries from {start}, T {t}: got {got.tolist()}, oracle {want.tolist()}"
+        got = entry_lists(*args, own_rows=True)
+        for i in range(t):
+            alone = oracle.build_entries(positions[i:i + 1], None if chosen is None else chosen[i:i + 1], window, cap)
+            alone[:, :window] += np.where(alone[:, :window] >= window, i, 0)
+            assert np.array_equal(got[i], alone[0]), f"own rows, token {i} at {start + i}: {got[i].tolist()}"
 
 
 ENTRY_CASES = [(0, 5), (6, 4), (13, 1), (20, 12)]  # (start, T)
@@ -551,41 +577,40 @@ def test_entries_exact(start, t):
 
 
 def attention_inputs(rng, t: int, heads: int, dim: int, window: int, chunk: int, groups: int, selected: int):
-    """q (bf16), rows as the layer makes them (fp8 window rows, fp4 compressed rows), entries
-    [T, window + selected] and sinks.
+    """q (bf16), rows as the layer makes them (fp8 window rows, fp4 compressed rows), the queries'
+    positions and selections [T, selected], and sinks.
 
-    Entries, by query: 0, 2 (and every 4 from there): the layer's own list (build_entries' layout)
-    for the query at that offset of a chunk that starts 3 windows in: every ring slot but the
-    chunk's newer positions', the chunk rows up to its own, then `selected` - 1 .. - 3 distinct
-    compressed rows ascending, -1 padded; so every window row weighs in and a dropped one shows.
-    1: none (the output must be zeros). 3: arbitrary entries (any source in any column, repeats,
-    skips). Sinks: each head's at its queries' mean log-sum-exp of the scores plus U(-3, 2), so the
-    sink takes 5-88% of the denominator, and leaving it out moves every output.
+    The T queries are a chunk's (T <= chunk rows) that starts 3 windows in: each one's window is
+    every ring slot but the chunk's newer positions' and the chunk rows up to its own, so every
+    window row weighs in and a dropped one shows. Selections, by query: 0, 2 (and every 4 from
+    there): `selected` - 1 .. - 3 distinct groups ascending, -1 padded; 1: none (the window alone);
+    3: arbitrary (repeats, and skips between groups). Sinks: each head's at its queries' mean
+    log-sum-exp of the scores plus U(-3, 2), so the sink takes 5-88% of the denominator, and leaving
+    it out moves every output.
     """
     q = bf16((rng.standard_normal((t, heads, dim)) * 2).astype(np.float32))
     ring = act_quant(bf16(rng.standard_normal((window, dim)).astype(np.float32)))
     chunk_rows = act_quant(bf16(rng.standard_normal((chunk, dim)).astype(np.float32)))
     comp = fp4_act_quant(bf16(rng.standard_normal((groups, dim)).astype(np.float32)), 16, True)
-    n_rows = window + chunk + groups
-    entries = np.full((t, window + selected), -1, np.int32)
-    first = 3 * window + 5  # the chunk's first position
+    assert t <= chunk, "the queries' window rows are chunk rows"
+    positions = 3 * window + 5 + np.arange(t)
+    selection = np.full((t, selected), -1, np.int64)
     for i in range(t):
         if i % 4 == 3:
-            entries[i] = rng.integers(-1, n_rows, window + selected)
+            selection[i] = rng.integers(-1, groups, selected)
         elif i % 4 != 1:
-            wp = first + i % chunk - window + 1 + np.arange(window)
-            entries[i, :window] = np.where(wp >= first, window + wp - first, wp % window)
             k = selected - 1 - i % 3
-            entries[i, window:window + k] = window + chunk + np.sort(rng.choice(groups, k, replace=False))
+            selection[i, :k] = np.sort(rng.choice(groups, k, replace=False))
+    entries = oracle.build_entries(positions, selection, window, chunk)
     valid = entries >= 0
     rows = np.concatenate([ring, chunk_rows, comp])
     k_rows = rows[np.where(valid, entries, 0)].astype(np.float64)
     s = np.einsum("thd,ted->the", q.astype(np.float64), k_rows) * dim ** -0.5
-    s = np.where(valid[:, None, :], s, -np.inf)[valid.any(axis=1)]
+    s = np.where(valid[:, None, :], s, -np.inf)
     m = s.max(axis=-1)
     lse = (m + np.log(np.exp(s - m[..., None]).sum(axis=-1))).mean(axis=0)
     sinks = (lse + rng.uniform(-3, 2, heads)).astype(np.float32)
-    return q, ring, chunk_rows, comp, entries, sinks
+    return q, ring, chunk_rows, comp, positions, selection, sinks
 
 
 def sparse_bound(q, rows, entries, sinks, scale, ref) -> np.ndarray:
@@ -614,7 +639,7 @@ def sparse_bound(q, rows, entries, sinks, scale, ref) -> np.ndarray:
     return (2.0**-7 + eps + 2.0**-16) * weighted + (eps + 2.0**-16) * np.abs(ref) + bf16_ulp(ref)
 
 
-# Sparse attention: at least this share of the outputs of the rows with entries equals the oracle's
+# Sparse attention: at least this share of the outputs equals the oracle's
 # bits. An fp32 kernel differs from the float64 oracle only where its error carries a value (or one
 # p_j) across a bf16 rounding boundary. Measured: the simulator 100% at the CI shape and 99.97% at
 # the flash shape (64 heads x 512, 640 entries); a NumPy emulation of the GPU kernel's order (32
@@ -632,39 +657,82 @@ FLASH_SPARSE_CASE = (14, 4, 64, 512, 128, 64, 1024, 512)  # 64 heads x 512, wind
 SPARSE_CASES = [SPARSE_CASE, (21, 3, 4, 64, 8, 6, 40, 20), (22, 5, 2, 32, 16, 8, 100, 48)]
 
 
+def rope_angles(rng, n_positions: int, rope_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin fp32 [n_positions, rope_dim / 2] of random angles (a RoPE table's layout)."""
+    angle = rng.uniform(-np.pi, np.pi, (n_positions, rope_dim // 2))
+    return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+
+
 def sparse_inputs(seed, t, heads, dim, window, chunk, groups, selected) -> tuple:
-    """attention_inputs of a case and its scale: the oracle's arguments."""
+    """attention_inputs of a case, its scale and a RoPE table for its positions (and one past them)
+    over the last dim / 8 dims of a head: the arguments of oracle.attend."""
     rng = np.random.default_rng(seed)
-    q, ring, chunk_rows, comp, entries, sinks = attention_inputs(rng, t, heads, dim, window, chunk, groups, selected)
-    return q, ring, chunk_rows, comp, entries, sinks, dim ** -0.5
+    inputs = attention_inputs(rng, t, heads, dim, window, chunk, groups, selected)
+    cos, sin = rope_angles(rng, int(inputs[4].max()) + 2, dim // 8)
+    return (*inputs, dim ** -0.5, cos, sin)
+
+
+SPARSE_FP32 = (6, 8, 9)  # the arguments of oracle.attend that go to the device as fp32: sinks, cos, sin
+
+
+def case_entries(args: tuple) -> np.ndarray:
+    """The entry lists [T, E] of oracle.attend's arguments (what its sparse_attention reads)."""
+    _, ring, chunk_rows, _, positions, selection, *_ = args
+    return oracle.build_entries(positions, selection, ring.shape[0], chunk_rows.shape[0])
 
 
 def run_sparse(args: tuple, threads: int = 0, split: bool = False, cores: str = "") -> np.ndarray:
-    """sparse_attention over the oracle's arguments: the one-block-a-head kernel, or with split the
+    """sparse_attention over oracle.attend's arguments: the one-block-a-head kernel, or with split the
     split path (its kernels on the cores `cores`, "" the default), through a workspace with room to spare
     (a token and 70 entries more than the call)."""
-    q, entries = args[0], args[4]
+    q = args[0]
     t, heads, dim = q.shape
-    ws = SparseWorkspace.allocate(t + 1, heads, dim, entries.shape[1] + 70) if split else None
+    ws = SparseWorkspace.allocate(t + 1, heads, dim, case_entries(args).shape[1] + 70) if split else None
     out = cuda.device_array((t, heads, dim), np.uint16)
-    sparse_attention(*dev(args, fp32=(5,)), out, t, threads=threads, workspace=ws, cores=cores)
+    sparse_attention(*dev(args, fp32=SPARSE_FP32), out, t, threads=threads, workspace=ws, cores=cores)
     return host_bf16(out)
+
+
+def rotated_bound(bound: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray,
+                  ref: np.ndarray, o_ref: np.ndarray) -> np.ndarray:
+    """What a bound on the output o before its inverse RoPE allows after it: a rotated pair
+    (a c + b s, b c - a s) moves by at most |c| da + |s| db, plus the fp32 products' and sums'
+    roundings (2^-22 of the terms) and the bf16 rounding of either side (one ulp of the larger)."""
+    rd = 2 * cos.shape[1]
+    c = np.abs(cos[positions])[:, None, :].astype(np.float64)
+    s = np.abs(sin[positions])[:, None, :].astype(np.float64)
+    da, db = bound[..., -rd::2], bound[..., -rd + 1::2]
+    size = np.abs(o_ref[..., -rd::2]) + np.abs(o_ref[..., -rd + 1::2]) + da + db
+    out = bound.astype(np.float64).copy()
+    for i, moved in ((0, c * da + s * db), (1, s * da + c * db)):
+        e = moved + 2.0**-22 * size
+        r = ref[..., -rd + i::2]
+        out[..., -rd + i::2] = e + bf16_ulp(np.abs(r) + e + bf16_ulp(r))
+    return out
+
+
+def sparse_reference(args: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """oracle.attend of the arguments, and what fp32 accumulation may change of it: sparse_bound on
+    the output before its inverse RoPE (of the rotated queries), rotated_bound after."""
+    q, ring, chunk_rows, comp, positions, _, sinks, scale, cos, sin = args
+    q_rotated = oracle.rope_tail(q, cos, sin, positions)
+    o_ref = oracle.attend(q_rotated, *args[1:8], None, None)
+    rows = np.concatenate([ring, chunk_rows, comp])
+    bound = sparse_bound(q_rotated, rows, case_entries(args), sinks, scale, o_ref)
+    ref = oracle.attend(*args)
+    return ref, rotated_bound(bound, cos, sin, positions, ref, o_ref)
 
 
 def check_sparse_attention(seed, t, heads, dim, window, chunk, groups, selected, what, threads=0, split=False,
                            cores=""):
     """attention_inputs through the kernel (the split path with `split`, on the cores `cores`)
-    and the oracle: zeros for the row without entries, every value within sparse_bound, and at least
-    SPARSE_EQUAL_MIN of the others bit-equal. Returns (got, ref)."""
+    and the oracle (attend): every value within sparse_bound, and at least SPARSE_EQUAL_MIN of them
+    bit-equal. Returns (got, ref)."""
     args = sparse_inputs(seed, t, heads, dim, window, chunk, groups, selected)
-    q, ring, chunk_rows, comp, entries, sinks, scale = args
-    ref = oracle.sparse_attention(*args)
+    ref, bound = sparse_reference(args)
     got = run_sparse(args, threads, split, cores)
-    rows = np.concatenate([ring, chunk_rows, comp])
-    assert np.all(got[1] == 0) and np.all(ref[1] == 0), "a row without entries gives zeros"
-    assert_within(got, ref, sparse_bound(q, rows, entries, sinks, scale, ref), what)
-    filled = (entries >= 0).any(axis=1)
-    equal = float(np.mean(got[filled] == ref[filled]))
+    assert_within(got, ref, bound, what)
+    equal = float(np.mean(got == ref))
     assert equal >= SPARSE_EQUAL_MIN, f"{what}: {equal:.2%} of values bit-equal < {SPARSE_EQUAL_MIN:.0%}"
     return got, ref
 
@@ -710,15 +778,41 @@ def check_split_matches_one_block(case) -> None:
     if SIM:
         assert_bits_equal(to_bits(split), one, "split path against the one-block-a-head kernel")
         return
-    q, ring, chunk_rows, comp, entries, sinks, scale = args
-    ref = oracle.sparse_attention(*args)
-    bound = sparse_bound(q, np.concatenate([ring, chunk_rows, comp]), entries, sinks, scale, ref)
-    assert_within(split, one, 2 * bound, "split path against the one-block-a-head kernel")
+    assert_within(split, one, 2 * sparse_reference(args)[1], "split path against the one-block-a-head kernel")
 
 
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: f"T{c[1]}H{c[2]}D{c[3]}E{c[4] + c[7]}")
 def test_sparse_split_matches_one_block(case):
     check_split_matches_one_block(case)
+
+
+FOLD_CASE = (23, 8, 4, 64, 8, 8, 40, 20)  # seed, T (the split path's most), H, D, W, chunk rows, groups, selected
+
+
+def unfused_sparse(args: tuple, split: bool, cores: str) -> np.ndarray:
+    """What the folded rotations replace: norm_rope_quant.rope of the queries, the attention without
+    a table (run_sparse), then the rope's inverse of its output."""
+    t, heads, dim = args[0].shape
+    table = (*dev(args[8:10], fp32=(0, 1)), cuda.to_device(args[4].astype(np.int32)))
+    q = dev_bf16(args[0].reshape(t, heads * dim))
+    nrq.rope(q, *table, False, t, heads)
+    q_rotated = host_bf16(q).reshape(t, heads, dim)
+    o = dev_bf16(run_sparse((q_rotated, *args[1:8], None, None), split=split, cores=cores).reshape(t, heads * dim))
+    nrq.rope(o, *table, True, t, heads)
+    return host_bf16(o).reshape(t, heads, dim)
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc"])
+def test_sparse_fold_matches_unfused(path, t):
+    """The queries' RoPE where the scores load them (sparse_kernel, split_score_kernel,
+    split_score_tc_kernel) and the output's inverse RoPE in the kernels that write it (sparse_kernel,
+    split_combine_kernel) give the bits of the launches they replace, on every path."""
+    split = path != "one_block"
+    cores = path.removeprefix("split_") if split else ""
+    args = sparse_inputs(FOLD_CASE[0], t, *FOLD_CASE[2:])
+    assert_bits_equal(to_bits(run_sparse(args, split=split, cores=cores)), unfused_sparse(args, split, cores),
+                      f"folded against unfused ({path}, T {t})")
 
 
 def test_sparse_workspace_capacity():
@@ -731,7 +825,7 @@ def test_sparse_workspace_capacity():
     assert ws.tokens == 2 and ws.nbytes == sum(getattr(ws, f.name).nbytes for f in dataclasses.fields(ws))
     args = sparse_inputs(*SPARSE_CASES[1])  # T = 3
     out = cuda.device_array((3, 4, 64), np.uint16)
-    sparse_attention(*dev(args, fp32=(5,)), out, 3, workspace=ws)
+    sparse_attention(*dev(args, fp32=SPARSE_FP32), out, 3, workspace=ws)
     assert np.array_equal(out.copy_to_host(), to_bits(run_sparse(args)))
 
 
@@ -739,8 +833,8 @@ def test_sparse_attention_shape_errors():
     q = cuda.device_array((2, 2, 64), np.uint16)
     rows = cuda.device_array((8, 64), np.uint16)
     with pytest.raises(InputError, match="do not agree"):
-        sparse_attention(q, rows, rows, cuda.device_array((4, 32), np.uint16), cuda.device_array((2, 8), np.int32),
-                         cuda.to_device(np.zeros(2, np.float32)), 0.1, q, 2)
+        sparse_attention(q, rows, rows, cuda.device_array((4, 32), np.uint16), cuda.device_array(2, np.int32), None,
+                         cuda.to_device(np.zeros(2, np.float32)), 0.1, None, None, q, 2)
 
 
 def test_sparse_workspace_shape_errors():
@@ -748,11 +842,12 @@ def test_sparse_workspace_shape_errors():
     the array; and none for a head_dim the split path cannot read in 16-byte units."""
     q = cuda.device_array((2, 2, 64), np.uint16)
     rows = cuda.device_array((8, 64), np.uint16)
-    entries = cuda.device_array((2, 140), np.int32)
+    positions = cuda.to_device(np.arange(2, dtype=np.int32))
+    selection = cuda.device_array((2, 132), np.int32)  # 140 entries with the 8 window slots
     sinks = cuda.to_device(np.zeros(2, np.float32))
 
     def call(ws):
-        sparse_attention(q, rows, rows, rows, entries, sinks, 0.1, q, 2, workspace=ws)
+        sparse_attention(q, rows, rows, rows, positions, selection, sinks, 0.1, None, None, q, 2, workspace=ws)
 
     with pytest.raises(InputError, match=r"SparseWorkspace\.scores: \(2, 2, 64\)"):
         call(SparseWorkspace.allocate(2, 2, 64, 64))  # 64 entries, not 140
@@ -769,7 +864,8 @@ def test_sparse_workspace_shape_errors():
         SparseWorkspace.allocate(2, 2, 60, 140)
     q60, rows60 = cuda.device_array((2, 2, 60), np.uint16), cuda.device_array((8, 60), np.uint16)
     with pytest.raises(InputError, match="multiple of 8"):
-        sparse_attention(q60, rows60, rows60, rows60, entries, sinks, 0.1, q60, 2, workspace=ws)
+        sparse_attention(q60, rows60, rows60, rows60, positions, selection, sinks, 0.1, None, None, q60, 2,
+                         workspace=ws)
 
 
 # ---- V4.1-Flash sizes on the GPU -----------------------------------------------------------------------
@@ -813,6 +909,20 @@ def test_flash_sparse_attention_within_bound(path):
     got, ref = check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash)", split=split, cores=cores)
     print(f"\nflash sparse attention ({path}): {np.mean(got == ref):.4f} of values equal, max error "
           f"{np.abs(got - ref).max():.3e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc"])
+def test_flash_sparse_fold_matches_unfused(path, t):
+    """64 heads x 512 (the rope on the last 64 dims), a 128-slot window plus top-512 entries: the
+    folded rotations against the launches they replace, bit for bit, in the GPU's block shapes (the
+    one-block kernel's pairs across threads, the combine's thread per pair, the tensor cores' words)."""
+    split = path != "one_block"
+    cores = path.removeprefix("split_") if split else ""
+    args = sparse_inputs(FLASH_SPARSE_CASE[0], t, *FLASH_SPARSE_CASE[2:])
+    assert_bits_equal(to_bits(run_sparse(args, split=split, cores=cores)), unfused_sparse(args, split, cores),
+                      f"flash folded against unfused ({path}, T {t})")
 
 
 @pytest.mark.gpu

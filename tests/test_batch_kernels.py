@@ -29,11 +29,10 @@ from flashv41.stages.row_tables import address_table  # noqa: E402
 from flashv41.stages.sparse_attention import (  # noqa: E402
     SPLIT_BATCH_TOKENS,
     SparseWorkspace,
-    build_entries,
     sparse_attention,
     sparse_attention_tables,
 )
-from tests.test_attention_kernels import SELECT_PATHS, dev_bf16, one_hot, score_patterns
+from tests.test_attention_kernels import SELECT_PATHS, dev_bf16, one_hot, rope_angles, score_patterns
 
 B = 10
 POSITIONS = np.array([9, 3, 31, 7, 8, 0, 16, 15, 30, 6], np.int32)  # window 8; ratio-2 groups; the last not the largest
@@ -52,9 +51,10 @@ def table(arrays) -> object:
 
 
 def test_sparse_attention_tables():
-    """Entries (own_rows) and sparse_attention_tables over each sequence's ring and compressed
-    rows, on the split path and on the one-block-a-head one, against build_entries +
-    sparse_attention of that token alone on its own arrays, on the same path."""
+    """sparse_attention_tables over each sequence's ring and compressed rows (its entry lists made
+    with own_rows: token b's window row in chunk row b), on the split path and on the
+    one-block-a-head one, against sparse_attention of that token alone on its own arrays, on the
+    same path. (entry_at's own_rows lists: tests/test_attention_kernels.py check_entries.)"""
     rng = np.random.default_rng(21)
     rings = [dev_bf16(act_quant(bf16(rng.standard_normal((WINDOW, DIM)).astype(np.float32)))) for _ in range(B)]
     comps = [dev_bf16(fp4_act_quant(bf16(rng.standard_normal((GROUPS, DIM)).astype(np.float32)), 16, True))
@@ -69,32 +69,26 @@ def test_sparse_attention_tables():
         selection[b, :k] = np.sort(rng.choice((p + 1) // 2, k, replace=False))
     positions, chosen = cuda.to_device(POSITIONS), cuda.to_device(selection)
     scale = DIM ** -0.5
-    entries = cuda.device_array((B, WINDOW + TOPK), np.int32)
-    build_entries(positions, chosen, WINDOW, B, entries, B, own_rows=True)
+    cos, sin = (cuda.to_device(a) for a in rope_angles(rng, POSITIONS.max() + 1, DIM // 8))
     out = cuda.device_array((B, HEADS, DIM), np.uint16)
     ws = SparseWorkspace.allocate(B, HEADS, DIM, WINDOW + TOPK, most=SPLIT_BATCH_TOKENS)
     assert ws.tokens == B  # the split path takes the whole batch
-    sparse_attention_tables(q, table(rings), rows, table(comps), entries, sinks, scale, out, B, workspace=ws)
+    sparse_attention_tables(q, table(rings), rows, table(comps), positions, chosen, WINDOW, sinks, scale, cos, sin,
+                            out, B, workspace=ws)
     got = out.copy_to_host()
     # a batch the workspace cannot hold (or none) takes the one-block-a-head path, tables and all
     wide = cuda.device_array((B, HEADS, DIM), np.uint16)
-    sparse_attention_tables(q, table(rings), rows, table(comps), entries, sinks, scale, wide, B)
+    sparse_attention_tables(q, table(rings), rows, table(comps), positions, chosen, WINDOW, sinks, scale, cos, sin,
+                            wide, B)
     wide_rows = wide.copy_to_host()
     one_ws = SparseWorkspace.allocate(1, HEADS, DIM, WINDOW + TOPK)
     for b in range(B):
-        alone = cuda.device_array((1, WINDOW + TOPK), np.int32)
-        build_entries(positions[b:b + 1], chosen[b:b + 1], WINDOW, 1, alone, 1)
-        mine = entries.copy_to_host()[b]
-        want = alone.copy_to_host()[0]
-        # the same rows: its own window row is chunk row b of B (not 0 of 1), its compressed rows
-        # come after B chunk rows (not 1)
-        want = np.concatenate([np.where(want[:WINDOW] == WINDOW, WINDOW + b, want[:WINDOW]),
-                               np.where(want[WINDOW:] >= 0, want[WINDOW:] + B - 1, -1)])
-        assert np.array_equal(mine, want), f"row {b}'s entries"
+        alone = (q[b:b + 1], rings[b], rows[b:b + 1], comps[b], positions[b:b + 1], chosen[b:b + 1], sinks, scale,
+                 cos, sin)
         one = cuda.device_array((1, HEADS, DIM), np.uint16)
-        sparse_attention(q[b:b + 1], rings[b], rows[b:b + 1], comps[b], alone, sinks, scale, one, 1, workspace=one_ws)
+        sparse_attention(*alone, one, 1, workspace=one_ws)
         assert np.array_equal(got[b], one.copy_to_host()[0]), f"row {b} (position {POSITIONS[b]})"
-        sparse_attention(q[b:b + 1], rings[b], rows[b:b + 1], comps[b], alone, sinks, scale, one, 1)
+        sparse_attention(*alone, one, 1)
         assert np.array_equal(wide_rows[b], one.copy_to_host()[0]), f"row {b}, one block a head"
     assert (got != 0).any()
 

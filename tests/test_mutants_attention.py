@@ -17,6 +17,8 @@ What rejects each (measured on the simulator, at the CI shape and, for the `gpu`
   slot, the sink left out: sparse_bound (40-327 of 512 values out of it; 1657-87662 of 131072).
   The sink counts because attention_inputs puts each head's sink near its log-sum-exp, and a
   window row because its queries' entries are the layer's own lists (each names every window row).
+  The folded RoPE of the queries and inverse RoPE of the output (either's position one late,
+  either rotated the wrong way, a sine term dropped): sparse_bound rotated (rotated_bound).
   The split path's kernels carry the same mutants (sparse_mutants) and fail the same checks: on the
   simulator with the same numbers, since there the two paths give the same bits, mutated or not.
   Its tensor-core kernels (split_score_tc_kernel and split_value_tc_kernel, the GPU's default)
@@ -47,6 +49,7 @@ import pytest
 from numba import float32, int32, uint16  # noqa: E402  (after conftest chose the backend)
 
 from flashv41.model import load_model
+from flashv41.stages import device as device_module  # noqa: E402
 from flashv41.stages import index_scores_tc, indexer, topk  # noqa: E402
 from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
 from flashv41.stages import sparse_attention as sa  # noqa: E402
@@ -191,6 +194,20 @@ def sparse_mutants(check: str, scores: str, combine: str) -> list[Mutant]:
         Mutant(check, "ring_slot_dropped", "entries naming ring slot 0 skipped", sa,
                lambda: {"_resolve": resolve_skipping_ring_slot_0}),
         # a kernel that forgot the sink and then guarded the row without entries (0 / 0) on its own
+        Mutant(check, "o_rope_position_plus_1", "the output rotated back by the angle of position p + 1", sa,
+               lambda: {"_output_pair": edited(sa, "_output_pair", "cos[pos, pair], -sin[pos, pair]",
+                                               "cos[pos + 1, pair], -sin[pos + 1, pair]")}),
+        Mutant(check, "o_rope_forward", "the output rotated forward, not back (the sine's sign)", sa,
+               lambda: {"_output_pair": edited(sa, "_output_pair", "-sin[pos, pair]", "sin[pos, pair]")}),
+        Mutant(check, "q_rope_position_plus_1", "the queries rotated by the angle of position p + 1", sa,
+               lambda: {"_query_pair": edited(sa, "_query_pair", "cos[pos, pair], sin[pos, pair]",
+                                              "cos[pos + 1, pair], sin[pos + 1, pair]")}),
+        Mutant(check, "q_rope_inverse", "the queries rotated back, not forward (the sine's sign)", sa,
+               lambda: {"_query_pair": edited(sa, "_query_pair", "cos[pos, pair], sin[pos, pair]",
+                                              "cos[pos, pair], -sin[pos, pair]")}),
+        Mutant(check, "rope_sin_dropped", "b sin left out of the first value of each rotated pair (q and out)", sa,
+               lambda: {"rotate_pair": edited(device_module, "rotate_pair", "mul_rn(a, c) - mul_rn(b, s)",
+                                              "mul_rn(a, c)")}),
         Mutant(check, "sink_ignored", "the sink's term left out of the denominator", sa,
                lambda: {combine: edited(sa, combine, "sum_exp = sum_exp + exp_f32(sinks[h] - run_max)",
                                         "sum_exp = sum_exp if sum_exp > 0 else float32(np.inf)")}),
@@ -202,10 +219,15 @@ MUTANTS = [
     *sparse_mutants("sparse_split", "split_score_kernel", "split_combine_kernel"),
     *sparse_mutants("sparse_split_tc", "split_score_tc_kernel", "split_combine_kernel"),
     Mutant("entries", "window_one_early", "window positions p - W .. p - 1 instead of p - W + 1 .. p", sa,
-           lambda: {"_entries_kernel": edited(sa, "_entries_kernel", "wp = positions[t] - window + 1 + j",
-                                              "wp = positions[t] - window + j")}),
+           lambda: {"entry_at": edited(sa, "entry_at", "wp = positions[t] - window + 1 + j",
+                                       "wp = positions[t] - window + j")}),
     Mutant("entries", "chunk_start_from_ring", "the chunk's first position read from the ring", sa,
-           lambda: {"_entries_kernel": edited(sa, "_entries_kernel", "elif wp >= start:", "elif wp > start:")}),
+           lambda: {"entry_at": edited(sa, "entry_at", "if wp >= start:", "if wp > start:")}),
+    Mutant("entries", "own_row_first", "a batch's tokens all reading chunk row 0 as their own", sa,
+           lambda: {"entry_at": edited(sa, "entry_at", "(t if own_rows else 0)", "0")}),
+    Mutant("entries", "selection_one_late", "selected group s read as s + 1", sa,
+           lambda: {"entry_at": edited(sa, "entry_at", "int32(window + chunk_rows + s)",
+                                       "int32(window + chunk_rows + s + 1)")}),
     Mutant("index_scores", "dot_term_dropped", "the last product of each head's q . k left out", indexer,
            lambda: {"_block_dot": block_dot_without_last_term}),
     Mutant("index_scores", "weight_1pct", "the head weights 1% large", indexer,
@@ -256,8 +278,8 @@ MUTANTS = [
     Mutant("rope", "position_plus_1", "rotated by the angle of position p + 1", nrq,
            lambda: {"_rope_kernel": edited(nrq, "_rope_kernel", "pos = positions[r]", "pos = positions[r] + 1")}),
     Mutant("rope", "product_dropped", "b sin left out of the first output of each pair", nrq,
-           lambda: {"_rope_kernel": edited(nrq, "_rope_kernel", "f32_to_bf16(mul_rn(a, c) - mul_rn(b, s))",
-                                           "f32_to_bf16(mul_rn(a, c))")}),
+           lambda: {"rotate_pair": edited(device_module, "rotate_pair", "mul_rn(a, c) - mul_rn(b, s)",
+                                          "mul_rn(a, c)")}),
     Mutant("act_quant", "e4m3_truncated", "e4m3 rounding toward zero", nrq, e4m3_truncating),
     Mutant("act_quant", "e4m3_ties_away", "e4m3 ties rounded away from zero, not to even", nrq, e4m3_ties_away),
     Mutant("act_quant", "scale_floor_plus_1", "the power-of-two scale as floor + 1: one step high at exact powers",

@@ -25,7 +25,7 @@ from flashv41 import stages
 from flashv41.check import CallAgreement, compare_call
 from flashv41.host.oracle import Oracle
 from flashv41.stages.device import device, f32_bits, f32_from_bits
-from flashv41.stages.sparse_attention import build_entries
+from flashv41.stages.sparse_attention import sparse_attention
 from tests.mutants import edited, mutant
 from tests.reliability import TWO_LAYER_TINY
 
@@ -53,19 +53,23 @@ def first_disagreement(model, oracle) -> CallAgreement | None:
 
 
 @cuda.jit
-def _take_previous_rows(entries, n_tokens, window):
-    """entries[t, window:] = entries[t - 1, window:] for t = T-1 .. 1 (a thread per column)."""
-    j = window + cuda.grid(1)
-    if j < entries.shape[1]:
-        for t in range(n_tokens - 1, 0, -1):
-            entries[t, j] = entries[t - 1, j]
+def _previous_rows(selection, shifted, n_tokens):
+    """shifted[t] = selection[max(t - 1, 0)] for t < T (a thread per column)."""
+    j = cuda.grid(1)
+    if j < selection.shape[1]:
+        for t in range(n_tokens):
+            shifted[t, j] = selection[max(t - 1, 0), j]
 
 
-def entries_of_the_previous_token(positions, selection, window, chunk_capacity, entries, n_tokens, stream=0):
-    """build_entries, then each query but the first attends the previous token's selection."""
-    build_entries(positions, selection, window, chunk_capacity, entries, n_tokens, stream)
+def attending_the_previous_tokens_selection(q, ring, chunk_rows, comp_rows, positions, selection, sinks, scale, cos,
+                                            sin, out, n_tokens, stream=0, workspace=None):
+    """sparse_attention with each query but the first attending the previous token's selection."""
     if selection is not None:
-        _take_previous_rows[1, 64, stream](entries, n_tokens, window)
+        shifted = cuda.device_array(selection.shape, np.int32)
+        _previous_rows[1, 64, stream](selection, shifted, n_tokens)
+        selection = shifted
+    sparse_attention(q, ring, chunk_rows, comp_rows, positions, selection, sinks, scale, cos, sin, out, n_tokens,
+                     stream, workspace=workspace)
 
 
 @device
@@ -106,7 +110,7 @@ def test_cache_row_in_the_wrong_group(two_layer):
 
 
 def test_attending_another_tokens_selection(two_layer):
-    with mutant(stages.attention, build_entries=entries_of_the_previous_token):
+    with mutant(stages.attention, sparse_attention=attending_the_previous_tokens_selection):
         call = first_disagreement(*two_layer)
     assert call is not None and any(not a.close and not a.state_mismatch for a in call.layers), call
 

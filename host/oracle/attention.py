@@ -314,6 +314,21 @@ def sparse_attention(q: np.ndarray, ring: np.ndarray, chunk_rows: np.ndarray, co
         return bf16(acc / sum_exp[:, :, None])
 
 
+def attend(q: np.ndarray, ring: np.ndarray, chunk_rows: np.ndarray, comp_rows: np.ndarray, positions: np.ndarray,
+           selection: np.ndarray | None, sinks: np.ndarray, scale: float, cos: np.ndarray | None,
+           sin: np.ndarray | None) -> np.ndarray:
+    """The layer's attention of the queries q [T, H, D] at positions [T] (a chunk's, its first
+    position's window row in chunk_rows[0]) over their canonical lists, the queries rotated first
+    and the output rotated back: rope_tail(sparse_attention(rope_tail(q), ..., build_entries(
+    positions, selection, W, chunk_rows' count), ...), inverse=True), W the ring's slots; cos, sin
+    None: q and the output as they are."""
+    entries = build_entries(positions, selection, ring.shape[0], chunk_rows.shape[0])
+    if cos is None or sin is None:
+        return sparse_attention(q, ring, chunk_rows, comp_rows, entries, sinks, scale)
+    o = sparse_attention(rope_tail(q, cos, sin, positions), ring, chunk_rows, comp_rows, entries, sinks, scale)
+    return rope_tail(o, cos, sin, positions, inverse=True)
+
+
 def output_projection(cfg: ModelConfig, w: AttentionWeights, o: np.ndarray) -> np.ndarray:
     """o [T, H, D] bf16 -> [T, C] bf16: group g of heads times its own wo_a block, then wo_b."""
     t = o.shape[0]
@@ -337,7 +352,7 @@ def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tabl
     cos, sin = tables.for_ratio(role.ratio)
 
     qr = rms_norm(linear(x, w.wq_a), w.q_norm, cfg.norm_eps)
-    q = rope_tail(linear(qr, w.wq_b).reshape(t, cfg.n_heads, cfg.head_dim), cos, sin, positions)
+    q = linear(qr, w.wq_b).reshape(t, cfg.n_heads, cfg.head_dim)  # rotated in attend
     kv = rms_norm(linear(x, w.wkv), w.kv_norm, cfg.norm_eps)
     kv = adopt("window_rows", act_quant(rope_tail(kv, cos, sin, positions), 32))
 
@@ -375,12 +390,15 @@ def attention_layer(cfg: ModelConfig, role: LayerRole, w: AttentionWeights, tabl
             if shared.candidates is not None:
                 capture["candidates"] = shared.candidates.copy()
 
-    entries = build_entries(positions, selection, win, t)
-    o = sparse_attention(q, state.window_ring, kv, comp_rows, entries, w.sinks, cfg.head_dim ** -0.5)
+    rows = (state.window_ring, kv, comp_rows, positions, selection, w.sinks, cfg.head_dim ** -0.5)
+    o = attend(q, *rows, cos, sin)
+    if capture is not None:  # the rotated queries, and the output before its inverse RoPE
+        q_rotated = rope_tail(q, cos, sin, positions)
+        capture.update(q=q_rotated, attn_o=attend(q_rotated, *rows, None, None))
     # the ring keeps the chunk's last W rows, written once the attention has read the older ones
     for i in range(max(0, t - win), t):
         state.window_ring[(start + i) % win] = kv[i]
-    out = output_projection(cfg, w, rope_tail(o, cos, sin, positions, inverse=True))
+    out = output_projection(cfg, w, o)
     if capture is not None:
-        capture.update(attn_x=x, qr=qr, q=q, kv=kv, attn_o=o, attn_out=out)
+        capture.update(attn_x=x, qr=qr, kv=kv, attn_out=out)
     return out

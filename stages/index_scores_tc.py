@@ -36,8 +36,7 @@ from flashv41.stages import linear_tc
 from flashv41.stages.device import SIM, WARP, bf16_round, bf16_to_f32, f32_to_bf16, jit_for, load_words4, mul_rn
 from flashv41.stages.row_tables import u32_rows
 
-# linear_tc's mma; on the simulator as a device function, which gets that module's simulated `cuda`
-mma = cuda.jit(device=True)(linear_tc.mma) if SIM else linear_tc.mma
+mma = linear_tc.kernel_mma
 
 FP4_BLOCK = 32  # values of a query or key fp4 block: one mma k32 (two k16 steps)
 KEYS = 16  # keys a warp's tile (the mma's rows)

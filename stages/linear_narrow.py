@@ -42,9 +42,7 @@ from flashv41.stages import linear_tc
 from flashv41.stages.device import CHUNK, SIM, WARP, f32_to_bf16, inlined, load_words4
 from flashv41.stages.quant_types import DEVICE_TYPES, NarrowType
 
-# linear_tc's mma; on the simulator as a device function, which gets that module's simulated
-# `cuda` (the thread indices) when called from a kernel of this one
-mma = cuda.jit(device=True)(linear_tc.mma) if SIM else linear_tc.mma
+mma = linear_tc.kernel_mma
 
 NARROW_MAX_TOKENS = 64  # the largest batch bucket of a decode step
 TOKEN_CAPS = (8, 16, 32, 64)  # compiled per cap: accumulators for cap / 8 token fragments

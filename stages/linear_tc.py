@@ -182,6 +182,10 @@ else:
 
         return sig, codegen
 
+# mma as the other modules' kernels call it: on the simulator a device function, which gets this
+# module's simulated `cuda` (the thread indices) when a kernel of another module calls it
+kernel_mma = cuda.jit(device=True)(mma) if SIM else mma
+
 
 @device
 def split3(s):

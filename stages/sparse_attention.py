@@ -94,9 +94,7 @@ from flashv41.stages.row_tables import u16_rows, u32_rows
 if SIM:
     from flashv41.stages.device import _BF16_VALUES
 
-# linear_tc's mma; on the simulator as a device function, which gets that module's simulated `cuda`
-# (the thread indices) when called from a kernel of this one
-mma = cuda.jit(device=True)(linear_tc.mma) if SIM else linear_tc.mma
+mma = linear_tc.kernel_mma
 
 SPARSE_BLOCK = 64
 START_MAX = float32(-1e30)

@@ -157,22 +157,36 @@ def warp_block_scan(threads: int):
 
 
 @cache
-def digit_search(threads: int, bins: int):
-    """search(hist, k_rem, buf, found, tid): of the counts hist[0 .. bins-1] of one digit's values,
-    the bin holding the k_rem-th largest (1 <= k_rem <= the total) into found[0] and the count in
-    the bins above it into found[1]. Every thread calls it; found is ready when it returns."""
+def descending_ranks(threads: int, bins: int):
+    """ranks(hist, buf, tid) -> (r0, r1, above): of the counts hist[0 .. bins-1] ranked in
+    descending bin order (rank r is bin bins - 1 - r), thread tid's ranks r0 .. r1 - 1 (tid *
+    per_thread on) and the count in the ranks before them (a block scan). Every thread calls it."""
     scan = block_scan(threads)
     per_thread = max(1, bins // threads)
 
     @cuda.jit(device=True)  # a device function on the simulator too: it synchronises
-    def search(hist, k_rem, buf, found, tid):
-        # bins in descending order: thread tid holds ranks tid * per_thread .. + per_thread - 1
+    def ranks(hist, buf, tid):
         r0 = min(tid * per_thread, bins)
         r1 = min(r0 + per_thread, bins)
         local = int64(0)
         for r in range(r0, r1):
             local += hist[bins - 1 - r]
-        c, _ = scan(local, buf, tid)
+        above, _ = scan(local, buf, tid)
+        return r0, r1, above
+
+    return ranks
+
+
+@cache
+def digit_search(threads: int, bins: int):
+    """search(hist, k_rem, buf, found, tid): of the counts hist[0 .. bins-1] of one digit's values,
+    the bin holding the k_rem-th largest (1 <= k_rem <= the total) into found[0] and the count in
+    the bins above it into found[1]. Every thread calls it; found is ready when it returns."""
+    ranks = descending_ranks(threads, bins)
+
+    @cuda.jit(device=True)  # a device function on the simulator too: it synchronises
+    def search(hist, k_rem, buf, found, tid):
+        r0, r1, c = ranks(hist, buf, tid)
         for r in range(r0, r1):
             h = hist[bins - 1 - r]
             if c < k_rem and k_rem <= c + h:
@@ -294,7 +308,7 @@ def digit_kernel(threads: int, digit: int, own_rows: bool):
     nt = threads
     sync = nt > 1
     search = digit_search(nt, DIGIT_BINS)
-    scan = block_scan(nt)
+    ranks = descending_ranks(nt, DIGIT_BINS)
     whole = one_block_top_k(nt, DIGIT_BITS)
 
     @jit_for(nt)
@@ -345,13 +359,7 @@ def digit_kernel(threads: int, digit: int, own_rows: bool):
             # this slice's counts for the write kernel: keys above b1's bin, and per low byte b the
             # keys in b1's bin at or above b (ranks in descending order, as digit_search holds them)
             slot = row * slices + s
-            per_thread = max(1, DIGIT_BINS // nt)
-            r0 = min(tid * per_thread, DIGIT_BINS)
-            r1 = min(r0 + per_thread, DIGIT_BINS)
-            run = int64(0)
-            for r in range(r0, r1):
-                run += local[DIGIT_BINS - 1 - r]
-            c, _ = scan(run, buf, tid)
+            r0, r1, c = ranks(local, buf, tid)
             for r in range(r0, r1):
                 c += local[DIGIT_BINS - 1 - r]
                 slice_counts[slot, DIGIT_BINS - 1 - r] = int32(c)

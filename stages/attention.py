@@ -428,7 +428,10 @@ class AttentionStage:
         cos, sin = self.tables[role.ratio > 0]
 
         mark = self._mark
-        self._project_in(w, x, pos, cos, sin, t, st.ring if t == 1 else None)
+        # a decode step's one window row goes to the ring with the kv chain; a longer chunk's rows
+        # after the attention has read the older ones
+        early_ring = t == 1
+        self._project_in(w, x, pos, cos, sin, t, st.ring if early_ring else None)
 
         # a ratio-0 layer has no compressed rows: any bf16 [*, D] array stands in (no entry names it)
         comp_rows, selection = self.kv, None
@@ -441,7 +444,7 @@ class AttentionStage:
         if capture is not None:
             self._capture_attention(st.ring, comp_rows, selection, w.sinks, cos, sin, t, capture)
         self._project_out(w, out, t)
-        if t > 1:  # one row went with the kv chain (_project_in)
+        if not early_ring:
             n_ring = min(t, cfg.window) * cfg.head_dim
             _ring_write_kernel[grid_1d(n_ring, COPY_THREADS), COPY_THREADS, s](self.kv, st.ring, pos, t,
                                                                                 cfg.head_dim)

@@ -38,7 +38,7 @@ from flashv41.stages.row_tables import u32_rows
 
 mma = linear_tc.kernel_mma
 
-FP4_BLOCK = 32  # values of a query or key fp4 block: one mma k32 (two k16 steps)
+FP4_BLOCK = 32  # the fp4 (E8M0) block of the index queries and keys: one mma k32 (two k16 steps)
 KEYS = 16  # keys a warp's tile (the mma's rows)
 HEADS = 8  # heads a fragment (the mma's columns)
 WARPS = 1 if SIM else 4  # warps a block

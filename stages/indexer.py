@@ -60,6 +60,7 @@ from flashv41.stages.device import (
     jit_for,
     mul_rn,
 )
+from flashv41.stages.index_scores_tc import FP4_BLOCK  # the fp4 (E8M0) block of the index queries and keys
 from flashv41.stages.linear import DeviceWeight, linear
 from flashv41.stages.norm_rope_quant import norm_rope_quant
 from flashv41.stages.row_tables import u16_rows
@@ -73,7 +74,6 @@ from flashv41.stages.topk import (
     split_select,
 )
 
-FP4_BLOCK = 32  # the fp4 (E8M0) block of the index queries and keys
 # Score tiles: SCORE_GROUPS groups per block, SCORE_HEAD_THREADS threads over the heads; a block
 # walks its row's tiles with a grid stride, so the grid need not follow the width. Block sizes keep
 # registers x threads well inside the 64 K registers of a block (ptxas for sm_90: the score kernel
@@ -273,7 +273,7 @@ def score_cores(heads: int, index_dim: int, cores: str = "") -> str:
         raise InputError(f"index_scores: cores {cores!r} is not one of 'tc', 'cuda'")
     if cores == "tc" and not index_scores_tc.supports(heads, index_dim):
         raise InputError(f"index_scores: the tensor-core kernel needs heads a multiple of {index_scores_tc.HEADS} "
-                         f"and index_dim of {index_scores_tc.FP4_BLOCK}, not {heads} x {index_dim}")
+                         f"and index_dim of {FP4_BLOCK}, not {heads} x {index_dim}")
     return cores or ("tc" if not SIM and index_scores_tc.supports(heads, index_dim) else "cuda")
 
 

@@ -87,7 +87,9 @@ from flashv41.stages.device import (
     load_words4,
     mul_rn,
     rotate_pair,
+    row_address,
     warp_sum,
+    words4_at,
 )
 from flashv41.stages.row_tables import u16_rows, u32_rows
 
@@ -205,18 +207,24 @@ if SIM:
         w = _source(ring, chunk, comp, src)[ix, 4 * unit:4 * unit + 4]
         return w[0], w[1], w[2], w[3]
 
-    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units, tail, cos, sin, pos):
+    def _lane_angles(rc, rs, cos, sin, pos, lane, lanes, per_lane, units, tail):
+        dims = (8 * np.arange(lane, units, lanes)[:, None] + np.arange(0, 8, 2)[None, :]).reshape(-1)
+        for i, d in enumerate(dims):
+            rc[i], rs[i] = _pair_angle(cos, sin, pos, d, tail)
+
+    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units, tail, rc, rs):
         v = _pairs(_lane_words(q32, ix, lane, lanes))
         dims = (8 * np.arange(lane, units, lanes)[:, None] + np.arange(8)[None, :]).reshape(-1)
         for i in range(0, v.size, 2):
-            v[i], v[i + 1] = _query_pair(v[i], v[i + 1], dims[i], tail, cos, sin, pos)
+            v[i], v[i + 1] = _rotated_pair(v[i], v[i + 1], dims[i], tail, rc[i // 2], rs[i // 2])
         qv[k] = v
 
     def _load_row(rw, i, ring, chunk, comp, src, ix, lane, lanes, per_lane, units):
         rw[i] = _lane_words(_source(ring, chunk, comp, src), ix, lane, lanes) if src >= 0 else 0
 
-    def _dot_words(qv, k, rw, i, per_lane):
-        return np.float32(np.dot(qv[k], _pairs(rw[i])))
+    def _dot_words(sums, n, qv, heads, rw, i, per_lane):
+        for k in range(heads):
+            sums[n + k] = np.float32(np.dot(qv[k], _pairs(rw[i])))
 
     def _load_units(words, c, ring, chunk, comp, src, ix, u0, step, per_thread, units):
         if src < 0:
@@ -252,39 +260,67 @@ else:
         return w0, w1, w2, w3
 
     @cuda.jit(device=True)
-    def _put_query_pair(qv, k, i, word, d, tail, cos, sin, pos):
-        """qv[k, i], qv[k, i + 1] = the query pair in `word` at dims d, d + 1 (_query_pair)."""
-        a, b = _pair(word)
-        qv[k, i], qv[k, i + 1] = _query_pair(a, b, d, tail, cos, sin, pos)
+    def _lane_angles(rc, rs, cos, sin, pos, lane, lanes, per_lane, units, tail):
+        """rc[4 u + m], rs[4 u + m] = the angle of the lane's pair m of unit lane + u * lanes
+        (_pair_angle), read once for every head the lane loads."""
+        for u in range(per_lane):
+            unit = lane + u * lanes
+            for m in range(4):
+                c, s = _pair_angle(cos, sin, pos, 8 * unit + 2 * m if unit < units else 0, tail)
+                rc[4 * u + m] = c
+                rs[4 * u + m] = s
 
     @cuda.jit(device=True)
-    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units, tail, cos, sin, pos):
+    def _put_query_pair(qv, k, i, word, d, tail, c, s):
+        """qv[k, i], qv[k, i + 1] = the query pair in `word` at dims d, d + 1 (_rotated_pair)."""
+        a, b = _pair(word)
+        qv[k, i], qv[k, i + 1] = _rotated_pair(a, b, d, tail, c, s)
+
+    @cuda.jit(device=True)
+    def _load_query(qv, k, q32, ix, lane, lanes, per_lane, units, tail, rc, rs):
         for u in range(per_lane):
             unit = lane + u * lanes
             w0, w1, w2, w3 = _unit(q32, q32, q32, 0, ix, unit, units)
             d = 8 * unit if unit < units else 0  # (a unit past the row is zeros, and no rope pair)
-            _put_query_pair(qv, k, 8 * u, w0, d, tail, cos, sin, pos)
-            _put_query_pair(qv, k, 8 * u + 2, w1, d + 2, tail, cos, sin, pos)
-            _put_query_pair(qv, k, 8 * u + 4, w2, d + 4, tail, cos, sin, pos)
-            _put_query_pair(qv, k, 8 * u + 6, w3, d + 6, tail, cos, sin, pos)
+            _put_query_pair(qv, k, 8 * u, w0, d, tail, rc[4 * u], rs[4 * u])
+            _put_query_pair(qv, k, 8 * u + 2, w1, d + 2, tail, rc[4 * u + 1], rs[4 * u + 1])
+            _put_query_pair(qv, k, 8 * u + 4, w2, d + 4, tail, rc[4 * u + 2], rs[4 * u + 2])
+            _put_query_pair(qv, k, 8 * u + 6, w3, d + 6, tail, rc[4 * u + 3], rs[4 * u + 3])
+
+    @cuda.jit(device=True)
+    def _row_start(ring, chunk, comp, src, ix):
+        """The row_address of the entry's row (source src, row ix; ring row 0 for a skipped one, not read):
+        one address an entry, each unit of it then one load at a 32-bit offset."""
+        if src == 1:
+            return row_address(chunk, ix)
+        if src == 2:
+            return row_address(comp, ix)
+        return row_address(ring, ix if src == 0 else 0)
 
     @cuda.jit(device=True)
     def _load_row(rw, i, ring, chunk, comp, src, ix, lane, lanes, per_lane, units):
+        start = _row_start(ring, chunk, comp, src, ix)
         for u in range(per_lane):
-            w0, w1, w2, w3 = _unit(ring, chunk, comp, src, ix, lane + u * lanes, units)
+            unit = lane + u * lanes
+            w0 = w1 = w2 = w3 = uint32(0)
+            if src >= 0 and unit < units:
+                w0, w1, w2, w3 = words4_at(start, uint32(16 * unit))
             rw[i, 4 * u] = w0
             rw[i, 4 * u + 1] = w1
             rw[i, 4 * u + 2] = w2
             rw[i, 4 * u + 3] = w3
 
     @cuda.jit(device=True)
-    def _dot_words(qv, k, rw, i, per_lane):
-        s = float32(0)
+    def _dot_words(sums, n, qv, heads, rw, i, per_lane):
+        """sums[n + k] = the lane's part of q_k . row i for its `heads` heads, each in dim order (a row
+        word unpacked once for every head)."""
+        for k in range(heads):
+            sums[n + k] = float32(0)
         for w in range(4 * per_lane):
             a, b = _pair(rw[i, w])
-            s += qv[k, 2 * w] * a
-            s += qv[k, 2 * w + 1] * b
-        return s
+            for k in range(heads):
+                sums[n + k] += qv[k, 2 * w] * a
+                sums[n + k] += qv[k, 2 * w + 1] * b
 
     @cuda.jit(device=True)
     def _halve(v, half, offset, lane):
@@ -357,15 +393,32 @@ def _add_later(acc, k, later, g, h, u0, step, per_thread):
 
 
 @device
-def _query_pair(a, b, d, tail, cos, sin, pos):
-    """The query pair (a, b) (bf16 values, fp32) at dims d, d + 1 (d even) as the scores use it:
-    where d is in the rope tail (d >= tail) rotated by the angle of position pos and rounded to
-    bf16, as norm_rope_quant.rope rotates wq_b's product (the bits of its launch)."""
+def _pair_angle(cos, sin, pos, d, tail):
+    """(cos, sin) of the angle of position pos for the pair at dims d, d + 1 (d even): the table's
+    where d is in the rope tail (d >= tail), else (1, 0), which _rotated_pair does not use."""
     if d >= tail:
         pair = (d - tail) // 2
-        u, v = rotate_pair(a, b, cos[pos, pair], sin[pos, pair])
+        return cos[pos, pair], sin[pos, pair]
+    return float32(1), float32(0)
+
+
+@device
+def _rotated_pair(a, b, d, tail, c, s):
+    """The query pair (a, b) (bf16 values, fp32) at dims d, d + 1 (d even) as the scores use it:
+    where d is in the rope tail (d >= tail) rotated by the angle (c, s) of its position
+    (_pair_angle) and rounded to bf16, as norm_rope_quant.rope rotates wq_b's product (the bits of
+    its launch)."""
+    if d >= tail:
+        u, v = rotate_pair(a, b, c, s)
         return bf16_to_f32(f32_to_bf16(u)), bf16_to_f32(f32_to_bf16(v))
     return a, b
+
+
+@device
+def _query_pair(a, b, d, tail, cos, sin, pos):
+    """_rotated_pair of (a, b) by the angle of position pos (cos, sin: the layer's table)."""
+    c, s = _pair_angle(cos, sin, pos, d, tail)
+    return _rotated_pair(a, b, d, tail, c, s)
 
 
 @device
@@ -441,23 +494,39 @@ def _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads,
 
 @device
 def entry_at(positions, selection, t, j, window, chunk_rows, n_entries, own_rows):
-    """Entry j of token t's list (module docstring; -1 from j = n_entries = W + K on): window
-    position wp = positions[t] - W + 1 + j for j < W (-1 before 0; ring slot wp % W before the
-    chunk's first position, chunk row W + (wp - that position) from it on), then selected group
-    s = selection[t, j - W] (W + chunk_rows + s; -1 stays -1). The chunk's first position is
-    positions[0], or with own_rows (a batch, token t its own sequence's only one, in chunk row t)
-    positions[t]: host.oracle.attention.build_entries, with chunk_capacity = chunk_rows."""
+    """Entry j of token t's list (module docstring; -1 from j = n_entries = W + K on): entry_from of
+    positions[t], the chunk's first position (positions[0], or with own_rows positions[t]) and
+    selection[t, j - W] (its column clamped into the array, read whatever j is)."""
+    pos = positions[t]
+    return entry_from(pos, pos if own_rows else positions[0], selection_at(selection, t, j, window), t, j, window,
+                      chunk_rows, n_entries, own_rows)
+
+
+@device
+def selection_at(selection, t, j, window):
+    """selection[t, j - W], the column clamped into the array (what entry_from reads for entry j only
+    where j - W is one of its columns): a read that needs no branch, so that a kernel can issue
+    those of several entries together."""
+    return selection[t, min(max(j - window, 0), selection.shape[1] - 1)]
+
+
+@device
+def entry_from(pos, start, s, t, j, window, chunk_rows, n_entries, own_rows):
+    """Entry j of token t's list, from its position pos, the chunk's first position `start` and s =
+    selection[t, j - W] (selection_at): window position wp = pos - W + 1 + j for j < W (-1 before
+    0; ring slot wp % W before `start`, chunk row W + (wp - start) from it on, with own_rows (a
+    batch, token t its own sequence's only one, in chunk row t) W + t + (wp - start)), then
+    selected group s (W + chunk_rows + s; -1 stays -1); -1 from j = n_entries on.
+    host.oracle.attention.build_entries, with chunk_capacity = chunk_rows."""
     if j >= n_entries:
         return int32(-1)
     if j < window:
-        wp = positions[t] - window + 1 + j
-        start = positions[t] if own_rows else positions[0]
+        wp = pos - window + 1 + j
         if wp < 0:
             return int32(-1)
         if wp >= start:
             return int32(window + (t if own_rows else 0) + (wp - start))
-        return int32(wp % window)
-    s = selection[t, j - window]
+        return int32(uint32(wp) % uint32(window))  # (wp >= 0: an unsigned 32-bit remainder, not Python's 64-bit one)
     return int32(-1) if s < 0 else int32(window + chunk_rows + s)
 
 
@@ -598,6 +667,7 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
     tail = head_dim - rope_dim  # the query's rope tail, rotated as it is loaded (_query_pair)
     per_lane = -(-units // lanes)  # units a lane holds
     q_dims = per_lane * 8  # (local array shapes must be compile-time constants)
+    q_pairs = per_lane * 4
     row_words = per_lane * 4
     threads = lanes * head_warps * entry_warps
     tile = per_warp * entry_warps
@@ -627,23 +697,29 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
         window = ring32.shape[0]
         chunk_rows = chunk32.shape[0]
         qv = cuda.local.array((heads, q_dims), float32)  # [heads, D / lanes]: the lane's query dims
+        rc = cuda.local.array(q_pairs, float32)  # [D / 2 / lanes]: the angles of its rope pairs (_lane_angles)
+        rs = cuda.local.array(q_pairs, float32)
+        sel = cuda.local.array(per_warp, int32)  # [entries]: their selection_at
         rw = cuda.local.array((per_warp, row_words), uint32)  # [entries, D / 2 / lanes]: its row words
         sums = cuda.local.array(n_sums, float32)  # [entries x heads (+ padding)]: the lane's partial dots
         pos = positions[t]
-        for k in range(heads):
-            _load_query(qv, k, q32, t * n_heads + h0 + k, lane, lanes, per_lane, units, tail, cos, sin, pos)
+        start = pos if tables else positions[0]
+        for i in range(per_warp):  # the entries' reads first, together
+            sel[i] = selection_at(selection, t, e0 + i, window)
         skipped = 0  # bit i: entry i skipped
-        for i in range(per_warp):  # every row load issued before the first is used
-            sr, ix = _resolve(entry_at(positions, selection, t, e0 + i, window, chunk_rows, n_entries, tables),
+        for i in range(per_warp):  # every row load issued before the first is used, and before q's rotation
+            sr, ix = _resolve(entry_from(pos, start, sel[i], t, e0 + i, window, chunk_rows, n_entries, tables),
                               window, chunk_rows)
             if sr < 0:
                 skipped |= 1 << i
             _load_row(rw, i, ring32, chunk32, comp32, sr, ix, lane, lanes, per_lane, units)
+        _lane_angles(rc, rs, cos, sin, pos, lane, lanes, per_lane, units, tail)
+        for k in range(heads):
+            _load_query(qv, k, q32, t * n_heads + h0 + k, lane, lanes, per_lane, units, tail, rc, rs)
         for n in range(n_sums):
             sums[n] = float32(0)
         for i in range(per_warp):
-            for k in range(heads):
-                sums[i * heads + k] = _dot_words(qv, k, rw, i, per_lane)
+            _dot_words(sums, i * heads, qv, heads, rw, i, per_lane)
         for r in range(n_out):
             n = r
             part = sums[r]
@@ -1224,8 +1300,8 @@ def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, s
     window + K entries (K = selection.shape[1], 0 without one), made in the kernels (entry_at)."""
     heads, head_dim = q.shape[1], q.shape[2]
     n_entries = window + (0 if selection is None else selection.shape[1])
-    # without a selection the kernels read none (entry_at stops at W): any int32 [T, *] array stands in
-    chosen = positions.reshape(positions.shape[0], 1) if selection is None else selection
+    # without a selection (or with an empty one) entry_at reads but never uses it: any int32 [T, >= 1] array stands in
+    chosen = positions.reshape(positions.shape[0], 1) if selection is None or selection.shape[1] == 0 else selection
     # without a table no dim is in the rope tail, and the kernels read none: the sinks stand in
     rope_dim = 0 if cos is None else 2 * cos.shape[1]
     if cos is None:

@@ -848,6 +848,7 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
     tiles = SPARSE_BLOCK // SCORE_TILE  # score tiles a block of entries
     head_threads = max(1, threads // block_heads)  # threads reading one head's tile maxima
     tile_reads = head_threads * block_heads  # (shared array shapes must be compile-time constants)
+    score_items = -(-SPARSE_BLOCK * block_heads // threads)  # the block's scores a thread reads
     sync = threads > 1
     # the value sums of entry groups 1 .. groups - 1, for group 0 to add
     later_shape = (max(1, entry_groups - 1), block_heads, head_dim)
@@ -875,15 +876,36 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
         window = ring32.shape[0]
         chunk_rows = chunk32.shape[0]
         _entry_sources(positions, selection, t, b0, n_entries, window, chunk_rows, tables, src, row, tid, threads)
+        u0 = tid % unit_threads
+        k0 = tid // unit_threads % head_groups * thread_heads  # this thread's first head in the block
+        group = tid // (unit_threads * head_groups)
+        first = group * run  # the group's entries: first .. last - 1
+        last = min((group + 1) * run, n_entries - b0)
+        words = cuda.local.array(batch_words, uint32)  # [batch, words]: rows loaded ahead
+        held = cuda.local.array(score_items, float32)  # the thread's scores of the block, read ahead
+        if sync:
+            cuda.syncthreads()
+        # the group's first batch of rows and the block's scores are read before the maxima, all
+        # three reads in flight together
+        if first < last:
+            for c in range(VALUE_BATCH):
+                _load_units(words, c, ring32, chunk32, comp32, src[first + c], row[first + c], u0, unit_threads,
+                            per_thread, units)
+        for n in range(score_items):
+            i = tid + n * threads
+            j = i // block_heads
+            held[n] = scores[t, hb + i % block_heads, b0 + j] if i < SPARSE_BLOCK * block_heads and b0 + j < n_entries \
+                else NEG_INF
         _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads, tiles, tile_max.shape[2],
                       tile_prev, tile_new, prev_max, new_max, sync)
-        for i in range(tid, SPARSE_BLOCK * block_heads, threads):
-            j = i // block_heads
-            k = i % block_heads
-            s = scores[t, hb + k, b0 + j] if b0 + j < n_entries else NEG_INF
-            p = exp_f32(s - new_max[k])
-            ps[j, k] = p
-            pr[j, k] = bf16_round(p)
+        for n in range(score_items):
+            i = tid + n * threads
+            if i < SPARSE_BLOCK * block_heads:
+                j = i // block_heads
+                k = i % block_heads
+                p = exp_f32(held[n] - new_max[k])
+                ps[j, k] = p
+                pr[j, k] = bf16_round(p)
         if sync:
             cuda.syncthreads()
         for k in range(tid, block_heads, threads):
@@ -893,21 +915,18 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
             block_sum[t, b, hb + k] = float32(block)
             block_max[t, b, hb + k] = new_max[k]
             rescale[t, b, hb + k] = exp_f32(prev_max[k] - new_max[k])
-        u0 = tid % unit_threads
-        k0 = tid // unit_threads % head_groups * thread_heads  # this thread's first head in the block
-        group = tid // (unit_threads * head_groups)
         acc = cuda.local.array((thread_heads, dims), float32)  # [heads, dims]: the group's value sums
-        words = cuda.local.array(batch_words, uint32)  # [batch, words]: rows loaded ahead
         vals = cuda.local.array(dims, float32)  # [dims]: one row's, fp32
         for k in range(thread_heads):
             for i in range(dims):
                 acc[k, i] = float32(0)
         # a skipped entry (or one past E) reads as zeros with p = 0, adding +0 to sums that are never
         # -0 (they start at +0), so they come out as if it were left out, as the first path does
-        for j0 in range(group * run, min((group + 1) * run, n_entries - b0), VALUE_BATCH):
-            for c in range(VALUE_BATCH):
-                _load_units(words, c, ring32, chunk32, comp32, src[j0 + c], row[j0 + c], u0, unit_threads,
-                            per_thread, units)
+        for j0 in range(first, last, VALUE_BATCH):
+            if j0 > first:  # (the first batch was read ahead)
+                for c in range(VALUE_BATCH):
+                    _load_units(words, c, ring32, chunk32, comp32, src[j0 + c], row[j0 + c], u0, unit_threads,
+                                per_thread, units)
             for c in range(VALUE_BATCH):
                 _decode(vals, words, c, per_thread)
                 for k in range(thread_heads):

@@ -15,13 +15,13 @@ bf16 = uint16 bits):
   for a batch of sequences, token t its sequence's only one (its window row in chunk row t), reading
   its own ring and compressed rows through address tables (stages.row_tables); the split path for up
   to SPLIT_BATCH_TOKENS tokens.
-Each query's list is the canonical one (`entry_at`, written once, called where a kernel needs an
-entry: no entries array): the W window positions p - W + 1 .. p oldest first (-1 before 0; ring
+Each query's list is the canonical one (`entry_from`, written once, called where a kernel needs an
+entry through `entry_at`, or on reads it issued ahead: no entries array): the W window positions p - W + 1 .. p oldest first (-1 before 0; ring
 slots for positions before the chunk, chunk rows from the chunk's first position on), then the K
 selected compressed positions as given, encoded e < 0 skipped, e < W -> ring[e], e < W + Cn ->
 chunk_rows[e - W], else comp_rows[e - W - Cn].
-The RoPE: the score kernels rotate the rope tail of each query as they load it (_query_pair: bf16
-in, fp32 rotation, bf16), the kernels that write out rotate the bf16 output back (_output_pair),
+The RoPE: the score kernels rotate the rope tail of each query as they load it (_rotated_pair by
+_pair_angle's angle: bf16 in, fp32 rotation, bf16), the kernels that write out rotate the bf16 output back (_output_pair),
 each in stages.norm_rope_quant.rope's roundings, so the result has the bits of the launches it
 replaces (rope(q), the former entries kernel, the attention, rope(o, inverse)); the entries are the
 same integers, made in registers instead of read from memory.

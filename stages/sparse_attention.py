@@ -16,15 +16,15 @@ bf16 = uint16 bits):
   its own ring and compressed rows through address tables (stages.row_tables); the split path for up
   to SPLIT_BATCH_TOKENS tokens.
 Each query's list is the canonical one (`entry_from`, written once, called where a kernel needs an
-entry through `entry_at`, or on reads it issued ahead: no entries array): the W window positions p - W + 1 .. p oldest first (-1 before 0; ring
-slots for positions before the chunk, chunk rows from the chunk's first position on), then the K
-selected compressed positions as given, encoded e < 0 skipped, e < W -> ring[e], e < W + Cn ->
-chunk_rows[e - W], else comp_rows[e - W - Cn].
+entry through `entry_at`, or on reads it issued ahead: no entries array): the W window positions
+p - W + 1 .. p oldest first (-1 before 0; ring slots for positions before the chunk, chunk rows
+from the chunk's first position on), then the K selected compressed positions as given, encoded
+e < 0 skipped, e < W -> ring[e], e < W + Cn -> chunk_rows[e - W], else comp_rows[e - W - Cn].
 The RoPE: the score kernels rotate the rope tail of each query as they load it (_rotated_pair by
-_pair_angle's angle: bf16 in, fp32 rotation, bf16), the kernels that write out rotate the bf16 output back (_output_pair),
-each in stages.norm_rope_quant.rope's roundings, so the result has the bits of the launches it
-replaces (rope(q), the former entries kernel, the attention, rope(o, inverse)); the entries are the
-same integers, made in registers instead of read from memory.
+_pair_angle's angle: bf16 in, fp32 rotation, bf16), the kernels that write out rotate the bf16
+output back (_output_pair), each in stages.norm_rope_quant.rope's roundings, so the result has the
+bits of the launches it replaces (rope(q), the former entries kernel, the attention, rope(o,
+inverse)); the entries are the same integers, made in registers instead of read from memory.
 Oracle: host.oracle.attention.attend(q, ring, chunk_rows, comp_rows, positions, selection, sinks,
 scale, cos, sin) = rope_tail(its sparse_attention of rope_tail(q) over build_entries(positions,
 selection, W, Cn), inverse=True): the wrappers take those arguments in that order (the tables one

@@ -143,7 +143,9 @@ class LayerPlan:
     layer: int
     pre_mix: Any  # [T, hc] fp32 (device): the attention sublayer's mix, written by the layer before
     rows: Rows | None  # where the layer's engram row ids are in the call's hash; None without engram
-    engram: tuple[Step, ...]  # rows -> projection -> gate, in place on the highway (empty without engram)
+    # the gate, in place on the highway (its rows and projection ran earlier: the first engram
+    # layer's in the head, each later one's here, after the gate of the engram layer before it)
+    engram: tuple[Step, ...]
     attn: tuple[Step, ...]  # mixes with hc_pre + attn_norm, attention, hc_post (and the FFN mixes' product)
     ffn: tuple[Step, ...]  # the FFN sublayer as a zero output: its mixes (the next layer's pre), hc_post
 
@@ -157,7 +159,7 @@ class Plan:
     """Every step of a call, in order, built once per engine."""
 
     upload: tuple[Step, ...]  # host part: what the device part reads that changes from call to call
-    head: tuple[Step, ...]  # device part before the first layer (the embedding)
+    head: tuple[Step, ...]  # device part before the first layer (the embedding, the first engram prepare)
     layers: tuple[LayerPlan, ...]
     download: tuple[Step, ...]  # the highway's rows back to the host
     highway: Any  # h [T, hc, C] fp32 (device): the buffer every layer updates in place

@@ -10,9 +10,11 @@ start .. start+T-1 (C dim, H x D heads, Q q_lora, W window, K index_topk; bf16 =
     q = qr @ wq_b^T                              [T, H, D]  (RoPE'd where the attention reads it)
     kv sources: compressor -> latents of the completed groups -> index keys and compressed rows
         published into the sequence's caches                 stages.kv_sources
-    index sources: scores against the last kv source's index keys, candidate blocks (candidate
-        source) or their mask (later index sources), top-k -> the shared selection [T, K]
-                                                              stages.indexer
+    index sources: queries from qr, scores against the last kv source's index keys, candidate
+        blocks (candidate source) or their mask (later index sources), top-k -> the shared
+        selection [T, K]                                      stages.indexer
+    (in a captured graph the kv source's work runs on a branch beside the projections from the
+    start, the indexer's on another beside wq_b, its scores after the kv branch: stages.branches)
     o = sparse attention with the sink over each query's entries: W window positions oldest first
         (ring slots before the chunk, chunk rows after), then the selection (ratio > 0 layers),
         made in the attention's kernels, which also rotate q as they load it and rotate the output
@@ -60,6 +62,7 @@ from flashv41.host.errors import CapacityError, InputError, ModelFormatError, Se
 from flashv41.host.model import Model
 from flashv41.host.numerics import from_bits, rope_tables
 from flashv41.stages import indexer, kv_sources
+from flashv41.stages.branches import Branch
 from flashv41.stages.device import SIM, DeviceArray, check_array, fill, grid_1d
 from flashv41.stages.indexer import IndexerWeights
 from flashv41.stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
@@ -222,6 +225,8 @@ class AttentionStage:
         self.max_seq = max_seq
         self.stream = stream  # every launch and copy goes here (a numba or cuda.core stream, a graph builder)
         self.capturing = False  # set while a graph is captured: grids are then sized for the caches
+        # while capturing, a kv source's compressor and an index source's indexer run on branches
+        self._kv_branch, self._index_branch = Branch(), Branch()
         # profiling: called with a part's name after its launches are queued (None: not profiling)
         self.trace: Callable[[str], None] | None = None
         self.eps = np.float32(cfg.norm_eps)
@@ -427,20 +432,30 @@ class AttentionStage:
         pos = self.positions
         cos, sin = self.tables[role.ratio > 0]
 
-        mark = self._mark
         # a decode step's one window row goes to the ring with the kv chain; a longer chunk's rows
         # after the attention has read the older ones
         early_ring = t == 1
+        # a kv source's compressor reads only x: its branch runs beside the projections
+        if w.source is not None:
+            self._kv_source(w, st, shared, x, start, t, cos, sin, capture, self._kv_branch.fork(s, self.capturing))
         self._project_in(w, x, pos, cos, sin, t, st.ring if early_ring else None)
-
+        # an index source's queries read qr (and x): its indexer runs beside wq_b, its scores after
+        # the kv branch has published this step's index keys
+        if w.indexer is not None:
+            self._index(w, shared, x, t, (start + t) // role.ratio, cos, sin, capture,
+                        self._index_branch.fork(s, self.capturing))
+        self._project_q(w, t)
+        self._join_branches()
         # a ratio-0 layer has no compressed rows: any bf16 [*, D] array stands in (no entry names it)
         comp_rows, selection = self.kv, None
         if role.ratio > 0:
-            selection = self._sources(layer, w, st, shared, x, start, t, cos, sin, capture)
-            comp_rows = shared.compressed
+            comp_rows, selection = shared.compressed, shared.selection
+            assert selection is not None
+            if capture is not None:
+                self._capture_selection(shared, t, capture)
         sparse_attention(self.q, st.ring, self.kv, comp_rows, pos, selection, w.sinks, self.scale, cos, sin, self.o, t,
                          stream=s, workspace=self.sparse_ws)
-        mark("sparse_attention")
+        self._mark("sparse_attention")
         if capture is not None:
             self._capture_attention(st.ring, comp_rows, selection, w.sinks, cos, sin, t, capture)
         self._project_out(w, out, t)
@@ -448,7 +463,7 @@ class AttentionStage:
             n_ring = min(t, cfg.window) * cfg.head_dim
             _ring_write_kernel[grid_1d(n_ring, COPY_THREADS), COPY_THREADS, s](self.kv, st.ring, pos, t,
                                                                                 cfg.head_dim)
-            mark("ring_write")
+            self._mark("ring_write")
         if capture is not None:
             capture.update(attn_x=self._host(x, t), qr=self._host(self.qr, t), kv=self._host(self.kv, t),
                            attn_out=self._host(out, t))
@@ -469,7 +484,7 @@ class AttentionStage:
 
     def _project_in(self, w: LayerWeights, x: DeviceArray, pos: DeviceArray, cos: DeviceArray, sin: DeviceArray,
                     t: int, ring: DeviceArray | None, ring_table: bool = False) -> None:
-        """q [T, H, D] and the window rows kv [T, D] of x's T rows at positions pos; with a ring
+        """qr [T, Q] and the window rows kv [T, D] of x's T rows at positions pos; with a ring
         (bf16 [W, D], or an address table of each row's own: ring_table), each row also to its slot
         positions[r] % W there (a decode step's: no entry of this step names that slot)."""
         s, mark = self.stream, self._mark
@@ -480,11 +495,16 @@ class AttentionStage:
                                    ring=ring, ring_table=ring_table), t,
                              stream=s)
         mark("q_norm + kv_norm_rope_quant")
-        if w.indexer is not None:  # the indexer's queries read qr too: its wq_b in the same launch
-            linear_pair(self.qr, w.wq_b, self.q_rows, w.indexer.wq_b, self.iq, t, stream=s)
-        else:
-            linear(self.qr, w.wq_b, self.q_rows, t, stream=s)
-        mark("wq_b")
+
+    def _project_q(self, w: LayerWeights, t: int) -> None:
+        """q [T, H, D] = qr @ wq_b^T (the attention's kernels rotate it as they read it)."""
+        linear(self.qr, w.wq_b, self.q_rows, t, stream=self.stream)
+        self._mark("wq_b")
+
+    def _join_branches(self) -> None:
+        """The stage's stream waits for the kv-source and indexer branches (stages.branches)."""
+        self._kv_branch.join(self.stream)
+        self._index_branch.join(self.stream)
 
     def _project_out(self, w: LayerWeights, out: DeviceArray, t: int) -> None:
         """out[:T] from the attention output o [T, H, D] (its inverse RoPE done): the grouped wo_a, wo_b."""
@@ -515,10 +535,15 @@ class AttentionStage:
         pos = self.positions
         cos, sin = self.tables[role.ratio > 0]
         rows = self.row_tables[layer]
+        if w.source is not None:  # branches as in forward
+            self._kv_source_batch(layer, w, states, shareds, x, t, cos, sin, self._kv_branch.fork(s, self.capturing))
         self._project_in(w, x, pos, cos, sin, t, rows[RING], ring_table=True)
+        if w.indexer is not None:
+            self._index_batch(layer, w, shareds, x, starts, t, cos, sin, self._index_branch.fork(s, self.capturing))
+        self._project_q(w, t)
+        self._join_branches()
         selection = None
         if role.ratio > 0:
-            self._sources_batch(layer, w, states, shareds, x, starts, t, cos, sin)
             assert self.selection is not None  # allocated for ratio > 0 layers
             selection = self.selection
         # a ratio-0 layer names no compressed row: its ring table stands in for the caches'
@@ -528,34 +553,38 @@ class AttentionStage:
         self._mark("sparse_attention")
         self._project_out(w, out, t)
 
-    def _sources_batch(self, layer: int, w: LayerWeights, states: list[AttentionState], shareds: list[SharedRuntime],
-                       x: DeviceArray, starts: list[int], t: int, cos: DeviceArray, sin: DeviceArray) -> None:
-        """forward_batch's kv-source and index-source work, one launch a stage for the B rows (the
-        selection in the workspace's first B rows, for the layers after it). Each sequence's
-        `shared` is told what its later layers read, for their checks."""
-        cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
+    def _kv_source_batch(self, layer: int, w: LayerWeights, states: list[AttentionState],
+                         shareds: list[SharedRuntime], x: DeviceArray, t: int, cos: DeviceArray, sin: DeviceArray,
+                         s) -> None:
+        """forward_batch's kv-source work on stream s, one launch a stage for the B rows; each
+        sequence's `shared` is told which caches its later layers read, for their checks."""
+        cfg, role, pos = self.cfg, w.role, self.positions
         rows = self.row_tables[layer]
-        if w.source is not None:
-            assert self.source_ws is not None
-            ws = self.source_ws
-            kv_sources.compress_products(role, w.source, x, ws, t, s)
-            latents, group_pos = kv_sources.compress_groups_batch(cfg, role, w.source, rows[KV_STATE],
-                                                                  rows[SCORE_STATE], ws, pos, t, s)
-            self._mark("compress")
-            kv_sources.publish_batch(cfg, role, w.source, rows[INDEX_KEYS], rows[COMPRESSED], latents, group_pos, cos,
-                                     sin, ws, pos, t, s)
-            self._mark("publish")
-            for state, shared in zip(states, shareds, strict=True):
-                source = state.layers[layer].source
-                assert source is not None
-                shared.compressed, shared.index_keys = source.compressed, source.index_keys
-        if w.indexer is None:
-            return
-        assert self.selection is not None and self.candidates is not None and self.score is not None
-        assert self.iq is not None and self.hw is not None  # allocated for a model with index sources
-        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s,
-                              projected=True)
+        assert w.source is not None and self.source_ws is not None
+        ws = self.source_ws
+        kv_sources.compress_products(role, w.source, x, ws, t, s)
+        latents, group_pos = kv_sources.compress_groups_batch(cfg, role, w.source, rows[KV_STATE],
+                                                              rows[SCORE_STATE], ws, pos, t, s)
+        self._mark("compress")
+        kv_sources.publish_batch(cfg, role, w.source, rows[INDEX_KEYS], rows[COMPRESSED], latents, group_pos, cos,
+                                 sin, ws, pos, t, s)
+        self._mark("publish")
+        for state, shared in zip(states, shareds, strict=True):
+            source = state.layers[layer].source
+            assert source is not None
+            shared.compressed, shared.index_keys = source.compressed, source.index_keys
+
+    def _index_batch(self, layer: int, w: LayerWeights, shareds: list[SharedRuntime], x: DeviceArray,
+                     starts: list[int], t: int, cos: DeviceArray, sin: DeviceArray, s) -> None:
+        """forward_batch's indexer on stream s, one launch a stage for the B rows (the selection in
+        the workspace's first B rows, for the layers after it); its scores wait for the kv branch."""
+        cfg, role, pos = self.cfg, w.role, self.positions
+        rows = self.row_tables[layer]
+        assert w.indexer is not None and self.selection is not None and self.candidates is not None
+        assert self.score is not None and self.iq is not None and self.hw is not None
+        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
         self._mark("index_queries")
+        self._index_branch.wait_for(self._kv_branch)
         width = self.max_seq // role.ratio if self.capturing else max(start + 1 for start in starts) // role.ratio
         indexer.index_scores_tables(self.iq, self.hw, rows[INDEX_KEYS], self.index_scale, self.score, t, pos,
                                     role.ratio, width, cfg.index_head_dim, stream=s)
@@ -586,40 +615,29 @@ class AttentionStage:
                 raise CapacityError(f"batch sequence {b}: position {start} is outside 0..{self.max_seq - 1}")
             self._check_shared(layer, role, shared, start, 1)
 
-    def _sources(self, layer: int, w: LayerWeights, st: LayerState, shared: SharedRuntime, x: DeviceArray,
-                 start: int, t: int, cos: DeviceArray, sin: DeviceArray, capture: dict | None) -> DeviceArray:
-        """A ratio > 0 layer's kv-source and index-source work; returns the selection to attend."""
-        cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
-        if w.source is not None:
-            assert st.source is not None and self.source_ws is not None
-            ws = self.source_ws
-            latents, groups = kv_sources.compress(cfg, role, w.source, st.source, x, start, ws, pos, t, s)
-            self._mark("compress")
-            if capture is not None:  # before publish turns the latents into cache rows
-                capture["latents"] = self._host(latents, groups.count)
-                capture["groups"] = np.arange(groups.first, groups.first + groups.count, dtype=np.int64)
-            kv_sources.publish(cfg, role, w.source, st.source, latents, groups, cos, sin, ws, pos, s)
-            self._mark("publish")
-            shared.compressed, shared.index_keys = st.source.compressed, st.source.index_keys
-        elif capture is not None:
-            capture["latents"] = np.zeros((0, cfg.head_dim), np.float32)
-            capture["groups"] = np.zeros(0, np.int64)
-        width = (start + t) // role.ratio
-        if w.indexer is not None:
-            self._index(w, shared, x, t, width, cos, sin, capture)
-        assert shared.selection is not None
-        if capture is not None:
-            capture["selection"] = self._download(shared.selection, t).astype(np.int64)
-            if shared.candidates is not None:
-                blocks = self._download(shared.candidates, t).astype(bool)
-                capture["candidates"] = np.repeat(blocks, cfg.candidate_block_size, axis=1)[:, :shared.candidate_width]
-        return shared.selection
+    def _kv_source(self, w: LayerWeights, st: LayerState, shared: SharedRuntime, x: DeviceArray, start: int,
+                   t: int, cos: DeviceArray, sin: DeviceArray, capture: dict | None, s) -> None:
+        """A kv source's compressor and publish on stream s (the kv branch): this step's compressed
+        rows and index keys into the sequence's caches, which `shared` then names for the layers
+        after it."""
+        cfg, role, pos = self.cfg, w.role, self.positions
+        assert w.source is not None and st.source is not None and self.source_ws is not None
+        ws = self.source_ws
+        latents, groups = kv_sources.compress(cfg, role, w.source, st.source, x, start, ws, pos, t, s)
+        self._mark("compress")
+        if capture is not None:  # before publish turns the latents into cache rows
+            capture["latents"] = self._host(latents, groups.count)
+            capture["groups"] = np.arange(groups.first, groups.first + groups.count, dtype=np.int64)
+        kv_sources.publish(cfg, role, w.source, st.source, latents, groups, cos, sin, ws, pos, s)
+        self._mark("publish")
+        shared.compressed, shared.index_keys = st.source.compressed, st.source.index_keys
 
     def _index(self, w: LayerWeights, shared: SharedRuntime, x: DeviceArray, t: int, width: int,
-               cos: DeviceArray, sin: DeviceArray, capture: dict | None) -> None:
-        """The indexer of an index source: publishes its selection (and, on the candidate source,
-        the candidate mask) into `shared`."""
-        cfg, s, role, pos = self.cfg, self.stream, w.role, self.positions
+               cos: DeviceArray, sin: DeviceArray, capture: dict | None, s) -> None:
+        """The indexer of an index source on stream s (the index branch): publishes its selection
+        (and, on the candidate source, the candidate mask) into `shared`. Its scores wait for the
+        kv branch, whose index keys they read."""
+        cfg, role, pos = self.cfg, w.role, self.positions
         assert w.indexer is not None and self.selection is not None and self.candidates is not None
         shared.selection = self.selection
         if width == 0:
@@ -628,9 +646,9 @@ class AttentionStage:
             self._mark("select")
             return
         assert shared.index_keys is not None
-        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s,
-                              projected=True)
+        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
         self._mark("index_queries")
+        self._index_branch.wait_for(self._kv_branch)
         grid_width = shared.index_keys.shape[0] if self.capturing else width  # the graph serves later widths
         indexer.index_scores(self.iq, self.hw, shared.index_keys, self.index_scale, self.score, t, pos, role.ratio,
                              grid_width, stream=s)
@@ -643,6 +661,18 @@ class AttentionStage:
         if capture is not None:
             capture["index_score"] = from_bits(self._download(self.score, t)[:, :width])
 
+    def _capture_selection(self, shared: SharedRuntime, t: int, capture: dict) -> None:
+        """capture's selection and candidate mask of a ratio > 0 layer (and empty latents where
+        the layer is no kv source)."""
+        cfg = self.cfg
+        capture.setdefault("latents", np.zeros((0, cfg.head_dim), np.float32))
+        capture.setdefault("groups", np.zeros(0, np.int64))
+        assert shared.selection is not None
+        capture["selection"] = self._download(shared.selection, t).astype(np.int64)
+        if shared.candidates is not None:
+            blocks = self._download(shared.candidates, t).astype(bool)
+            capture["candidates"] = np.repeat(blocks, cfg.candidate_block_size, axis=1)[:, :shared.candidate_width]
+
     def _mark(self, part: str) -> None:
         if self.trace is not None:
             self.trace(part)
@@ -652,13 +682,12 @@ class AttentionStage:
         stream none)."""
         w = self.layers[layer]
         parts: dict[str, list[DeviceWeight]] = {
-            "wq_a + wkv": [w.wq_a, w.wkv], "wq_b": [w.wq_b] + ([w.indexer.wq_b] if w.indexer is not None else []),
-            "wo_a": [w.wo_a], "wo_b": [w.wo_b]}
+            "wq_a + wkv": [w.wq_a, w.wkv], "wq_b": [w.wq_b], "wo_a": [w.wo_a], "wo_b": [w.wo_b]}
         if w.source is not None:
             parts["compress"] = [w.source.comp_kv] + ([w.source.comp_gate] if w.source.comp_gate is not None else [])
             parts["publish"] = [w.source.wk]
         if w.indexer is not None:
-            parts["index_queries"] = [w.indexer.proj]
+            parts["index_queries"] = [w.indexer.wq_b, w.indexer.proj]
         return parts
 
     def _download(self, a: DeviceArray, rows: int) -> np.ndarray:

@@ -13,7 +13,11 @@ float32 [hc, C], the table or a reader of it) and allocates every workspace once
 `max_tokens` tokens; `apply` allocates nothing on the device. A call is two parts: `upload_rows`
 (the host's part: row ids, or rows of a host table, into the layer's device buffers) and `run`
 (device work only, which a captured graph can replay); each layer has its own row workspace, so
-every layer's upload can precede all the device work.
+every layer's upload can precede all the device work. `run` is `prepare` (rows and projection,
+which read only the uploaded ids) then `finish` (the gate, on h): the engine issues a layer's
+`prepare` early, and while a graph is captured it runs on a branch (stages.branches) beside the
+layers before the engram layer, joined before its gate. The layers share the rows and kv
+workspaces, so a layer's `prepare` must come after the previous engram layer's `finish`.
 
 Oracle: host.oracle.engram.engram_layer (and engram_rows / engram_project / engram_gate per step).
 """
@@ -29,6 +33,7 @@ from flashv41.host import gguf_layout as L
 from flashv41.host.errors import CapacityError, InputError, ModelFormatError, UnsupportedError
 from flashv41.host.model import Model
 from flashv41.host.numerics import F32, from_bits
+from flashv41.stages.branches import Branch
 from flashv41.stages.device import DeviceArray
 from flashv41.stages.engram_gate import check_hc, engram_gate
 from flashv41.stages.engram_rows import RESIDENCIES, RowWorkspace, TableRows, is_device_array
@@ -70,6 +75,8 @@ class EngramStage:
         self.max_tokens = int(max_tokens)
         self.table_residency = table_residency
         self.stream = stream
+        self.capturing = False  # set while a graph is captured: prepare then runs on a branch
+        self._branch = Branch()
         self.hc, self.dim, self.cols, self.head_dim = cfg.hc, cfg.dim, e.cols, e.head_dim
         self.eps = cfg.norm_eps
         self.layers: dict[int, EngramLayerWeights] = {}
@@ -149,15 +156,18 @@ class EngramStage:
         w = self._weights(layer)
         w.table.upload(row_ids, self._check_tokens(n_tokens), w.workspace, self.stream)
 
-    def dequantize_rows(self, layer: int, n_tokens: int) -> None:
-        """rows[:T] from what upload_rows put on the device (the device part of step 2)."""
+    def dequantize_rows(self, layer: int, n_tokens: int, stream=None) -> None:
+        """rows[:T] from what upload_rows put on the device (the device part of step 2); on the
+        stage's stream unless one is given."""
         w = self._weights(layer)
-        w.table.dequantize(self._check_tokens(n_tokens), w.workspace, self.rows, self.stream)
+        w.table.dequantize(self._check_tokens(n_tokens), w.workspace, self.rows,
+                           self.stream if stream is None else stream)
 
-    def project(self, layer: int, n_tokens: int) -> None:
-        """kv[:T] = rows[:T] @ wkv^T, bf16 (step 3)."""
+    def project(self, layer: int, n_tokens: int, stream=None) -> None:
+        """kv[:T] = rows[:T] @ wkv^T, bf16 (step 3); on the stage's stream unless one is given."""
         w = self._weights(layer)
-        linear(self.rows, w.wkv, self.kv, self._check_tokens(n_tokens), stream=self.stream)
+        linear(self.rows, w.wkv, self.kv, self._check_tokens(n_tokens),
+               stream=self.stream if stream is None else stream)
 
     def gate(self, layer: int, h_dev, n_tokens: int, token_mask_dev=None) -> None:
         """h[:T] += g * value in place, from kv[:T]; g into gates[:T] (step 4)."""
@@ -185,10 +195,24 @@ class EngramStage:
 
     def run(self, layer: int, h_dev, n_tokens: int, token_mask_dev=None, capture: dict | None = None) -> None:
         """The device part of `apply` (rows, projection, gate) from the layer's uploaded rows."""
+        self._checked_mask(h_dev, self._check_tokens(n_tokens), token_mask_dev)  # before any work
+        self.prepare(layer, n_tokens)
+        self.finish(layer, h_dev, n_tokens, token_mask_dev, capture)
+
+    def prepare(self, layer: int, n_tokens: int) -> None:
+        """Steps 2 and 3 of `layer` from its uploaded rows: rows[:T], then kv[:T]; while a graph
+        is captured on the stage's branch, which `finish` joins."""
+        t = self._check_tokens(n_tokens)
+        self._weights(layer)
+        stream = self._branch.fork(self.stream, self.capturing)
+        self.dequantize_rows(layer, t, stream)
+        self.project(layer, t, stream)
+
+    def finish(self, layer: int, h_dev, n_tokens: int, token_mask_dev=None, capture: dict | None = None) -> None:
+        """Step 4 of `layer` after its `prepare`: the gate, in place on h_dev."""
         t = self._check_tokens(n_tokens)
         self._checked_mask(h_dev, t, token_mask_dev)
-        self.dequantize_rows(layer, t)
-        self.project(layer, t)
+        self._branch.join(self.stream)
         self.gate(layer, h_dev, t, token_mask_dev)
         if capture is not None:
             capture.update(engram_rows=from_bits(self._to_host(self.rows, t)),

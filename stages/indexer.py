@@ -192,14 +192,10 @@ class IndexerWeights:
 
 
 def index_queries(w: IndexerWeights, x: DeviceArray, qr: DeviceArray, cos: DeviceArray, sin: DeviceArray,
-                  positions: DeviceArray, iq: DeviceArray, hw: DeviceArray, n_tokens: int, stream=0,
-                  projected: bool = False) -> None:
-    """iq[:T] = fp4_32(RoPE(qr @ wq_b^T)) per head; hw[:T] = x @ proj^T (bf16, unscaled).
-    projected: iq[:T] already holds qr @ wq_b^T (the attention step launches it with its own wq_b,
-    which reads the same qr: stages.linear.linear_pair)."""
+                  positions: DeviceArray, iq: DeviceArray, hw: DeviceArray, n_tokens: int, stream=0) -> None:
+    """iq[:T] = fp4_32(RoPE(qr @ wq_b^T)) per head; hw[:T] = x @ proj^T (bf16, unscaled)."""
     heads = w.proj.n
-    if not projected:
-        linear(qr, w.wq_b, iq, n_tokens, stream=stream)
+    linear(qr, w.wq_b, iq, n_tokens, stream=stream)
     norm_rope_quant(iq, None, None, cos, sin, positions, False, "fp4_e8m0_32", n_tokens, heads, stream=stream)
     linear(x, w.proj, hw, n_tokens, stream=stream)
 

@@ -86,14 +86,20 @@ def test_bitwise_deterministic(synth_model):
 
 FLASH3 = dict(vocab=2048, compress_ratios=(0, 2, 2), kv_sources=(1,), index_sources=(1,), candidate_source=99,
               engram_layers=(0, 1), engram_rows=120_000, context_length=4096)
+# every branch a captured step forks (stages.branches): kv + index sources of both ratios, the
+# candidate source, an index source without a kv source after it, and an engram layer whose
+# rows and projection run beside three layers
+FLASH4 = dict(vocab=2048, compress_ratios=(0, 2, 1, 1), kv_sources=(1, 2), index_sources=(1, 2, 3),
+              candidate_source=2, engram_layers=(0, 3), engram_rows=120_000, context_length=4096)
 
 
-@pytest.mark.parametrize("preset", ["small", "flash3"])
+@pytest.mark.parametrize("preset", ["small", "flash3", "flash4"])
 def test_graph_decode_is_eager_decode(synth_model, preset):
     """Decode replayed from CUDA graphs gives the eager launches' results bit for bit, over steps of
     every graph key (a first step with nothing to score, group completions or not, masked tokens
     or not), and once every key has its graph a step allocates no device memory (docs/performance.md M1)."""
-    path = synth_model("small") if preset == "small" else synth_model("flash", **FLASH3)
+    path = synth_model("small") if preset == "small" else synth_model("flash", **(FLASH3 if preset == "flash3"
+                                                                                    else FLASH4))
     model = flashv41.load_model(path)
     steps = 48
     ids = np.random.default_rng(5).integers(0, model.config.vocab_size, steps)

@@ -33,7 +33,7 @@ from numba import cuda, float32, int32
 
 from flashv41.host.errors import UnsupportedError
 from flashv41.host.quants import GGMLType
-from flashv41.stages.device import CHUNK, SIM, WARP, bf16_round, bf16_to_f32, f32_to_bf16, warp_sum
+from flashv41.stages.device import CHUNK, SIM, WARP, bf16_round, bf16_to_f32, device, f32_to_bf16, warp_sum
 from flashv41.stages.linear import GEMV_MAX_TOKENS, DeviceWeight, stream_partials
 
 MAX_HC = 4
@@ -51,7 +51,7 @@ MIX_SLICE_CHUNKS = 8  # chunks of the flattened highway per partial sum (a slice
 MIXES_THREADS = 1 if SIM else 256  # the FFN mixes' block: the simulator pays dearly for barriers
 
 
-@cuda.jit(device=True)
+@device
 def _block_sum(v, scratch):
     """Sum of v over the block's threads (a power of two), returned to every thread."""
     tid = cuda.threadIdx.x
@@ -69,29 +69,29 @@ def _block_sum(v, scratch):
 
 
 if SIM:
-    @cuda.jit(device=True)
+    @device
     def _sync():
         """The mixes kernels' barrier: the simulator runs some in one-thread blocks, where a barrier
         is a no-op that still costs, so it is skipped there."""
         if cuda.blockDim.x * cuda.blockDim.y > 1:
             cuda.syncthreads()
 
-    @cuda.jit(device=True)
+    @device
     def _cell(m, cell):
         """Cell `cell` of the Sinkhorn matrix: the simulator's one-lane warp holds them all."""
         return m[cell]
 else:
-    @cuda.jit(device=True)
+    @device
     def _sync():
         cuda.syncthreads()
 
-    @cuda.jit(device=True)
+    @device
     def _cell(m, cell):
         """Cell `cell` of the Sinkhorn matrix, from lane `cell`, which holds it in m[0]."""
         return cuda.shfl_sync(0xFFFFFFFF, m[0], cell)
 
 
-@cuda.jit(device=True)
+@device
 def _sigmoid(x):
     return float32(1) / (float32(1) + math.exp(-x))
 
@@ -107,7 +107,7 @@ def split_sinkhorn(hc: int):
     cells = hc * hc
     slots = cells if LANES == 1 else 1
 
-    @cuda.jit(device=True)
+    @device
     def line_sums(m, sums, rows, eps):
         """sums[i] = eps + the sum over j of slot i's row (rows) or column, in j order."""
         lane = cuda.threadIdx.x % LANES
@@ -119,7 +119,7 @@ def split_sinkhorn(hc: int):
                 s += _cell(m, line * hc + j) if rows else _cell(m, j * hc + line)
             sums[i] = s + eps
 
-    @cuda.jit(device=True)
+    @device
     def split(raw, r, scale, base, pre, post, comb, t, iters, hc_eps):
         lane = cuda.threadIdx.x % LANES
         for c in range(lane, hc, LANES):
@@ -164,7 +164,7 @@ def mix_sums(n_mix: int, threads: int):
     the slices), then a barrier."""
     warps = threads // LANES
 
-    @cuda.jit(device=True)
+    @device
     def sums(partial, raw, t, n_slices, scratch):
         tid = cuda.threadIdx.x + cuda.threadIdx.y * cuda.blockDim.x
         lane = tid % LANES
@@ -191,7 +191,7 @@ def collapse_norm(hc: int, per_thread: int):
     adds and loads again waits on each load in turn: that cost a one-token step about 20 us here."""
     threads = PRE_NORM_THREADS
 
-    @cuda.jit(device=True)
+    @device
     def norm(h, pre, weight, out, t, dim, eps, scratch):
         tid = cuda.threadIdx.x
         mix = cuda.local.array(hc, float32)
@@ -268,7 +268,7 @@ def mixes_norm_kernel(hc: int, per_thread: int):
     return kernel
 
 
-@cuda.jit(device=True)
+@device
 def _post_values(h, a, post, comb, t, m, d, hc, has_output, out, o):
     """out[o + c] = post[m, c] * a[t, d] + sum_k comb[m, k, c] h[t, k, d] for every copy c (h's
     values before any is written; m: token t's row of post and comb)."""
@@ -296,7 +296,7 @@ def _post_kernel(h, a, post, comb, hc, dim, has_output):
         h[t, c, d] = new[c]
 
 
-@cuda.jit(device=True)
+@device
 def _as_f32(v):
     return float32(v)
 

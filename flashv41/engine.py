@@ -36,6 +36,7 @@ in chunks of `max_tokens`.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -231,9 +232,9 @@ class Engine:
         # workspaces allow: the first after the embedding, each later one after the previous
         # engram layer's gate; a captured graph runs them beside the layers in between
         engram_name = "engram rows, projection, gate"
-        prepares = [Step(engram_name, role.layer, engram, "prepare", (role.layer, TOKENS))
-                    for role in roles if role.engram]
-        first_prepare = tuple(prepares[:1])
+        engram_layers = [role.layer for role in roles if role.engram]
+        prepare = {i: (Step(engram_name, i, engram, "prepare", (i, TOKENS)),) for i in engram_layers}
+        next_prepare = {i: prepare[j] for i, j in itertools.pairwise(engram_layers)}
         layers = []
         for n, role in enumerate(roles):
             i = role.layer
@@ -243,9 +244,8 @@ class Engine:
                 assert engram is not None and cfg.engram is not None
                 rows = Rows(cfg.engram.hash_index(i))
                 upload.append(Step(engram_name, i, engram, "upload_rows", (i, rows, TOKENS)))
-                later = prepares[1:2]  # the next engram layer's prepare
-                prepares = prepares[1:]
-                engram_steps = (Step(engram_name, i, engram, "finish", (i, h, TOKENS, MASK, Captured(i))), *later)
+                engram_steps = (Step(engram_name, i, engram, "finish", (i, h, TOKENS, MASK, Captured(i))),
+                                *next_prepare.get(i, ()))
             ffn_after_post = hyper.fuses(i, "ffn")
             then_attn = (roles[n + 1].layer, "attn") if n + 1 < len(roles) and attn_after_post[n + 1] else None
             attn = (Step("hc mixes + hc_pre + attn_norm", i, hyper, "mixes_norm",
@@ -264,7 +264,8 @@ class Engine:
                        Step(post_name(then_attn is not None), i, hyper, "post_mix", (h, None, TOKENS, then_attn)))
             layers.append(LayerPlan(i, pre_mix, rows, engram_steps, attn, ffn))
             pre_mix, pre_next = pre_next, pre_mix
-        head = (Step("embedding", None, hyper, "embed_uploaded", (h, TOKENS)), *first_prepare)
+        head = (Step("embedding", None, hyper, "embed_uploaded", (h, TOKENS)),
+                *(prepare[engram_layers[0]] if engram_layers else ()))
         download = (Step("highway download", None, Head(h), "copy_to_host", result="output"),)
         return Plan(tuple(upload), head, tuple(layers), download, h)
 

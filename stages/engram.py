@@ -203,7 +203,7 @@ class EngramStage:
         """Steps 2 and 3 of `layer` from its uploaded rows: rows[:T], then kv[:T]; while a graph
         is captured on the stage's branch, which `finish` joins."""
         t = self._check_tokens(n_tokens)
-        self._weights(layer)
+        self._weights(layer)  # an unknown layer fails before the branch is forked
         stream = self._branch.fork(self.stream, self.capturing)
         self.dequantize_rows(layer, t, stream)
         self.project(layer, t, stream)

@@ -127,7 +127,9 @@ def test_realtables_preset_geometry() -> None:
 @pytest.mark.slow
 def test_realtables_full_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The real-size file (71 GB of apparent size, a few MiB on disk), where holes exist: its table
-    rows, a hash into the tables' full range gathered as zero rows, and info's plan per residency."""
+    rows, a hash into the tables' full range gathered as zero rows, and info's plan per residency.
+    Eight tokens: each has a row in every head's range, the last head's at the top of the table, and
+    each row read from a hole costs a page fault of milliseconds on this machine (64 tokens took 45 s)."""
     if not holes_supported(tmp_path):
         pytest.skip("this filesystem stores no holes: the real-size file would take 71 GB of disk")
     path = write_synthetic(tmp_path / "realtables.gguf", "flash-realtables")
@@ -137,7 +139,7 @@ def test_realtables_full_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     try:
         engram = model.config.engram
         assert engram is not None and tuple(engram.table_rows) == REAL_TABLE_ROWS
-        ids = EngramHasher(engram, 64).hash(np.arange(1000, 1064, dtype=np.int64), 0)  # [T, layers, cols]
+        ids = EngramHasher(engram, 8).hash(np.arange(1000, 1008, dtype=np.int64), 0)  # [T, layers, cols]
         for j, layer in enumerate(engram.layer_ids):
             rows = ids[:, j].reshape(-1)
             assert rows.min() >= 0 and rows.max() < REAL_TABLE_ROWS[j] and rows.max() > REAL_TABLE_ROWS[j] * 0.9

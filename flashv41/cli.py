@@ -361,7 +361,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
                     "every selected row with its median time, bytes, bound and ratio. Needs a CUDA GPU.",
     )
     p.add_argument("--rows", nargs="+", default=[], metavar="PATTERN",
-                   help="row names or fnmatch patterns to run (e.g. 'engram.wkv*'); default all")
+                   help="row names or fnmatch patterns to run (e.g. 'engram.wkv*'); default all but the "
+                        "whole-stack prefills, which take minutes and run only when a pattern names them "
+                        "(e.g. 'prefill.stack*')")
     p.add_argument("--weight-type", nargs="+", default=list(defaults.weight_types), choices=BENCH_WEIGHT_TYPES,
                    dest="weight_types", help="weight types of the GEMV and step rows (default Q8_0 Q2_K BF16)")
     p.add_argument("--reps", type=at_least(MIN_REPS), default=defaults.reps, metavar="N",

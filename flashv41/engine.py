@@ -22,12 +22,12 @@ each engram layer's rows onto the device; then mask, first mix and positions, `_
 device part (launches only) and the highway's download. A one-token step's device part is
 replayed from a CUDA graph of the sequence (flashv41.graphs), one graph per `graph_key`: what the
 step decides on the host. Profiling and captures watch the walk as observers (`StageTimer`,
-`LayerCapture`); a watched call, like a prefill chunk, launches eagerly. `decode_batch` walks a
-second plan, `batch_plan`, built the same way but for one token of each of B sequences (its
-attention step is AttentionStage.forward_batch, which reads each sequence's state through address
-tables and decides on the device what depends on a sequence's position); its device part is
-replayed from one CUDA graph per batch size (and mask or none), whichever sequences, wherever
-they stand.
+`LayerCapture`, and any in `Engine.observers`); a watched call, like a prefill chunk, launches
+eagerly. `decode_batch` walks a second plan, `batch_plan`, built the same way but for one token
+of each of B sequences (its attention step is AttentionStage.forward_batch, which reads each
+sequence's state through address tables and decides on the device what depends on a sequence's
+position); its device part is replayed from one CUDA graph per batch size (and mask or none),
+whichever sequences, wherever they stand.
 
 The engine's workspaces are shared by its sequences, so calls on one engine must not run
 concurrently (one Python thread drives an engine). A prompt longer than `max_tokens` is prefilled
@@ -146,6 +146,9 @@ class Engine:
         self.profile = profile
         self.stage_seconds: defaultdict[str, float] = defaultdict(float)
         self._timer = StageTimer(cuda.synchronize, self.stage_seconds)
+        # more observers of every call's steps (a benchmark's events); a watched one-token step
+        # launches eagerly, as a profiled one does
+        self.observers: list[StepObserver] = []
         self.plan = self._build_plan()
         self.batch_plan = self._build_plan(batched=True)
         self._ratios = sorted({role.ratio for role in cfg.roles if role.ratio > 0})
@@ -271,13 +274,13 @@ class Engine:
 
     def _observers(self, capture: bool) -> tuple[StepObserver, ...]:
         """Who watches this call's steps; nobody on the plain path. The capture comes first, so its
-        host copies fall outside the timer's window."""
+        host copies fall outside the timer's window; `observers` come last."""
         watching: list[StepObserver] = []
         if capture:
             watching.append(LayerCapture(self.plan))
         if self.profile:
             watching.append(self._timer)
-        return tuple(watching)
+        return (*watching, *self.observers)
 
     def _forward(self, seq: Sequence, ids: np.ndarray, mask: np.ndarray | None, capture: bool) -> np.ndarray:
         """One chunk of T <= max_tokens tokens at the sequence's position; returns h [T, hc, C]."""

@@ -50,7 +50,6 @@ points at are the stage's workspaces.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +75,7 @@ from flashv41.stages.sparse_attention import (
     sparse_attention_tables,
 )
 from flashv41.stages.topk import SPLIT_ROWS, SelectWorkspace
+from flashv41.stages.trace import Traced
 
 COPY_THREADS = 64 if SIM else 256
 ROLES = {**L.ATTENTION_ROLES, **L.OPTIONAL_ATTENTION_ROLES}  # blk.{i}.{role}.weight by weight name
@@ -211,8 +211,10 @@ class SharedRuntime:
     candidate_width: int = 0  # the score width that mask was made for
 
 
-class AttentionStage:
-    """Every layer's attention weights, the RoPE tables and the workspaces, on one stream."""
+class AttentionStage(Traced):
+    """Every layer's attention weights, the RoPE tables and the workspaces, on one stream. Its
+    parts (Traced): the products by their matrices, the norm chains, the compressor and publish,
+    the indexer's queries, scores and selection, the sparse attention, the ring write."""
 
     def __init__(self, model: Model, max_tokens: int, max_seq: int, stream=0):
         cfg = model.config
@@ -227,8 +229,6 @@ class AttentionStage:
         self.capturing = False  # set while a graph is captured: grids are then sized for the caches
         # while capturing, a kv source's compressor and an index source's indexer run on branches
         self._kv_branch, self._index_branch = Branch(), Branch()
-        # profiling: called with a part's name after its launches are queued (None: not profiling)
-        self.trace: Callable[[str], None] | None = None
         self.eps = np.float32(cfg.norm_eps)
         self.scale = np.float32(cfg.head_dim ** -0.5)
         self.index_scale = np.float32(cfg.index_head_dim ** -0.5 * cfg.index_heads ** -0.5)
@@ -563,11 +563,12 @@ class AttentionStage:
         assert w.source is not None and self.source_ws is not None
         ws = self.source_ws
         kv_sources.compress_products(role, w.source, x, ws, t, s)
+        self._mark("compress products")
         latents, group_pos = kv_sources.compress_groups_batch(cfg, role, w.source, rows[KV_STATE],
                                                               rows[SCORE_STATE], ws, pos, t, s)
         self._mark("compress")
         kv_sources.publish_batch(cfg, role, w.source, rows[INDEX_KEYS], rows[COMPRESSED], latents, group_pos, cos,
-                                 sin, ws, pos, t, s)
+                                 sin, ws, pos, t, s, mark=self._mark)
         self._mark("publish")
         for state, shared in zip(states, shareds, strict=True):
             source = state.layers[layer].source
@@ -582,7 +583,7 @@ class AttentionStage:
         rows = self.row_tables[layer]
         assert w.indexer is not None and self.selection is not None and self.candidates is not None
         assert self.score is not None and self.iq is not None and self.hw is not None
-        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
+        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s, mark=self._mark)
         self._mark("index_queries")
         self._index_branch.wait_for(self._kv_branch)
         width = self.max_seq // role.ratio if self.capturing else max(start + 1 for start in starts) // role.ratio
@@ -623,12 +624,14 @@ class AttentionStage:
         cfg, role, pos = self.cfg, w.role, self.positions
         assert w.source is not None and st.source is not None and self.source_ws is not None
         ws = self.source_ws
-        latents, groups = kv_sources.compress(cfg, role, w.source, st.source, x, start, ws, pos, t, s)
+        kv_sources.compress_products(role, w.source, x, ws, t, s)
+        self._mark("compress products")
+        latents, groups = kv_sources.compress_groups(cfg, role, w.source, st.source, start, ws, pos, t, s)
         self._mark("compress")
         if capture is not None:  # before publish turns the latents into cache rows
             capture["latents"] = self._host(latents, groups.count)
             capture["groups"] = np.arange(groups.first, groups.first + groups.count, dtype=np.int64)
-        kv_sources.publish(cfg, role, w.source, st.source, latents, groups, cos, sin, ws, pos, s)
+        kv_sources.publish(cfg, role, w.source, st.source, latents, groups, cos, sin, ws, pos, s, mark=self._mark)
         self._mark("publish")
         shared.compressed, shared.index_keys = st.source.compressed, st.source.index_keys
 
@@ -646,7 +649,7 @@ class AttentionStage:
             self._mark("select")
             return
         assert shared.index_keys is not None
-        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s)
+        indexer.index_queries(w.indexer, x, self.qr, cos, sin, pos, self.iq, self.hw, t, stream=s, mark=self._mark)
         self._mark("index_queries")
         self._index_branch.wait_for(self._kv_branch)
         grid_width = shared.index_keys.shape[0] if self.capturing else width  # the graph serves later widths
@@ -673,10 +676,6 @@ class AttentionStage:
             blocks = self._download(shared.candidates, t).astype(bool)
             capture["candidates"] = np.repeat(blocks, cfg.candidate_block_size, axis=1)[:, :shared.candidate_width]
 
-    def _mark(self, part: str) -> None:
-        if self.trace is not None:
-            self.trace(part)
-
     def part_weights(self, layer: int) -> dict[str, list[DeviceWeight]]:
         """The weight matrices each traced part of the layer's step streams (parts without any
         stream none)."""
@@ -684,10 +683,11 @@ class AttentionStage:
         parts: dict[str, list[DeviceWeight]] = {
             "wq_a + wkv": [w.wq_a, w.wkv], "wq_b": [w.wq_b], "wo_a": [w.wo_a], "wo_b": [w.wo_b]}
         if w.source is not None:
-            parts["compress"] = [w.source.comp_kv] + ([w.source.comp_gate] if w.source.comp_gate is not None else [])
-            parts["publish"] = [w.source.wk]
+            parts["compress products"] = [w.source.comp_kv] + (
+                [w.source.comp_gate] if w.source.comp_gate is not None else [])
+            parts["wk"] = [w.source.wk]
         if w.indexer is not None:
-            parts["index_queries"] = [w.indexer.wq_b, w.indexer.proj]
+            parts["index products"] = [w.indexer.wq_b, w.indexer.proj]
         return parts
 
     def _download(self, a: DeviceArray, rows: int) -> np.ndarray:

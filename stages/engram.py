@@ -39,6 +39,7 @@ from flashv41.stages.engram_gate import check_hc, engram_gate
 from flashv41.stages.engram_rows import RESIDENCIES, RowWorkspace, TableRows, is_device_array
 from flashv41.stages.linear import DeviceWeight, linear
 from flashv41.stages.quant_types import DEVICE_TYPES
+from flashv41.stages.trace import Traced
 
 WKV, Q_WEIGHT, K_WEIGHT = "engram_wkv", "engram_q", "engram_k"
 
@@ -54,12 +55,13 @@ class EngramLayerWeights:
     workspace: RowWorkspace  # this layer's uploaded row ids (device, pinned tables) or rows (host tables)
 
 
-class EngramStage:
+class EngramStage(Traced):
     """Every engram layer of a model, with workspaces for chunks of up to `max_tokens` tokens.
 
     table_residency: "device" (tables uploaded once), "pinned" (copied once into mapped page-locked
     host memory the row kernel reads) or "host" (rows read from the mapped file per call). stream:
-    the CUDA stream every copy and kernel of the stage runs on.
+    the CUDA stream every copy and kernel of the stage runs on. Its parts (Traced), in `prepare`:
+    "engram rows" (the rows' dequantisation) and "engram wkv" (the projection).
     """
 
     def __init__(self, model: Model, max_tokens: int, table_residency: str = "device", stream=0):
@@ -206,7 +208,9 @@ class EngramStage:
         self._weights(layer)  # an unknown layer fails before the branch is forked
         stream = self._branch.fork(self.stream, self.capturing)
         self.dequantize_rows(layer, t, stream)
+        self._mark("engram rows")
         self.project(layer, t, stream)
+        self._mark("engram wkv")
 
     def finish(self, layer: int, h_dev, n_tokens: int, token_mask_dev=None, capture: dict | None = None) -> None:
         """Step 4 of `layer` after its `prepare`: the gate, in place on h_dev."""

@@ -35,6 +35,7 @@ from flashv41.host.errors import UnsupportedError
 from flashv41.host.quants import GGMLType
 from flashv41.stages.device import CHUNK, SIM, WARP, bf16_round, bf16_to_f32, device, f32_to_bf16, warp_sum
 from flashv41.stages.linear import GEMV_MAX_TOKENS, DeviceWeight, stream_partials
+from flashv41.stages.trace import Traced
 
 MAX_HC = 4
 MAX_MIX = (2 + MAX_HC) * MAX_HC
@@ -411,9 +412,10 @@ def embed_kernel(dequant):
     return embed
 
 
-class HyperStage:
+class HyperStage(Traced):
     """The hc weights of every layer and the embedding table on the device, plus the mix buffers
-    for up to `max_tokens` tokens. The highway and the sublayer buffers belong to the caller."""
+    for up to `max_tokens` tokens. The highway and the sublayer buffers belong to the caller. Its
+    one part (Traced): "hc mixes product", the mixes' product where it is a launch of its own."""
 
     def __init__(self, model, max_tokens: int, stream=0):
         cfg = model.config
@@ -479,6 +481,7 @@ class HyperStage:
         else:
             partial, n_slices = self.partial, self.n_slices
             stream_partials(h.reshape(h.shape[0], width), fn, partial, n_tokens, self.stream)
+            self._mark("hc mixes product")
         return partial, n_slices, scale, base
 
     def mixes(self, layer: int, kind: str, h, pre, n_tokens: int, after_post: bool = False) -> None:

@@ -73,6 +73,7 @@ from flashv41.stages.topk import (
     one_block_top_k,
     split_select,
 )
+from flashv41.stages.trace import Mark, unmarked
 
 # Score tiles: SCORE_GROUPS groups per block, SCORE_HEAD_THREADS threads over the heads; a block
 # walks its row's tiles with a grid stride, so the grid need not follow the width. Block sizes keep
@@ -192,12 +193,16 @@ class IndexerWeights:
 
 
 def index_queries(w: IndexerWeights, x: DeviceArray, qr: DeviceArray, cos: DeviceArray, sin: DeviceArray,
-                  positions: DeviceArray, iq: DeviceArray, hw: DeviceArray, n_tokens: int, stream=0) -> None:
-    """iq[:T] = fp4_32(RoPE(qr @ wq_b^T)) per head; hw[:T] = x @ proj^T (bf16, unscaled)."""
+                  positions: DeviceArray, iq: DeviceArray, hw: DeviceArray, n_tokens: int, stream=0,
+                  mark: Mark = unmarked) -> None:
+    """iq[:T] = fp4_32(RoPE(qr @ wq_b^T)) per head; hw[:T] = x @ proj^T (bf16, unscaled). mark:
+    called with "index products" after both products (stages.trace), which run first so that the
+    caller's next mark times the queries' RoPE and quantiser alone."""
     heads = w.proj.n
     linear(qr, w.wq_b, iq, n_tokens, stream=stream)
-    norm_rope_quant(iq, None, None, cos, sin, positions, False, "fp4_e8m0_32", n_tokens, heads, stream=stream)
     linear(x, w.proj, hw, n_tokens, stream=stream)
+    mark("index products")
+    norm_rope_quant(iq, None, None, cos, sin, positions, False, "fp4_e8m0_32", n_tokens, heads, stream=stream)
 
 
 @cache

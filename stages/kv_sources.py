@@ -39,6 +39,7 @@ from flashv41.stages.device import SIM, DeviceArray, device, exp_f32, f32_to_bf1
 from flashv41.stages.linear import DeviceWeight, linear, linear_pair
 from flashv41.stages.norm_rope_quant import Chain, norm_rope_quant_pair, rms_norm
 from flashv41.stages.row_tables import f32_rows, u16_rows
+from flashv41.stages.trace import Mark, unmarked
 
 POOL_THREADS = 64 if SIM else 128
 COPY_THREADS = 64 if SIM else 256
@@ -298,17 +299,19 @@ def compress_groups(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, state
 
 def publish(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, state: KvSourceState, latents: DeviceArray,
             groups: Groups, cos: DeviceArray, sin: DeviceArray, ws: KvSourceWorkspace, positions: DeviceArray,
-            stream=0) -> None:
+            stream=0, mark: Mark = unmarked) -> None:
     """Index keys and compressed rows of the new groups (latents bf16 [>= n, D], turned into the
     compressed rows in place) into the caches.
 
     keys = fp4_32(RoPE(k_norm(latent @ wk^T))); rows = fp4_16e4m3(RoPE(latent)), both at the group
     positions; written to cache rows g0 .. g0+n-1 by a kernel that reads g0 off the device positions.
+    mark: called with "wk" after the keys' product (stages.trace), the rest being the caller's to mark.
     """
     n = groups.count
     if n == 0:
         return
     linear(latents, w.wk, ws.key_raw, n, stream=stream)
+    mark("wk")
     _keys_and_rows(cfg, w, latents, groups.positions, cos, sin, ws, n, stream)
     keys, rows = ws.keys.shape[1], latents.shape[1]
     _scatter_rows_kernel[grid_1d(n * (keys + rows), COPY_THREADS), COPY_THREADS, stream](
@@ -346,11 +349,12 @@ def compress_groups_batch(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights,
 def publish_batch(cfg: ModelConfig, role: LayerRole, w: KvSourceWeights, index_keys: DeviceArray,
                   compressed: DeviceArray, latents: DeviceArray, group_positions: DeviceArray, cos: DeviceArray,
                   sin: DeviceArray, ws: KvSourceWorkspace, positions: DeviceArray, n_tokens: int,
-                  stream=0) -> None:
+                  stream=0, mark: Mark = unmarked) -> None:
     """publish for a batch (compress_groups_batch's rows): the keys and rows of every token's
     group are made, and those of the tokens that complete one go into their sequence's caches
-    (address tables index_keys and compressed), at group positions[t] // ratio."""
+    (address tables index_keys and compressed), at group positions[t] // ratio. mark: as publish's."""
     linear(latents, w.wk, ws.key_raw, n_tokens, stream=stream)
+    mark("wk")
     _keys_and_rows(cfg, w, latents, group_positions, cos, sin, ws, n_tokens, stream)
     keys, rows = ws.keys.shape[1], latents.shape[1]
     _scatter_batch_kernel[grid_1d(n_tokens * (keys + rows), COPY_THREADS), COPY_THREADS, stream](

@@ -4,7 +4,9 @@ process.
 A benchmark module (listed in BENCH_MODULES) exposes `cases(options) -> list[BenchCase]`; a case
 has a name and a `run(ctx) -> list[BenchRow]`. The framework measures the copy bandwidth first
 (the bound of every memory-bound row), runs the selected cases, prints one table and optionally
-writes JSON. Adding a family of rows is adding a module to BENCH_MODULES.
+writes JSON. Adding a family of rows is adding a module to BENCH_MODULES. A case that takes
+minutes (`BenchCase.default` False: the prefill.stack rows) runs only when a --rows pattern
+matches it, never in a plain `flashv41 bench`.
 
 Every row carries its median time, what it moved or computed (bytes or FLOPs), its bound and
 the ratio time / bound (1.0 = at the bound; the targets in docs/performance.md are ratios). Device
@@ -73,7 +75,7 @@ from flashv41.stages.backend import backend_name, select_backend
 # the modules whose `cases(options)` make up the benchmark
 BENCH_MODULES: tuple[str, ...] = (
     "flashv41.bench.gemv", "flashv41.bench.engram", "flashv41.bench.attention", "flashv41.bench.stack",
-    "flashv41.bench.prefill",
+    "flashv41.bench.prefill", "flashv41.bench.prefill_stack",
 )
 COPY_BYTES = 512 << 20  # each buffer of the copy probes: ten times the H200's 50 MiB L2
 COPY_ROUNDS = 2  # the three probes run this many times interleaved; each reports its best round
@@ -162,6 +164,7 @@ class BenchRow:
     flops: int = 0
     note: str = ""
     l2: L2Plan | None = None
+    split: dict[str, float] = field(default_factory=dict)  # seconds by category (prefill.stack); {}: none
 
     @property
     def ratio(self) -> float:
@@ -169,18 +172,23 @@ class BenchRow:
         return self.median_s / self.bound_s if self.bound_s > 0 else float("nan")
 
     def to_json(self) -> dict:
+        """The row as the JSON report holds it; `split` only where the row has one."""
         out = {**asdict(self), "ratio": self.ratio}
         out["l2"] = self.l2.describe() if self.l2 is not None else None
         out["l2_mode"] = self.l2.mode if self.l2 is not None else None
+        if not self.split:
+            del out["split"]
         return out
 
 
 @dataclass(frozen=True)
 class BenchCase:
-    """A named measurement; `run` returns its rows (usually one)."""
+    """A named measurement; `run` returns its rows (usually one). default: whether a run without
+    --rows patterns includes it (False for cases that take minutes: a pattern must name them)."""
 
     name: str
     run: Callable[[BenchContext], list[BenchRow]]
+    default: bool = True
 
 
 @dataclass
@@ -527,9 +535,10 @@ def all_cases(options: BenchOptions) -> list[BenchCase]:
 
 
 def select_cases(cases: Sequence[BenchCase], patterns: Sequence[str]) -> list[BenchCase]:
-    """The cases whose names match any pattern (all when none); InputError if a pattern matches none."""
+    """The cases whose names match any pattern (without patterns, every `default` case); InputError
+    if a pattern matches none."""
     if not patterns:
-        return list(cases)
+        return [c for c in cases if c.default]
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(c.name, pattern) for c in cases):
             known = ", ".join(c.name for c in cases)

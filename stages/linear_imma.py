@@ -24,46 +24,59 @@ balanced base-256 digits D0..D3 in [-128, 127], X = D0 + 2^8 D1 + 2^16 D2 + 2^24
 column of B: token j's digit p is column 4 j + p, two tokens an mma, more tokens more mmas on the
 same A registers, columns of absent tokens zero. S_p = sum_k q_k D_p,k is exact (|S_p| <= 2^19).
 Lane (g, t) holds columns 2 t, 2 t + 1: one token's digits p = 2 (t & 1) and p + 1, so it adds them
-in int32, P = S_p + 2^8 S_p+1 (exact, |P| < 2^28), converts P to fp32 (I2F: exact below 2^24,
-otherwise rounded once) and accumulates acc += fp32(P) * (d * 2^(E - 29)) per (row, token), the
-scale an exact product (fp16 d times a power of two; see below for the range). At the end
-y = acc_lo + 2^16 acc_hi (digits 0, 1 and 2, 3; a lane pair's sums, exchanged through shared memory).
+in int32, P = S_p + 2^8 S_p+1 (exact, |P| < 2^28), converts P to fp32 (I2FP, a full-rate ALU
+instruction on sm_90: exact below 2^24, else rounded once) and accumulates acc += fp32(P) * (d *
+2^(E - 29)) per (row, token) in one fused multiply-add, the scale an exact product (fp16 d times a
+power of two) unless it falls below fp32's normal range. At the end y = acc_lo + 2^16 acc_hi
+(digits 0, 1 and 2, 3: a lane pair's sums, exchanged through shared memory).
 
-The digits are made in each block's prologue, into shared memory: the block's slice of K for all
-its tokens, for the DIGIT_TILES tiles (warps) that share them. By SASS count (probes/imma_sass.py)
-making a 32-value block's digits of one token costs about as much as DIGIT_TILES walk steps of a
-tile over it would not (see README): shared across the block's eight tiles it stays under a tenth
-of the block's instructions at T = 1, with no second kernel and no workspace round trip; a launch's
-x and every scale come from device memory (decode steps are replayed as graphs).
+Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with tests/bounds.py's
+rules (>= 99% of bf16 outputs bit-equal to the oracle's, every output within half a bf16 ulp plus
+8 sqrt(K) 2^-24 sum_k |x_k w_k| of the exact product).
 
-Exactness and the oracle: host.numerics.linear / matmul_t with tests/bounds.py's rules. Each
-block's sum over its 32 values is exact (apart from the rounding of X below 2^(E - 22)); then each
-output meets these fp32 roundings: the conversion of P (one a block and digit pair, only where
-|P| >= 2^24), the accumulation (one a block and digit pair, a fused multiply-add, along the warp's
-slice: at most SLICE_STEPS_MAX * UNROLL of them), the digit pairs' sum (one), the slices' sums
-(slices - 1, in slice order), and the bf16 rounding. So each exact block term passes through at
-most K/32 + slices + 2 roundings, fewer than the K that bounds.py's sqrt(K) rule allows a term, in
-the same probabilistic model (terms of random sign rounded to nearest). The rounding of X is not of
-that kind: its error, at most 2^(E - 30) |w_k| for each input below 2^(E - 22) of its block's
-largest, is bounded by 2^-30 times the block's largest |x| times |w_k|, not by |x_k w_k|; bounds.py
-covers it only as long as each block's largest input meets a weight of comparable size (on the
-tests' Gaussian data an input that small is one in ~10^6; the dynamic-range test puts 2^-20 of a
-block's largest beside it). Blocks whose largest |x| is below 2^(FIELD_MIN - 127) = 2^-97 are
-scaled as if it were 2^-97 (their inputs rounded to multiples of 2^-127, as fp32's subnormals
-would); non-finite inputs are not supported (an inf or NaN makes its block's sums wrong). Every
-output's sum depends on its row and token alone, never on T or the other tokens: the launch
-(`plan`) is picked from the shape.
+Exactness. Each block's sum over its 32 values is exact for the X above. Then each output meets
+these fp32 roundings: the conversion of P (one a block and digit pair, only where |P| >= 2^24), the
+accumulation (one a block and digit pair along the warp's slice, at most SLICE_STEPS_MAX * UNROLL),
+the digit pairs' sum (one), the slices' sums (slices - 1, in slice order) and the bf16 rounding. So
+each exact term (a block and digit pair's d 2^(E - 29) P) passes through at most K/32 + slices + 1
+roundings before the bf16 one, fewer than the K a term may meet under bounds.py's sqrt(K) rule, in
+the same model (terms of random sign, rounded to nearest). The rounding of X is not of that kind:
+its error, at most 2^(E - 30) |w_k| for each input below 2^(E - 22) of its block's largest, is
+bounded by 2^-30 times the block's largest |x| times |w_k|, not by |x_k w_k|, so bounds.py covers
+it only while each block's largest input meets a weight of comparable size; it is not claimed
+beyond that (on the tests' Gaussian inputs a value 2^-22 below its block's largest is about one in
+10^6; tests/test_linear_imma.py also puts inputs 2^-20 of their block's largest beside it, and
+holds the digits to a host reference of X). Blocks whose largest |x| is below 2^(FIELD_MIN - 127)
+= 2^-97 are scaled as if it were 2^-97 (their inputs rounded to multiples of 2^-127, about as
+fp32's subnormals would); non-finite inputs are not supported (an inf or NaN makes its block's
+sums wrong). Every output's sum depends on its row and token alone, never on T or the other
+tokens: the launch (`plan`) comes from the shape.
 
 Launch (`plan`): a block is DIGIT_TILES 16-row tiles of one group (one a warp) over one slice of
 K; the tiles' K is split into `slices` slices (each a whole number of walk steps of UNROLL blocks,
-at most SLICE_STEPS_MAX, the shared digits' room), about enough for TARGET_WARPS warps in all, so
-that every flash decode shape fills the GPU (at least 160 blocks). A lane issues a walk step's loads (UNROLL blocks of its two
-rows, their scales) before its mmas; the first step's before the prologue, so the weights stream
-while the digits are made. With several slices each block writes its sums to a workspace and the
-last of a tile group's blocks to finish (a counter) adds them in slice order and writes y.
+at most SLICE_STEPS_MAX: the shared digits' room), about enough for TARGET_WARPS warps in all, so
+that every flash decode shape fills the GPU (at least 160 blocks). A lane issues a walk step's
+loads (UNROLL blocks of its two rows, their scales) before its mmas. With several slices each
+block writes its sums to a workspace and the last of a tile group's blocks to finish (a counter)
+adds them in slice order and writes y.
+
+The digits are made in each block's prologue, into shared memory: the block's slice of K for all
+its tokens, four lanes a (token, block of 32), for the DIGIT_TILES tiles (warps) that share them;
+the first walk step's loads are issued before it, so the weights stream while the digits are made.
+Chosen over a separate digits kernel by SASS count (sm_90, ptxas 13.5; probes/imma_sass.py): a
+lane's eight inputs cost about 200 instructions (the block's largest exponent read by each of its
+four lanes, 8 x (convert, scale, round, bias), a byte transpose, four 8-byte stores), against 101
+for a walk step of a tile (4 blocks x 16 rows x 32 bytes: 1.6 instructions a weight byte a thread,
+where the stream kernel's Q8_0 walk takes 4.8). At T = 1 the prologue is 3-5% of a block's issued
+instructions on wq_b, wo_a, wo_b and the engram wkv, 11% on wq_a and the index wq_b (slices of two
+steps), 20% on wkv (of one); T = 2: 6-8%, 19%, 31%; T = 8: 7-8%, 23%, 38%. A separate kernel would
+cost a launch and a dependency in the step's graph (a microsecond or two against these products'
+5-50 us) and a round trip of the digits through L2; a launch's x and every scale come from device
+memory either way (decode steps are replayed as graphs).
 
 On the simulator the mma is emulated exactly (stages.linear_tc's warp meeting with an integer
-tile), blocks have at most four warps and slices are short, so the tests reach every path.
+tile), blocks have at most four warps and slices are short, so the tests reach every path; NumPy
+rounds the accumulation's product apart from its sum there (one rounding more a term).
 """
 
 from __future__ import annotations
@@ -227,10 +240,11 @@ def store_octet(digits, at, w0, w1, w2, w3, scale):
 
 
 @device
-def block_digits(x32, t, word, digits, at, scales, s_at):
-    """Token t's 32 inputs from word `word` of x32 (bf16 pairs): their four digit columns' eight
-    bytes into digits[at + p COLUMN_WORDS + i] (i = 0..3, a word of eight values each) and the
-    block's scale 2^(E - X_BITS) into scales[s_at]."""
+def octet_digits(x32, t, word, q, digits, at, scales, s_at):
+    """Inputs 8 q .. 8 q + 7 of token t's block of 32 at word `word` of x32 (bf16 pairs): their four
+    digit columns' bytes into digits[at + p COLUMN_WORDS] (p = 0..3, a uint64 each); the block's
+    scale 2^(E - X_BITS) into scales[s_at] by the lane of q = 0. Each of the block's four lanes reads
+    the whole block for its largest exponent (three of its four loads are L1 hits)."""
     a0, a1, a2, a3 = load_words4(x32, t, word)
     b0, b1, b2, b3 = load_words4(x32, t, uint32(word + uint32(4)))
     c0, c1, c2, c3 = load_words4(x32, t, uint32(word + uint32(8)))
@@ -238,20 +252,19 @@ def block_digits(x32, t, word, digits, at, scales, s_at):
     field = max(max(field4(a0, a1, a2, a3), field4(b0, b1, b2, b3)),
                 max(field4(c0, c1, c2, c3), field4(e0, e1, e2, e3)))
     scale, back = block_scales(field)
-    scales[s_at] = back
-    store_octet(digits, at, a0, a1, a2, a3, scale)
-    store_octet(digits, at + uint64(1), b0, b1, b2, b3, scale)
-    store_octet(digits, at + uint64(2), c0, c1, c2, c3, scale)
-    store_octet(digits, at + uint64(3), e0, e1, e2, e3, scale)
+    if q == 0:
+        scales[s_at] = back
+    w0, w1, w2, w3 = load_words4(x32, t, uint32(word + uint32(4) * q))
+    store_octet(digits, at, w0, w1, w2, w3, scale)
 
 
 @device
-def zero_digits(digits, at, scales, s_at):
-    """An absent token's block: zero digits, zero scale."""
+def zero_digits(digits, at, scales, s_at, q):
+    """octet_digits' stores for an absent token: zero digits, a zero scale."""
     for p in range(4):
-        for i in range(4):
-            digits[at + uint64(p * COLUMN_WORDS + i)] = uint64(0)
-    scales[s_at] = float32(0)
+        digits[at + uint64(p * COLUMN_WORDS)] = uint64(0)
+    if q == 0:
+        scales[s_at] = float32(0)
 
 
 @cache
@@ -357,15 +370,18 @@ def imma_kernel(cap: int, out_bf16: bool):
         half = uint32(CHUNK // 2)  # input words a block
         x_word = uint32(group * (kk >> uint32(1)) + b_start * half)  # the slice's first input word
         live = uint32(n_tokens)
-        for item in range(tid, uint32(2 * pairs * SLICE_BLOCKS_MAX), threads):
-            t = uint32(uint32(item) // uint32(SLICE_BLOCKS_MAX))  # (a constant divisor: no division)
-            slot = uint32(uint32(item) % uint32(SLICE_BLOCKS_MAX))
-            at = uint64(t) * uint64(4 * COLUMN_WORDS) + uint64(4) * uint64(slot)
+        # the digits: four lanes a (token, block) item, eight inputs each
+        for item in range(tid, uint32(2 * pairs * SLICE_BLOCKS_MAX * 4), threads):
+            q = uint32(uint32(item) & uint32(3))
+            ts = uint32(uint32(item) >> uint32(2))  # token * SLICE_BLOCKS_MAX + slot
+            t = uint32(ts // uint32(SLICE_BLOCKS_MAX))  # (a constant divisor: no division)
+            slot = uint32(ts % uint32(SLICE_BLOCKS_MAX))
+            at = uint64(t) * uint64(4 * COLUMN_WORDS) + uint64(4) * uint64(slot) + uint64(q)
             if slot < nb:
                 if t < live:
-                    block_digits(x32, t, uint32(x_word + slot * half), digits, at, scales, uint64(item))
+                    octet_digits(x32, t, uint32(x_word + slot * half), q, digits, at, scales, uint64(ts))
                 else:
-                    zero_digits(digits, at, scales, uint64(item))
+                    zero_digits(digits, at, scales, uint64(ts), q)
         cuda.syncthreads()
         lane_dig = uint64(g) * uint64(COLUMN_WORDS) + uint64(t4)  # B column g, the lane's 8 bytes of block 0
         lane_sc = uint64(t4 >> uint32(1)) * uint64(SLICE_BLOCKS_MAX)  # its D columns' token's block 0 scale

@@ -25,7 +25,7 @@ from flashv41.stages.linear_imma import (
     SLICE_STEPS_MAX,
     TARGET_WARPS,
     X_BITS,
-    block_digits,
+    octet_digits,
     plan,
 )
 from tests.test_linear import check_groups, check_linear, weight
@@ -53,15 +53,16 @@ def host_digits(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @cuda.jit
 def digits_kernel(x32, digits, scales):
-    block_digits(x32, uint32(0), uint32(0), digits, uint64(0), scales, uint64(0))
+    q = uint32(cuda.threadIdx.x)
+    octet_digits(x32, uint32(0), uint32(0), q, digits, uint64(q), scales, uint64(0))
 
 
 def device_digits(x: np.ndarray) -> tuple[np.ndarray, float]:
-    """block_digits (the kernel's prologue piece, in a kernel of one thread) on one block of 32 bf16
-    -> (digits int64 [4, 32], scale)."""
+    """octet_digits (the kernel's prologue piece, four lanes a block, in a kernel of four threads) on
+    one block of 32 bf16 -> (digits int64 [4, 32], scale)."""
     digits = cuda.to_device(np.zeros(4 * COLUMN_WORDS, np.uint64))
     scales = cuda.to_device(np.zeros(1, np.float32))
-    digits_kernel[1, 1](cuda.to_device(to_bits(x).view(np.uint32).reshape(1, 16)), digits, scales)
+    digits_kernel[1, 4](cuda.to_device(to_bits(x).view(np.uint32).reshape(1, 16)), digits, scales)
     host = digits.copy_to_host()
     words = np.stack([host[p * COLUMN_WORDS:p * COLUMN_WORDS + 4] for p in range(4)])  # [digit, 8 values]
     return words.view(np.int8).reshape(4, 32).astype(np.int64), float(scales.copy_to_host()[0])

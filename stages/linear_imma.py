@@ -125,7 +125,7 @@ SLICE_BLOCKS_MAX = SLICE_STEPS_MAX * UNROLL  # a slice's blocks of 32 values at 
 # 8 columns x 4 lanes of a B fragment's 8-byte loads fall on distinct banks (a column is 32 mod 128 bytes)
 COLUMN_WORDS = SLICE_BLOCKS_MAX * CHUNK // 8 + 4
 RED_SHAPE = (DIGIT_TILES, 2, WARP)  # [warp, row half, lane] a token pair's sums, for the digit pairs' sum
-LINE = 32  # floats of a 128-byte line: each block's rows of the partial sums start a line
+LINE = 32  # floats of a 128-byte line: each block's rows of the partial sums start one (no line shared)
 
 
 def token_cap(n_tokens: int) -> int:
@@ -152,10 +152,14 @@ if SIM:
     def f2i_rn(v):
         """v (float32) to int32, rounded to nearest even."""
         return int(np.rint(np.float32(v)))
+
+    def load_l2(a, s, t, i):
+        """a[s, t, i] (on a GPU read from L2: what other blocks wrote)."""
+        return a[s, t, i]
 else:
     from llvmlite import ir
     from numba import types
-    from numba.cuda import libdevice
+    from numba.cuda import cgutils, libdevice  # type: ignore[attr-defined]
     from numba.cuda.extending import intrinsic
 
     @intrinsic
@@ -181,6 +185,23 @@ else:
     def f2i_rn(v):
         """v (float32) to int32, rounded to nearest even: one F2I."""
         return libdevice.float2int_rn(v)
+
+    @intrinsic
+    def load_l2(typingctx, a, s, t, i):
+        """a[s, t, i] of a float32 array, read from L2 (`ld.global.cg`): what other blocks of the launch
+        wrote, never a line this SM's L1 may hold from before."""
+        sig = types.float32(a, s, t, i)
+
+        def codegen(context, builder, signature, args):
+            array_type = signature.args[0]
+            array = context.make_array(array_type)(context, builder, args[0])
+            index = [context.cast(builder, v, ty, types.intp)
+                     for v, ty in zip(args[1:], signature.args[1:], strict=True)]
+            pointer = cgutils.get_item_pointer(context, builder, array_type, array, index)
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(64)]), "ld.global.cg.f32 $0, [$1];", "=f,l")
+            return builder.call(asm, [builder.ptrtoint(pointer, ir.IntType(64))])
+
+        return sig, codegen
 
 
 # the digits (the prologue's pieces)
@@ -426,9 +447,7 @@ def imma_kernel(cap: int, out_bf16: bool):
             cuda.syncthreads()
         if n_slices == 1:
             return
-        # the last of the tile group's blocks adds the slices' sums in slice order; a block's rows
-        # start a 128-byte line of each partial row, so no line another block wrote was ever in this
-        # one's L1 before it reads it
+        # the last of the tile group's blocks adds the slices' sums in slice order, read from L2
         cuda.threadfence()
         cuda.syncthreads()
         if tid == 0:
@@ -443,9 +462,9 @@ def imma_kernel(cap: int, out_bf16: bool):
                 n = uint32(tile0 * uint32(16) + r)
                 at = uint32(tile_group * region + r)
                 if t < live and n < rows:
-                    total = partials[0, t, at]
+                    total = load_l2(partials, 0, t, at)
                     for s in range(1, slices):
-                        total += partials[s, t, at]
+                        total += load_l2(partials, s, t, at)
                     if out_bf16:
                         y[t, row0 + n] = f32_to_bf16(total)
                     else:

@@ -129,6 +129,7 @@ LINE = 32  # floats of a 128-byte line: each block's rows of the partial sums st
 
 
 def token_cap(n_tokens: int) -> int:
+    """The smallest compiled token cap that holds n_tokens (<= MAX_TOKENS)."""
     return next(cap for cap in TOKEN_CAPS if n_tokens <= cap)
 
 
@@ -427,8 +428,9 @@ def imma_kernel(cap: int, out_bf16: bool):
         h = uint32(i >> uint32(3))
         src = uint32(uint32(4) * (i % uint32(8)) + uint32(2) * (lane >> uint32(4)))
         n = uint32(first + i)
-        region = uint32((warps * uint32(16) + uint32(LINE - 1)) // uint32(LINE) * uint32(LINE))  # floats a block's rows
-        at = uint32(tile_group * region + warp * uint32(16) + i)  # (take in each partial row)
+        # the floats a block's rows take in each partial row (Plan.region), and this lane's output's
+        region = uint32((warps * uint32(16) + uint32(LINE - 1)) // uint32(LINE) * uint32(LINE))
+        at = uint32(tile_group * region + warp * uint32(16) + i)
         for p in range(pairs):
             red[warp, 0, lane] = acc[p, 0]
             red[warp, 1, lane] = acc[p, 1]
@@ -519,13 +521,14 @@ class Workspace:
     counters: object
 
 
-_WORKSPACES: dict[int, Workspace] = {}  # by id of the DeviceWeight, dropped with it
+_WORKSPACES: dict[tuple[int, Plan] | None, Workspace] = {}  # by (id of the DeviceWeight, plan), dropped with it
 
 
 def workspace(w, p: Plan) -> Workspace:
-    """The workspace of weight w's product (allocated at its first launch, which must therefore come
-    before a graph capture, as its compilation does; products of one slice share a dummy)."""
-    key = id(w) if p.slices > 1 else 0
+    """The workspace of weight w's product under plan p (allocated at its first launch, which must
+    therefore come before a graph capture, as its compilation does; products of one slice share a
+    dummy that they never touch)."""
+    key = (id(w), p) if p.slices > 1 else None
     ws = _WORKSPACES.get(key)
     if ws is None:
         shape = (p.slices, MAX_TOKENS, p.tile_groups * p.region) if key else (1, 1, 1)

@@ -24,7 +24,7 @@ balanced base-256 digits D0..D3 in [-128, 127], X = D0 + 2^8 D1 + 2^16 D2 + 2^24
 column of B: token j's digit p is column 4 j + p, two tokens an mma, more tokens more mmas on the
 same A registers, columns of absent tokens zero. S_p = sum_k q_k D_p,k is exact (|S_p| <= 2^19).
 Lane (g, t) holds columns 2 t, 2 t + 1: one token's digits p = 2 (t & 1) and p + 1, so it adds them
-in int32, P = S_p + 2^8 S_p+1 (exact, |P| < 2^27), converts P to fp32 (one I2FP on sm_90: exact
+in int32, P = S_p + 2^8 S_p+1 (exact, |P| < 2^28), converts P to fp32 (one I2FP on sm_90: exact
 below 2^24, which the top pair's P passes only when its block's largest inputs meet large levels of
 one sign, |S_3| <= 2^18 and typically ~2^13; else rounded once) and accumulates acc += fp32(P) *
 (d * 2^(E - 29)) per (row, token) in one fused multiply-add, the scale an exact product (fp16 d

@@ -26,8 +26,8 @@ same A registers, columns of absent tokens zero. S_p = sum_k q_k D_p,k is exact 
 Lane (g, t) holds columns 2 t, 2 t + 1: one token's digits p = 2 (t & 1) and p + 1, so it adds them
 in int32, P = S_p + 2^8 S_p+1 (exact, |P| < 2^28), converts P to fp32 (one I2FP on sm_90: exact
 below 2^24, which P passes rarely: the top pair's when its block's largest inputs meet large levels
-of one sign, |S_3| <= 2^18 and typically ~2^13; the low pair's digits are zero for inputs above
-2^(E - 7), whose bits all sit in digits 2 and 3; else rounded once) and accumulates acc += fp32(P) *
+of one sign, |S_3| <= 2^18 and typically ~2^13; the low pair's digits are zero for inputs of at least
+2^(E - 6), whose bits all sit in digits 2 and 3; else rounded once) and accumulates acc += fp32(P) *
 (d * 2^(E - 29)) per (row, token) in one fused multiply-add, the scale an exact product (fp16 d
 times a power of two) unless it falls below fp32's normal range. (Converting each S_p exactly
 instead costs two more conversions and two more multiply-adds a token pair and block: 10% more

@@ -30,9 +30,9 @@ of one sign, |S_3| <= 2^18 and typically ~2^13; the low pair's digits are zero f
 2^(E - 6), whose bits all sit in digits 2 and 3; else rounded once) and accumulates acc += fp32(P) *
 (d * 2^(E - 29)) per (row, token) in one fused multiply-add, the scale an exact product (fp16 d
 times a power of two) unless it falls below fp32's normal range. (Converting each S_p exactly
-instead costs two more conversions and multiply-adds, less two integer adds, a token pair and block: 8% more
-of the walk's instructions for a rounding that rarely happens.) At the end y = acc_lo + 2^16 acc_hi
-(digits 0, 1 and 2, 3: a lane pair's sums, exchanged through shared memory).
+instead costs two more conversions and multiply-adds, less two integer adds, a token pair and
+block: 8% more of the walk's instructions for a rounding that rarely happens.) At the end
+y = acc_lo + 2^16 acc_hi (digits 0, 1 and 2, 3: a lane pair's sums, exchanged through shared memory).
 
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with tests/bounds.py's
 rules (>= 99% of bf16 outputs bit-equal to the oracle's, every output within half a bf16 ulp plus

@@ -33,6 +33,9 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
 - on a GPU, a batch of up to NARROW_MAX_TOKENS tokens that neither narrow nor tc takes (fp32 x,
   F16 / F32 weights: the indexer's head weights) runs `stream` in launches of GEMV_MAX_TOKENS: gemm
   would cover such a short matrix with one tile block.
+- `imma` (never picked: forced with kernel="imma"; bf16 x, Q8_0 weights, any T in launches of
+  GEMV_MAX_TOKENS): stages.linear_imma, the decode GEMV on the integer tensor cores, the stored levels
+  as the mma's A operand and each input split into four int8 digits as its B columns.
 - `gemm` (more tokens, what tc does not take: every product on the simulator, where tc's inline
   PTX does not run; on a GPU fp32 x and F16 / F32 weights past NARROW_MAX_TOKENS tokens): a
   shared-memory tile of tokens x outputs, K in steps of 32, the weight chunk dequantised once per
@@ -56,7 +59,7 @@ from numba import cuda, float32, uint32, uint64
 from flashv41.host.errors import UnsupportedError
 from flashv41.host.gguf_model import TensorRef
 from flashv41.host.quants import FORMATS, GGMLType, quantize
-from flashv41.stages import linear_narrow, linear_tc
+from flashv41.stages import linear_imma, linear_narrow, linear_tc
 from flashv41.stages.device import (
     CHUNK,
     SIM,
@@ -85,6 +88,7 @@ if SIM:
     from flashv41.stages.device import _BF16_VALUES
 
 GEMV_MAX_TOKENS = 8
+assert linear_imma.MAX_TOKENS == GEMV_MAX_TOKENS  # (a decode step's launch, whichever GEMV it takes)
 GEMV_TOKEN_CAPS = (1, 2, 4, 8)  # the stream kernels are compiled per cap: their accumulators fit T
 # The simulator runs every thread as a Python thread and a barrier costs about a millisecond, so
 # there a "warp" is one lane (warp_sum is then the identity), blocks have few threads, and only
@@ -486,7 +490,8 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     """y[:n_tokens] = x[:n_tokens] @ w^T on the device (dtypes of x and y pick the variant).
 
     group_rows > 0: grouped product, output row n reads x[:, (n // group_rows) * K : ... + K].
-    kernel: "stream", "narrow", "gemm" or "tc" to force one (tests); by default `pick_kernel` decides.
+    kernel: "stream", "narrow", "gemm", "tc" or "imma" to force one (tests, benchmarks); by default
+    `pick_kernel` decides (never "imma"). ValueError where a forced imma does not take the product.
     """
     x_bf16 = x.dtype == np.uint16
     out_bf16 = y.dtype == np.uint16
@@ -496,7 +501,9 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
         group_rows = w.n
     _check_product(x, w, y, n_tokens, groups)
     kernel = kernel or pick_kernel(w, x_bf16, n_tokens, grouped)
-    if kernel == "tc":
+    if kernel == "imma":
+        linear_imma.linear_imma(x, w, y, n_tokens, grouped, stream)
+    elif kernel == "tc":
         linear_tc.linear_tc(x, w, y, n_tokens, grouped, stream)
     elif kernel == "narrow":
         linear_narrow.linear_narrow(x, w, y, n_tokens, grouped, stream)

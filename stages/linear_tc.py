@@ -111,7 +111,7 @@ if SIM:
             self.regs = np.zeros((WARP, 6), np.uint32)  # [lane, register] this call's fragments
             self.come = 0  # lanes whose fragments are in
             self.calls = 0  # calls completed
-            self.d = np.zeros((16, 8))  # the last call's A @ B
+            self.d = np.zeros((16, 8))  # the last call's tile (A @ B)
 
     _LANE = threading.local()  # a simulated thread's meeting place
     _FIRST = threading.Lock()
@@ -138,23 +138,30 @@ if SIM:
         bt = np.concatenate([vals[:, :, 4].reshape(8, 8), vals[:, :, 5].reshape(8, 8)], axis=1)  # B^T [n, k]
         return a @ bt.T
 
-    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """The warp's 16x8 tile D = A @ B + C, from the lanes' fragments (PTX m16n8k16 layout)."""
+    def warp_meet(regs, tile):
+        """The lanes of the calling warp meet, each bringing its six fragment registers `regs`; the
+        last to come computes tile(registers [lane, 6]) for the warp, and every lane returns it.
+        The mma emulations (this module's, stages.linear_imma's) differ only in their tile."""
         tid = cuda.threadIdx.x
         place = meeting(tid)
         with place.ready:
             call = place.calls
-            place.regs[tid % WARP] = (a0, a1, a2, a3, b0, b1)
+            place.regs[tid % WARP] = regs
             place.come += 1
             if place.come == WARP:
-                place.d = warp_tile(place.regs)
+                place.d = tile(place.regs)
                 place.come = 0
                 place.calls += 1
                 place.ready.notify_all()
             while place.calls == call:
                 if not place.ready.wait(MMA_WAIT_S):
                     raise RuntimeError(f"mma: the rest of warp {tid // WARP} never came")
-            d = place.d
+            return place.d
+
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """The warp's 16x8 tile D = A @ B + C, from the lanes' fragments (PTX m16n8k16 layout)."""
+        tid = cuda.threadIdx.x
+        d = warp_meet((a0, a1, a2, a3, b0, b1), warp_tile)
         g, t = (tid % WARP) >> 2, tid & 3
         return (np.float32(d[g, 2 * t] + c0), np.float32(d[g, 2 * t + 1] + c1),
                 np.float32(d[g + 8, 2 * t] + c2), np.float32(d[g + 8, 2 * t + 1] + c3))
@@ -183,8 +190,11 @@ else:
         return sig, codegen
 
 # mma as the other modules' kernels call it: on the simulator a device function, which gets this
-# module's simulated `cuda` (the thread indices) when a kernel of another module calls it
+# module's simulated `cuda` (the thread indices) when a kernel of another module calls it; the
+# meeting itself likewise, for another module's emulated mma (stages.linear_imma)
 kernel_mma = cuda.jit(device=True)(mma) if SIM else mma
+if SIM:
+    kernel_warp_meet = cuda.jit(device=True)(warp_meet)
 
 
 @device

@@ -110,6 +110,9 @@ def test_every_case_still_listed() -> None:
     names = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q8_0",)))]
     assert "gemv.attn.wq_a.Q8_0" in names and "attention.decode.Q8_0" in names and "stack.decode" in names
     assert "prefill.gemm.engram.wkv.Q8_0" in names and "engram.hash.64k" in names
+    assert "gemv.imma.attn.wq_a.Q8_0" in names and "gemv.imma.engram.wkv.Q8_0" in names
+    q2 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q2_K",)))]
+    assert not [name for name in q2 if name.startswith("gemv.imma.")]  # (the imma rows are Q8_0's)
 
 
 def test_the_40_layer_stack_is_a_row_of_its_own() -> None:
@@ -203,6 +206,15 @@ def test_rotated_time_reads_the_copies_in_turn_and_frees_them(recorder: Recorder
     assert plan.mode == "rotate" and plan.copies == 4 and len(made) == 3
     assert seen == [i % 4 for i in range(len(seen))] and len(seen) == 2 * 3 + 20 * 3
     assert all(ref() is None for ref in made), "the rotation copies outlived the row"
+
+
+def test_rotated_time_prepares_every_copy_before_the_timing(recorder: Recorder) -> None:
+    ctx = BenchContext(BenchOptions(reps=20, warmup=0), "test", 4e12, l2_bytes=L2)
+    seen: list[int] = []
+    prepared: list[int] = []
+    ctx.rotated_time(Weight(0), lambda w: Weight(w.tag + 1), lambda w: seen.append(w.tag), 60 * MB, stream=0, n=3,
+                     prepare=lambda w: prepared.append(len(seen)))
+    assert prepared == [0, 0, 0, 0]  # one call on each of the 4 items, all before the first timed call
 
 
 # ------------------------------------------------------------------------- the probe kernels

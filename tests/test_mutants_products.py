@@ -11,9 +11,16 @@ mutants built by tests/mutants.py:
 - scale: a 1% scale error (gemm: every block's values 1.01x, as a wrong block scale; stream: every
   row's walked sums 1.01x; tc: every tensor-core step's contribution 1.01x).
 
+The integer tensor-core decode product (`imma`, stages.linear_imma) has its own: truncate; digit (a
+digit weighs 255 times the one below it, not 256); drop_digit (each input's digit 2 left out);
+scale (every block's scale back 1% large); exponent (the scale back of every block twice what its
+digits were made for: the block exponent off by one). On the simulator (K = 256 in two slices,
+T = 4) each bf16 mutant is caught by both rules (truncate 49% bit-equal, digit 27%, drop_digit 10%,
+scale and exponent 0%); fp32 out, digit and scale by the sqrt(K) bound (99 and 250 times it).
+
 The mutated pieces are the quant-type table's (stages.quant_types.DEVICE_TYPES, swapped in the
 kernel's module: a record with a broken weight dequantiser or tc put) or the kernel module's own
-(stream_walker, mma, f32_to_bf16).
+(stream_walker, mma, f32_to_bf16; imma's DIGIT, quad_digits and block_scales).
 
 Each test runs its mutant through the very check the product tests use (test_linear.check_linear,
 test_linear_tc.check_tc) and requires it to fail on one of tests/bounds.py's rules (the message
@@ -39,7 +46,7 @@ from functools import lru_cache
 
 import numpy as np
 import pytest
-from numba import float32, uint16, uint32
+from numba import float32, int32, uint16, uint32
 
 from flashv41 import stages
 from flashv41.host.quants import GGMLType, dequantize, random_blocks
@@ -171,10 +178,42 @@ def narrow_dropping_types():
             if qt.narrow else qt for t, qt in DEVICE_TYPES.items()}
 
 
+def digit_dropping(quad_digits):
+    """stages.linear_imma's quad_digits with digit 2 (the inputs' bits 16..23 of 2^29) left out."""
+    @device
+    def quad_digits_dropping(wa, wb, scale):
+        d0, d1, d2, d3 = quad_digits(wa, wb, scale)
+        return d0, d1, uint32(0), d3
+
+    return quad_digits_dropping
+
+
+def scaled_back(block_scales, factor):
+    """stages.linear_imma's block_scales whose scale back (2^(E - 29)) is `factor` times too large
+    while the digits keep their own: a 1% scale (1.01), the block exponent off by one (2)."""
+    @device
+    def block_scales_off(field):
+        scale, back = block_scales(field)
+        return scale, back * factor
+
+    return block_scales_off
+
+
+IMMA_MUTANTS = ["truncate", "digit", "drop_digit", "scale", "exponent"]
+
+
 def replacements(kernel: str, kind: str) -> dict:
-    """The globals a mutant of `kernel` ("stream", "gemm", "tc", "narrow") swaps (tests/mutants.py)."""
+    """The globals a mutant of `kernel` ("stream", "gemm", "tc", "narrow", "imma") swaps
+    (tests/mutants.py)."""
     if kind == "truncate":
         return {"f32_to_bf16": truncating_bf16}
+    if kernel == "imma":
+        imma = stages.linear_imma
+        if kind == "digit":  # a digit weighs 255 times the one below it, not 256
+            return {"DIGIT": int32(255)}
+        if kind == "drop_digit":
+            return {"quad_digits": digit_dropping(imma.quad_digits)}
+        return {"block_scales": scaled_back(imma.block_scales, SCALE if kind == "scale" else float32(2))}
     if kernel == "narrow":
         if kind == "drop":
             return {"DEVICE_TYPES": narrow_dropping_types()}
@@ -199,7 +238,8 @@ def rejected(check, *args, **kwargs) -> str:
 
 def run_mutant(kernel: str, kind: str, check, *args, **kwargs) -> None:
     """The mutant through `check` (rejected), then the real kernel through it (passes)."""
-    module = {"tc": stages.linear_tc, "narrow": stages.linear_narrow}.get(kernel, stages.linear)
+    module = {"tc": stages.linear_tc, "narrow": stages.linear_narrow, "imma": stages.linear_imma}.get(kernel,
+                                                                                                   stages.linear)
     with mutant(module, **replacements(kernel, kind)):
         rules = rejected(check, *args, **kwargs)
     print(f"mutant {kernel} {kind}: rejected by the {rules}")
@@ -235,6 +275,20 @@ def test_narrow_mutants(gtype, kind):
     """The narrow tensor-core product at T = 9 (batched decode's first token count past stream's)."""
     w, wq = small_weight(gtype)
     run_mutant("narrow", kind, check_linear, w, wq, 9, "narrow", seed=4)
+
+
+@pytest.mark.parametrize("kind", IMMA_MUTANTS)
+def test_imma_mutants(kind):
+    """The integer tensor-core decode product at T = 4 (two token pairs), K in two slices."""
+    w, wq = small_weight(GGMLType.Q8_0)
+    run_mutant("imma", kind, check_linear, w, wq, T, "imma", seed=6)
+
+
+@pytest.mark.parametrize("kind", ["digit", "scale"])
+def test_imma_f32_out_mutants(kind):
+    """fp32 out: the sqrt(K) bound alone must catch these."""
+    w, wq = small_weight(GGMLType.Q8_0)
+    run_mutant("imma", kind, check_linear, w, wq, 1, "imma", out_bf16=False, seed=7)
 
 
 @pytest.mark.parametrize("kind", MUTANTS)
@@ -299,6 +353,16 @@ def test_flash_narrow_mutants(gtype, name, tokens, kind):
     n, k = FLASH[name]
     w, wq = flash_weight(n, k, gtype)
     run_mutant("narrow", kind, check_linear, w, wq, tokens, "narrow", seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", IMMA_MUTANTS)
+@pytest.mark.parametrize("name,tokens", [("wq_b", 1), ("wo_b", 8)])
+def test_flash_imma_mutants(name, tokens, kind):
+    """The integer tensor-core decode product on a flash shape of one slice (wq_b) and of seven (wo_b)."""
+    n, k = FLASH[name]
+    w, wq = flash_weight(n, k, GGMLType.Q8_0)
+    run_mutant("imma", kind, check_linear, w, wq, tokens, "imma", seed=8)
 
 
 TC_SHAPES = [(GGMLType.BF16, "wo_b"), (GGMLType.Q8_0, "wq_b"), (GGMLType.Q2_K, "engram_wkv"),

@@ -256,11 +256,17 @@ class BenchContext:
         return host_time(fn, o.reps, o.warmup, before=evict), plan
 
     def rotated_time(self, first: T, copy: Callable[[T], T], call: Callable[[T], None], data_bytes: int, stream,
-                     n: int = 8, hold_s: float = 0.005) -> tuple[float, L2Plan]:
+                     n: int = 8, hold_s: float = 0.005, prepare: Callable[[T], None] | None = None
+                     ) -> tuple[float, L2Plan]:
         """device_time of `call(item)`, each call on the next of `plan.copies` items: `first` and
-        copies of it made by `copy` (data_bytes each), freed before returning."""
+        copies of it made by `copy` (data_bytes each), freed before returning. `prepare(item)` runs
+        once on every item before the timing (what a kernel sets up at its first call on a weight,
+        such as stages.linear_imma's workspace, stays out of the timed calls)."""
         plan = self.plan(data_bytes, rotate=True)
         items = [first] + [copy(first) for _ in range(plan.copies - 1)]
+        if prepare is not None:
+            for item in items:
+                prepare(item)
         turn = [0]
 
         def rotating() -> None:

@@ -17,6 +17,10 @@ in a real step). The copies are freed when the row ends. The JSON's `l2` says "r
 copies", or for a weight >= 4x L2 "read from HBM" (timed back to back on the one weight).
 `time_product` also serves the prefill rows (flashv41.bench.prefill), which evict instead.
 
+`gemv.imma.<matrix>.Q8_0`: the same product forced onto the integer tensor-core kernel
+(stages.linear_imma, never picked by default yet), timed and bounded as its `gemv.<matrix>.Q8_0`
+row beside it, so that one run compares the two.
+
 `gemv.floor.read_<MB>MB`: the read-only copy-bandwidth kernel alone over a buffer of that size
 (rotated copies, as a weight's), the fastest a kernel that reads so many bytes has been seen to
 run. A kernel's launch, ramp and drain cost a few microseconds whatever it reads, so at the sizes
@@ -39,12 +43,13 @@ SHAPES = (("attn.wq_a", 1280, 5120, 1), ("attn.wq_b", 64 * 512, 1280, 1), ("attn
 
 
 def time_product(ctx: BenchContext, matrix: str, n: int, k: int, groups: int, wtype: str, tokens: int,
-                 hold_s: float = 0.005) -> tuple[float, str, L2Plan]:
+                 hold_s: float = 0.005, kernel: str = "") -> tuple[float, str, L2Plan]:
     """Median device seconds of `tokens` bf16 tokens through a random [n, k] weight of `wtype`
-    (`groups` groups reading their own input slices), with the kernel stages.linear picks; the
-    kernel's name; and what was done about the L2. One token (a decode GEMV reads its weight
-    once): copies of the weight rotated. More (a prefill GEMM, which reuses its tiles from the L2
-    by design): the L2 evicted between repetitions if weight, input and output fit."""
+    (`groups` groups reading their own input slices), with `kernel` (stages.linear's names) or the
+    kernel stages.linear picks; the kernel's name; and what was done about the L2. One token (a
+    decode GEMV reads its weight once): copies of the weight rotated (each run once before the
+    timing where the kernel is forced). More (a prefill GEMM, which reuses its tiles from the L2 by
+    design): the L2 evicted between repetitions if weight, input and output fit."""
     from numba import cuda
 
     from flashv41.stages.linear import DeviceWeight, linear, pick_kernel
@@ -58,23 +63,25 @@ def time_product(ctx: BenchContext, matrix: str, n: int, k: int, groups: int, wt
     rows = n // groups if groups > 1 else 0
 
     def product(weight: DeviceWeight) -> None:
-        linear(x, weight, y, tokens, group_rows=rows, stream=stream)
+        linear(x, weight, y, tokens, group_rows=rows, stream=stream, kernel=kernel)
 
     queued = 4 if tokens > 1 else 8
     if tokens == 1:
         median, plan = ctx.rotated_time(w, lambda v: copy_weight(v, stream), product, w.nbytes, stream, n=queued,
-                                        hold_s=hold_s)
+                                        hold_s=hold_s, prepare=product if kernel else None)
     else:
         median, plan = ctx.stage_time(lambda: product(w), w.nbytes + x.nbytes + y.nbytes, stream, n=queued,
                                       hold_s=hold_s)
-    return median, pick_kernel(w, True, tokens), plan
+    return median, kernel or pick_kernel(w, True, tokens), plan
 
 
-def gemv_case(matrix: str, n: int, k: int, groups: int, wtype: str) -> BenchCase:
-    name = f"gemv.{matrix}.{wtype}"
+def gemv_case(matrix: str, n: int, k: int, groups: int, wtype: str, forced: str = "") -> BenchCase:
+    """The row of one token through the matrix: `gemv.<matrix>.<type>` with the kernel stages.linear
+    picks, or `gemv.<forced>.<matrix>.<type>` with that kernel forced."""
+    name = f"gemv.{forced + '.' if forced else ''}{matrix}.{wtype}"
 
     def run(ctx: BenchContext) -> list[BenchRow]:
-        median, kernel, plan = time_product(ctx, matrix, n, k, groups, wtype, 1)
+        median, kernel, plan = time_product(ctx, matrix, n, k, groups, wtype, 1, kernel=forced)
         nbytes = FORMATS[GGMLType[wtype]].row_bytes(k) * n
         share = nbytes / median / ctx.copy_bandwidth
         return [BenchRow(name, median, ctx.memory_bound(nbytes), bytes=nbytes,
@@ -109,5 +116,6 @@ def floor_case(mb: int) -> BenchCase:
 
 
 def cases(options: BenchOptions) -> list[BenchCase]:
+    imma = [gemv_case(m, n, k, g, "Q8_0", "imma") for m, n, k, g in SHAPES] if "Q8_0" in options.weight_types else []
     return ([floor_case(mb) for mb in FLOOR_MB]
-            + [gemv_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES])
+            + [gemv_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES] + imma)

@@ -1,0 +1,575 @@
+"""Integer tensor-core decode products: y[t, n] = sum_k x[t, k] * dequant(w)[n, k] for the few tokens
+of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0 weights, on
+`mma.sync.m16n8k32.s32.s8.s8` with the stored Q8_0 levels as the mma's A operand, unconverted.
+
+Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16), w a
+stages.linear.DeviceWeight of Q8_0 in its split device layout (per row the K int8 levels, then the
+K/32 fp16 scales d), y [T, N] bf16 bits (rounded to nearest even) or float32. Grouped product
+(group_rows > 0, a multiple of 16): output row n reads x[:, (n // group_rows) * K :][:K].
+
+One mma covers one Q8_0 block (32 levels q, one scale d) of 16 rows: its int32 result is that
+block's exact sum of q times the B columns. Lane (g, t) = (lane >> 2, lane & 3) loads bytes
+8 t .. 8 t + 7 of the block from rows g and g + 8 (8 bytes each); PTX puts a lane's A registers at
+(row g, k 4 t ..), (g + 8, 4 t ..), (g, 16 + 4 t ..), (g + 8, 16 + 4 t ..) and its B registers at
+(k 4 t .., column g), (k 16 + 4 t .., column g), so logical k 4 t + i is stored k 8 t + i and
+logical 16 + 4 t + i is stored 8 t + 4 + i, for A and B alike (an integer sum in any order is the
+same sum).
+
+The inputs become integers. For token t and 32-value block b of x let E be the binary exponent of
+the block's largest magnitude (its bf16 exponent field less 127, at least FIELD_MIN - 127) and
+X_k = round(x_k * 2^(29 - E)), |X_k| <= 255 * 2^22 < 2^30: exact for every |x_k| >= 2^(E - 22) (a
+bf16 value has 8 significant bits), smaller ones rounded to nearest even, off by at most 2^(E - 30).
+(2^29, not 2^30: four balanced digits reach 0x7F7F7F7F, short of 255 * 2^23.) X is split into four
+balanced base-256 digits D0..D3 in [-128, 127], X = D0 + 2^8 D1 + 2^16 D2 + 2^24 D3, each an int8
+column of B: token j's digit p is column 4 j + p, two tokens an mma, more tokens more mmas on the
+same A registers, columns of absent tokens zero. S_p = sum_k q_k D_p,k is exact (|S_p| <= 2^19).
+Lane (g, t) holds columns 2 t, 2 t + 1: one token's digits p = 2 (t & 1) and p + 1, so it adds them
+in int32, P = S_p + 2^8 S_p+1 (exact, |P| < 2^28), converts P to fp32 (one I2FP on sm_90: exact
+below 2^24, which P passes rarely: the top pair's when its block's largest inputs meet large levels
+of one sign, |S_3| <= 2^18 and typically ~2^13; the low pair's digits are zero for inputs of at least
+2^(E - 6), whose bits all sit in digits 2 and 3; else rounded once) and accumulates acc += fp32(P) *
+(d * 2^(E - 29)) per (row, token) in one fused multiply-add, the scale an exact product (fp16 d
+times a power of two) unless it falls below fp32's normal range. (Converting each S_p exactly
+instead costs two more conversions and multiply-adds, less two integer adds, a token pair and
+block: 8% more of the walk's instructions for a rounding that rarely happens.) At the end
+y = acc_lo + 2^16 acc_hi (digits 0, 1 and 2, 3: a lane pair's sums, exchanged through shared memory).
+
+Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with tests/bounds.py's
+rules (>= 99% of bf16 outputs bit-equal to the oracle's, every output within half a bf16 ulp plus
+8 sqrt(K) 2^-24 sum_k |x_k w_k| of the exact product).
+
+Exactness. Each block's sum over its 32 values is exact for the X above. Then each output meets
+these fp32 roundings: the conversion of P (one a block and digit pair, only where |P| >= 2^24), the
+accumulation (one a block and digit pair along the warp's slice, at most SLICE_STEPS_MAX * UNROLL),
+the digit pairs' sum (one), the slices' sums (slices - 1, in slice order) and the bf16 rounding. So
+each exact term (a block and digit pair's d 2^(E - 29) P) passes through at most K/32 + slices + 1
+roundings before the bf16 one, fewer than the K a term may meet under bounds.py's sqrt(K) rule, in
+the same model (terms of random sign, rounded to nearest). The rounding of X is not of that kind:
+its error, at most 2^(E - 30) |w_k| for each input below 2^(E - 22) of its block's largest, is
+bounded by 2^-30 times the block's largest |x| times |w_k|, not by |x_k w_k|, so bounds.py covers
+it only while each block's largest input meets a weight of comparable size; it is not claimed
+beyond that (on the tests' Gaussian inputs a value 2^-22 below its block's largest is about one in
+10^6; tests/test_linear_imma.py also puts inputs 2^-20 of their block's largest beside it, and
+holds the digits to a host reference of X). Blocks whose largest |x| is below 2^(FIELD_MIN - 127)
+= 2^-97 are scaled as if it were 2^-97 (their inputs rounded to multiples of 2^-127, about as
+fp32's subnormals would); non-finite inputs are not supported (an inf or NaN makes its block's
+sums wrong). Every output's sum depends on its row and token alone, never on T or the other
+tokens: the launch (`plan`) comes from the shape.
+
+Launch (`plan`): a block is DIGIT_TILES 16-row tiles of one group (one a warp) over one slice of
+K; the tiles' K is split into `slices` slices (each a whole number of walk steps of UNROLL blocks,
+at most SLICE_STEPS_MAX: the shared digits' room), about enough for TARGET_WARPS warps in all, so
+that every flash decode shape fills the GPU (at least 160 blocks). A lane issues a walk step's
+loads (UNROLL blocks of its two rows, their scales) before its mmas. With several slices each
+block writes its sums to a workspace and the last of a tile group's blocks to finish (a counter)
+adds them in slice order and writes y.
+
+The digits are made in each block's prologue, into shared memory: the block's slice of K for all
+its tokens, four lanes a (token, block of 32), for the DIGIT_TILES tiles (warps) that share them;
+the first walk step's loads are issued before it, so the weights stream while the digits are made.
+Chosen over a separate digits kernel by SASS count (sm_90, ptxas 13.5; probes/imma_sass.py): a
+lane's eight inputs cost about 200 instructions (the block's largest exponent read by each of its
+four lanes, 8 x (convert, scale, round, bias), a byte transpose, four 8-byte stores), against 101
+for a walk step of a tile (4 blocks x 16 rows x 32 bytes: 1.6 instructions a weight byte a thread,
+where the stream kernel's Q8_0 walk takes 4.8). At T = 1 the prologue is 3-5% of a block's issued
+instructions on wq_b, wo_a, wo_b and the engram wkv, 11% on wq_a and the index wq_b (slices of two
+steps), 20% on wkv (of one); T = 2: 6-8%, 19%, 31%; T = 8: 7-8%, 23%, 38%. A separate kernel would
+cost a launch and a dependency in the step's graph (a microsecond or two against these products'
+5-50 us) and a round trip of the digits through L2; a launch's x and every scale come from device
+memory either way (decode steps are replayed as graphs).
+
+On the simulator the mma is emulated exactly (stages.linear_tc's warp meeting with an integer
+tile), blocks have at most four warps and slices are short, so the tests reach every path; NumPy
+rounds the accumulation's product apart from its sum there (one rounding more a term).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+from numba import cuda, float32, int32, uint32, uint64
+
+from flashv41.host.quants import GGMLType
+from flashv41.stages import linear_tc
+from flashv41.stages.device import (
+    CHUNK,
+    SIM,
+    WARP,
+    address_at,
+    byte_perm,
+    device,
+    f16x2_f32,
+    f32_from_bits,
+    f32_to_bf16,
+    inlined,
+    load_words4,
+    row_address,
+    words2_at,
+)
+
+MAX_TOKENS = 8  # tokens a launch: stages.linear's GEMV_MAX_TOKENS (which imports this module)
+TOKEN_CAPS = (1, 2, 4, 8)  # compiled per cap: cap / 2 mmas (token pairs) per A fragment
+UNROLL = 4  # blocks of 32 values a walk step loads together (the scales: one 8-byte load a row)
+X_BITS = 29  # X = round(x * 2^(X_BITS - E))
+FIELD_MIN = X_BITS + 1  # the smallest exponent field a block is scaled by: 2^(E - X_BITS) stays normal
+DIGIT = int32(256)  # the weight of a digit over the one below it
+DIGIT_PAIR = float32(65536.0)  # the weight of digits 2, 3 over digits 0, 1
+DIGIT_BIAS = 0x80808080  # X + this has the balanced digits, plus 128, as its bytes
+DIGIT_FLIP = uint32(0x80808080)  # a biased byte to the signed digit
+EXPONENT_LO, EXPONENT_HI = uint32(0x7F80), uint32(0x7F800000)  # the exponent bits of a word's two bf16
+if SIM:  # four warps (the emulated mma's meeting), short slices: every path on the tests' small shapes
+    DIGIT_TILES, TARGET_WARPS, SLICE_STEPS_MAX = 4, 8, 2
+else:
+    DIGIT_TILES, TARGET_WARPS, SLICE_STEPS_MAX = 8, 2048, 10
+SLICE_BLOCKS_MAX = SLICE_STEPS_MAX * UNROLL  # a slice's blocks of 32 values at most (1280 values)
+# a digit column's uint64 words: the slice's values, eight a word, and 32 bytes more, so that the
+# 8 columns x 4 lanes of a B fragment's 8-byte loads fall on distinct banks (a column is 32 mod 128 bytes)
+COLUMN_WORDS = SLICE_BLOCKS_MAX * CHUNK // 8 + 4
+RED_SHAPE = (DIGIT_TILES, 2, WARP)  # [warp, row half, lane] a token pair's sums, for the digit pairs' sum
+LINE = 32  # floats of a 128-byte line: each block's rows of the partial sums start one (no line shared)
+
+
+def token_cap(n_tokens: int) -> int:
+    """The smallest compiled token cap that holds n_tokens (<= MAX_TOKENS)."""
+    return next(cap for cap in TOKEN_CAPS if n_tokens <= cap)
+
+
+if SIM:
+    def imma_tile(regs):
+        """A @ B (int64, exact) of the 32 lanes' registers [lane, 6] (PTX m16n8k32 .s8 layout)."""
+        q = np.ascontiguousarray(regs).view(np.int8).reshape(8, 4, 6, 4).astype(np.int64)  # [g, t, register, byte]
+        a = np.empty((16, 32), np.int64)
+        a[:8, :16], a[8:, :16] = q[:, :, 0].reshape(8, 16), q[:, :, 1].reshape(8, 16)
+        a[:8, 16:], a[8:, 16:] = q[:, :, 2].reshape(8, 16), q[:, :, 3].reshape(8, 16)
+        bt = np.concatenate([q[:, :, 4].reshape(8, 16), q[:, :, 5].reshape(8, 16)], axis=1)  # B^T [column, k]
+        return a @ bt.T
+
+    def imma(a0, a1, a2, a3, b0, b1):
+        """The warp's 16 x 8 int32 tile D = A @ B, emulated: the lanes meet (stages.linear_tc)."""
+        tid = cuda.threadIdx.x
+        d = linear_tc.kernel_warp_meet((a0, a1, a2, a3, b0, b1), imma_tile)
+        g, t = (tid % WARP) >> 2, tid & 3
+        return int32(d[g, 2 * t]), int32(d[g, 2 * t + 1]), int32(d[g + 8, 2 * t]), int32(d[g + 8, 2 * t + 1])
+
+    def f2i_rn(v):
+        """v (float32) to int32, rounded to nearest even."""
+        return int(np.rint(np.float32(v)))
+
+    def load_l2(a, s, t, i):
+        """a[s, t, i] (on a GPU read from L2: what other blocks wrote)."""
+        return a[s, t, i]
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils, libdevice  # type: ignore[attr-defined]
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def imma(typingctx, a0, a1, a2, a3, b0, b1):
+        """D = A @ B on one 16 x 8 x 32 tile of int8: `mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32`
+        with C = 0. Lane (g, t) holds A (row-major, four int8 a register, low byte first) at rows g
+        (a0, a2) and g + 8 (a1, a3), k 4 t .. 4 t + 3 (a0, a1) and 16 + 4 t .. (a2, a3); B at column g,
+        k 4 t .. (b0) and 16 + 4 t .. (b1); D at rows g (d0, d1) and g + 8 (d2, d3), columns 2 t, 2 t + 1."""
+        sig = types.UniTuple(types.int32, 4)(*([types.uint32] * 6))
+
+        def codegen(context, builder, signature, args):
+            word = ir.IntType(32)
+            fn = ir.FunctionType(ir.LiteralStructType([word] * 4), [word] * 10)
+            asm = ir.InlineAsm(fn, "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+                               "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                               "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r")
+            d = builder.call(asm, list(args) + [ir.Constant(word, 0)] * 4)
+            return context.make_tuple(builder, signature.return_type, [builder.extract_value(d, i) for i in range(4)])
+
+        return sig, codegen
+
+    @cuda.jit(device=True)
+    def f2i_rn(v):
+        """v (float32) to int32, rounded to nearest even: one F2I."""
+        return libdevice.float2int_rn(v)
+
+    @intrinsic
+    def load_l2(typingctx, a, s, t, i):
+        """a[s, t, i] of a float32 array, read from L2 (`ld.global.cg`): what other blocks of the launch
+        wrote, never a line this SM's L1 may hold from before."""
+        sig = types.float32(a, s, t, i)
+
+        def codegen(context, builder, signature, args):
+            array_type = signature.args[0]
+            array = context.make_array(array_type)(context, builder, args[0])
+            index = [context.cast(builder, v, ty, types.intp)
+                     for v, ty in zip(args[1:], signature.args[1:], strict=True)]
+            pointer = cgutils.get_item_pointer(context, builder, array_type, array, index)
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(64)]), "ld.global.cg.f32 $0, [$1];", "=f,l")
+            return builder.call(asm, [builder.ptrtoint(pointer, ir.IntType(64))])
+
+        return sig, codegen
+
+
+# the digits (the prologue's pieces)
+
+
+@device
+def field4(w0, w1, w2, w3):
+    """The largest exponent field among the eight bf16 of four words."""
+    lo = max(max(uint32(w0 & EXPONENT_LO), uint32(w1 & EXPONENT_LO)),
+             max(uint32(w2 & EXPONENT_LO), uint32(w3 & EXPONENT_LO)))
+    hi = max(max(uint32(w0 & EXPONENT_HI), uint32(w1 & EXPONENT_HI)),
+             max(uint32(w2 & EXPONENT_HI), uint32(w3 & EXPONENT_HI)))
+    return max(uint32(lo >> uint32(7)), uint32(hi >> uint32(23)))
+
+
+@device
+def block_scales(field):
+    """(2^(X_BITS - E), 2^(E - X_BITS)) for a block whose largest exponent field is `field`
+    (E = max(field, FIELD_MIN) - 127): what scales x to X, and what scales the block's sums back.
+    Both normal fp32 powers of two, built from their bits."""
+    f = max(uint32(field), uint32(FIELD_MIN))
+    return f32_from_bits((uint32(127 + X_BITS + 127) - f) << 23), f32_from_bits((f - uint32(X_BITS)) << 23)
+
+
+@device
+def biased(v, scale):
+    """X = round(v * scale) (v * scale exact: a power of two) plus DIGIT_BIAS, as a 32-bit word."""
+    return uint32((f2i_rn(v * scale) + DIGIT_BIAS) & 0xFFFFFFFF)
+
+
+@device
+def quad_digits(wa, wb, scale):
+    """The digits of the four bf16 of words wa, wb (low half first): four words, word p the digit p
+    of the four values (value i in byte i), each a signed byte."""
+    y0 = biased(f32_from_bits(wa << 16), scale)
+    y1 = biased(f32_from_bits(wa & uint32(0xFFFF0000)), scale)
+    y2 = biased(f32_from_bits(wb << 16), scale)
+    y3 = biased(f32_from_bits(wb & uint32(0xFFFF0000)), scale)
+    # a 4 x 4 byte transpose: bytes (digit p of value i) from [value][digit] to [digit][value]
+    t0 = byte_perm(y0, y1, 0x5140)  # y0.0 y1.0 y0.1 y1.1
+    t1 = byte_perm(y0, y1, 0x7362)  # y0.2 y1.2 y0.3 y1.3
+    t2 = byte_perm(y2, y3, 0x5140)
+    t3 = byte_perm(y2, y3, 0x7362)
+    return (byte_perm(t0, t2, 0x5410) ^ DIGIT_FLIP, byte_perm(t0, t2, 0x7632) ^ DIGIT_FLIP,
+            byte_perm(t1, t3, 0x5410) ^ DIGIT_FLIP, byte_perm(t1, t3, 0x7632) ^ DIGIT_FLIP)
+
+
+@device
+def store_octet(digits, at, w0, w1, w2, w3, scale):
+    """The digits of the eight bf16 of four words into digits[at + p COLUMN_WORDS] (one uint64 each)."""
+    lo0, lo1, lo2, lo3 = quad_digits(w0, w1, scale)
+    hi0, hi1, hi2, hi3 = quad_digits(w2, w3, scale)
+    digits[at] = uint64(lo0) | (uint64(hi0) << uint64(32))
+    digits[at + uint64(COLUMN_WORDS)] = uint64(lo1) | (uint64(hi1) << uint64(32))
+    digits[at + uint64(2 * COLUMN_WORDS)] = uint64(lo2) | (uint64(hi2) << uint64(32))
+    digits[at + uint64(3 * COLUMN_WORDS)] = uint64(lo3) | (uint64(hi3) << uint64(32))
+
+
+@device
+def octet_digits(x32, t, word, q, digits, at, scales, s_at):
+    """Inputs 8 q .. 8 q + 7 of token t's block of 32 at word `word` of x32 (bf16 pairs): their four
+    digit columns' bytes into digits[at + p COLUMN_WORDS] (p = 0..3, a uint64 each); the block's
+    scale 2^(E - X_BITS) into scales[s_at] by the lane of q = 0. Each of the block's four lanes reads
+    the whole block for its largest exponent (three of its four loads are L1 hits)."""
+    a0, a1, a2, a3 = load_words4(x32, t, word)
+    b0, b1, b2, b3 = load_words4(x32, t, uint32(word + uint32(4)))
+    c0, c1, c2, c3 = load_words4(x32, t, uint32(word + uint32(8)))
+    e0, e1, e2, e3 = load_words4(x32, t, uint32(word + uint32(12)))
+    field = max(max(field4(a0, a1, a2, a3), field4(b0, b1, b2, b3)),
+                max(field4(c0, c1, c2, c3), field4(e0, e1, e2, e3)))
+    scale, back = block_scales(field)
+    if q == 0:
+        scales[s_at] = back
+    w0, w1, w2, w3 = load_words4(x32, t, uint32(word + uint32(4) * q))
+    store_octet(digits, at, w0, w1, w2, w3, scale)
+
+
+@device
+def zero_digits(digits, at, scales, s_at, q):
+    """octet_digits' stores for an absent token: zero digits, a zero scale."""
+    for p in range(4):
+        digits[at + uint64(p * COLUMN_WORDS)] = uint64(0)
+    if q == 0:
+        scales[s_at] = float32(0)
+
+
+@cache
+def imma_kernel(cap: int, out_bf16: bool):
+    """A block: DIGIT_TILES tiles of 16 rows of one group (a warp each) over one slice of K, for up
+    to `cap` tokens; grid = (tile groups x slices,), block = 32 x warps threads."""
+    pairs = max(cap, 2) // 2  # mmas a block of A meets: two tokens each
+    # flat shared arrays, indexed by uint64 offsets from a lane's base (constant offsets fold into the loads)
+    digits_shape = 8 * pairs * COLUMN_WORDS  # [column 4 token + digit][8 values] int8 digits, eight a word
+    scales_shape = 2 * pairs * SLICE_BLOCKS_MAX  # [token][block] 2^(E - X_BITS)
+    acc_shape = (pairs, 2)  # [token pair, row half]
+    held_shape = (UNROLL, 2, 2)  # [block, row half, word] a walk step's levels (its A registers)
+    d_shape = (UNROLL, 2)  # [block, row half] their scales
+
+    @inlined
+    def load_full(lo, hi, k, b, held, d, t4):
+        """A walk step's loads: blocks b .. b + UNROLL - 1 of the lane's two rows (row addresses lo,
+        hi), bytes 8 t4 .. 8 t4 + 7 of each (at constant offsets of one address a row), and their scales."""
+        at = uint32(uint32(CHUNK) * b + uint32(8) * t4)
+        lo_at = address_at(lo, at)
+        hi_at = address_at(hi, at)
+        for j in range(UNROLL):
+            held[j, 0, 0], held[j, 0, 1] = words2_at(lo_at, uint32(CHUNK * j))
+            held[j, 1, 0], held[j, 1, 1] = words2_at(hi_at, uint32(CHUNK * j))
+        load_scales(lo, hi, k, b, d)
+
+    @inlined
+    def load_tail(lo, hi, k, b, last, held, d, t4):
+        """load_full's loads for a slice's last, partial step: blocks past `last` load block `last`
+        (a real block, its sums not used)."""
+        for j in range(UNROLL):
+            at = uint32(uint32(CHUNK) * min(uint32(b + uint32(j)), last) + uint32(8) * t4)
+            held[j, 0, 0], held[j, 0, 1] = words2_at(lo, at)
+            held[j, 1, 0], held[j, 1, 1] = words2_at(hi, at)
+        load_scales(lo, hi, k, b, d)
+
+    @inlined
+    def load_scales(lo, hi, k, b, d):
+        """The fp16 scales of blocks b .. b + 3 of both rows (block j's at byte K + 2 j; b a multiple of 4)."""
+        at = uint32(k + uint32(2) * b)
+        s01, s23 = words2_at(lo, at)
+        d[0, 0], d[1, 0] = f16x2_f32(s01)
+        d[2, 0], d[3, 0] = f16x2_f32(s23)
+        s01, s23 = words2_at(hi, at)
+        d[0, 1], d[1, 1] = f16x2_f32(s01)
+        d[2, 1], d[3, 1] = f16x2_f32(s23)
+
+    @inlined
+    def block_mmas(digits, scales, held, d, acc, j, dig, sc):
+        """Block j of the step against every token pair's digits (dig, sc: the lane's indices of the
+        step's first block in digits and scales)."""
+        for p in range(pairs):
+            # B column g of token pair p: token 2 p + g // 4, digit g % 4; D columns 2 t4, 2 t4 + 1:
+            # token 2 p + t4 // 2
+            v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
+            s = scales[sc + uint64(j + 2 * p * SLICE_BLOCKS_MAX)]
+            c0, c1, c2, c3 = imma(held[j, 0, 0], held[j, 1, 0], held[j, 0, 1], held[j, 1, 1],
+                                  uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32)))
+            acc[p, 0] += float32(int32(c0 + c1 * DIGIT)) * (d[j, 0] * s)
+            acc[p, 1] += float32(int32(c2 + c3 * DIGIT)) * (d[j, 1] * s)
+
+    @cuda.jit if SIM else cuda.jit(launch_bounds=(WARP * DIGIT_TILES, 1))  # type: ignore[call-arg]
+    def imma_gemv(x, w, y, partials, counters, n_tokens, group_rows, k, per_group, slices, slice_blocks):
+        digits = cuda.shared.array(digits_shape, uint64)
+        scales = cuda.shared.array(scales_shape, float32)
+        red = cuda.shared.array(RED_SHAPE, float32)
+        last_flag = cuda.shared.array(1, int32)
+        x32 = x.view(np.uint32)  # [T, K_total / 2] bf16 pairs
+        w32 = w.view(np.uint32)
+        tid = uint32(cuda.threadIdx.x)
+        threads = uint32(cuda.blockDim.x)
+        warps = uint32(threads // uint32(WARP))
+        warp, lane = uint32(tid // uint32(WARP)), uint32(tid % uint32(WARP))
+        g, t4 = uint32(lane >> uint32(2)), uint32(lane & uint32(3))
+        rows = uint32(group_rows)
+        kk = uint32(k)
+        kb = uint32(kk // uint32(CHUNK))
+        block = uint32(cuda.blockIdx.x)
+        n_slices = uint32(slices)
+        tile_group = uint32(block // n_slices)  # a group's blocks side by side: its slices finish together
+        slice_ = uint32(block % n_slices)
+        group = uint32(tile_group // uint32(per_group))
+        tile0 = uint32((tile_group % uint32(per_group)) * warps)  # the block's first tile within its group
+        first = uint32((tile0 + warp) * uint32(16))  # the warp's first row within its group
+        b_start = uint32(slice_ * uint32(slice_blocks))
+        b_end = uint32(min(b_start + uint32(slice_blocks), kb))
+        nb = uint32(b_end - b_start)
+        row0 = uint32(group * rows)
+        last_row = uint32(rows - uint32(1))
+        lo = row_address(w32, row0 + min(first + g, last_row))  # (past the group: a real row, not stored)
+        hi = row_address(w32, row0 + min(first + g + uint32(8), last_row))
+        acc = cuda.local.array(acc_shape, float32)
+        held = cuda.local.array(held_shape, uint32)
+        d = cuda.local.array(d_shape, float32)
+        for p in range(pairs):
+            acc[p, 0] = float32(0)
+            acc[p, 1] = float32(0)
+        # the first step's loads, in flight while the digits are made
+        if b_start + uint32(UNROLL) <= b_end:
+            load_full(lo, hi, kk, b_start, held, d, t4)
+        else:
+            load_tail(lo, hi, kk, b_start, uint32(b_end - uint32(1)), held, d, t4)
+        half = uint32(CHUNK // 2)  # input words a block
+        x_word = uint32(group * (kk >> uint32(1)) + b_start * half)  # the slice's first input word
+        live = uint32(n_tokens)
+        # the digits: four lanes a (token, block) item, eight inputs each
+        for item in range(tid, uint32(2 * pairs * SLICE_BLOCKS_MAX * 4), threads):
+            q = uint32(uint32(item) & uint32(3))
+            ts = uint32(uint32(item) >> uint32(2))  # token * SLICE_BLOCKS_MAX + slot
+            t = uint32(ts // uint32(SLICE_BLOCKS_MAX))  # (a constant divisor: no division)
+            slot = uint32(ts % uint32(SLICE_BLOCKS_MAX))
+            at = uint64(t) * uint64(4 * COLUMN_WORDS) + uint64(4) * uint64(slot) + uint64(q)
+            if slot < nb:
+                if t < live:
+                    octet_digits(x32, t, uint32(x_word + slot * half), q, digits, at, scales, uint64(ts))
+                else:
+                    zero_digits(digits, at, scales, uint64(ts), q)
+        cuda.syncthreads()
+        lane_dig = uint64(g) * uint64(COLUMN_WORDS) + uint64(t4)  # B column g, the lane's 8 bytes of block 0
+        lane_sc = uint64(t4 >> uint32(1)) * uint64(SLICE_BLOCKS_MAX)  # its D columns' token's block 0 scale
+        b0 = b_start
+        while b0 + uint32(UNROLL) <= b_end:
+            if b0 != b_start:
+                load_full(lo, hi, kk, b0, held, d, t4)
+            step = uint64(b0 - b_start)
+            for j in range(UNROLL):
+                block_mmas(digits, scales, held, d, acc, j, lane_dig + uint64(4) * step, lane_sc + step)
+            b0 = uint32(b0 + uint32(UNROLL))
+        if b0 < b_end:
+            if b0 != b_start:
+                load_tail(lo, hi, kk, b0, uint32(b_end - uint32(1)), held, d, t4)
+            step = uint64(b0 - b_start)
+            for j in range(UNROLL):
+                if b0 + uint32(j) < b_end:
+                    block_mmas(digits, scales, held, d, acc, j, lane_dig + uint64(4) * step, lane_sc + step)
+        # out: lane (g, t) holds rows g, g + 8 and token 2 p + t // 2's digits 2 (t % 2), + 1; a lane
+        # of the pair's sum takes row i = lane % 16 and token 2 p + lane // 16
+        i = uint32(lane % uint32(16))
+        h = uint32(i >> uint32(3))
+        src = uint32(uint32(4) * (i % uint32(8)) + uint32(2) * (lane >> uint32(4)))
+        n = uint32(first + i)
+        # the floats a block's rows take in each partial row (Plan.region), and this lane's output's
+        region = uint32((warps * uint32(16) + uint32(LINE - 1)) // uint32(LINE) * uint32(LINE))
+        at = uint32(tile_group * region + warp * uint32(16) + i)
+        for p in range(pairs):
+            red[warp, 0, lane] = acc[p, 0]
+            red[warp, 1, lane] = acc[p, 1]
+            cuda.syncthreads()
+            v = red[warp, h, src] + DIGIT_PAIR * red[warp, h, src + uint32(1)]
+            t = uint32(uint32(2 * p) + (lane >> uint32(4)))
+            if t < live:
+                if n_slices == 1:
+                    if n < rows:
+                        if out_bf16:
+                            y[t, row0 + n] = f32_to_bf16(v)
+                        else:
+                            y[t, row0 + n] = v
+                else:
+                    partials[slice_, t, at] = v
+            cuda.syncthreads()
+        if n_slices == 1:
+            return
+        # the last of the tile group's blocks adds the slices' sums in slice order, read from L2
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            last_flag[0] = int32(cuda.atomic.add(counters, tile_group, 1) == slices - 1)
+            cuda.threadfence()
+        cuda.syncthreads()
+        if last_flag[0]:
+            span = uint32(warps * uint32(16))
+            for out in range(tid, span * uint32(cap), threads):
+                t = uint32(uint32(out) // span)
+                r = uint32(uint32(out) % span)
+                n = uint32(tile0 * uint32(16) + r)
+                at = uint32(tile_group * region + r)
+                if t < live and n < rows:
+                    total = load_l2(partials, 0, t, at)
+                    for s in range(1, slices):
+                        total += load_l2(partials, s, t, at)
+                    if out_bf16:
+                        y[t, row0 + n] = f32_to_bf16(total)
+                    else:
+                        y[t, row0 + n] = total
+            if tid == 0:
+                counters[tile_group] = 0  # ready for the next launch (a replayed graph's)
+
+    return imma_gemv
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a product of `groups` groups of `rows` outputs and K inputs is launched (`plan`)."""
+
+    warps: int  # tiles of 16 rows a block, one a warp: they share the block's digits
+    per_group: int  # blocks a group's tiles take
+    slices: int  # slices of K a tile's sums are split over, added in slice order
+    slice_blocks: int  # blocks of 32 values a slice (a whole number of walk steps)
+    tile_groups: int  # blocks a slice: groups * per_group
+
+    @property
+    def region(self) -> int:
+        """Floats a block's rows take in each partial row (whole 128-byte lines)."""
+        return -(-self.warps * 16 // LINE) * LINE
+
+
+def plan(rows: int, k: int, groups: int) -> Plan:
+    """The launch of a product, from its shape alone (never the token count: a token's sums must not
+    depend on its batch): DIGIT_TILES tiles a block (fewer in a group of fewer), and K split into the
+    fewest slices, at most SLICE_STEPS_MAX walk steps each, that give TARGET_WARPS warps (or one step
+    each), then rounded to slices of whole steps (which keeps at least half the warps). On the flash
+    shapes (slices x steps each, blocks, warps): wq_a 20 x 2, 200, 1600; wkv 40 x 1, 160, 1280; wq_b
+    1 x 10, 256, 2048; wo_a 4 x 8, 256, 2048; wo_b 7 x 10, 280, 2240; the index wq_b 5 x 2, 160,
+    1280; the engram wkv 5 x 10, 1000, 8000: at least 160 blocks of 8 warps for 132 SMs."""
+    tiles = -(-rows // 16)
+    warps = min(DIGIT_TILES, tiles)
+    per_group = -(-tiles // warps)
+    steps = -(-(k // CHUNK) // UNROLL)
+    slices = -(-steps // SLICE_STEPS_MAX)
+    while slices < steps and groups * per_group * slices * warps < TARGET_WARPS:
+        slices += 1
+    per_slice = -(-steps // slices)
+    return Plan(warps, per_group, -(-steps // per_slice), per_slice * UNROLL, groups * per_group)
+
+
+@dataclass
+class Workspace:
+    """A product's partial sums (float32 [slices, MAX_TOKENS, tile_groups * region]) and its tile
+    groups' counters of finished slices (int32 [tile_groups], zero between launches)."""
+
+    partials: object
+    counters: object
+
+
+_WORKSPACES: dict[tuple[int, Plan] | None, Workspace] = {}  # by (id of the DeviceWeight, plan), dropped with it
+
+
+def workspace(w, p: Plan) -> Workspace:
+    """The workspace of weight w's product under plan p (allocated at its first launch, which must
+    therefore come before a graph capture, as its compilation does; products of one slice share a
+    dummy that they never touch)."""
+    key = (id(w), p) if p.slices > 1 else None
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        shape = (p.slices, MAX_TOKENS, p.tile_groups * p.region) if key else (1, 1, 1)
+        ws = Workspace(cuda.device_array(shape, np.float32),
+                       cuda.to_device(np.zeros(p.tile_groups if key else 1, np.int32)))
+        _WORKSPACES[key] = ws
+        if key:
+            weakref.finalize(w, _WORKSPACES.pop, key, None)
+    return ws
+
+
+def takes(w, x_dtype, group_rows: int = 0) -> bool:
+    """Whether linear_imma takes this weight, input dtype and grouping."""
+    return (w.gtype == GGMLType.Q8_0 and np.dtype(x_dtype) == np.uint16 and w.k % CHUNK == 0
+            and group_rows % 16 == 0)
+
+
+def linear_imma(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
+    """y[:n_tokens] = x[:n_tokens] @ w^T on the integer tensor cores, in launches of MAX_TOKENS
+    tokens (y's dtype picks bf16 or fp32 out). group_rows > 0: grouped product, output row n reads
+    x[:, (n // group_rows) * K : ... + K]. Raises ValueError for what it does not take."""
+    if not takes(w, x.dtype, group_rows):
+        raise ValueError(f"linear_imma {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs in "
+                         f"groups of {group_rows} rows is not supported (bf16 inputs; Q8_0 weights, K a multiple "
+                         f"of {CHUNK}, groups of a multiple of 16 rows)")
+    groups = w.n // group_rows if group_rows else 1
+    rows = group_rows or w.n
+    if (groups * rows != w.n or x.shape[1] < groups * w.k or y.shape[1] < w.n
+            or not 0 <= n_tokens <= min(x.shape[0], y.shape[0]) or y.dtype not in (np.uint16, np.float32)):
+        raise ValueError(f"linear_imma {w.name}: x {x.shape}, y {y.shape} {y.dtype}, weight [{w.n}, {w.k}], "
+                         f"{n_tokens} tokens, group rows {group_rows}")
+    if n_tokens == 0:
+        return
+    p = plan(rows, w.k, groups)
+    ws = workspace(w, p)
+    for t0 in range(0, n_tokens, MAX_TOKENS):
+        live = min(MAX_TOKENS, n_tokens - t0)
+        xt, yt = (x, y) if t0 == 0 else (x[t0:], y[t0:])
+        imma_kernel(token_cap(live), y.dtype == np.uint16)[p.tile_groups * p.slices, WARP * p.warps, stream](
+            xt, w.data, yt, ws.partials, ws.counters, live, rows, w.k, p.per_group, p.slices, p.slice_blocks)

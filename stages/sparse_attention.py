@@ -20,6 +20,9 @@ entry through `entry_at`, or on reads it issued ahead: no entries array): the W 
 p - W + 1 .. p oldest first (-1 before 0; ring slots for positions before the chunk, chunk rows
 from the chunk's first position on), then the K selected compressed positions as given, encoded
 e < 0 skipped, e < W -> ring[e], e < W + Cn -> chunk_rows[e - W], else comp_rows[e - W - Cn].
+The chunk's first position comes from its own array (`first`, entry_at; the chunk's positions), so
+that a kernel given some of the chunk's tokens (their rows of q, positions, selection and out) can
+still tell which window positions are chunk rows.
 The RoPE: the score kernels rotate the rope tail of each query as they load it (_rotated_pair by
 _pair_angle's angle: bf16 in, fp32 rotation, bf16), the kernels that write out rotate the bf16
 output back (_output_pair), each in stages.norm_rope_quant.rope's roundings, so the result has the
@@ -448,12 +451,13 @@ def _write_tile_max(tile_s, tile_max, t, tile_i, hb, n_heads, tile, block_heads,
 
 
 @device
-def _entry_sources(positions, selection, t, b0, n_entries, window, chunk_rows, own_rows, src, row, tid, threads):
+def _entry_sources(positions, first, selection, t, b0, n_entries, window, chunk_rows, own_rows, src, row, tid,
+                   threads):
     """src[j], row[j] = _resolve of token t's entry b0 + j, j < 64 (-1 past E), the block's threads
     sharing them out."""
     for j in range(tid, SPARSE_BLOCK, threads):
-        sr, ix = _resolve(entry_at(positions, selection, t, b0 + j, window, chunk_rows, n_entries, own_rows),
-                          window, chunk_rows)
+        sr, ix = _resolve(entry_at(positions, first, selection, t, b0 + j, window, chunk_rows, n_entries,
+                                   own_rows), window, chunk_rows)
         src[j] = sr
         row[j] = ix
 
@@ -493,12 +497,13 @@ def _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads,
 
 
 @device
-def entry_at(positions, selection, t, j, window, chunk_rows, n_entries, own_rows):
+def entry_at(positions, first, selection, t, j, window, chunk_rows, n_entries, own_rows):
     """Entry j of token t's list (module docstring; -1 from j = n_entries = W + K on): entry_from of
-    positions[t], the chunk's first position (positions[0], or with own_rows positions[t]) and
-    selection[t, j - W] (its column clamped into the array, read whatever j is)."""
+    positions[t], the chunk's first position (first[0], or with own_rows positions[t]) and
+    selection[t, j - W] (its column clamped into the array, read whatever j is). first: the whole
+    chunk's positions, of which positions (and selection) may be a sub-chunk's rows (_attend)."""
     pos = positions[t]
-    return entry_from(pos, pos if own_rows else positions[0], selection_at(selection, t, j, window), t, j, window,
+    return entry_from(pos, pos if own_rows else first[0], selection_at(selection, t, j, window), t, j, window,
                       chunk_rows, n_entries, own_rows)
 
 
@@ -588,8 +593,9 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False,
             cuda.syncthreads()
         for b0 in range(0, n_entries, SPARSE_BLOCK):
             for j in range(warp, SPARSE_BLOCK, warps):
-                sr, ix = _resolve(entry_at(positions, selection, t, b0 + j, window, chunk_rows, n_entries, tables),
-                                  window, chunk_rows)
+                # (this kernel always runs the whole chunk: its positions are the chunk's own)
+                sr, ix = _resolve(entry_at(positions, positions, selection, t, b0 + j, window, chunk_rows, n_entries,
+                                           tables), window, chunk_rows)
                 part = float32(0)
                 if sr >= 0:
                     part = _row_dot(qs, ring, chunk, comp, sr, ix, lane, lanes)
@@ -661,8 +667,9 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
     a block of head_warps x entry_warps warps per (tile of per_warp x entry_warps entries, heads x
     head_warps heads, token). q32 [T * H, D / 2] and ring32, chunk32, comp32 [*, D / 2]: the bf16
     arrays as 32-bit words (tables: ring32 and comp32 are address tables of each token's own);
-    entries int32 [T, E]; scores fp32 [>= T, H, >= E] (-inf: skipped);
-    tile_max fp32 [>= T, >= NT, H] (NT = ceil(E / tile))."""
+    positions int32 [T], first int32 [>= 1] (first[0] the chunk's first position: a sub-chunk's
+    kernels get the whole chunk's positions), selection int32 [T, E - W] (entry_at); scores fp32
+    [>= T, H, >= E] (-inf: skipped); tile_max fp32 [>= T, >= NT, H] (NT = ceil(E / tile))."""
     units = head_dim // 8  # 16-byte units of a row
     tail = head_dim - rope_dim  # the query's rope tail, rotated as it is loaded (_query_pair)
     per_lane = -(-units // lanes)  # units a lane holds
@@ -679,8 +686,8 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
     n_out = 1 if lanes > 1 else n_sums  # the sums each lane finishes
 
     @jit_for(threads)
-    def kernel(q32, rings, chunk32, comps, positions, selection, cos, sin, scores, tile_max, n_entries, n_heads,
-               scale):
+    def kernel(q32, rings, chunk32, comps, positions, first, selection, cos, sin, scores, tile_max, n_entries,
+               n_heads, scale):
         tile_s = cuda.shared.array((tile, block_heads), float32)  # [tile, heads]: the block's scores
         tid = cuda.threadIdx.x
         lane = tid % lanes
@@ -703,7 +710,7 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
         rw = cuda.local.array((per_warp, row_words), uint32)  # [entries, D / 2 / lanes]: its row words
         sums = cuda.local.array(n_sums, float32)  # [entries x heads (+ padding)]: the lane's partial dots
         pos = positions[t]
-        start = pos if tables else positions[0]
+        start = pos if tables else first[0]
         for i in range(per_warp):  # the entries' reads first, together
             sel[i] = selection_at(selection, t, e0 + i, window)
         skipped = 0  # bit i: entry i skipped
@@ -764,8 +771,8 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False, rope_
     assert SCORE_TILE % 8 == 0, "a score tile is whole fragments of 8 entries"
 
     @jit_for(threads)
-    def kernel(q32, rings, chunk32, comps, positions, selection, cos, sin, scores, tile_max, n_entries, n_heads,
-               scale):
+    def kernel(q32, rings, chunk32, comps, positions, first, selection, cos, sin, scores, tile_max, n_entries,
+               n_heads, scale):
         tile_s = cuda.shared.array(tile_shape, float32)  # [tile, heads]: the block's scores
         tid = cuda.threadIdx.x
         warp, g, t4 = _mma_lane(tid)
@@ -784,7 +791,7 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False, rope_
         rows = cuda.local.array(rows_shape, int32)  # its entry of each fragment
         acc = cuda.local.array(acc_shape, float32)
         for f in range(fragments):
-            e = entry_at(positions, selection, t, e0 + 8 * f + g, window, chunk_rows, n_entries, tables)
+            e = entry_at(positions, first, selection, t, e0 + 8 * f + g, window, chunk_rows, n_entries, tables)
             rows[f, 0], rows[f, 1] = _resolve(e, window, chunk_rows)
             for i in range(4):
                 acc[f, i] = float32(0)
@@ -815,8 +822,8 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False, rope_
             for i in range(4):
                 j = 8 * f + 2 * t4 + i % 2  # the entry within the tile
                 k = 16 * warp + g + 8 * (i // 2)  # the head within the block
-                sr, ix = _resolve(entry_at(positions, selection, t, e0 + j, window, chunk_rows, n_entries, tables),
-                                  window, chunk_rows)
+                sr, ix = _resolve(entry_at(positions, first, selection, t, e0 + j, window, chunk_rows, n_entries,
+                                           tables), window, chunk_rows)
                 part = acc[f, i]
                 v = mul_rn(part, scale) if sr >= 0 else NEG_INF
                 tile_s[j, k] = v
@@ -854,8 +861,8 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
     later_shape = (max(1, entry_groups - 1), block_heads, head_dim)
 
     @jit_for(threads)
-    def kernel(rings, chunk32, comps, positions, selection, scores, tile_max, pv, block_sum, block_max, rescale,
-               n_entries):
+    def kernel(rings, chunk32, comps, positions, first, selection, scores, tile_max, pv, block_sum, block_max,
+               rescale, n_entries):
         src = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: the source of each entry's row (_resolve)
         row = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: its row there
         # [64, heads]: p_j in fp32 and rounded to bf16, an entry's heads side by side
@@ -875,7 +882,8 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
             rings, comps)
         window = ring32.shape[0]
         chunk_rows = chunk32.shape[0]
-        _entry_sources(positions, selection, t, b0, n_entries, window, chunk_rows, tables, src, row, tid, threads)
+        _entry_sources(positions, first, selection, t, b0, n_entries, window, chunk_rows, tables, src, row, tid,
+                       threads)
         u0 = tid % unit_threads
         k0 = tid // unit_threads % head_groups * thread_heads  # this thread's first head in the block
         group = tid // (unit_threads * head_groups)
@@ -974,8 +982,8 @@ def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool 
     assert d_slice % 8 == 0 and head_dim % d_slice == 0
 
     @jit_for(threads)
-    def kernel(rings, chunk32, comps, positions, selection, scores, tile_max, pv, block_sum, block_max, rescale,
-               n_entries):
+    def kernel(rings, chunk32, comps, positions, first, selection, scores, tile_max, pv, block_sum, block_max,
+               rescale, n_entries):
         src = cuda.shared.array(SPARSE_BLOCK, int32)
         row = cuda.shared.array(SPARSE_BLOCK, int32)
         vt = cuda.shared.array(vt_shape, uint32)
@@ -994,8 +1002,8 @@ def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool 
         n_heads = pv.shape[2]
         ring32, comp32 = (u32_rows(rings, t, head_dim // 2), u32_rows(comps, t, head_dim // 2)) if tables else (
             rings, comps)
-        _entry_sources(positions, selection, t, b0, n_entries, ring32.shape[0], chunk32.shape[0], tables, src, row,
-                       tid, threads)
+        _entry_sources(positions, first, selection, t, b0, n_entries, ring32.shape[0], chunk32.shape[0], tables, src,
+                       row, tid, threads)
         _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads, tiles, n_heads, tile_prev,
                       tile_new, prev_max, new_max, True)
         # bf16(p) of entry pairs, [head, pair]; heads past H and entries past E get p = 0
@@ -1194,10 +1202,12 @@ def split_cores(head_dim: int, n_tokens: int, cores: str = "") -> str:
     return cores or ("tc" if not SIM and head_dim % 32 == 0 and n_tokens > SPLIT_MAX_TOKENS else "cuda")
 
 
-def _split_attention(q, ring, chunk_rows, comp_rows, positions, selection, n_entries, sinks, scale, cos, sin, out,
-                     n_tokens, stream, threads, ws: SparseWorkspace, tables: bool, cores: str, rope_dim: int) -> None:
-    """The split path (module docstring): scores, values and combine on `stream`, each sized for the
-    call (heads per block shrink until the grid covers the GPU)."""
+def _split_attention(q, ring, chunk_rows, comp_rows, positions, first, selection, n_entries, sinks, scale, cos, sin,
+                     out, n_tokens, stream, threads, ws: SparseWorkspace, tables: bool, cores: str,
+                     rope_dim: int) -> None:
+    """The split path (module docstring) for the n_tokens tokens of q, positions, selection and out
+    (first: the whole chunk's positions, element 0 its first): scores, values and combine on
+    `stream`, each sized for the call (heads per block shrink until the grid covers the GPU)."""
     heads, head_dim = q.shape[1], q.shape[2]
     n_blocks = -(-n_entries // SPARSE_BLOCK)
     if n_entries:
@@ -1205,9 +1215,9 @@ def _split_attention(q, ring, chunk_rows, comp_rows, positions, selection, n_ent
         rows = (ring, chunk_rows.view(np.uint32), comp_rows) if tables else tuple(
             a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
         n_tiles = -(-n_entries // SCORE_TILE)
-        score_args = (q32, *rows, positions, selection, cos, sin, ws.scores, ws.tile_max, n_entries, heads,
+        score_args = (q32, *rows, positions, first, selection, cos, sin, ws.scores, ws.tile_max, n_entries, heads,
                       np.float32(scale))
-        value_args = (*rows, positions, selection, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max,
+        value_args = (*rows, positions, first, selection, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max,
                       ws.rescale, n_entries)
         if split_cores(head_dim, n_tokens, cores) == "tc":
             warps = min(SCORE_TC_WARPS, -(-heads // 16))
@@ -1332,8 +1342,8 @@ def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, s
     if n_tokens == 0:
         return
     if workspace is not None and n_tokens <= min(workspace.tokens, split_tokens):
-        _split_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries, sinks, scale, cos, sin, out,
-                         n_tokens, stream, threads, workspace, tables, cores, rope_dim)
+        _split_attention(q, ring, chunk_rows, comp_rows, positions, positions, chosen, n_entries, sinks, scale, cos,
+                         sin, out, n_tokens, stream, threads, workspace, tables, cores, rope_dim)
         return
     nt = threads or min(ATTN_THREADS, head_dim)
     lanes = min(LANES, nt)

@@ -527,22 +527,25 @@ def test_select_batch_exact(tiny_cfg, path):
 
 # ---- entries and sparse attention ---------------------------------------------------------------------
 
-def _entries_of(positions, selection, entries, window, chunk_rows, n_entries, own_rows):
+def _entries_of(positions, first, selection, entries, window, chunk_rows, n_entries, own_rows):
     """entries[t, j] = entry_at(..., t, j, ...): the kernels' entry lists laid out, a thread each."""
     t, j = cuda.grid(2)
     if t < entries.shape[0] and j < entries.shape[1]:
-        entries[t, j] = sa.entry_at(positions, selection, t, j, window, chunk_rows, n_entries, own_rows)
+        entries[t, j] = sa.entry_at(positions, first, selection, t, j, window, chunk_rows, n_entries, own_rows)
 
 
-def entry_lists(positions, selection, window: int, chunk_capacity: int, own_rows: bool = False) -> np.ndarray:
+def entry_lists(positions, selection, window: int, chunk_capacity: int, own_rows: bool = False,
+                first: np.ndarray | None = None) -> np.ndarray:
     """The lists the sparse kernels make (stages.sparse_attention.entry_at), one column past E (which
-    must read -1), through a kernel compiled afresh each call (so a mutant of entry_at is the one run)."""
+    must read -1), through a kernel compiled afresh each call (so a mutant of entry_at is the one run).
+    first: the whole chunk's positions where positions and selection are a sub-chunk's rows (None:
+    positions, the whole chunk)."""
     t = len(positions)
     k = 0 if selection is None else selection.shape[1]
     chosen = np.zeros((t, 1), np.int64) if selection is None else selection
     entries = cuda.device_array((t, window + k + 1), np.int32)
-    cuda.jit(_entries_of)[(t, window + k + 1), 1](*dev((positions, chosen)), entries, window, chunk_capacity,
-                                                   window + k, own_rows)
+    cuda.jit(_entries_of)[(t, window + k + 1), 1](*dev((positions, positions if first is None else first, chosen)),
+                                                   entries, window, chunk_capacity, window + k, own_rows)
     got = entries.copy_to_host()
     assert np.all(got[:, -1] == -1), "entry_at past the list"
     return got[:, :-1]
@@ -552,8 +555,9 @@ def check_entries(start: int, t: int) -> None:
     """entry_at against oracle.build_entries, exactly, with a selection (-1 padded) and without; the
     chunk rows' capacity above T, as the stage's workspace has it; and with own_rows (a batch: token
     t at position start + t its sequence's only one, in chunk row t) against the oracle's list of
-    that token alone, its chunk row moved to t. (That the oracle's entries name the right positions
-    is tests/test_oracle_attention.py's business.)"""
+    that token alone, its chunk row moved to t; and each sub-chunk's (its tokens' rows of positions and
+    selection, the whole chunk's positions as `first`) against its rows of the chunk's lists. (That
+    the oracle's entries name the right positions is tests/test_oracle_attention.py's business.)"""
     window, cap, k = 8, 12, 3
     positions = np.arange(start, start + t)
     selection = np.where(np.arange(k)[None, :] < 2, np.arange(t)[:, None] + np.arange(k)[None, :], -1)
@@ -561,6 +565,10 @@ def check_entries(start: int, t: int) -> None:
         args = (positions, chosen, window, cap)
         got, want = entry_lists(*args), oracle.build_entries(*args)
         assert np.array_equal(got, want), f"entries from {start}, T {t}: got {got.tolist()}, oracle {want.tolist()}"
+        for t0 in range(1, t):
+            part = entry_lists(positions[t0:], None if chosen is None else chosen[t0:], window, cap, first=positions)
+            assert np.array_equal(part, want[t0:]), f"entries from {start}, T {t}, sub-chunk from token {t0}: got " \
+                f"{part.tolist()}, oracle {want[t0:].tolist()}"
         got = entry_lists(*args, own_rows=True)
         for i in range(t):
             alone = oracle.build_entries(positions[i:i + 1], None if chosen is None else chosen[i:i + 1], window, cap)

@@ -311,7 +311,8 @@ class AttentionStage(Traced):
             self.score = bf16(max(1, self.max_groups))  # [T, G]
             self.candidates = cuda.device_array((t, max(1, blocks)), np.uint8)  # [T, NB]
             self.select_ws = SelectWorkspace.allocate(min(t, SPLIT_ROWS))  # the split select's (decode rows)
-        # the sparse attention's split (decode) path: scratch for its few tokens and longest entry list
+        # the sparse attention's split path: scratch for up to 64 tokens (a decode step, a batch, a prefill
+        # chunk's sub-chunk) and the longest entry list
         self.sparse_ws = SparseWorkspace.allocate(t, cfg.n_heads, cfg.head_dim,
                                                   cfg.window + (cfg.index_topk if ratios else 0), SPLIT_BATCH_TOKENS)
         self.source_ws = None

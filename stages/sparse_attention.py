@@ -10,16 +10,23 @@ bf16 = uint16 bits):
   selection int32 [T, K] (each query's selected groups, -1 = none) or None (K = 0); sinks fp32 [H];
   cos, sin fp32 [max_seq, R / 2] (the layer's RoPE table over the last R dims of a head) or None
   (no rotation); out bf16 [T, H, D] (rotated back). K = V = the row (MQA). With a
-  `SparseWorkspace` and T <= its token capacity and SPLIT_MAX_TOKENS it takes the split path below.
+  `SparseWorkspace` it takes the split path below, in consecutive sub-chunks of at most the
+  workspace's tokens (the engine's holds 64; a decode step is one sub-chunk).
 - `sparse_attention_tables(q, rings, chunk_rows, comps, positions, selection, window, ...)`: the same
   for a batch of sequences, token t its sequence's only one (its window row in chunk row t), reading
   its own ring and compressed rows through address tables (stages.row_tables); the split path for up
-  to SPLIT_BATCH_TOKENS tokens.
+  to SPLIT_BATCH_TOKENS tokens that the workspace holds (never cut into sub-chunks).
 Each query's list is the canonical one (`entry_from`, written once, called where a kernel needs an
 entry through `entry_at`, or on reads it issued ahead: no entries array): the W window positions
 p - W + 1 .. p oldest first (-1 before 0; ring slots for positions before the chunk, chunk rows
 from the chunk's first position on), then the K selected compressed positions as given, encoded
 e < 0 skipped, e < W -> ring[e], e < W + Cn -> chunk_rows[e - W], else comp_rows[e - W - Cn].
+The chunk's first position comes from its own array (`first`, entry_at): a sub-chunk's kernels get
+the sub-chunk's rows of q, positions, selection and out, but the whole chunk's positions there, so
+that its tokens read the window rows of the chunk's earlier tokens, earlier sub-chunks' included,
+from chunk_rows (the ring gets a prefill chunk's rows only after the attention). A decode step is
+one sub-chunk, `first` its own positions array: nothing a launch is given changes from one step to
+the next (a step is replayed as a CUDA graph), the position coming from device memory.
 The RoPE: the score kernels rotate the rope tail of each query as they load it (_rotated_pair by
 _pair_angle's angle: bf16 in, fp32 rotation, bf16), the kernels that write out rotate the bf16
 output back (_output_pair), each in stages.norm_rope_quant.rope's roundings, so the result has the
@@ -40,23 +47,29 @@ oracle's are float64). The bound this
 implies is derived in tests/test_attention_kernels.py.
 
 Two paths compute that same recurrence:
-- one block per (head, token) (prefill, or no workspace): warps share out a block's 64 dot
-  products (lanes over D), then every thread owns D / threads output dims, block after block.
-- split (decode steps of up to 8 tokens, and batches of up to 64 sequences through
-  sparse_attention_tables): a decode step has only H blocks of that kind, each walking every
-  entry, so the walk is cut into three kernels over the whole GPU, with the workspace between them.
-  Two sets of scores and values kernels (split_cores): the CUDA cores for up to eight tokens and on
-  the simulator, the tensor cores on a GPU for a batch past eight. Scores: a warp per (token, 4
-  heads, 4 entries), lanes over D (16-byte row loads, the queries in registers), or on the tensor
-  cores a warp per (token, 16 heads, 16 entries: the mma's rows and columns); each block also writes
-  its 16 entries' max per head. Values: a block per (token, block b of 64 entries, heads): the
-  running max m_b is a prefix max, so it comes from the tile maxima of blocks 0..b alone; then p,
-  the block's float64 sum and its value sums (a thread per 16-byte unit of the row, a few heads and
-  a run of the block's entries, the runs' sums added in run order; on the tensor cores a warp per
-  16 heads x a slice of D, over the block's rows staged in shared memory). Combine: a thread per
-  (token, head, dim pair) runs the rescaling over b in order, adds the sink and rotates the pair
-  back. Only fp32 orders differ from the first path: q . k over D, and a block's value sums (on
-  the simulator, lanes of one and one run, not even those: the two agree bit for bit).
+- one block per (head, token) (no workspace, or a batch of sparse_attention_tables that the
+  workspace cannot hold): warps share out a block's 64 dot products (lanes over D), then every
+  thread owns D / threads output dims, block after block.
+- split (with a workspace: decode steps, prefill chunks in sub-chunks of the workspace's tokens,
+  and batches of up to 64 sequences through sparse_attention_tables): a decode step has only H
+  blocks of that kind, each walking every entry, so the walk is cut into three kernels over the
+  whole GPU, with the workspace between them; a prefill chunk's tokens fill the GPU either way, and
+  the split path lets them use the tensor cores. Two sets of scores and values kernels
+  (split_cores, chosen once for the whole call): the CUDA cores for up to eight tokens and on the
+  simulator, the tensor cores on a GPU for a call past eight, every sub-chunk of it however few its
+  tokens (the CUDA-core values kernel's block shape, and so its fp32 order, follows the token count;
+  the tensor-core kernels' does not, so a token's bits do not depend on where the chunk was cut).
+  Scores: a warp per (token, 4 heads, 4 entries), lanes over D (16-byte row loads, the queries in
+  registers), or on the tensor cores a warp per (token, 16 heads, 16 entries: the mma's rows and
+  columns); each block also writes its 16 entries' max per head. Values: a block per (token, block
+  b of 64 entries, heads): the running max m_b is a prefix max, so it comes from the tile maxima of
+  blocks 0..b alone; then p, the block's float64 sum and its value sums (a thread per 16-byte unit
+  of the row, a few heads and a run of the block's entries, the runs' sums added in run order; on
+  the tensor cores a warp per 16 heads x a slice of D, over the block's rows staged in shared
+  memory). Combine: a thread per (token, head, dim pair) runs the rescaling over b in order, adds
+  the sink and rotates the pair back. Only fp32 orders differ from the first path: q . k over D,
+  and a block's value sums (on the simulator, lanes of one and one run, not even those: the two
+  agree bit for bit).
 """
 
 from __future__ import annotations
@@ -108,8 +121,10 @@ ATTN_THREADS = 1 if SIM else 512
 LANES = 1 if SIM else WARP
 
 # The split path (GPU sizes; the simulator runs lanes of one and a few threads a block).
-SPLIT_MAX_TOKENS = 8  # sparse_attention's split path: decode steps (prefill chunks take the other)
-SPLIT_BATCH_TOKENS = 64  # sparse_attention_tables': batched decode steps of up to this many sequences
+SPLIT_MAX_TOKENS = 8  # the most tokens a call runs on a GPU's CUDA cores by default (decode steps; split_cores)
+# sparse_attention_tables': batched decode steps of up to this many sequences; the most tokens a workspace holds
+# (the engine's: a prefill chunk's sub-chunks)
+SPLIT_BATCH_TOKENS = 64
 # Scores: a warp = SCORE_HEADS heads x SCORE_ENTRIES entries; a lane holds D / 32 dims of its heads'
 # queries (16 at D = 512: two 16-byte units a row) and loads the same dims of each entry's row. A
 # block = SCORE_HEAD_WARPS head groups (at most: as many as divide the heads) x SCORE_ENTRY_WARPS
@@ -448,12 +463,13 @@ def _write_tile_max(tile_s, tile_max, t, tile_i, hb, n_heads, tile, block_heads,
 
 
 @device
-def _entry_sources(positions, selection, t, b0, n_entries, window, chunk_rows, own_rows, src, row, tid, threads):
+def _entry_sources(positions, first, selection, t, b0, n_entries, window, chunk_rows, own_rows, src, row, tid,
+                   threads):
     """src[j], row[j] = _resolve of token t's entry b0 + j, j < 64 (-1 past E), the block's threads
     sharing them out."""
     for j in range(tid, SPARSE_BLOCK, threads):
-        sr, ix = _resolve(entry_at(positions, selection, t, b0 + j, window, chunk_rows, n_entries, own_rows),
-                          window, chunk_rows)
+        sr, ix = _resolve(entry_at(positions, first, selection, t, b0 + j, window, chunk_rows, n_entries,
+                                   own_rows), window, chunk_rows)
         src[j] = sr
         row[j] = ix
 
@@ -493,12 +509,13 @@ def _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads,
 
 
 @device
-def entry_at(positions, selection, t, j, window, chunk_rows, n_entries, own_rows):
+def entry_at(positions, first, selection, t, j, window, chunk_rows, n_entries, own_rows):
     """Entry j of token t's list (module docstring; -1 from j = n_entries = W + K on): entry_from of
-    positions[t], the chunk's first position (positions[0], or with own_rows positions[t]) and
-    selection[t, j - W] (its column clamped into the array, read whatever j is)."""
+    positions[t], the chunk's first position (first[0], or with own_rows positions[t]) and
+    selection[t, j - W] (its column clamped into the array, read whatever j is). first: the whole
+    chunk's positions, of which positions (and selection) may be a sub-chunk's rows (_attend)."""
     pos = positions[t]
-    return entry_from(pos, pos if own_rows else positions[0], selection_at(selection, t, j, window), t, j, window,
+    return entry_from(pos, pos if own_rows else first[0], selection_at(selection, t, j, window), t, j, window,
                       chunk_rows, n_entries, own_rows)
 
 
@@ -588,8 +605,9 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False,
             cuda.syncthreads()
         for b0 in range(0, n_entries, SPARSE_BLOCK):
             for j in range(warp, SPARSE_BLOCK, warps):
-                sr, ix = _resolve(entry_at(positions, selection, t, b0 + j, window, chunk_rows, n_entries, tables),
-                                  window, chunk_rows)
+                # (this kernel always runs the whole chunk: its positions are the chunk's own)
+                sr, ix = _resolve(entry_at(positions, positions, selection, t, b0 + j, window, chunk_rows, n_entries,
+                                           tables), window, chunk_rows)
                 part = float32(0)
                 if sr >= 0:
                     part = _row_dot(qs, ring, chunk, comp, sr, ix, lane, lanes)
@@ -661,8 +679,9 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
     a block of head_warps x entry_warps warps per (tile of per_warp x entry_warps entries, heads x
     head_warps heads, token). q32 [T * H, D / 2] and ring32, chunk32, comp32 [*, D / 2]: the bf16
     arrays as 32-bit words (tables: ring32 and comp32 are address tables of each token's own);
-    entries int32 [T, E]; scores fp32 [>= T, H, >= E] (-inf: skipped);
-    tile_max fp32 [>= T, >= NT, H] (NT = ceil(E / tile))."""
+    positions int32 [T], first int32 [>= 1] (first[0] the chunk's first position: a sub-chunk's
+    kernels get the whole chunk's positions), selection int32 [T, E - W] (entry_at); scores fp32
+    [>= T, H, >= E] (-inf: skipped); tile_max fp32 [>= T, >= NT, H] (NT = ceil(E / tile))."""
     units = head_dim // 8  # 16-byte units of a row
     tail = head_dim - rope_dim  # the query's rope tail, rotated as it is loaded (_query_pair)
     per_lane = -(-units // lanes)  # units a lane holds
@@ -679,8 +698,8 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
     n_out = 1 if lanes > 1 else n_sums  # the sums each lane finishes
 
     @jit_for(threads)
-    def kernel(q32, rings, chunk32, comps, positions, selection, cos, sin, scores, tile_max, n_entries, n_heads,
-               scale):
+    def kernel(q32, rings, chunk32, comps, positions, first, selection, cos, sin, scores, tile_max, n_entries,
+               n_heads, scale):
         tile_s = cuda.shared.array((tile, block_heads), float32)  # [tile, heads]: the block's scores
         tid = cuda.threadIdx.x
         lane = tid % lanes
@@ -703,7 +722,7 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
         rw = cuda.local.array((per_warp, row_words), uint32)  # [entries, D / 2 / lanes]: its row words
         sums = cuda.local.array(n_sums, float32)  # [entries x heads (+ padding)]: the lane's partial dots
         pos = positions[t]
-        start = pos if tables else positions[0]
+        start = pos if tables else first[0]
         for i in range(per_warp):  # the entries' reads first, together
             sel[i] = selection_at(selection, t, e0 + i, window)
         skipped = 0  # bit i: entry i skipped
@@ -764,8 +783,8 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False, rope_
     assert SCORE_TILE % 8 == 0, "a score tile is whole fragments of 8 entries"
 
     @jit_for(threads)
-    def kernel(q32, rings, chunk32, comps, positions, selection, cos, sin, scores, tile_max, n_entries, n_heads,
-               scale):
+    def kernel(q32, rings, chunk32, comps, positions, first, selection, cos, sin, scores, tile_max, n_entries,
+               n_heads, scale):
         tile_s = cuda.shared.array(tile_shape, float32)  # [tile, heads]: the block's scores
         tid = cuda.threadIdx.x
         warp, g, t4 = _mma_lane(tid)
@@ -784,7 +803,7 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False, rope_
         rows = cuda.local.array(rows_shape, int32)  # its entry of each fragment
         acc = cuda.local.array(acc_shape, float32)
         for f in range(fragments):
-            e = entry_at(positions, selection, t, e0 + 8 * f + g, window, chunk_rows, n_entries, tables)
+            e = entry_at(positions, first, selection, t, e0 + 8 * f + g, window, chunk_rows, n_entries, tables)
             rows[f, 0], rows[f, 1] = _resolve(e, window, chunk_rows)
             for i in range(4):
                 acc[f, i] = float32(0)
@@ -815,8 +834,8 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False, rope_
             for i in range(4):
                 j = 8 * f + 2 * t4 + i % 2  # the entry within the tile
                 k = 16 * warp + g + 8 * (i // 2)  # the head within the block
-                sr, ix = _resolve(entry_at(positions, selection, t, e0 + j, window, chunk_rows, n_entries, tables),
-                                  window, chunk_rows)
+                sr, ix = _resolve(entry_at(positions, first, selection, t, e0 + j, window, chunk_rows, n_entries,
+                                           tables), window, chunk_rows)
                 part = acc[f, i]
                 v = mul_rn(part, scale) if sr >= 0 else NEG_INF
                 tile_s[j, k] = v
@@ -854,8 +873,8 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
     later_shape = (max(1, entry_groups - 1), block_heads, head_dim)
 
     @jit_for(threads)
-    def kernel(rings, chunk32, comps, positions, selection, scores, tile_max, pv, block_sum, block_max, rescale,
-               n_entries):
+    def kernel(rings, chunk32, comps, positions, first, selection, scores, tile_max, pv, block_sum, block_max,
+               rescale, n_entries):
         src = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: the source of each entry's row (_resolve)
         row = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: its row there
         # [64, heads]: p_j in fp32 and rounded to bf16, an entry's heads side by side
@@ -875,7 +894,8 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
             rings, comps)
         window = ring32.shape[0]
         chunk_rows = chunk32.shape[0]
-        _entry_sources(positions, selection, t, b0, n_entries, window, chunk_rows, tables, src, row, tid, threads)
+        _entry_sources(positions, first, selection, t, b0, n_entries, window, chunk_rows, tables, src, row, tid,
+                       threads)
         u0 = tid % unit_threads
         k0 = tid // unit_threads % head_groups * thread_heads  # this thread's first head in the block
         group = tid // (unit_threads * head_groups)
@@ -974,8 +994,8 @@ def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool 
     assert d_slice % 8 == 0 and head_dim % d_slice == 0
 
     @jit_for(threads)
-    def kernel(rings, chunk32, comps, positions, selection, scores, tile_max, pv, block_sum, block_max, rescale,
-               n_entries):
+    def kernel(rings, chunk32, comps, positions, first, selection, scores, tile_max, pv, block_sum, block_max,
+               rescale, n_entries):
         src = cuda.shared.array(SPARSE_BLOCK, int32)
         row = cuda.shared.array(SPARSE_BLOCK, int32)
         vt = cuda.shared.array(vt_shape, uint32)
@@ -994,8 +1014,8 @@ def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool 
         n_heads = pv.shape[2]
         ring32, comp32 = (u32_rows(rings, t, head_dim // 2), u32_rows(comps, t, head_dim // 2)) if tables else (
             rings, comps)
-        _entry_sources(positions, selection, t, b0, n_entries, ring32.shape[0], chunk32.shape[0], tables, src, row,
-                       tid, threads)
+        _entry_sources(positions, first, selection, t, b0, n_entries, ring32.shape[0], chunk32.shape[0], tables, src,
+                       row, tid, threads)
         _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads, tiles, n_heads, tile_prev,
                       tile_new, prev_max, new_max, True)
         # bf16(p) of entry pairs, [head, pair]; heads past H and entries past E get p = 0
@@ -1125,9 +1145,10 @@ class SparseWorkspace:
     @classmethod
     def allocate(cls, max_tokens: int, heads: int, head_dim: int, n_entries: int,
                  most: int = SPLIT_MAX_TOKENS) -> SparseWorkspace:
-        """For calls of up to min(max_tokens, most) tokens and n_entries entries (more tokens take
-        the one-block-a-head path): most = SPLIT_MAX_TOKENS for sparse_attention, up to
-        SPLIT_BATCH_TOKENS where sparse_attention_tables shares it."""
+        """For calls of up to min(max_tokens, most, SPLIT_BATCH_TOKENS) tokens and n_entries entries:
+        sparse_attention runs a longer call in sub-chunks of that many, sparse_attention_tables on the
+        one-block-a-head path. most = SPLIT_MAX_TOKENS by default (a decode step's), SPLIT_BATCH_TOKENS
+        where prefill chunks or sparse_attention_tables' batches share it (the engine's)."""
         if head_dim % 8 or heads < 1 or max_tokens < 1 or n_entries < 0:
             raise InputError(f"SparseWorkspace: {max_tokens} tokens x {heads} heads x {head_dim} x {n_entries} "
                              "entries (the split path reads rows in 16-byte units: head_dim a multiple of 8)")
@@ -1183,10 +1204,11 @@ def split_cores(head_dim: int, n_tokens: int, cores: str = "") -> str:
     """Where the split path's scores and values run for a call of n_tokens tokens: `cores` if given
     ("tc": split_score_tc_kernel and split_value_tc_kernel; "cuda": split_score_kernel and
     split_value_kernel), else the tensor cores on a GPU for more than SPLIT_MAX_TOKENS tokens (a
-    batch of decode steps) where D is whole 32-dim blocks, and the CUDA cores otherwise: for a step
-    of up to eight tokens (so that a batch of up to eight gives each sequence the bits of its step
-    alone, as the products' stream kernel does), and on the simulator (whose emulated mma is slow,
-    and whose CUDA-core kernels give the first path's bits)."""
+    batch of decode steps, or a prefill chunk: chosen once for the whole call, so every sub-chunk of
+    it runs there whatever its size) where D is whole 32-dim blocks, and the CUDA cores otherwise:
+    for a step of up to eight tokens (so that a batch of up to eight gives each sequence the bits of
+    its step alone, as the products' stream kernel does), and on the simulator (whose emulated mma
+    is slow, and whose CUDA-core kernels give the first path's bits)."""
     if cores not in ("", "tc", "cuda"):
         raise InputError(f"sparse_attention: cores {cores!r} is not one of 'tc', 'cuda'")
     if cores == "tc" and head_dim % 32:
@@ -1194,10 +1216,13 @@ def split_cores(head_dim: int, n_tokens: int, cores: str = "") -> str:
     return cores or ("tc" if not SIM and head_dim % 32 == 0 and n_tokens > SPLIT_MAX_TOKENS else "cuda")
 
 
-def _split_attention(q, ring, chunk_rows, comp_rows, positions, selection, n_entries, sinks, scale, cos, sin, out,
-                     n_tokens, stream, threads, ws: SparseWorkspace, tables: bool, cores: str, rope_dim: int) -> None:
-    """The split path (module docstring): scores, values and combine on `stream`, each sized for the
-    call (heads per block shrink until the grid covers the GPU)."""
+def _split_attention(q, ring, chunk_rows, comp_rows, positions, first, selection, n_entries, sinks, scale, cos, sin,
+                     out, n_tokens, stream, threads, ws: SparseWorkspace, tables: bool, cores: str,
+                     rope_dim: int) -> None:
+    """The split path (module docstring) for the n_tokens tokens of q, positions, selection and out
+    (a sub-chunk's rows; first: the whole chunk's positions), its scores and values on `cores` ("tc"
+    or "cuda"): scores, values and combine on `stream`, each sized for the call (heads per block
+    shrink until the grid covers the GPU)."""
     heads, head_dim = q.shape[1], q.shape[2]
     n_blocks = -(-n_entries // SPARSE_BLOCK)
     if n_entries:
@@ -1205,11 +1230,11 @@ def _split_attention(q, ring, chunk_rows, comp_rows, positions, selection, n_ent
         rows = (ring, chunk_rows.view(np.uint32), comp_rows) if tables else tuple(
             a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
         n_tiles = -(-n_entries // SCORE_TILE)
-        score_args = (q32, *rows, positions, selection, cos, sin, ws.scores, ws.tile_max, n_entries, heads,
+        score_args = (q32, *rows, positions, first, selection, cos, sin, ws.scores, ws.tile_max, n_entries, heads,
                       np.float32(scale))
-        value_args = (*rows, positions, selection, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max,
+        value_args = (*rows, positions, first, selection, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max,
                       ws.rescale, n_entries)
-        if split_cores(head_dim, n_tokens, cores) == "tc":
+        if cores == "tc":
             warps = min(SCORE_TC_WARPS, -(-heads // 16))
             head_blocks = -(-heads // (16 * warps))
             split_score_tc_kernel(head_dim, warps, tables, rope_dim)[
@@ -1251,9 +1276,12 @@ def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray,
     """out[:T] = attention of q[:T] over the rows of its entry lists, the rope tail of each head's
     output rotated back by the angle of its position (cos, sin: the layer's table; None: not
     rotated) (see the module docstring).
-    workspace: the split path's, taken when T <= its tokens and SPLIT_MAX_TOKENS. threads: the block size of the
-    one-block-a-head kernel, or the row-unit threads of the split path's values kernel (0 = the default; tests
-    force others). cores: where the split path's scores and values run (split_cores; "" = the default)."""
+    workspace: the split path's: with one, the call runs there, in consecutive sub-chunks of at most its tokens
+    (a prefill chunk longer than it: each sub-chunk reads the window rows of the chunk's earlier tokens from
+    chunk_rows), all on the cores chosen for the T tokens; without one, on the one-block-a-head kernel. threads: the
+    block size of the one-block-a-head kernel, or the row-unit threads of the split path's values kernel (0 = the
+    default; tests force others). cores: where the split path's scores and values run (split_cores; "" = the
+    default)."""
     what = "sparse_attention"
     _, head_dim = _check_query_side(q, chunk_rows, positions, selection, sinks, cos, sin, out, n_tokens, what)
     for a, name in ((ring, "ring"), (comp_rows, "comp_rows")):
@@ -1261,7 +1289,7 @@ def sparse_attention(q: DeviceArray, ring: DeviceArray, chunk_rows: DeviceArray,
     if ring.shape[1] != head_dim or comp_rows.shape[1] != head_dim:
         raise InputError(f"{what}: q {q.shape}, ring {ring.shape}, comp_rows {comp_rows.shape} do not agree")
     _attend(q, ring, chunk_rows, comp_rows, positions, selection, ring.shape[0], sinks, scale, cos, sin, out, n_tokens,
-            stream, threads, workspace, SPLIT_MAX_TOKENS, False, cores)
+            stream, threads, workspace, False, cores)
 
 
 def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: DeviceArray, comps: DeviceArray,
@@ -1271,8 +1299,9 @@ def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: Devi
     """sparse_attention for a batch of T sequences, token t its sequence's only one at positions[t]:
     rings and comps are address tables (uint64 [>= T, 2], stages.row_tables) of each token's own ring
     [window, D] and compressed rows [G, D], chunk_rows the batch's window rows (token t's in row t),
-    selection token t's selected groups of its own compressed rows. Token t's result is what
-    sparse_attention gives for it alone over its own arrays, on the same path (split or not)."""
+    selection token t's selected groups of its own compressed rows. The split path when the workspace
+    holds the T tokens (never in sub-chunks), else the one-block-a-head kernel. Token t's result is
+    what sparse_attention gives for it alone over its own arrays, on the same path (split or not)."""
     what = "sparse_attention_tables"
     _check_query_side(q, chunk_rows, positions, selection, sinks, cos, sin, out, n_tokens, what)
     check_rows(chunk_rows, n_tokens, f"{what} chunk_rows")
@@ -1282,7 +1311,7 @@ def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: Devi
     if window < 1:
         raise InputError(f"{what}: window {window} (at least 1)")
     _attend(q, rings, chunk_rows, comps, positions, selection, window, sinks, scale, cos, sin, out, n_tokens, stream,
-            0, workspace, SPLIT_BATCH_TOKENS, True, cores)
+            0, workspace, True, cores)
 
 
 def _check_query_side(q, chunk_rows, positions, selection, sinks, cos, sin, out, n_tokens: int,
@@ -1313,10 +1342,13 @@ def _check_query_side(q, chunk_rows, positions, selection, sinks, cos, sin, out,
 
 
 def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, sinks, scale, cos, sin, out, n_tokens,
-            stream, threads, workspace: SparseWorkspace | None, split_tokens: int, tables: bool, cores: str) -> None:
-    """The launch of sparse_attention (tables: of sparse_attention_tables), its arguments checked:
-    the split path for up to split_tokens tokens that the workspace holds. Each query's list is
-    window + K entries (K = selection.shape[1], 0 without one), made in the kernels (entry_at)."""
+            stream, threads, workspace: SparseWorkspace | None, tables: bool, cores: str) -> None:
+    """The launch of sparse_attention (tables: of sparse_attention_tables), its arguments checked.
+    With a workspace, the split path on the cores split_cores chooses for all T tokens: sparse_attention's
+    call in consecutive sub-chunks of at most the workspace's tokens (launches on one stream run in
+    order, so each reuses it), sparse_attention_tables' when the workspace holds its T tokens (at
+    most SPLIT_BATCH_TOKENS); otherwise the one-block-a-head kernel. Each query's list is window + K
+    entries (K = selection.shape[1], 0 without one), made in the kernels (entry_at)."""
     heads, head_dim = q.shape[1], q.shape[2]
     n_entries = window + (0 if selection is None else selection.shape[1])
     # without a selection (or with an empty one) entry_at reads but never uses it: any int32 [T, >= 1] array stands in
@@ -1331,9 +1363,16 @@ def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, s
         workspace.check(heads, head_dim, n_entries)
     if n_tokens == 0:
         return
-    if workspace is not None and n_tokens <= min(workspace.tokens, split_tokens):
-        _split_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries, sinks, scale, cos, sin, out,
-                         n_tokens, stream, threads, workspace, tables, cores, rope_dim)
+    if workspace is not None and not (tables and n_tokens > min(workspace.tokens, SPLIT_BATCH_TOKENS)):
+        cores = split_cores(head_dim, n_tokens, cores)  # the whole call's, so a token's bits ignore the cut
+        step = workspace.tokens  # (a batch of sparse_attention_tables fits in one: its tables are not cut)
+        for t0 in range(0, n_tokens, step):
+            # a sub-chunk's own rows of the token-indexed arrays; the chunk's first position from the whole
+            # chunk's positions, so that its tokens read the earlier tokens' window rows from chunk_rows
+            part = slice(t0, min(t0 + step, n_tokens))
+            _split_attention(q[part], ring, chunk_rows, comp_rows, positions[part], positions, chosen[part], n_entries,
+                             sinks, scale, cos, sin, out[part], part.stop - t0, stream, threads, workspace, tables,
+                             cores, rope_dim)
         return
     nt = threads or min(ATTN_THREADS, head_dim)
     lanes = min(LANES, nt)

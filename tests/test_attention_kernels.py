@@ -527,22 +527,25 @@ def test_select_batch_exact(tiny_cfg, path):
 
 # ---- entries and sparse attention ---------------------------------------------------------------------
 
-def _entries_of(positions, selection, entries, window, chunk_rows, n_entries, own_rows):
+def _entries_of(positions, first, selection, entries, window, chunk_rows, n_entries, own_rows):
     """entries[t, j] = entry_at(..., t, j, ...): the kernels' entry lists laid out, a thread each."""
     t, j = cuda.grid(2)
     if t < entries.shape[0] and j < entries.shape[1]:
-        entries[t, j] = sa.entry_at(positions, selection, t, j, window, chunk_rows, n_entries, own_rows)
+        entries[t, j] = sa.entry_at(positions, first, selection, t, j, window, chunk_rows, n_entries, own_rows)
 
 
-def entry_lists(positions, selection, window: int, chunk_capacity: int, own_rows: bool = False) -> np.ndarray:
+def entry_lists(positions, selection, window: int, chunk_capacity: int, own_rows: bool = False,
+                first: np.ndarray | None = None) -> np.ndarray:
     """The lists the sparse kernels make (stages.sparse_attention.entry_at), one column past E (which
-    must read -1), through a kernel compiled afresh each call (so a mutant of entry_at is the one run)."""
+    must read -1), through a kernel compiled afresh each call (so a mutant of entry_at is the one run).
+    first: the whole chunk's positions where positions and selection are a sub-chunk's rows (None:
+    positions, the whole chunk)."""
     t = len(positions)
     k = 0 if selection is None else selection.shape[1]
     chosen = np.zeros((t, 1), np.int64) if selection is None else selection
     entries = cuda.device_array((t, window + k + 1), np.int32)
-    cuda.jit(_entries_of)[(t, window + k + 1), 1](*dev((positions, chosen)), entries, window, chunk_capacity,
-                                                   window + k, own_rows)
+    cuda.jit(_entries_of)[(t, window + k + 1), 1](*dev((positions, positions if first is None else first, chosen)),
+                                                   entries, window, chunk_capacity, window + k, own_rows)
     got = entries.copy_to_host()
     assert np.all(got[:, -1] == -1), "entry_at past the list"
     return got[:, :-1]
@@ -552,8 +555,9 @@ def check_entries(start: int, t: int) -> None:
     """entry_at against oracle.build_entries, exactly, with a selection (-1 padded) and without; the
     chunk rows' capacity above T, as the stage's workspace has it; and with own_rows (a batch: token
     t at position start + t its sequence's only one, in chunk row t) against the oracle's list of
-    that token alone, its chunk row moved to t. (That the oracle's entries name the right positions
-    is tests/test_oracle_attention.py's business.)"""
+    that token alone, its chunk row moved to t; and each sub-chunk's (its tokens' rows of positions and
+    selection, the whole chunk's positions as `first`) against its rows of the chunk's lists. (That
+    the oracle's entries name the right positions is tests/test_oracle_attention.py's business.)"""
     window, cap, k = 8, 12, 3
     positions = np.arange(start, start + t)
     selection = np.where(np.arange(k)[None, :] < 2, np.arange(t)[:, None] + np.arange(k)[None, :], -1)
@@ -561,6 +565,10 @@ def check_entries(start: int, t: int) -> None:
         args = (positions, chosen, window, cap)
         got, want = entry_lists(*args), oracle.build_entries(*args)
         assert np.array_equal(got, want), f"entries from {start}, T {t}: got {got.tolist()}, oracle {want.tolist()}"
+        for t0 in range(1, t):
+            part = entry_lists(positions[t0:], None if chosen is None else chosen[t0:], window, cap, first=positions)
+            assert np.array_equal(part, want[t0:]), f"entries from {start}, T {t}, sub-chunk from token {t0}: got " \
+                f"{part.tolist()}, oracle {want[t0:].tolist()}"
         got = entry_lists(*args, own_rows=True)
         for i in range(t):
             alone = oracle.build_entries(positions[i:i + 1], None if chosen is None else chosen[i:i + 1], window, cap)
@@ -681,13 +689,15 @@ def case_entries(args: tuple) -> np.ndarray:
     return oracle.build_entries(positions, selection, ring.shape[0], chunk_rows.shape[0])
 
 
-def run_sparse(args: tuple, threads: int = 0, split: bool = False, cores: str = "") -> np.ndarray:
+def run_sparse(args: tuple, threads: int = 0, split: bool = False, cores: str = "", tokens: int = 0) -> np.ndarray:
     """sparse_attention over oracle.attend's arguments: the one-block-a-head kernel, or with split the
-    split path (its kernels on the cores `cores`, "" the default), through a workspace with room to spare
-    (a token and 70 entries more than the call)."""
+    split path (its kernels on the cores `cores`, "" the default), through a workspace of `tokens`
+    tokens (the call then runs in sub-chunks of that many) or, with tokens 0, of room to spare (a
+    token more than the call); 70 entries more than the call either way."""
     q = args[0]
     t, heads, dim = q.shape
-    ws = SparseWorkspace.allocate(t + 1, heads, dim, case_entries(args).shape[1] + 70) if split else None
+    ws = SparseWorkspace.allocate(tokens or t + 1, heads, dim, case_entries(args).shape[1] + 70,
+                                  most=SPLIT_BATCH_TOKENS) if split else None
     out = cuda.device_array((t, heads, dim), np.uint16)
     sparse_attention(*dev(args, fp32=SPARSE_FP32), out, t, threads=threads, workspace=ws, cores=cores)
     return host_bf16(out)
@@ -724,13 +734,16 @@ def sparse_reference(args: tuple) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_sparse_attention(seed, t, heads, dim, window, chunk, groups, selected, what, threads=0, split=False,
-                           cores=""):
-    """attention_inputs through the kernel (the split path with `split`, on the cores `cores`)
-    and the oracle (attend): every value within sparse_bound, and at least SPARSE_EQUAL_MIN of them
-    bit-equal. Returns (got, ref)."""
+                           cores="", tokens=0, window_only=False):
+    """attention_inputs through the kernel (the split path with `split`, on the cores `cores`, in
+    sub-chunks of `tokens` tokens where given) and the oracle (attend): every value within
+    sparse_bound, and at least SPARSE_EQUAL_MIN of them bit-equal. window_only: without the
+    selection (the window alone, as a ratio-0 layer). Returns (got, ref)."""
     args = sparse_inputs(seed, t, heads, dim, window, chunk, groups, selected)
+    if window_only:
+        args = (*args[:5], None, *args[6:])
     ref, bound = sparse_reference(args)
-    got = run_sparse(args, threads, split, cores)
+    got = run_sparse(args, threads, split, cores, tokens)
     assert_within(got, ref, bound, what)
     equal = float(np.mean(got == ref))
     assert equal >= SPARSE_EQUAL_MIN, f"{what}: {equal:.2%} of values bit-equal < {SPARSE_EQUAL_MIN:.0%}"
@@ -816,9 +829,11 @@ def test_sparse_fold_matches_unfused(path, t):
 
 
 def test_sparse_workspace_capacity():
-    """At most SPLIT_MAX_TOKENS tokens (SPLIT_BATCH_TOKENS for a batched step's); a call of more
-    tokens than the workspace holds runs the one-block-a-head kernel (the same bits as without a
-    workspace)."""
+    """At most SPLIT_MAX_TOKENS tokens by default, SPLIT_BATCH_TOKENS where prefill chunks or batched
+    steps share it; a call of more tokens than the workspace holds runs in sub-chunks of its tokens,
+    on the cores chosen for the whole call (T = 3 here: the CUDA cores). On the simulator that gives
+    the bits of one sub-chunk; on a GPU, whose CUDA-core values kernel takes its block shape from the
+    token count, within twice the bound of them (as check_split_matches_one_block)."""
     assert SparseWorkspace.allocate(100, 2, 64, 140).tokens == SPLIT_MAX_TOKENS
     assert SparseWorkspace.allocate(100, 2, 64, 140, most=1000).tokens == SPLIT_BATCH_TOKENS
     ws = SparseWorkspace.allocate(2, 4, 64, 28)
@@ -826,7 +841,52 @@ def test_sparse_workspace_capacity():
     args = sparse_inputs(*SPARSE_CASES[1])  # T = 3
     out = cuda.device_array((3, 4, 64), np.uint16)
     sparse_attention(*dev(args, fp32=SPARSE_FP32), out, 3, workspace=ws)
-    assert np.array_equal(out.copy_to_host(), to_bits(run_sparse(args)))
+    whole = run_sparse(args, split=True)
+    if SIM:
+        assert_bits_equal(out.copy_to_host(), whole, "sub-chunks of 2 tokens against one")
+    else:
+        assert_within(host_bf16(out), whole, 2 * sparse_reference(args)[1], "sub-chunks of 2 tokens against one")
+
+
+# Prefill chunks longer than the workspace: (seed, T, H, D, W, chunk rows, groups, selected, the workspace's
+# tokens). From 3 windows in (attention_inputs), so the first tokens' windows reach into the ring and the later
+# sub-chunks' into the chunk rows of the earlier ones (the ring holds other positions' rows in those slots, so a
+# row read from the wrong place shows): T = 10 in sub-chunks of 4, 4, 2 over 28 entries; T = 11 in sub-chunks of
+# 3 (the last of 2), 12 chunk rows (more than the chunk's), 78 entries (two blocks of 64).
+SUBCHUNK_CASES = [(31, 10, 2, 64, 8, 10, 40, 20, 4), (32, 11, 2, 64, 8, 12, 160, 70, 3)]
+SUBCHUNK_TC_CASE = (33, 9, 2, 64, 8, 9, 40, 20, 4)  # the emulated mma is slow: sub-chunks 4, 4, 1 over 28 entries
+
+
+def check_sparse_subchunks(case, what, cores, window_only=False):
+    """check_sparse_attention of a SUBCHUNK_CASES case on the split path, in sub-chunks of its tokens."""
+    *inputs, tokens = case
+    return check_sparse_attention(*inputs, what, split=True, cores=cores, tokens=tokens, window_only=window_only)
+
+
+@pytest.mark.parametrize("window_only", [False, True], ids=["selection", "window_only"])
+@pytest.mark.parametrize("case", SUBCHUNK_CASES, ids=lambda c: f"T{c[1]}by{c[8]}E{c[4] + c[7]}")
+def test_sparse_subchunks_within_bound(case, window_only):
+    """A prefill chunk longer than the workspace, with the selection and without one, on the CUDA
+    cores (the simulator's default)."""
+    check_sparse_subchunks(case, "sparse attention (sub-chunks)", "cuda", window_only)
+
+
+@pytest.mark.parametrize("window_only", [False, True], ids=["selection", "window_only"])
+def test_sparse_subchunks_tc_within_bound(window_only):
+    """The same on the tensor cores (the GPU's default for a chunk past SPLIT_MAX_TOKENS)."""
+    check_sparse_subchunks(SUBCHUNK_TC_CASE, "sparse attention (sub-chunks, tensor cores)", "tc", window_only)
+
+
+@pytest.mark.parametrize("cores,case", [("", SUBCHUNK_CASES[1]), ("tc", SUBCHUNK_TC_CASE)], ids=["default", "tc"])
+def test_sparse_subchunk_bits_ignore_the_cut(cores, case):
+    """A chunk past SPLIT_MAX_TOKENS in sub-chunks of 2 and of 5 tokens gives every token the bits of the
+    chunk in one: all of them on the cores chosen for the whole chunk (by default the tensor cores on a
+    GPU, whose kernels' shapes do not follow the token count)."""
+    args = sparse_inputs(*case[:8])
+    whole = run_sparse(args, split=True, cores=cores)
+    for tokens in (2, 5):
+        assert_bits_equal(to_bits(run_sparse(args, split=True, cores=cores, tokens=tokens)), whole,
+                          f"sub-chunks of {tokens} tokens against one ({cores or 'default'} cores)")
 
 
 def test_sparse_attention_shape_errors():
@@ -928,6 +988,30 @@ def test_flash_sparse_fold_matches_unfused(path, t):
 @pytest.mark.gpu
 def test_flash_sparse_split_matches_one_block():
     check_split_matches_one_block(FLASH_SPARSE_CASE)
+
+
+# a prefill chunk of 150 tokens from position 389 (3 windows in) through the engine's workspace of 64 tokens:
+# sub-chunks of 64, 64, 22, the first tokens' windows reaching into the ring
+FLASH_SUBCHUNK_CASE = (17, 150, 64, 512, 128, 160, 1024, 512, SPLIT_BATCH_TOKENS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cores", ["tc", "cuda"])
+def test_flash_sparse_subchunks_within_bound(cores):
+    """64 heads x 512, window 128 + top-512: the prefill chunk in sub-chunks on the tensor cores (the
+    GPU's default past SPLIT_MAX_TOKENS) and on the CUDA cores."""
+    assert split_cores(512, FLASH_SUBCHUNK_CASE[1]) == "tc"
+    got, ref = check_sparse_subchunks(FLASH_SUBCHUNK_CASE, f"sparse attention (flash, sub-chunks, {cores})", cores)
+    print(f"\nflash sparse attention (sub-chunks, {cores}): {np.mean(got == ref):.4f} of values equal, max error "
+          f"{np.abs(got - ref).max():.3e}")
+
+
+@pytest.mark.gpu
+def test_flash_sparse_subchunk_bits_ignore_the_cut():
+    """The flash prefill chunk in sub-chunks of 64 (the engine's) and of 50 tokens: the same bits."""
+    args = sparse_inputs(*FLASH_SUBCHUNK_CASE[:8])
+    engine = run_sparse(args, split=True, tokens=SPLIT_BATCH_TOKENS)
+    assert_bits_equal(to_bits(run_sparse(args, split=True, tokens=50)), engine, "flash: sub-chunks of 50 against 64")
 
 
 @pytest.mark.gpu

@@ -31,6 +31,7 @@ from flashv41.host.oracle import Oracle
 from flashv41.host.oracle import attention as oracle
 from flashv41.model import load_model
 from flashv41.stages.attention import AttentionStage  # noqa: E402
+from flashv41.stages.sparse_attention import SparseWorkspace  # noqa: E402
 
 COSINE = 0.99999
 STATE_SAME = 0.999
@@ -181,6 +182,33 @@ def test_chunked_prefill_matches_one_shot(tiny, one_shot, chunks):
     run.check_state()
     for i, (got, ref) in enumerate(zip(run.out, one_shot.out, strict=True)):
         assert_rows_close(got, ref, f"layer {i}: chunks {chunks} vs one shot")
+
+
+def test_prefill_in_sparse_subchunks(tiny, one_shot, monkeypatch):
+    """The one-shot run's 12-token prefill and decode steps with the sparse attention's workspace cut
+    to 5 tokens: the prefill's attention runs in sub-chunks of 5, 5 and 2, the later ones reading the
+    earlier ones' window rows from the chunk's. Every layer's output has the one-shot run's bits: the
+    cores are chosen for the whole chunk, and neither the simulator's (CUDA cores) nor a GPU's (tensor
+    cores, head_dim 64) gives a token other bits for another cut."""
+    stage, _ = tiny
+    cfg = stage.cfg
+    entries = stage.sparse_ws.scores.shape[2]
+    monkeypatch.setattr(stage, "sparse_ws", SparseWorkspace.allocate(5, cfg.n_heads, cfg.head_dim, entries, most=5))
+    state = stage.new_state()
+    xd = cuda.device_array((stage.max_tokens, cfg.dim), np.uint16)
+    out = cuda.device_array((stage.max_tokens, cfg.dim), np.uint16)
+    start = 0
+    for t in (12, 1, 1, 1, 1):
+        shared = stage.new_shared()
+        for role in cfg.roles:
+            i = role.layer
+            xd[:t].copy_to_device(to_bits(one_shot.x[i][start:start + t]))
+            stage.forward(i, xd, out, state, shared, start, t)
+            got, want = out.copy_to_host()[:t], to_bits(one_shot.out[i][start:start + t])
+            assert np.array_equal(got, want), f"layer {i} positions {start}..{start + t - 1}: " \
+                f"{int((got != want).sum())} of {got.size} values differ from the one-shot run's"
+        start += t
+    state.free()
 
 
 def test_decode_allocates_nothing_and_uploads_the_position(tiny, monkeypatch):

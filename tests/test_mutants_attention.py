@@ -24,7 +24,11 @@ What rejects each (measured on the simulator, at the CI shape and, for the `gpu`
   Its tensor-core kernels (split_score_tc_kernel and split_value_tc_kernel, the GPU's default)
   carry them too, their check on the simulator the smaller case of 3 tokens and 28 entries (the
   emulated mma is slow).
-- entries: the oracle's entry lists (exact).
+- sparse attention in sub-chunks (a prefill chunk of 10 tokens through a workspace of 4): the chunk's
+  first position taken from the sub-chunk's own positions (by _attend, or by the scores kernel alone)
+  or one token late: sparse_bound (701-941 of 1280 values out of it).
+- entries: the oracle's entry lists (exact), the whole chunk's and each sub-chunk's (entry_at's chunk
+  start read from the sub-chunk's positions shows only in the latter).
 - index scores: exact scores (14-52 of 65 differ; 5919-11752 of 12288 at flash).
 - selection: exact selections and masks. The short visible width shows in the candidate blocks
   (CI) and, at flash, only in the "rising" score pattern (newest positions ranked first: without it
@@ -59,9 +63,11 @@ from tests.test_attention_kernels import (
     ENTRY_CASES,
     FLASH_SELECT_CASE,
     FLASH_SPARSE_CASE,
+    FLASH_SUBCHUNK_CASE,
     SELECT_CASES,
     SPARSE_CASE,
     SPARSE_CASES,
+    SUBCHUNK_CASES,
     check_act_quant,
     check_entries,
     check_fp4_quant,
@@ -70,6 +76,7 @@ from tests.test_attention_kernels import (
     check_rope,
     check_select,
     check_sparse_attention,
+    check_sparse_subchunks,
 )
 
 # ---- replacement helpers (device functions on a GPU, plain Python on the simulator) --------------------
@@ -151,6 +158,7 @@ def e2m1_round_truncating(v):
 # ---- the mutants ----------------------------------------------------------------------------------------
 
 E4M3_RNE = "u = (u + uint32(0x7FFFF) + ((u >> 20) & 1)) & uint32(0xFFF00000)"  # e4m3_round's rounding
+SUBCHUNK_VIEWS = "positions[part], positions, chosen[part]"  # _attend: a sub-chunk's positions, the chunk's first
 POW2_CEIL = "(1 if (bits & 0x7FFFFF) != 0 else 0)"  # pow2_ceil's "round the log2 up"
 
 
@@ -218,6 +226,16 @@ MUTANTS = [
     *sparse_mutants("sparse_attention", "sparse_kernel", "sparse_kernel"),
     *sparse_mutants("sparse_split", "split_score_kernel", "split_combine_kernel"),
     *sparse_mutants("sparse_split_tc", "split_score_tc_kernel", "split_combine_kernel"),
+    Mutant("sparse_subchunks", "own_start", "a sub-chunk's first position taken for the chunk's: the window rows of "
+           "the chunk's earlier tokens read from the ring", sa,
+           lambda: {"_attend": edited(sa, "_attend", SUBCHUNK_VIEWS,
+                                      "positions[part], positions[part], chosen[part]")}),
+    Mutant("sparse_subchunks", "start_one_late", "the chunk's first position taken one token late", sa,
+           lambda: {"_attend": edited(sa, "_attend", SUBCHUNK_VIEWS, "positions[part], positions[1:], chosen[part]")}),
+    Mutant("sparse_subchunks", "scores_own_start", "the scores kernel's chunk start from the sub-chunk's positions",
+           sa, lambda: {"split_score_kernel": edited(sa, "split_score_kernel", "else first[0]", "else positions[0]")}),
+    Mutant("entries", "subchunk_own_start", "entry_at's chunk start read from the sub-chunk's positions", sa,
+           lambda: {"entry_at": edited(sa, "entry_at", "else first[0]", "else positions[0]")}),
     Mutant("entries", "window_one_early", "window positions p - W .. p - 1 instead of p - W + 1 .. p", sa,
            lambda: {"entry_from": edited(sa, "entry_from", "wp = pos - window + 1 + j",
                                        "wp = pos - window + j")}),
@@ -321,6 +339,8 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
     # the emulated mma is slow on the simulator: the case of 3 tokens x 4 heads, 28 entries
     "sparse_split_tc": lambda cfg: check_sparse_attention(*SPARSE_CASES[1], "sparse attention (split, tc)",
                                                           split=True, cores="tc"),
+    # a chunk of 10 tokens in sub-chunks of 4 (the workspace's tokens), 4 and 2
+    "sparse_subchunks": lambda cfg: check_sparse_subchunks(SUBCHUNK_CASES[0], "sparse attention (sub-chunks)", "cuda"),
     "entries": lambda cfg: _every(check_entries, ENTRY_CASES),
     "index_scores": lambda cfg: check_index_scores(cfg, 9, heads=3, dim=64, t=5, width=13, spare=3, c=32),
     # the emulated mma: two head fragments, three key tiles
@@ -340,6 +360,9 @@ FLASH_CHECKS: dict[str, Callable[[Any], Any]] = {
                                                        split=True, cores="cuda"),
     "sparse_split_tc": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash, split, tc)",
                                                           split=True, cores="tc"),
+    # the 150-token chunk in the engine's sub-chunks of 64, on the tensor cores (the GPU's default there)
+    "sparse_subchunks": lambda cfg: check_sparse_subchunks(FLASH_SUBCHUNK_CASE, "sparse attention (flash, sub-chunks)",
+                                                           "tc"),
     "index_scores": lambda cfg: check_index_scores(cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64,
                                                    cores="cuda"),
     "index_scores_tc": lambda cfg: check_index_scores(cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64,

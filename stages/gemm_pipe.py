@@ -57,11 +57,20 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, uint32, uint64
 
 from flashv41.host.quants import GGMLType
 from flashv41.stages import linear_tc
-from flashv41.stages.device import CHUNK, SIM, WARP, byte_perm, f16x2_f32, f32_bits, f32_from_bits, f32_to_bf16
+from flashv41.stages.device import (
+    CHUNK,
+    SIM,
+    WARP,
+    byte_perm,
+    f16x2_f32,
+    f32_bits,
+    f32_from_bits,
+    f32_to_bf16,
+)
 
 BK = CHUNK  # values of k per step: one Q8_0 block
 KW = BK // 2  # 32-bit words (bf16 pairs) of a bf16 tile row per step: 64 bytes
@@ -84,20 +93,33 @@ ALIGN = None if SIM else 128  # cp.async and ldmatrix need aligned shared rows (
 LEVEL_BIAS = uint32(0x80808080)  # q + 128 in each byte of a word of levels
 MAGIC = uint32(0x4B000000)  # the fp32 pattern of 2^23: its low mantissa bits take an integer below 2^23
 MAGIC_LEVEL = float32(8388736.0)  # 2^23 + 128: a biased level's fp32 pattern less this is q
-SCALE_WORD = 4  # bytes of the fp16 scale word a Q8_0 step copies (its scale and its neighbour's)
+SCALE_BYTES = 4  # of the fp16 scales a Q8_0 step copies: its own and its neighbour's (a word)
+A_STAGE = BM * KW  # words of a stage's tiles: inputs, BF16 weights, Q8_0 levels
+B_STAGE = BN * KW
+Q_STAGE = BN * QW
+WORD_UNITS = 1 if SIM else 4  # a word_address's units a word: the simulator's index words, the GPU's bytes
+FRAG_WORDS = 16 * KW  # from one ldmatrix.x4's rows to the next fragment's: 16 rows
+HALF_WORDS = 8  # from a k16 half's chunks to the other's: chunks 0, 1 and 2, 3, swizzled alike
 FRAGS = (FM, FN, 4)  # a warp's accumulators: [fragment m, fragment n, register]
 TYPES = (GGMLType.BF16, GGMLType.Q8_0)
 
 
 if SIM:
-    def cp_async16(dst, s, r, c, src, row, col, size):
-        """dst[s, r, c .. c + 3] = src[row, col .. col + 3] (uint32) where size is 16, zeros where 0."""
-        for i in range(4):
-            dst[s, r, c + i] = src[row, col + i] if size else uint32(0)
+    def word_address(a, row, col):
+        """Where a[row, col] of a global uint32 array is, for the copies: here its flat index."""
+        return uint64(row * a.shape[1] + col)
 
-    def cp_async4(dst, s, r, src, row, col, size):
-        """dst[s, r] = src[row, col] (uint32) where size is 4, zero where 0."""
-        dst[s, r] = src[row, col] if size else uint32(0)
+    def cp_async16(dst, word, src, address, size):
+        """Words word .. word + 3 of the shared array dst = the four words of src from word_address
+        `address` on where size is 16, zeros where 0."""
+        flat, at = dst.reshape(-1), src.reshape(-1)
+        for j in range(4):
+            flat[word + j] = at[address + j] if size else uint32(0)
+
+    def cp_async4(dst, word, src, address, size):
+        """Word `word` of the shared array dst = the word of src at word_address `address` where size
+        is 4, zero where 0."""
+        dst.reshape(-1)[word] = src.reshape(-1)[address] if size else uint32(0)
 
     def cp_async_commit():
         """The copies above complete at once here: nothing to group."""
@@ -105,159 +127,177 @@ if SIM:
     def cp_async_wait():
         """Nothing is in flight here."""
 
-    def ldmatrix_x4(a, s, r, c):
-        """Four 8 x 8 matrices of b16 from shared memory: lane l brings the address a[s, r, c .. c + 3]
-        of row l % 8 of matrix l // 8 and gets, of each matrix i, word l % 4 of its row l // 4."""
-        tid = cuda.threadIdx.x
-        rows = linear_tc.kernel_warp_meet((a[s, r, c], a[s, r, c + 1], a[s, r, c + 2], a[s, r, c + 3], 0, 0),
+    def ldmatrix_x4(a, word):
+        """Four 8 x 8 matrices of b16 from the shared array a: lane l brings the address of its words
+        word .. word + 3 (row l % 8 of matrix l // 8) and gets, of each matrix i, word l % 4 of its
+        row l // 4."""
+        flat = a.reshape(-1)
+        rows = linear_tc.kernel_warp_meet((flat[word], flat[word + 1], flat[word + 2], flat[word + 3], 0, 0),
                                           ldmatrix_tile)
-        lane = tid % WARP
+        lane = cuda.threadIdx.x % WARP
         return (uint32(rows[lane >> 2, lane & 3]), uint32(rows[8 + (lane >> 2), lane & 3]),
                 uint32(rows[16 + (lane >> 2), lane & 3]), uint32(rows[24 + (lane >> 2), lane & 3]))
+
+    def pinned(v):
+        """v (uint32), computed once where it is pinned on a GPU."""
+        return uint32(v)
+
+    def pinned64(v):
+        """v (uint64), computed once where it is pinned on a GPU."""
+        return uint64(v)
 
     def ldmatrix_tile(regs):
         """The rows the lanes brought, [lane, word]: row j of matrix i is lane 8 i + j's."""
         return regs[:, :4].copy()
 
-    def lds4(a, s, r, c):
-        """a[s, r, c .. c + 3] (uint32, shared; one 16-byte load on a GPU)."""
-        return a[s, r, c], a[s, r, c + 1], a[s, r, c + 2], a[s, r, c + 3]
+    def lds4(a, word):
+        """Words word .. word + 3 of the shared uint32 array a (one 16-byte load on a GPU)."""
+        flat = a.reshape(-1)
+        return flat[word], flat[word + 1], flat[word + 2], flat[word + 3]
 
-    def sts4(a, s, r, c, v0, v1, v2, v3):
-        """a[s, r, c .. c + 3] = v0 .. v3 (uint32, shared; one 16-byte store on a GPU)."""
-        a[s, r, c], a[s, r, c + 1], a[s, r, c + 2], a[s, r, c + 3] = v0, v1, v2, v3
+    def sts4(a, word, v0, v1, v2, v3):
+        """Words word .. word + 3 of the shared uint32 array a = v0 .. v3 (one 16-byte store on a GPU)."""
+        flat = a.reshape(-1)
+        flat[word], flat[word + 1], flat[word + 2], flat[word + 3] = v0, v1, v2, v3
 else:
     from llvmlite import ir
     from numba import types
     from numba.cuda import cgutils  # type: ignore[attr-defined]
     from numba.cuda.extending import intrinsic
 
-    def _pointer(context, builder, array_type, array, index_types, index):
-        """The generic address of array[index...]."""
-        arr = context.make_array(array_type)(context, builder, array)
-        at = [context.cast(builder, v, t, types.intp) for v, t in zip(index, index_types, strict=True)]
-        return cgutils.get_item_pointer(context, builder, array_type, arr, at)
-
-    def _shared(builder, pointer):
-        """A shared array element's generic address as a 32-bit `.shared` window address: the cast
-        back to the shared space undoes Numba's cast of the array to generic, so NVVM emits the
-        array's own shared address (no cvta)."""
-        shared = builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 3))
-        return builder.ptrtoint(shared, ir.IntType(32))
-
-    def _src_size(context, builder, size, size_type):
-        return context.cast(builder, size, size_type, types.uint32)
+    def _shared_word(context, builder, array_type, array, word, word_type):
+        """The 32-bit `.shared` window address of word `word` of a shared array. The cast back to the
+        shared space undoes Numba's cast of the array to generic, so NVVM takes the array's own
+        shared symbol (no cvta), and the address is a 32-bit sum that ptxas folds constant offsets
+        into."""
+        data = context.make_array(array_type)(context, builder, array).data
+        base = builder.ptrtoint(builder.addrspacecast(data, ir.PointerType(data.type.pointee, 3)), ir.IntType(32))
+        at = context.cast(builder, word, word_type, types.uint32)
+        return builder.add(base, builder.shl(at, ir.Constant(ir.IntType(32), 2)))
 
     @intrinsic
-    def cp_async16(typingctx, dst, s, r, c, src, row, col, size):
-        """`cp.async.cg.shared.global` of 16 bytes: src[row, col ..] (global) to dst[s, r, c ..]
-        (shared), only the first `size` (16 or 0) read, the rest zero-filled; through L2 only."""
-        sig = types.void(dst, s, r, c, src, row, col, size)
+    def word_address(typingctx, a, row, col):
+        """Where a[row, col] of a global uint32 array is, for the copies: its address (uint64)."""
+        sig = types.uint64(a, row, col)
 
         def codegen(context, builder, signature, args):
-            a = signature.args
-            to = _shared(builder, _pointer(context, builder, a[0], args[0], a[1:4], args[1:4]))
-            frm = builder.ptrtoint(_pointer(context, builder, a[4], args[4], a[5:7], args[5:7]), ir.IntType(64))
-            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64), ir.IntType(32)])
-            asm = ir.InlineAsm(fn, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", side_effect=True)
-            builder.call(asm, [to, frm, _src_size(context, builder, args[7], a[7])])
-            return context.get_dummy_value()
+            array_type = signature.args[0]
+            array = context.make_array(array_type)(context, builder, args[0])
+            index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:], strict=True)]
+            return builder.ptrtoint(cgutils.get_item_pointer(context, builder, array_type, array, index),
+                                    ir.IntType(64))
+
+        return sig, codegen
+
+    def _copy(size: int, cache: str):
+        """An intrinsic (dst, word, src, address, src_size): `cp.async.<cache>.shared.global` of `size`
+        bytes from the word_address `address` (of the global array src) to word `word` of the shared
+        array dst, only the first src_size (size or 0) read, the rest zero-filled."""
+        text = f"cp.async.{cache}.shared.global [$0], [$1], {size}, $2;"
+
+        @intrinsic
+        def copy(typingctx, dst, word, src, address, src_size):
+            sig = types.void(dst, word, src, types.uint64, src_size)
+
+            def codegen(context, builder, signature, args):
+                a = signature.args
+                to = _shared_word(context, builder, a[0], args[0], args[1], a[1])
+                n = context.cast(builder, args[4], a[4], types.uint32)
+                fn = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64), ir.IntType(32)])
+                builder.call(ir.InlineAsm(fn, text, "r,l,r", side_effect=True), [to, args[3], n])
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return copy
+
+    cp_async16 = _copy(16, "cg")  # through L2 only: a tile is reused from L2, by other blocks
+    cp_async4 = _copy(4, "ca")  # .cg copies only 16 bytes
+
+    def _statement(text: str, clobbers: str):
+        """An intrinsic of no operands: one PTX statement."""
+
+        @intrinsic
+        def statement(typingctx):
+            sig = types.void()
+
+            def codegen(context, builder, signature, args):
+                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, clobbers, side_effect=True), [])
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return statement
+
+    # the copies issued since the last commit form one group
+    cp_async_commit = _statement("cp.async.commit_group;", "")
+    # all but the newest STAGES - 2 groups of this thread's copies have landed (a barrier then makes
+    # every thread's visible); the memory clobber keeps shared loads below it
+    cp_async_wait = _statement(f"cp.async.wait_group {STAGES - 2};", "~{memory}")
+
+    def _load4(text: str):
+        """An intrinsic (a, word) -> four words loaded by `text` from word `word` of a shared array."""
+
+        @intrinsic
+        def load(typingctx, a, word):
+            sig = types.UniTuple(types.uint32, 4)(a, word)
+
+            def codegen(context, builder, signature, args):
+                at = _shared_word(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+                u32 = ir.IntType(32)
+                fn = ir.FunctionType(ir.LiteralStructType([u32] * 4), [u32])
+                got = builder.call(ir.InlineAsm(fn, text, "=r,=r,=r,=r,r,~{memory}", side_effect=True), [at])
+                return context.make_tuple(builder, signature.return_type,
+                                          [builder.extract_value(got, i) for i in range(4)])
+
+            return sig, codegen
+
+        return load
+
+    # lane l gives the address of row l % 8 of matrix l // 8 (16 bytes) and gets, of each matrix i,
+    # word l % 4 of its row l // 4
+    ldmatrix_x4 = _load4("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];")
+    lds4 = _load4("ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];")  # numba has no vector loads
+
+    @intrinsic
+    def pinned(typingctx, v):
+        """v as uint32 through a `mov`, which the compilers take as given: the lane's ldmatrix offsets
+        are then computed once before the K loop and kept, where otherwise each step recomputed them
+        from the thread index (about 40 instructions a step)."""
+        sig = types.uint32(v)
+
+        def codegen(context, builder, signature, args):
+            value = context.cast(builder, args[0], signature.args[0], types.uint32)
+            fn = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
+            return builder.call(ir.InlineAsm(fn, "mov.u32 $0, $1;", "=r,r"), [value])
 
         return sig, codegen
 
     @intrinsic
-    def cp_async4(typingctx, dst, s, r, src, row, col, size):
-        """`cp.async.ca.shared.global` of 4 bytes: src[row, col] (global) to dst[s, r] (shared), read
-        where size is 4, zero where 0."""
-        sig = types.void(dst, s, r, src, row, col, size)
+    def pinned64(typingctx, v):
+        """pinned's 64-bit twin (`mov.u64`): the copies' global addresses."""
+        sig = types.uint64(v)
 
         def codegen(context, builder, signature, args):
-            a = signature.args
-            to = _shared(builder, _pointer(context, builder, a[0], args[0], a[1:3], args[1:3]))
-            frm = builder.ptrtoint(_pointer(context, builder, a[3], args[3], a[4:6], args[4:6]), ir.IntType(64))
-            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64), ir.IntType(32)])
-            asm = ir.InlineAsm(fn, "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r", side_effect=True)
-            builder.call(asm, [to, frm, _src_size(context, builder, args[6], a[6])])
-            return context.get_dummy_value()
+            value = context.cast(builder, args[0], signature.args[0], types.uint64)
+            fn = ir.FunctionType(ir.IntType(64), [ir.IntType(64)])
+            return builder.call(ir.InlineAsm(fn, "mov.u64 $0, $1;", "=l,l"), [value])
 
         return sig, codegen
 
     @intrinsic
-    def cp_async_commit(typingctx):
-        """`cp.async.commit_group`: the copies issued since the last commit form one group."""
-        sig = types.void()
+    def sts4(typingctx, a, word, v0, v1, v2, v3):
+        """Words word .. word + 3 of a shared uint32 array = v0 .. v3: one `st.shared.v4.u32`."""
+        sig = types.void(a, word, v0, v1, v2, v3)
 
         def codegen(context, builder, signature, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;", "", side_effect=True)
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def cp_async_wait(typingctx):
-        """`cp.async.wait_group STAGES - 2`: all but the newest STAGES - 2 groups of this thread's
-        copies have landed (a barrier then makes every thread's visible). A memory clobber, so no
-        shared load moves above it."""
-        sig = types.void()
-
-        def codegen(context, builder, signature, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), f"cp.async.wait_group {STAGES - 2};",
-                               "~{memory}", side_effect=True)
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def ldmatrix_x4(typingctx, a, s, r, c):
-        """`ldmatrix.sync.aligned.m8n8.x4.shared.b16`: lane l gives the address of a[s, r, c ..] (16
-        bytes: row l % 8 of matrix l // 8) and gets, of each matrix i, word l % 4 of its row l // 4."""
-        sig = types.UniTuple(types.uint32, 4)(a, s, r, c)
-
-        def codegen(context, builder, signature, args):
-            at = _shared(builder, _pointer(context, builder, signature.args[0], args[0], signature.args[1:],
-                                           args[1:]))
-            word = ir.IntType(32)
-            fn = ir.FunctionType(ir.LiteralStructType([word] * 4), [word])
-            asm = ir.InlineAsm(fn, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];",
-                               "=r,=r,=r,=r,r,~{memory}", side_effect=True)
-            got = builder.call(asm, [at])
-            return context.make_tuple(builder, signature.return_type, [builder.extract_value(got, i) for i in range(4)])
-
-        return sig, codegen
-
-    @intrinsic
-    def lds4(typingctx, a, s, r, c):
-        """a[s, r, c .. c + 3] of a shared uint32 array: one `ld.shared.v4.u32`."""
-        sig = types.UniTuple(types.uint32, 4)(a, s, r, c)
-
-        def codegen(context, builder, signature, args):
-            at = _shared(builder, _pointer(context, builder, signature.args[0], args[0], signature.args[1:],
-                                           args[1:]))
-            word = ir.IntType(32)
-            fn = ir.FunctionType(ir.LiteralStructType([word] * 4), [word])
-            asm = ir.InlineAsm(fn, "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
-                               side_effect=True)
-            got = builder.call(asm, [at])
-            return context.make_tuple(builder, signature.return_type, [builder.extract_value(got, i) for i in range(4)])
-
-        return sig, codegen
-
-    @intrinsic
-    def sts4(typingctx, a, s, r, c, v0, v1, v2, v3):
-        """a[s, r, c .. c + 3] = v0 .. v3 in a shared uint32 array: one `st.shared.v4.u32`."""
-        sig = types.void(a, s, r, c, v0, v1, v2, v3)
-
-        def codegen(context, builder, signature, args):
-            at = _shared(builder, _pointer(context, builder, signature.args[0], args[0], signature.args[1:4],
-                                           args[1:4]))
-            values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[4:], signature.args[4:],
+            at = _shared_word(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+            values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[2:], signature.args[2:],
                                                                                  strict=True)]
-            word = ir.IntType(32)
-            fn = ir.FunctionType(ir.VoidType(), [word] * 5)
-            asm = ir.InlineAsm(fn, "st.shared.v4.u32 [$0], {$1,$2,$3,$4};", "r,r,r,r,r,~{memory}", side_effect=True)
-            builder.call(asm, [at, *values])
+            u32 = ir.IntType(32)
+            fn = ir.FunctionType(ir.VoidType(), [u32] * 5)
+            builder.call(ir.InlineAsm(fn, "st.shared.v4.u32 [$0], {$1,$2,$3,$4};", "r,r,r,r,r,~{memory}",
+                                      side_effect=True), [at, *values])
             return context.get_dummy_value()
 
         return sig, codegen
@@ -287,15 +327,15 @@ if not SIM:
 def pipe_kernel(quant: bool, out_bf16: bool):
     """Tiles of BM tokens x BN outputs of one group; block = THREADS, grid = (output tiles per group,
     token tiles, groups). quant: Q8_0 weights, else BF16."""
-    b_shape = (1, 1, 4) if quant else (STAGES, BN, KW)  # [stage, output, word] BF16 weights, swizzled
-    q_shape = (STAGES, BN, QW) if quant else (1, 1, 4)  # [stage, output, word] Q8_0 levels, stored order
+    b_shape = (1, 4) if quant else (STAGES, B_STAGE)  # [stage, output x word] BF16 weights, swizzled rows
+    q_shape = (STAGES, Q_STAGE) if quant else (1, 4)  # [stage, output x word] Q8_0 levels, stored order
     e_shape = (STAGES, BN) if quant else (1, 1)  # [stage, output] the word holding the step's fp16 scale
-    t_shape = (1, BN, KW) if quant else (1, 1, 4)  # [1, output, word] the step's levels as bf16, swizzled
+    t_shape = B_STAGE if quant else 4  # [output x word] the step's levels as bf16 pairs, swizzled rows
     d_shape = BN if quant else 1  # [output] the step's scales
 
     @cuda.jit if SIM else cuda.jit(launch_bounds=(THREADS, 2))  # type: ignore[call-arg]
     def gemm_pipe(x, w, y, n_tokens, n_rows, width):
-        a_s = cuda.shared.array((STAGES, BM, KW), uint32, alignment=ALIGN)  # [stage, token, word] swizzled
+        a_s = cuda.shared.array((STAGES, A_STAGE), uint32, alignment=ALIGN)  # [stage, token x word] swizzled rows
         b_s = cuda.shared.array(b_shape, uint32, alignment=ALIGN)
         q_s = cuda.shared.array(q_shape, uint32, alignment=ALIGN)
         e_s = cuda.shared.array(e_shape, uint32, alignment=ALIGN)
@@ -303,6 +343,8 @@ def pipe_kernel(quant: bool, out_bf16: bool):
         d_s = cuda.shared.array(d_shape, float32)
         xw = x.view(np.uint32)  # [T, K_total / 2] bf16 pairs
         w32 = w.view(np.uint32)  # [N, row words]
+        # unsigned 32-bit indices: known non-negative, so index wraparound and floor-division fixups
+        # fold away, and shared word offsets stay 32-bit sums
         tid = uint32(cuda.threadIdx.x)
         group_rows = uint32(n_rows)
         k = uint32(width)
@@ -325,78 +367,98 @@ def pipe_kernel(quant: bool, out_bf16: bool):
                     acc[fm, fn, i] = float32(0)
         # ldmatrix row addresses: lane l names row l % 8 of matrix l // 8. A's matrices: tokens 0-7 and
         # 8-15 (bit 0) of k 0-7 and 8-15 (bit 1); B's: k 0-7 and 8-15 (bit 0) of outputs 0-7 and 8-15
-        # (bit 1). Rows start at multiples of 8, so lane l's swizzle is that of row l % 8.
+        # (bit 1). Fragment rows start at multiples of 8, so every fragment's swizzle is its first's; the
+        # second k16 half is chunks 2 and 3, the first's words XOR 8.
         mat = lane >> 3
         a_row = wm + (mat & 1) * 8 + (lane & 7)
-        a_chunk = mat >> 1
         b_row = wn + (mat >> 1) * 8 + (lane & 7)
-        b_chunk = mat & 1
+        a_word = pinned(a_row * KW + swizzled(a_row, mat >> 1))
+        b_word = pinned(b_row * KW + swizzled(b_row, mat & 1))
+        # this thread's copies: where each lands in a stage, where its first step is in device memory,
+        # and how many bytes it reads (0 for rows past T or the group: zeros, from a row that exists)
+        a_dst = cuda.local.array(A_COPIES, uint32)
+        a_src = cuda.local.array(A_COPIES, uint64)
+        a_size = cuda.local.array(A_COPIES, uint32)
+        b_dst = cuda.local.array(B_COPIES, uint32)
+        b_src = cuda.local.array(B_COPIES, uint64)
+        b_size = cuda.local.array(B_COPIES, uint32)
+        for i in range(A_COPIES):
+            idx = tid + i * THREADS
+            r, c = idx // CHUNKS, idx % CHUNKS
+            t = t0 + r
+            a_dst[i] = pinned(r * KW + swizzled(r, c))
+            a_src[i] = pinned64(word_address(xw, t if t < n_tokens else t0, x0 + c * 4))
+            a_size[i] = uint32(16) if t < n_tokens else uint32(0)
+        if quant:  # a half row of levels (threads < 2 BN), and a scale word (threads < BN)
+            r = tid // 2
+            n = n0 + r
+            b_dst[0] = pinned(r * QW + (tid % 2) * 4)
+            b_src[0] = pinned64(word_address(w32, row0 + (n if n < group_rows else n0), (tid % 2) * 4))
+            b_size[0] = uint32(16) if n < group_rows else uint32(0)
+            n = n0 + tid
+            e_src = pinned64(word_address(w32, row0 + (n if n < group_rows else n0), scale_word))
+            e_size = uint32(SCALE_BYTES) if n < group_rows else uint32(0)
+        else:
+            for i in range(B_COPIES):
+                idx = tid + i * THREADS
+                r, c = idx // CHUNKS, idx % CHUNKS
+                n = n0 + r
+                b_dst[i] = pinned(r * KW + swizzled(r, c))
+                b_src[i] = pinned64(word_address(w32, row0 + (n if n < group_rows else n0), c * 4))
+                b_size[i] = uint32(16) if n < group_rows else uint32(0)
+        write = uint32(0)  # the stage the next copies fill
+        read = uint32(0)  # the stage the next mma read
         for it in range(n_steps + STAGES - 1):
             # one loop for prologue and main: iteration it issues step it's copies and, once
             # STAGES - 1 steps are in flight, multiplies step it - (STAGES - 1)
-            step = it - (STAGES - 1)
             if it >= STAGES - 1:
                 cp_async_wait()
-                cuda.syncthreads()  # step's tiles visible; every warp done with the stage refilled below
+                cuda.syncthreads()  # the step's tiles visible; every warp done with the stage refilled below
             if it < n_steps:
-                stage = it % STAGES
+                step_at = uint64(WORD_UNITS * KW * it)  # the step's first word in x's and BF16 rows
                 for i in range(A_COPIES):
-                    idx = tid + i * THREADS
-                    r, c = idx // CHUNKS, idx % CHUNKS
-                    t = t0 + r
-                    cp_async16(a_s, stage, r, swizzled(r, c), xw, t if t < n_tokens else uint32(0),
-                               x0 + it * KW + c * 4, uint32(16) if t < n_tokens else uint32(0))
+                    cp_async16(a_s[write], a_dst[i], xw, a_src[i] + step_at, a_size[i])
                 if quant:
                     if tid < BN * 2:
-                        r, c = tid // 2, tid % 2
-                        n = n0 + r
-                        cp_async16(q_s, stage, r, c * 4, w32, row0 + (n if n < group_rows else uint32(0)),
-                                   it * QW + c * 4, uint32(16) if n < group_rows else uint32(0))
+                        cp_async16(q_s[write], b_dst[0], w32, b_src[0] + uint64(WORD_UNITS * QW * it), b_size[0])
                     if tid < BN:
-                        n = n0 + tid
-                        cp_async4(e_s, stage, tid, w32, row0 + (n if n < group_rows else uint32(0)),
-                                  scale_word + it // 2, uint32(SCALE_WORD) if n < group_rows else uint32(0))
+                        cp_async4(e_s[write], tid, w32, e_src + uint64(WORD_UNITS * (it // 2)), e_size)
                 else:
                     for i in range(B_COPIES):
-                        idx = tid + i * THREADS
-                        r, c = idx // CHUNKS, idx % CHUNKS
-                        n = n0 + r
-                        cp_async16(b_s, stage, r, swizzled(r, c), w32, row0 + (n if n < group_rows else uint32(0)),
-                                   it * KW + c * 4, uint32(16) if n < group_rows else uint32(0))
+                        cp_async16(b_s[write], b_dst[i], w32, b_src[i] + step_at, b_size[i])
+                write = uint32(write + 1) if write < STAGES - 1 else uint32(0)
             cp_async_commit()  # every iteration, empty or not: wait_group counts groups
-            if step < 0:
+            if it < STAGES - 1:
                 continue
-            stage = step % STAGES
+            step = it - (STAGES - 1)
             if quant:
                 # the step's levels to bf16 pairs, the scales to fp32, once for the block
                 if tid < BN * 2:
                     r, h = tid // 2, tid % 2  # 16 levels: k 16 h .. 16 h + 15 of row r
-                    u0, u1, u2, u3 = lds4(q_s, stage, r, h * 4)
+                    u0, u1, u2, u3 = lds4(q_s[read], r * QW + h * 4)
                     u0, u1, u2, u3 = u0 ^ LEVEL_BIAS, u1 ^ LEVEL_BIAS, u2 ^ LEVEL_BIAS, u3 ^ LEVEL_BIAS
-                    sts4(t_s, 0, r, swizzled(r, 2 * h),
+                    sts4(t_s, r * KW + swizzled(r, 2 * h),
                          level_pair(u0, 0, 1), level_pair(u0, 2, 3), level_pair(u1, 0, 1), level_pair(u1, 2, 3))
-                    sts4(t_s, 0, r, swizzled(r, 2 * h + 1),
+                    sts4(t_s, r * KW + swizzled(r, 2 * h + 1),
                          level_pair(u2, 0, 1), level_pair(u2, 2, 3), level_pair(u3, 0, 1), level_pair(u3, 2, 3))
                 if tid < BN:
-                    lo, hi = f16x2_f32(e_s[stage, tid])
+                    lo, hi = f16x2_f32(e_s[read, tid])
                     d_s[tid] = hi if step % 2 else lo
                 cuda.syncthreads()
             # B fragments of both k16 halves, then per fragment row A's, then the mma
             for kk in range(2):
                 for p in range(FN // 2):
-                    r = b_row + p * 16
                     if quant:
-                        b0, b1, b2, b3 = ldmatrix_x4(t_s, 0, r, swizzled(r, 2 * kk + b_chunk))
+                        b0, b1, b2, b3 = ldmatrix_x4(t_s, (b_word ^ HALF_WORDS * kk) + p * FRAG_WORDS)
                     else:
-                        b0, b1, b2, b3 = ldmatrix_x4(b_s, stage, r, swizzled(r, 2 * kk + b_chunk))
+                        b0, b1, b2, b3 = ldmatrix_x4(b_s[read], (b_word ^ HALF_WORDS * kk) + p * FRAG_WORDS)
                     bf[kk, 2 * p, 0] = b0
                     bf[kk, 2 * p, 1] = b1
                     bf[kk, 2 * p + 1, 0] = b2
                     bf[kk, 2 * p + 1, 1] = b3
             for fm in range(FM):
-                r = a_row + fm * 16
                 for kk in range(2):
-                    a0, a1, a2, a3 = ldmatrix_x4(a_s, stage, r, swizzled(r, 2 * kk + a_chunk))
+                    a0, a1, a2, a3 = ldmatrix_x4(a_s[read], (a_word ^ HALF_WORDS * kk) + fm * FRAG_WORDS)
                     af[kk, fm, 0] = a0
                     af[kk, fm, 1] = a1
                     af[kk, fm, 2] = a2
@@ -422,6 +484,7 @@ def pipe_kernel(quant: bool, out_bf16: bool):
                             acc[fm, fn, 1] = c1
                             acc[fm, fn, 2] = c2
                             acc[fm, fn, 3] = c3
+            read = uint32(read + 1) if read < STAGES - 1 else uint32(0)
         for fm in range(FM):
             for fn in range(FN):
                 for i in range(4):

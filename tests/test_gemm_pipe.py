@@ -164,13 +164,14 @@ def test_every_level_converts_exactly():
     np.testing.assert_array_equal(got, want)
 
 
-# broken kernels: each must fail the product checks, on a K of more steps than stages
+# broken kernels, each one edit of pipe_kernel's source: each must fail the product checks, on a K
+# of more steps than stages
 MUTANTS = {
-    "dropped step": ("pipe_kernel", "for it in range(n_steps + STAGES - 1):", "for it in range(n_steps + STAGES - 2):"),
-    "stage off by one": ("pipe_kernel", "read = uint32(read + 1) if read < STAGES - 1 else uint32(0)",
+    "dropped step": ("for it in range(n_steps + STAGES - 1):", "for it in range(n_steps + STAGES - 2):"),
+    "stage off by one": ("read = uint32(read + 1) if read < STAGES - 1 else uint32(0)",
                          "read = uint32(read + 1) if read < STAGES - 2 else uint32(0)"),
-    "ldmatrix row": ("pipe_kernel", "a_row = wm + (mat & 1) * 8 + (lane & 7)", "a_row = wm + (mat >> 1) * 8 + (lane & 7)"),
-    "scale 1%": ("pipe_kernel", "d_s[tid] = hi if step % 2 else lo", "d_s[tid] = (hi if step % 2 else lo) * float32(1.01)"),
+    "ldmatrix row": ("a_row = wm + (mat & 1) * 8 + (lane & 7)", "a_row = wm + (mat >> 1) * 8 + (lane & 7)"),
+    "scale 1%": ("d_s[tid] = hi if step % 2 else lo", "d_s[tid] = (hi if step % 2 else lo) * float32(1.01)"),
 }
 MUTANT_CASES = [("dropped step", GGMLType.BF16), ("stage off by one", GGMLType.Q8_0), ("ldmatrix row", GGMLType.BF16),
                 ("scale 1%", GGMLType.Q8_0)]
@@ -179,9 +180,9 @@ MUTANT_CASES = [("dropped step", GGMLType.BF16), ("stage off by one", GGMLType.Q
 @pytest.mark.parametrize("kind,gtype", MUTANT_CASES, ids=lambda v: getattr(v, "name", v))
 def test_mutants_rejected(kind, gtype):
     """Simulator: each rejected by the 99% rule and the sqrt(K) bound."""
-    name, old, new = MUTANTS[kind]
+    old, new = MUTANTS[kind]
     args = (gtype, 20, 1, 24, (pipe.STAGES + 1) * pipe.BK, True, 9)
-    with mutant(pipe, **{name: edited(pipe, name, old, new)}):
+    with mutant(pipe, pipe_kernel=edited(pipe, "pipe_kernel", old, new)):
         rules = rejected(check_pipe, *args)
     print(f"mutant pipe {kind} ({gtype.name}): rejected by the {rules}")
 

@@ -4,9 +4,9 @@ several K steps ahead and read into fragments with `ldmatrix`.
 
 Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16), w a
 stages.linear.DeviceWeight of BF16 ([N, K] bf16) or Q8_0 (split device layout: per row the K int8
-levels, then the K/32 fp16 scales d, padded to whole 16-byte pieces), y [T, N] bf16 bits (rounded
-to nearest even) or float32. Grouped product (group_rows > 0): output row n reads
-x[:, (n // group_rows) * K :][:K]. Forced only (stages.linear's kernel="pipe"); never picked.
+levels, then the K/32 fp16 scales d, padded to whole 16-byte pieces), y [T, N] bf16 bits or float32.
+Grouped product (group_rows > 0): output row n reads x[:, (n // group_rows) * K :][:K]. Meant for
+prefill (T >= 64); forced only (stages.linear's kernel="pipe"), never picked.
 
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with tests/bounds.py's
 rules (>= 99% of bf16 outputs bit-equal to the oracle's, every output within half a bf16 ulp plus
@@ -14,42 +14,54 @@ rules (>= 99% of bf16 outputs bit-equal to the oracle's, every output within hal
 
 Roundings per output. Every product the tensor cores form is exact (bf16 times bf16, or bf16 times
 an integer level |q| <= 128, which bf16 holds exactly).
-- BF16: one fp32 chain along the whole K: each K step of 32 adds two k16 mma results into the
-  accumulator, so a term passes through about K/16 + 16 roundings (the mma's own sum of 16 products
-  and its add into C), then the bf16 one.
-- Q8_0: per 32-value block b, part = the block's two k16 mma sums (from zero), then
-  acc = fma(d_b, part, acc): d_b (fp16, exact in fp32) times part rounds once with the add. A term
-  passes through about K/32 + 34 roundings, then the bf16 one.
-These are linear_tc's orders and counts, well inside the K roundings bounds.py's sqrt(K) rule allows.
+- BF16: one fp32 chain along the whole K, two k16 mma a K step of 32 into the accumulator: a term
+  passes through the mma's sum of its 16 products and about K/16 additions into C (about K/16 + 16
+  roundings), then the output's.
+- Q8_0: per 32-value block b, part = the block's two k16 mma sums from zero, then
+  acc = fma(d_b, part, acc) (d_b an fp16, exact in fp32; the product and the add round once): about
+  K/32 + 34 roundings, then the output's. (The simulator's fma rounds the product apart.)
+- Output: bf16 by `cvt.rn.bf16x2.f32`, to nearest, ties to even (stages.device.f32_to_bf16's
+  rounding for every value but NaN, which stays a NaN of the instruction's bits;
+  tests/test_gemm_pipe.py holds it to the host's rounding on a GPU); fp32 as summed.
+These are linear_tc's orders and counts, well inside the K roundings the sqrt(K) rule allows.
 
-Kernel. A block computes BM tokens x BN outputs of one group (grid z) over K steps of BK = 32
-values; 8 warps, 2 along tokens and 4 along outputs, each a 64 x 32 tile of 4 x 4 fragments of
-16 x 8 held in registers. STAGES shared stages form a ring: the block issues step s + STAGES - 1's
-16-byte `cp.async.cg` copies (zero-filled past T and past the group's rows) while it multiplies
-step s, one commit group a step, `cp.async.wait_group STAGES - 2` and one barrier before each
-step. Shared rows are 64 bytes (32 bf16) with their four 16-byte chunks swizzled (chunk c of row r
-stored at c ^ ((r >> 1) & 3)), so the eight row addresses of an `ldmatrix` matrix, and the copies'
-stores, fall on distinct banks without padding: three stages of BF16 tiles take exactly the 48 KiB
-of static shared memory a block may have. (Numba has no launch option for more: past 48 KiB a
-kernel needs the driver's maximum-dynamic-shared-memory attribute, which numba-cuda does not set.)
-Fragments: per K step a warp reads 8 `ldmatrix.x4` for A (a fragment of 16 tokens x 16 k each) and
-4 for B (two fragments of 8 outputs x 16 k each) for its 32 mma.
+Kernel. A block computes BM = 128 tokens x BN = 128 outputs of one group (grid z) in K steps of
+BK = 32 values; 8 warps, 2 along tokens and 4 along outputs, each a 64 x 32 tile of 4 x 4 fragments
+of 16 x 8 held in registers (64 fp32 a thread). STAGES = 3 shared stages form a ring: the block
+issues step s + 2's 16-byte `cp.async.cg` copies (zero-filled past T and past the group's rows) while
+it multiplies step s, one commit group an iteration, `cp.async.wait_group 1` and one barrier before
+each step. Tile rows are 64 bytes (32 bf16) with their four 16-byte chunks swizzled (chunk c of row r
+at c ^ ((r >> 1) & 3)), so the 8 row addresses of an ldmatrix matrix, and the copies' stores, fall on
+distinct banks without padding: three stages of BF16 tiles fill the 48 KiB of static shared memory a
+block may have. (Numba has no launch option for more: past 48 KiB a kernel needs the driver's
+maximum-dynamic-shared-memory attribute, which numba-cuda does not set; so 3 stages, not 4.) A warp
+reads a K step's fragments with 12 `ldmatrix.x4` (8 for A: 16 tokens x 16 k each; 4 for B: two
+fragments of 8 outputs x 16 k each) for its 32 mma. The lanes' ldmatrix offsets and the copies'
+addresses are computed once, before the K loop (`pinned`).
 
-Q8_0: the stages hold the stored bytes (cp.async of the int8 levels, 32 bytes a row a step, and the
-4-byte word of fp16 scales that holds the step's, `cp.async.ca` of 4 bytes: .cg copies only 16), and
-after the step's barrier the block converts the step's levels once into one bf16 tile (16 levels a
-thread: one 16-byte shared load, for each level a byte permute into an fp32 pattern 2^23 + 128 + q and
-one subtract, giving q exactly; a permute packs two as bf16; two 16-byte stores) and the 128 scales
-to fp32; a second barrier, then the warps read B by `ldmatrix` as for BF16. Chosen over converting in
-each warp's B fragments by instruction count: a lane would convert 32 levels a step instead of 16
-(the block's two warps along tokens each converting the same ones), and gather them with 8 16-byte
-shared loads where its half of the block conversion takes one load, two stores and the 4 ldmatrix
-BF16 has anyway (about 104 against 51 instructions a thread a step, for one barrier more).
+Q8_0: the stages hold the stored bytes: the levels (32 bytes a row a step, one 16-byte copy a thread)
+and the 4-byte word of fp16 scales that holds the step's (`cp.async.ca` of 4 bytes: .cg copies only
+16). After the step's barrier the block converts the step's levels once into a bf16 tile (a thread
+16 levels: one 16-byte shared load, one XOR for the four bytes' bias, a byte permute per level into
+the fp32 pattern of 2^23 + 128 + q and one subtract giving q exactly, a permute packing two as bf16,
+two 16-byte stores) and the 128 scales into fp32; a second barrier, then the warps read B with
+ldmatrix as for BF16. Chosen over converting in each warp's B fragments by instruction count: there a
+lane would convert 32 levels a step instead of 16 (the two warps along tokens converting the same
+ones) and gather them with 8 16-byte shared loads (int8 rows do not fit ldmatrix's b16 layout),
+about 104 instructions a thread a step against about 51 here, for one barrier more.
 
-On the simulator the copies are plain copies (commit and wait do nothing), `ldmatrix` a gather in
-which every lane brings the 16 bytes at its own row address to the warp's meeting
-(stages.linear_tc's) and takes back its words of the four matrices, the mma linear_tc's emulation;
-blocks have 4 warps of 16 x 16 tiles (a Python thread per CUDA thread there).
+SASS (ptxas 13 for sm_90, launch bounds 256 threads x 2 blocks an SM): BF16 121 registers, no
+spills, 49152 bytes of shared memory; its K loop 104 instructions a warp a step: 32 HMMA, 12 LDSM,
+4 LDGSTS, 1 BAR, 1 DEPBAR, 54 others (address and loop arithmetic); linear_tc's BF16 loop does the
+same 32 HMMA of work in 720 (two of its 360-instruction steps, each 16 HMMA, 32 LDS, 12 STS, 12
+LDG). Q8_0 128 registers, no spills, 47104 bytes; its loop 296: 32 HMMA, 12 LDSM, 4 LDGSTS, the
+conversion (24 PRMT, 16 FADD, 1 LDS.128, 2 STS.128), 64 FFMA for the scales, 2 BAR; linear_tc's
+Q8_0, 878 for the same work. Two blocks (16 warps) an SM: the registers' limit.
+
+On the simulator the copies are plain copies (commit and wait do nothing), ldmatrix a gather in
+which every lane brings the 16 bytes at its own row address to the warp's meeting (stages.linear_tc's)
+and takes back its words of the four matrices, the mma linear_tc's emulation; blocks have 4 warps
+of 16 x 16 tiles (a Python thread per CUDA thread there).
 """
 
 from __future__ import annotations
@@ -137,6 +149,23 @@ if SIM:
         lane = cuda.threadIdx.x % WARP
         return (uint32(rows[lane >> 2, lane & 3]), uint32(rows[8 + (lane >> 2), lane & 3]),
                 uint32(rows[16 + (lane >> 2), lane & 3]), uint32(rows[24 + (lane >> 2), lane & 3]))
+
+    def store_f32x2(y, t, n, v0, v1):
+        """y[t, n] = v0, y[t, n + 1] = v1 of a float32 array (one 8-byte store on a GPU: n even, rows
+        of even length)."""
+        y[t, n] = v0
+        y[t, n + 1] = v1
+
+    def store_bf16x2(y, t, n, word):
+        """y[t, n], y[t, n + 1] = the low and high halves of word, in a bf16 (uint16) array (one
+        4-byte store on a GPU: n even, rows of even length)."""
+        y[t, n] = word & 0xFFFF
+        y[t, n + 1] = word >> 16
+
+    def bf16x2(v0, v1):
+        """v0 and v1 rounded to the nearest bf16, ties to even, packed (v0 the low half): what
+        `cvt.rn.bf16x2.f32` gives for values that are not NaN."""
+        return uint32(f32_to_bf16(v0)) | (uint32(f32_to_bf16(v1)) << 16)
 
     def pinned(v):
         """v (uint32), computed once where it is pinned on a GPU."""
@@ -270,6 +299,50 @@ else:
             value = context.cast(builder, args[0], signature.args[0], types.uint32)
             fn = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
             return builder.call(ir.InlineAsm(fn, "mov.u32 $0, $1;", "=r,r"), [value])
+
+        return sig, codegen
+
+    def _store_codegen(ptx: str, value_types, constraints: str):
+        """Codegen of an intrinsic (y, t, n, values...): `ptx` storing the values at y[t, n] of a global
+        array in one store (n even and y's rows of even length: aligned to the pair's size)."""
+
+        def codegen(context, builder, signature, args):
+            array_type = signature.args[0]
+            array = context.make_array(array_type)(context, builder, args[0])
+            index = [context.cast(builder, v, ty, types.intp) for v, ty in zip(args[1:3], signature.args[1:3],
+                                                                                 strict=True)]
+            at = builder.ptrtoint(cgutils.get_item_pointer(context, builder, array_type, array, index), ir.IntType(64))
+            cast = [context.cast(builder, v, ty, want) for v, ty, want in zip(args[3:], signature.args[3:],
+                                                                                value_types, strict=True)]
+            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] + [v.type for v in cast])
+            builder.call(ir.InlineAsm(fn, ptx, constraints, side_effect=True), [at, *cast])
+            return context.get_dummy_value()
+
+        return codegen
+
+    @intrinsic
+    def store_f32x2(typingctx, y, t, n, v0, v1):
+        """y[t, n] = v0, y[t, n + 1] = v1 of a float32 array: one `st.global.v2.f32`."""
+        return types.void(y, t, n, v0, v1), _store_codegen("st.global.v2.f32 [$0], {$1, $2};",
+                                                           (types.float32, types.float32), "l,f,f,~{memory}")
+
+    @intrinsic
+    def store_bf16x2(typingctx, y, t, n, word):
+        """y[t, n], y[t, n + 1] = the low and high halves of word, in a bf16 (uint16) array: one
+        `st.global.b32`."""
+        return types.void(y, t, n, word), _store_codegen("st.global.b32 [$0], $1;", (types.uint32,), "l,r,~{memory}")
+
+    @intrinsic
+    def bf16x2(typingctx, v0, v1):
+        """`cvt.rn.bf16x2.f32`: v0 and v1 rounded to the nearest bf16, ties to even, packed (v0 the
+        low half) in one instruction, where f32_to_bf16 takes about eight for each. A NaN's bits may
+        differ from f32_to_bf16's: the caller sends NaN there."""
+        sig = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            f32 = ir.FloatType()
+            fn = ir.FunctionType(ir.IntType(32), [f32, f32])
+            return builder.call(ir.InlineAsm(fn, "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f"), list(args))
 
         return sig, codegen
 
@@ -485,16 +558,32 @@ def pipe_kernel(quant: bool, out_bf16: bool):
                             acc[fm, fn, 2] = c2
                             acc[fm, fn, 3] = c3
             read = uint32(read + 1) if read < STAGES - 1 else uint32(0)
+        # the outputs: a lane's two columns (2 t4, 2 t4 + 1) of a fragment row in one store where y's
+        # rows and the groups are of even length (the pair then aligned), else one at a time
+        pairs = y.shape[1] % 2 == 0 and group_rows % 2 == 0
         for fm in range(FM):
-            for fn in range(FN):
-                for i in range(4):
-                    t = t0 + wm + fm * 16 + g + 8 * (i // 2)
-                    n = n0 + wn + fn * 8 + 2 * t4 + i % 2
-                    if t < n_tokens and n < group_rows:
+            for h in range(2):
+                t = t0 + wm + fm * 16 + g + 8 * h
+                if t < n_tokens:
+                    for fn in range(FN):
+                        n = n0 + wn + fn * 8 + 2 * t4
+                        v0, v1 = acc[fm, fn, 2 * h], acc[fm, fn, 2 * h + 1]
                         if out_bf16:
-                            y[t, row0 + n] = f32_to_bf16(acc[fm, fn, i])
+                            word = bf16x2(v0, v1)
+                            if pairs and n + 1 < group_rows:
+                                store_bf16x2(y, t, row0 + n, word)
+                            else:
+                                if n < group_rows:
+                                    y[t, row0 + n] = word & 0xFFFF
+                                if n + 1 < group_rows:
+                                    y[t, row0 + n + 1] = word >> 16
+                        elif pairs and n + 1 < group_rows:
+                            store_f32x2(y, t, row0 + n, v0, v1)
                         else:
-                            y[t, row0 + n] = acc[fm, fn, i]
+                            if n < group_rows:
+                                y[t, row0 + n] = v0
+                            if n + 1 < group_rows:
+                                y[t, row0 + n + 1] = v1
 
     return gemm_pipe
 

@@ -201,3 +201,36 @@ def test_flash_shapes(shape, gtype):
 def test_flash_partial_tiles_f32_out(gtype):
     """A token count that is not a multiple of the tile, fp32 out, wq_a's shape."""
     check_pipe(gtype, 4000, 1, 1280, 5120, False, 12)
+
+
+bf16x2 = cuda.jit(device=True)(pipe.bf16x2) if SIM else pipe.bf16x2
+
+
+@cuda.jit
+def bf16x2_kernel(values, out):
+    """Thread i: values[2 i], values[2 i + 1] through the output conversion."""
+    i = cuda.threadIdx.x + cuda.blockIdx.x * cuda.blockDim.x
+    if 2 * i + 1 < values.shape[0]:
+        out[i] = bf16x2(values[2 * i], values[2 * i + 1])
+
+
+@pytest.mark.gpu
+def test_output_rounding_is_f32_to_bf16s():
+    """cvt.rn.bf16x2.f32 against host.numerics' bf16 rounding (f32_to_bf16's: to nearest, ties to
+    even) on ties, values next to them, subnormals, overflow into inf and inf; a NaN stays a NaN."""
+    rng = np.random.default_rng(13)
+    bits = np.concatenate([
+        rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32),  # anything
+        (rng.integers(0, 2**16, 1024, dtype=np.uint32) << 16) | 0x8000,  # ties
+        (rng.integers(0, 2**16, 1024, dtype=np.uint32) << 16) | 0x7FFF,  # just below them
+        rng.integers(1, 2**23, 1024, dtype=np.uint32) | (rng.integers(0, 2, 1024, dtype=np.uint32) << 31),  # subnormal
+        np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F800000, 0xFF800000, 0, 0x80000000], np.uint32),
+    ])
+    bits = bits[: bits.size // 2 * 2]
+    values = bits.view(np.float32)
+    out = cuda.device_array(values.size // 2, np.uint32)
+    bf16x2_kernel[(values.size // 2 + 127) // 128, 128](cuda.to_device(values), out)
+    got = out.copy_to_host().view(np.uint16)
+    nan = np.isnan(values)
+    np.testing.assert_array_equal(got[~nan], to_bits(values)[~nan])
+    assert np.isnan(from_bits(got[nan])).all()

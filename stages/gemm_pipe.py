@@ -590,21 +590,22 @@ def pipe_kernel(quant: bool, out_bf16: bool):
 
 def takes(w, x_dtype) -> bool:
     """Whether gemm_pipe takes this weight and input dtype: bf16 inputs, BF16 or Q8_0 weights, K a
-    multiple of BK (the device rows of both are whole 16-byte pieces)."""
-    return np.dtype(x_dtype) == np.uint16 and w.gtype in TYPES and w.k % BK == 0
+    multiple of BK, device rows of whole 16-byte pieces (the copies' unit; both layouts have them)."""
+    return np.dtype(x_dtype) == np.uint16 and w.gtype in TYPES and w.k % BK == 0 and w.data.shape[1] % 16 == 0
 
 
 def gemm_pipe(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     """y[:n_tokens] = x[:n_tokens] @ w^T (y's dtype picks bf16 or fp32 out).
 
     group_rows > 0: grouped product, output row n reads x[:, (n // group_rows) * K : ... + K].
-    Raises ValueError, naming the weight, for what it does not take."""
+    Raises ValueError, naming the weight, for what it does not take (x's rows must be whole 16-byte
+    pieces, as the copies read them)."""
     if not takes(w, x.dtype):
         raise ValueError(f"gemm_pipe {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs "
                          f"is not supported (bf16 inputs; BF16 or Q8_0 weights, K a multiple of {BK})")
     groups = w.n // group_rows if group_rows else 1
     group_rows = group_rows or w.n
-    if (groups * group_rows != w.n or x.shape[1] < groups * w.k or y.shape[1] < w.n
+    if (groups * group_rows != w.n or x.shape[1] < groups * w.k or x.shape[1] % 8 or y.shape[1] < w.n
             or n_tokens > min(x.shape[0], y.shape[0]) or y.dtype not in (np.uint16, np.float32)):
         raise ValueError(f"gemm_pipe {w.name}: x {x.shape}, y {y.shape}, weight [{w.n}, {w.k}], "
                          f"{n_tokens} tokens, group rows {group_rows}")

@@ -64,7 +64,7 @@ def test_grouped_f32_out(gtype):
 
 
 def test_refuses_what_it_does_not_take():
-    """A Q2_K weight, and fp32 inputs: ValueError naming the weight."""
+    """A Q2_K weight, fp32 inputs, input rows not of whole 16-byte pieces: ValueError naming the weight."""
     wk, _ = weight(16, 256, GGMLType.Q2_K)
     wk.name = "blk.0.attn_q_b"
     with pytest.raises(ValueError, match="blk.0.attn_q_b: Q2_K"):
@@ -74,6 +74,9 @@ def test_refuses_what_it_does_not_take():
     wb.name = "blk.0.attn_q_a"
     with pytest.raises(ValueError, match="blk.0.attn_q_a: BF16 .* float32 inputs"):
         linear(cuda.to_device(np.zeros((4, 64), np.float32)), wb, cuda.device_array((4, 16), np.float32), 4,
+               kernel="pipe")
+    with pytest.raises(ValueError, match=r"blk.0.attn_q_a: x \(4, 68\)"):
+        linear(cuda.to_device(np.zeros((4, 68), np.uint16)), wb, cuda.device_array((4, 16), np.uint16), 4,
                kernel="pipe")
 
 

@@ -54,7 +54,7 @@ SASS (ptxas 13 for sm_90, launch bounds 256 threads x 2 blocks an SM): BF16 121 
 spills, 49152 bytes of shared memory; its K loop 104 instructions a warp a step: 32 HMMA, 12 LDSM,
 4 LDGSTS, 1 BAR, 1 DEPBAR, 54 others (address and loop arithmetic); linear_tc's BF16 loop does the
 same 32 HMMA of work in 720 (two of its 360-instruction steps, each 16 HMMA, 32 LDS, 12 STS, 12
-LDG). Q8_0 128 registers, no spills, 47104 bytes; its loop 296: 32 HMMA, 12 LDSM, 4 LDGSTS, the
+LDG). Q8_0 128 registers, no spills, 47104 bytes; its loop 294: 32 HMMA, 12 LDSM, 4 LDGSTS, the
 conversion (24 PRMT, 16 FADD, 1 LDS.128, 2 STS.128), 64 FFMA for the scales, 2 BAR; linear_tc's
 Q8_0, 878 for the same work. Two blocks (16 warps) an SM: the registers' limit.
 
@@ -495,7 +495,7 @@ def pipe_kernel(quant: bool, out_bf16: bool):
                     if tid < BN * 2:
                         cp_async16(q_s[write], b_dst[0], w32, b_src[0] + uint64(WORD_UNITS * QW * it), b_size[0])
                     if tid < BN:
-                        cp_async4(e_s[write], tid, w32, e_src + uint64(WORD_UNITS * (it // 2)), e_size)
+                        cp_async4(e_s[write], tid, w32, e_src + uint64(WORD_UNITS * (it >> 1)), e_size)
                 else:
                     for i in range(B_COPIES):
                         cp_async16(b_s[write], b_dst[i], w32, b_src[i] + step_at, b_size[i])
@@ -516,7 +516,7 @@ def pipe_kernel(quant: bool, out_bf16: bool):
                          level_pair(u2, 0, 1), level_pair(u2, 2, 3), level_pair(u3, 0, 1), level_pair(u3, 2, 3))
                 if tid < BN:
                     lo, hi = f16x2_f32(e_s[read, tid])
-                    d_s[tid] = hi if step % 2 else lo
+                    d_s[tid] = hi if step & 1 else lo
                 cuda.syncthreads()
             # B fragments of both k16 halves, then per fragment row A's, then the mma
             for kk in range(2):

@@ -174,7 +174,7 @@ MUTANTS = {
     "stage off by one": ("read = uint32(read + 1) if read < STAGES - 1 else uint32(0)",
                          "read = uint32(read + 1) if read < STAGES - 2 else uint32(0)"),
     "ldmatrix row": ("a_row = wm + (mat & 1) * 8 + (lane & 7)", "a_row = wm + (mat >> 1) * 8 + (lane & 7)"),
-    "scale 1%": ("d_s[tid] = hi if step % 2 else lo", "d_s[tid] = (hi if step % 2 else lo) * float32(1.01)"),
+    "scale 1%": ("d_s[tid] = hi if step & 1 else lo", "d_s[tid] = (hi if step & 1 else lo) * float32(1.01)"),
 }
 MUTANT_CASES = [("dropped step", GGMLType.BF16), ("stage off by one", GGMLType.Q8_0), ("ldmatrix row", GGMLType.BF16),
                 ("scale 1%", GGMLType.Q8_0)]

@@ -61,7 +61,8 @@ Q8_0, 878 for the same work. Two blocks (16 warps) an SM: the registers' limit.
 On the simulator the copies are plain copies (commit and wait do nothing), ldmatrix a gather in
 which every lane brings the 16 bytes at its own row address to the warp's meeting (stages.linear_tc's)
 and takes back its words of the four matrices, the mma linear_tc's emulation; blocks have 4 warps
-of 16 x 16 tiles (a Python thread per CUDA thread there).
+of 32 x 32 tiles (a Python thread per CUDA thread there), whose loops over fragments and copies run
+more than once, as on a GPU.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ KW = BK // 2  # 32-bit words (bf16 pairs) of a bf16 tile row per step: 64 bytes
 CHUNKS = KW // 4  # its 16-byte chunks (one cp.async, one ldmatrix row each)
 QW = BK // 4  # words of int8 levels of a Q8_0 tile row per step: 32 bytes, two chunks
 STAGES = 3
-if SIM:  # four warps (the meeting's), each 1 x 2 fragments
-    WARPS_M, WARPS_N, FM, FN = 2, 2, 1, 2
+if SIM:  # four warps (the meeting's), each 2 x 4 fragments: two copies a thread a step, as on a GPU
+    WARPS_M, WARPS_N, FM, FN = 2, 2, 2, 4
 else:
     WARPS_M, WARPS_N, FM, FN = 2, 4, 4, 4
 assert FN % 2 == 0  # an ldmatrix.x4 of B gives two fragments along the outputs

@@ -6,7 +6,8 @@ oracle, every output within the sqrt(K) bound; fp32 out the bound). The intrinsi
 held to NumPy references of what the PTX does (ldmatrix's lane mapping, the zero-filling copy), the
 level conversion to every int8 level's bf16, and four broken kernels (tests/mutants.py) must fail
 the product checks. On the simulator the tiles are gemm_pipe's SIM ones (64 x 64, four warps of
-2 x 4 fragments, two copies a thread a step as on a GPU) and K a few steps; the flash shapes run on a GPU (4096 tokens, bench/gemv.py's SHAPES). Run with -s to see
+2 x 4 fragments, two copies a thread a step as on a GPU) and K a few steps; the flash shapes run on
+a GPU (4096 tokens, bench/gemv.py's SHAPES), with the output rounding's corners. Run with -s to see
 each check's figure."""
 
 from __future__ import annotations

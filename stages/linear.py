@@ -36,6 +36,9 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
 - `imma` (never picked: forced with kernel="imma"; bf16 x, Q8_0 weights, any T in launches of
   GEMV_MAX_TOKENS): stages.linear_imma, the decode GEMV on the integer tensor cores, the stored levels
   as the mma's A operand and each input split into four int8 digits as its B columns.
+- `pipe` (never picked: forced with kernel="pipe"; bf16 x, BF16 and Q8_0 weights, T >= 64 in
+  mind): stages.gemm_pipe, the prefill GEMM on the tensor cores with its tiles streamed into
+  shared memory by cp.async several K steps ahead and read with ldmatrix.
 - `gemm` (more tokens, what tc does not take: every product on the simulator, where tc's inline
   PTX does not run; on a GPU fp32 x and F16 / F32 weights past NARROW_MAX_TOKENS tokens): a
   shared-memory tile of tokens x outputs, K in steps of 32, the weight chunk dequantised once per
@@ -59,7 +62,7 @@ from numba import cuda, float32, uint32, uint64
 from flashv41.host.errors import UnsupportedError
 from flashv41.host.gguf_model import TensorRef
 from flashv41.host.quants import FORMATS, GGMLType, quantize
-from flashv41.stages import linear_imma, linear_narrow, linear_tc
+from flashv41.stages import gemm_pipe, linear_imma, linear_narrow, linear_tc
 from flashv41.stages.device import (
     CHUNK,
     SIM,
@@ -490,8 +493,9 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     """y[:n_tokens] = x[:n_tokens] @ w^T on the device (dtypes of x and y pick the variant).
 
     group_rows > 0: grouped product, output row n reads x[:, (n // group_rows) * K : ... + K].
-    kernel: "stream", "narrow", "gemm", "tc" or "imma" to force one (tests, benchmarks); by default
-    `pick_kernel` decides (never "imma"). ValueError where a forced imma does not take the product.
+    kernel: "stream", "narrow", "gemm", "tc", "imma" or "pipe" to force one (tests, benchmarks); by
+    default `pick_kernel` decides (never "imma" or "pipe"). ValueError where a forced imma or pipe
+    does not take the product.
     """
     x_bf16 = x.dtype == np.uint16
     out_bf16 = y.dtype == np.uint16
@@ -503,6 +507,8 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     kernel = kernel or pick_kernel(w, x_bf16, n_tokens, grouped)
     if kernel == "imma":
         linear_imma.linear_imma(x, w, y, n_tokens, grouped, stream)
+    elif kernel == "pipe":
+        gemm_pipe.gemm_pipe(x, w, y, n_tokens, grouped, stream)
     elif kernel == "tc":
         linear_tc.linear_tc(x, w, y, n_tokens, grouped, stream)
     elif kernel == "narrow":

@@ -111,8 +111,10 @@ def test_every_case_still_listed() -> None:
     assert "gemv.attn.wq_a.Q8_0" in names and "attention.decode.Q8_0" in names and "stack.decode" in names
     assert "prefill.gemm.engram.wkv.Q8_0" in names and "engram.hash.64k" in names
     assert "gemv.imma.attn.wq_a.Q8_0" in names and "gemv.imma.engram.wkv.Q8_0" in names
+    assert "prefill.gemm.pipe.attn.wo_a.Q8_0" in names and "prefill.gemm.attn.wo_a.Q8_0" in names
     q2 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q2_K",)))]
     assert not [name for name in q2 if name.startswith("gemv.imma.")]  # (the imma rows are Q8_0's)
+    assert not [name for name in q2 if name.startswith("prefill.gemm.pipe.")]  # (BF16's and Q8_0's)
 
 
 def test_the_40_layer_stack_is_a_row_of_its_own() -> None:

@@ -7,6 +7,10 @@ in, fp32 accumulate (the rate of bf16: CuPy has no bf16 type), timed in the same
 cuBLAS's time, so ratio <= 2 meets P5 (>= 0.5x cuBLAS). Without CuPy the bound is the time at
 the tensor cores' bf16 peak (PEAK_TFLOPS) and the note says so.
 
+`prefill.gemm.pipe.<matrix>.<type>` (BF16 and Q8_0): the same product and method with
+stages.gemm_pipe forced (kernel="pipe", not yet the default), its own cuBLAS timing beside it, so
+one run compares the two kernels at every shape.
+
 L2: a GEMM reuses its input tiles from the L2 by design, so nothing is rotated; what must not
 happen is a repetition finding the previous one's weight, input and output still in the L2.
 Where those (weight + [T, K] bf16 input + [T, N] bf16 output; for cuBLAS the fp16 operands)
@@ -59,12 +63,17 @@ def cublas_time(ctx: BenchContext, t: int, n: int, k: int, groups: int) -> tuple
         cp.get_default_memory_pool().free_all_blocks()
 
 
-def prefill_case(matrix: str, n: int, k: int, groups: int, wtype: str) -> BenchCase:
-    name = f"prefill.gemm.{matrix}.{wtype}"
+PIPE_TYPES = ("BF16", "Q8_0")  # the weight types stages.gemm_pipe takes
+
+
+def prefill_case(matrix: str, n: int, k: int, groups: int, wtype: str, forced: str = "") -> BenchCase:
+    """The row of PREFILL_TOKENS tokens through the matrix: `prefill.gemm.<matrix>.<type>` with the
+    kernel stages.linear picks, or `prefill.gemm.<forced>.<matrix>.<type>` with that kernel forced."""
+    name = f"prefill.gemm.{forced + '.' if forced else ''}{matrix}.{wtype}"
 
     def run(ctx: BenchContext) -> list[BenchRow]:
         t = PREFILL_TOKENS
-        median, kernel, plan = time_product(ctx, matrix, n, k, groups, wtype, t, hold_s=0.02)
+        median, kernel, plan = time_product(ctx, matrix, n, k, groups, wtype, t, hold_s=0.02, kernel=forced)
         flops = 2 * t * n * k
         reference = cublas_time(ctx, t, n, k, groups)
         if reference is None:
@@ -82,4 +91,6 @@ def prefill_case(matrix: str, n: int, k: int, groups: int, wtype: str) -> BenchC
 
 
 def cases(options: BenchOptions) -> list[BenchCase]:
-    return [prefill_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES]
+    return ([prefill_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES]
+            + [prefill_case(m, n, k, g, wtype, "pipe") for wtype in options.weight_types if wtype in PIPE_TYPES
+               for m, n, k, g in SHAPES])

@@ -500,3 +500,20 @@ def check_array(a: DeviceArray, dtypes: tuple, ndim: int, what: str) -> None:
 def check_rows(a: DeviceArray, n_rows: int, what: str) -> None:
     if not 0 <= n_rows <= a.shape[0]:
         raise InputError(f"{what}: {n_rows} rows requested, the array holds {a.shape[0]}")
+
+
+def product_groups(what: str, x: DeviceArray, w: Any, y: DeviceArray, n_tokens: int, group_rows: int,
+                   most_tokens: int | None = None) -> tuple[int, int]:
+    """(groups, rows a group) of the product y[:T] = x[:T] @ w^T of a tensor-core wrapper (`what`,
+    e.g. "linear_tc"; w a stages.linear.DeviceWeight, group_rows 0 for one group), or the
+    ValueError naming the weight: the groups must split w's rows, x hold every group's K inputs,
+    y every output row as bf16 bits or float32, both the T tokens (at most `most_tokens`)."""
+    groups = w.n // group_rows if group_rows else 1
+    rows = group_rows or w.n
+    most = min(x.shape[0], y.shape[0], most_tokens or x.shape[0])
+    if (groups * rows != w.n or x.shape[1] < groups * w.k or y.shape[1] < w.n or not 0 <= n_tokens <= most
+            or np.dtype(y.dtype) not in (np.dtype(np.uint16), np.dtype(np.float32))):
+        cap = f" (at most {most_tokens})" if most_tokens else ""
+        raise ValueError(f"{what} {w.name}: x {x.shape}, y {y.shape} {y.dtype}, weight [{w.n}, {w.k}], "
+                         f"{n_tokens} tokens{cap}, group rows {group_rows}")
+    return groups, rows

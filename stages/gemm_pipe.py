@@ -83,6 +83,7 @@ from flashv41.stages.device import (
     f32_bits,
     f32_from_bits,
     f32_to_bf16,
+    product_groups,
 )
 
 BK = CHUNK  # values of k per step: one Q8_0 block
@@ -604,12 +605,9 @@ def gemm_pipe(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     if not takes(w, x.dtype):
         raise ValueError(f"gemm_pipe {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs "
                          f"is not supported (bf16 inputs; BF16 or Q8_0 weights, K a multiple of {BK})")
-    groups = w.n // group_rows if group_rows else 1
-    group_rows = group_rows or w.n
-    if (groups * group_rows != w.n or x.shape[1] < groups * w.k or x.shape[1] % 8 or y.shape[1] < w.n
-            or n_tokens > min(x.shape[0], y.shape[0]) or y.dtype not in (np.uint16, np.float32)):
-        raise ValueError(f"gemm_pipe {w.name}: x {x.shape}, y {y.shape}, weight [{w.n}, {w.k}], "
-                         f"{n_tokens} tokens, group rows {group_rows}")
+    groups, group_rows = product_groups("gemm_pipe", x, w, y, n_tokens, group_rows)
+    if x.shape[1] % 8:
+        raise ValueError(f"gemm_pipe {w.name}: x {x.shape}: its rows are not whole 16-byte pieces")
     if n_tokens == 0:
         return
     grid = ((group_rows + BN - 1) // BN, (n_tokens + BM - 1) // BM, groups)

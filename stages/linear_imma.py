@@ -106,6 +106,7 @@ from flashv41.stages.device import (
     f32_to_bf16,
     inlined,
     load_words4,
+    product_groups,
     row_address,
     words2_at,
 )
@@ -558,12 +559,7 @@ def linear_imma(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
         raise ValueError(f"linear_imma {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs in "
                          f"groups of {group_rows} rows is not supported (bf16 inputs; Q8_0 weights, K a multiple "
                          f"of {CHUNK}, groups of a multiple of 16 rows)")
-    groups = w.n // group_rows if group_rows else 1
-    rows = group_rows or w.n
-    if (groups * rows != w.n or x.shape[1] < groups * w.k or y.shape[1] < w.n
-            or not 0 <= n_tokens <= min(x.shape[0], y.shape[0]) or y.dtype not in (np.uint16, np.float32)):
-        raise ValueError(f"linear_imma {w.name}: x {x.shape}, y {y.shape} {y.dtype}, weight [{w.n}, {w.k}], "
-                         f"{n_tokens} tokens, group rows {group_rows}")
+    groups, rows = product_groups("linear_imma", x, w, y, n_tokens, group_rows)
     if n_tokens == 0:
         return
     p = plan(rows, w.k, groups)

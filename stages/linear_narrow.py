@@ -39,7 +39,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from flashv41.stages import linear_tc
-from flashv41.stages.device import CHUNK, SIM, WARP, f32_to_bf16, inlined, load_words4
+from flashv41.stages.device import CHUNK, SIM, WARP, f32_to_bf16, inlined, load_words4, product_groups
 from flashv41.stages.quant_types import DEVICE_TYPES, NarrowType
 
 mma = linear_tc.kernel_mma
@@ -208,17 +208,11 @@ def linear_narrow(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None
     """y[:n_tokens] = x[:n_tokens] @ w^T on the tensor cores, n_tokens <= NARROW_MAX_TOKENS (y's
     dtype picks bf16 or fp32 out). group_rows > 0: grouped product, output row n reads
     x[:, (n // group_rows) * K : ... + K]. Raises ValueError for what it does not take."""
-    groups = w.n // group_rows if group_rows else 1
-    rows = group_rows or w.n
     if not _takes(w, x.dtype, group_rows):
         raise ValueError(f"linear_narrow {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs "
                          f"in groups of {group_rows} rows is not supported (bf16 inputs; BF16 or Q8_0 weights, "
                          f"K a multiple of {CHUNK}, groups of a multiple of 16 rows)")
-    if (groups * rows != w.n or x.shape[1] < groups * w.k or y.shape[1] < w.n
-            or not 0 <= n_tokens <= min(x.shape[0], y.shape[0], NARROW_MAX_TOKENS)
-            or y.dtype not in (np.uint16, np.float32)):
-        raise ValueError(f"linear_narrow {w.name}: x {x.shape}, y {y.shape}, weight [{w.n}, {w.k}], "
-                         f"{n_tokens} tokens (at most {NARROW_MAX_TOKENS}), group rows {group_rows}")
+    groups, rows = product_groups("linear_narrow", x, w, y, n_tokens, group_rows, NARROW_MAX_TOKENS)
     if n_tokens == 0:
         return
     tiles, warps, slice_blocks = plan(rows, w.k, groups)

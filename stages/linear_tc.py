@@ -66,7 +66,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from flashv41.host.quants import FORMATS
-from flashv41.stages.device import CHUNK, SIM, WARP, bf16_to_f32, device, f32_to_bf16, inlined
+from flashv41.stages.device import CHUNK, SIM, WARP, bf16_to_f32, device, f32_to_bf16, inlined, product_groups
 from flashv41.stages.quant_types import (
     DEVICE_TYPES,
     NO_SCALES,
@@ -401,12 +401,7 @@ def linear_tc(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
         raise ValueError(f"linear_tc {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs "
                          f"is not supported (bf16 inputs; {TC_TYPES} weights, K a multiple of their block "
                          f"and of {BK})")
-    groups = w.n // group_rows if group_rows else 1
-    group_rows = group_rows or w.n
-    if (groups * group_rows != w.n or x.shape[1] < groups * w.k or y.shape[1] < w.n
-            or n_tokens > min(x.shape[0], y.shape[0]) or y.dtype not in (np.uint16, np.float32)):
-        raise ValueError(f"linear_tc {w.name}: x {x.shape}, y {y.shape}, weight [{w.n}, {w.k}], "
-                         f"{n_tokens} tokens, group rows {group_rows}")
+    groups, group_rows = product_groups("linear_tc", x, w, y, n_tokens, group_rows)
     if n_tokens == 0:
         return
     grid = ((group_rows + BN - 1) // BN, (n_tokens + BM - 1) // BM, groups)

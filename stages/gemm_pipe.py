@@ -290,19 +290,27 @@ else:
     ldmatrix_x4 = _load4("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];")
     lds4 = _load4("ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];")  # numba has no vector loads
 
-    @intrinsic
-    def pinned(typingctx, v):
-        """v as uint32 through a `mov`, which the compilers take as given: the lane's ldmatrix offsets
+    def _pinned(bits: int):
+        """An intrinsic v -> v as an unsigned `bits`-bit integer through a `mov`, which the compilers
+        take as given: the lane's ldmatrix offsets (32 bits) and the copies' global addresses (64)
         are then computed once before the K loop and kept, where otherwise each step recomputed them
         from the thread index (about 40 instructions a step)."""
-        sig = types.uint32(v)
+        ty = types.uint32 if bits == 32 else types.uint64
+        reg = "r" if bits == 32 else "l"
 
-        def codegen(context, builder, signature, args):
-            value = context.cast(builder, args[0], signature.args[0], types.uint32)
-            fn = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
-            return builder.call(ir.InlineAsm(fn, "mov.u32 $0, $1;", "=r,r"), [value])
+        @intrinsic
+        def pin(typingctx, v):
+            def codegen(context, builder, signature, args):
+                value = context.cast(builder, args[0], signature.args[0], ty)
+                fn = ir.FunctionType(ir.IntType(bits), [ir.IntType(bits)])
+                return builder.call(ir.InlineAsm(fn, f"mov.u{bits} $0, $1;", f"={reg},{reg}"), [value])
 
-        return sig, codegen
+            return ty(v), codegen
+
+        return pin
+
+    pinned = _pinned(32)
+    pinned64 = _pinned(64)
 
     def _store_codegen(ptx: str, value_types, constraints: str):
         """Codegen of an intrinsic (y, t, n, values...): `ptx` storing the values at y[t, n] of a global
@@ -345,18 +353,6 @@ else:
             f32 = ir.FloatType()
             fn = ir.FunctionType(ir.IntType(32), [f32, f32])
             return builder.call(ir.InlineAsm(fn, "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f"), list(args))
-
-        return sig, codegen
-
-    @intrinsic
-    def pinned64(typingctx, v):
-        """pinned's 64-bit twin (`mov.u64`): the copies' global addresses."""
-        sig = types.uint64(v)
-
-        def codegen(context, builder, signature, args):
-            value = context.cast(builder, args[0], signature.args[0], types.uint64)
-            fn = ir.FunctionType(ir.IntType(64), [ir.IntType(64)])
-            return builder.call(ir.InlineAsm(fn, "mov.u64 $0, $1;", "=l,l"), [value])
 
         return sig, codegen
 

@@ -1,10 +1,11 @@
 """Integer tensor-core decode products: y[t, n] = sum_k x[t, k] * dequant(w)[n, k] for the few tokens
-of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0 weights, on
-`mma.sync.m16n8k32.s32.s8.s8` with the stored Q8_0 levels as the mma's A operand, unconverted.
+of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0 or Q4_K weights, on
+`mma.sync.m16n8k32.s32.s8.s8` with the stored levels as the mma's A operand, unconverted.
 
 Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16), w a
 stages.linear.DeviceWeight of Q8_0 in its split device layout (per row the K int8 levels, then the
-K/32 fp16 scales d), y [T, N] bf16 bits (rounded to nearest even) or float32. Grouped product
+K/32 fp16 scales d) or of Q4_K in its stored one (144-byte super-blocks: d, dmin, 12 scale bytes,
+128 level bytes), y [T, N] bf16 bits (rounded to nearest even) or float32. Grouped product
 (group_rows > 0, a multiple of 16): output row n reads x[:, (n // group_rows) * K :][:K].
 
 One mma covers one Q8_0 block (32 levels q, one scale d) of 16 rows: its int32 result is that
@@ -34,6 +35,22 @@ instead costs two more conversions and multiply-adds, less two integer adds, a t
 block: 8% more of the walk's instructions for a rounding that rarely happens.) At the end
 y = acc_lo + 2^16 acc_hi (digits 0, 1 and 2, 3: a lane pair's sums, exchanged through shared memory).
 
+Q4_K (IMMA_TYPES: one generic kernel, a walk step and its pieces per type). Value i of sub-block j
+(32 values) of a super-block is d sc_j q_i - dmin m_j, q_i in 0..15, sc_j and m_j 6-bit
+(k_scale_words), d and dmin fp16. One mma is one sub-block: byte 8 t + i of the super-block's level
+run c holds q of sub-block 2 c in its low nibble and of 2 c + 1 in its high one, so a lane's two
+8-byte loads a row and run give the A registers of two mmas by a mask (q4_k_levels), in the layout
+above. A walk step is a super-block: four 8-byte loads and one 16-byte load (d, dmin, scales) a row.
+Per sub-block and digit pair, P is exact and below 2^24 (|S_p| <= 32 x 15 x 128), so its conversion
+is exact; acc += fp32(P) (d sc_j 2^(E - 29)), d sc_j exact (11 x 6 bits), times a power of two.
+The minimum term, -dmin m_j sum_{k in j} x_k, comes from the block's digits: after the digits, a
+second prologue pass sums each (token, block, digit pair)'s D_p + 2^8 D_p+1 over its 32 values
+(pair_sum: eight dp4a a digit, exact, at most 2^20.01) and stores it times 2^(E - 29) (exact: an
+integer under 2^24 times a normal power of two, never below 2^-126); the walk takes dmin m_j times
+it from acc in one fused multiply-add (less_minimum). The two digit pairs' sums add up to the
+block's sum of X exactly, so y = acc_lo + 2^16 acc_hi holds sum_k x_k (d sc q_k) - dmin m sum_k x_k
+for the rounded X as the Q8_0 product does. A slice is whole super-blocks (no partial step).
+
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with tests/bounds.py's
 rules (>= 99% of bf16 outputs bit-equal to the oracle's, every output within half a bf16 ulp plus
 8 sqrt(K) 2^-24 sum_k |x_k w_k| of the exact product).
@@ -44,7 +61,10 @@ accumulation (one a block and digit pair along the warp's slice, at most SLICE_S
 the digit pairs' sum (one), the slices' sums (slices - 1, in slice order) and the bf16 rounding. So
 each exact term (a block and digit pair's d 2^(E - 29) P) passes through at most K/32 + slices + 1
 roundings before the bf16 one, fewer than the K a term may meet under bounds.py's sqrt(K) rule, in
-the same model (terms of random sign, rounded to nearest). The rounding of X is not of that kind:
+the same model (terms of random sign, rounded to nearest). Q4_K adds each value's two parts apart
+(tests/bounds.py's SPLIT_KERNELS: 2K terms of magnitudes |x| |d sc q| and |x| |dmin m|): per sub-block
+and digit pair a scaled term and a minimum term, each rounded once into acc, so a term meets at most
+2 K/32 + slices + 1 roundings before the bf16 one, under the 2K of that bound. The rounding of X is not of that kind:
 its error, at most 2^(E - 30) |w_k| for each input below 2^(E - 22) of its block's largest, is
 bounded by 2^-30 times the block's largest |x| times |w_k|, not by |x_k w_k|, so bounds.py covers
 it only while each block's largest input meets a weight of comparable size; it is not claimed
@@ -108,7 +128,9 @@ from flashv41.stages.device import (
     load_words4,
     row_address,
     words2_at,
+    words4_at,
 )
+from flashv41.stages.quant_types import LOW_NIBBLES, Q4_K_BYTES, Q4_K_QS, k_scale_words, uint8_at
 
 MAX_TOKENS = 8  # tokens a launch: stages.linear's GEMV_MAX_TOKENS (which imports this module)
 TOKEN_CAPS = (1, 2, 4, 8)  # compiled per cap: cap / 2 mmas (token pairs) per A fragment
@@ -130,6 +152,24 @@ SLICE_BLOCKS_MAX = SLICE_STEPS_MAX * UNROLL  # a slice's blocks of 32 values at 
 COLUMN_WORDS = SLICE_BLOCKS_MAX * CHUNK // 8 + 4
 RED_SHAPE = (DIGIT_TILES, 2, WARP)  # [warp, row half, lane] a token pair's sums, for the digit pairs' sum
 LINE = 32  # floats of a 128-byte line: each block's rows of the partial sums start one (no line shared)
+BYTE_ONES = uint32(0x01010101)  # dp4a's other operand for the sum of a word's four signed bytes
+Q4_K_STEP = 8  # blocks of 32 values a Q4_K walk step: one super-block, its sub-blocks one mma each
+# a super-block's level bytes: four runs of 32 from Q4_K_QS, run c's low nibbles sub-block 2 c, its high ones 2 c + 1
+assert Q4_K_STEP * CHUNK == 256 and Q4_K_BYTES == Q4_K_QS + 4 * CHUNK and Q4_K_QS % 16 == 0
+assert SLICE_BLOCKS_MAX % Q4_K_STEP == 0  # a slice is whole super-blocks
+
+
+@dataclass(frozen=True)
+class ImmaType:
+    """What the generic kernel needs to know of a weight type: the blocks of 32 values a walk step
+    takes (its loads issued together), and whether its values have a minimum term (then the prologue
+    also sums each block's digits)."""
+
+    step_blocks: int
+    mins: bool
+
+
+IMMA_TYPES = {GGMLType.Q8_0: ImmaType(UNROLL, False), GGMLType.Q4_K: ImmaType(Q4_K_STEP, True)}
 
 
 def token_cap(n_tokens: int) -> int:
@@ -161,6 +201,12 @@ if SIM:
     def load_l2(a, s, t, i):
         """a[s, t, i] (on a GPU read from L2: what other blocks wrote)."""
         return a[s, t, i]
+
+    def dp4a(a, b, c):
+        """c plus the dot product of the four signed bytes of a and of b (int32)."""
+        pa = np.array([int(a) & 0xFFFFFFFF], np.uint32).view(np.int8).astype(np.int64)
+        pb = np.array([int(b) & 0xFFFFFFFF], np.uint32).view(np.int8).astype(np.int64)
+        return int32(int(c) + int((pa * pb).sum()))
 else:
     from llvmlite import ir
     from numba import types
@@ -205,6 +251,21 @@ else:
             pointer = cgutils.get_item_pointer(context, builder, array_type, array, index)
             asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(64)]), "ld.global.cg.f32 $0, [$1];", "=f,l")
             return builder.call(asm, [builder.ptrtoint(pointer, ir.IntType(64))])
+
+        return sig, codegen
+
+    @intrinsic
+    def dp4a(typingctx, a, b, c):
+        """c plus the dot product of the four signed bytes of a and of b: one `dp4a.s32.s32`."""
+        sig = types.int32(types.uint32, types.uint32, types.int32)
+
+        def codegen(context, builder, signature, args):
+            word = ir.IntType(32)
+            values = [context.cast(builder, v, t, s) for v, t, s in zip(args, signature.args,
+                                                                        (types.uint32, types.uint32, types.int32),
+                                                                        strict=True)]
+            asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, values)
 
         return sig, codegen
 
@@ -293,17 +354,61 @@ def zero_digits(digits, at, scales, s_at, q):
         scales[s_at] = float32(0)
 
 
+@device
+def pair_sum(digits, at):
+    """The sum over a block of 32 values of D_p + 2^8 D_p+1, digit p's column's words at
+    digits[at ..], digit p + 1's a column further (exact: at most 32 x 32896 in magnitude)."""
+    low = int32(0)
+    high = int32(0)
+    for i in range(4):
+        v = digits[at + uint64(i)]
+        low = dp4a(uint32(v & uint64(0xFFFFFFFF)), BYTE_ONES, dp4a(uint32(v >> uint64(32)), BYTE_ONES, low))
+        v = digits[at + uint64(COLUMN_WORDS + i)]
+        high = dp4a(uint32(v & uint64(0xFFFFFFFF)), BYTE_ONES, dp4a(uint32(v >> uint64(32)), BYTE_ONES, high))
+    return int32(low + high * DIGIT)
+
+
+# the weight types' pieces: the A registers of a walk step's block, its scale and its minimum term
+
+
+@device
+def q4_k_levels(word, high):
+    """Four Q4_K levels (0..15, int8 bytes as they are) of a word of level bytes: the low nibbles
+    (sub-block 2 c of the run) or the high ones (2 c + 1)."""
+    return (word >> uint32(4)) & LOW_NIBBLES if high else word & LOW_NIBBLES
+
+
+@device
+def k_sub_scale(d, word, i):
+    """d times byte i of a word of 6-bit scales (or mins), k_scale_words': exact in float32."""
+    return d * uint8_at(word, i)
+
+
+@device
+def less_minimum(acc, dmin_m, block_sum):
+    """acc - dmin m times a block's inputs' (digit pair's) sum, which the prologue scaled: one fused
+    multiply-add."""
+    return acc - dmin_m * block_sum
+
+
 @cache
-def imma_kernel(cap: int, out_bf16: bool):
+def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     """A block: DIGIT_TILES tiles of 16 rows of one group (a warp each) over one slice of K, for up
-    to `cap` tokens; grid = (tile groups x slices,), block = 32 x warps threads."""
+    to `cap` tokens, weights of type gtype (IMMA_TYPES); grid = (tile groups x slices,), block =
+    32 x warps threads."""
+    kind = IMMA_TYPES[gtype]
+    step_blocks, mins = kind.step_blocks, kind.mins
     pairs = max(cap, 2) // 2  # mmas a block of A meets: two tokens each
     # flat shared arrays, indexed by uint64 offsets from a lane's base (constant offsets fold into the loads)
     digits_shape = 8 * pairs * COLUMN_WORDS  # [column 4 token + digit][8 values] int8 digits, eight a word
     scales_shape = 2 * pairs * SLICE_BLOCKS_MAX  # [token][block] 2^(E - X_BITS)
+    # [token][digit pair][block] 2^(E - X_BITS) times the block's sum of the pair's D_p + 2^8 D_p+1
+    sums_shape = 4 * pairs * SLICE_BLOCKS_MAX if mins else 1
     acc_shape = (pairs, 2)  # [token pair, row half]
-    held_shape = (UNROLL, 2, 2)  # [block, row half, word] a walk step's levels (its A registers)
-    d_shape = (UNROLL, 2)  # [block, row half] their scales
+    held_shape = (UNROLL, 2, 2)  # [block (Q4_K: run of level bytes), row half, word] a walk step's levels
+    # Q8_0: [block, row half] the step's scales; Q4_K: [row half, word] its super-block's first 16 bytes
+    d_shape, d_type = ((UNROLL, 2), float32) if gtype == GGMLType.Q8_0 else ((2, 4), uint32)
+    sum_items = 4 * pairs * SLICE_BLOCKS_MAX  # (token, digit pair, block) items of the sums
 
     @inlined
     def load_full(lo, hi, k, b, held, d, t4):
@@ -352,10 +457,62 @@ def imma_kernel(cap: int, out_bf16: bool):
             acc[p, 0] += float32(int32(c0 + c1 * DIGIT)) * (d[j, 0] * s)
             acc[p, 1] += float32(int32(c2 + c3 * DIGIT)) * (d[j, 1] * s)
 
+
+    @inlined
+    def step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm):
+        """A walk step's UNROLL blocks against every token pair's digits (sums: no minimum term)."""
+        for j in range(UNROLL):
+            block_mmas(digits, scales, held, d, acc, j, dig, sc)
+
+
+    @inlined
+    def load_q4_k(lo, hi, k, b, held, d, t4):
+        """A walk step's loads: super-block b // Q4_K_STEP of the lane's two rows, bytes 8 t4 ..
+        8 t4 + 7 of each of its four runs of level bytes (8-byte loads at constant offsets of one
+        address a row) and its first 16 bytes (d, dmin, the 12 scale bytes: one load a row)."""
+        at = uint32(uint32(Q4_K_BYTES) * (b // uint32(Q4_K_STEP)))
+        lo_at = address_at(lo, at)
+        hi_at = address_at(hi, at)
+        for c in range(UNROLL):
+            held[c, 0, 0], held[c, 0, 1] = words2_at(lo_at, uint32(Q4_K_QS + CHUNK * c) + uint32(8) * t4)
+            held[c, 1, 0], held[c, 1, 1] = words2_at(hi_at, uint32(Q4_K_QS + CHUNK * c) + uint32(8) * t4)
+        d[0, 0], d[0, 1], d[0, 2], d[0, 3] = words4_at(lo_at, uint32(0))
+        d[1, 0], d[1, 1], d[1, 2], d[1, 3] = words4_at(hi_at, uint32(0))
+
+    @inlined
+    def q4_k_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm):
+        """A super-block's eight sub-blocks against every token pair's digits: for sub-block j and a
+        digit pair's P, acc += P (d sc_j 2^(E - X_BITS)), then acc -= dmin m_j times the pair's scaled
+        sum of the block's inputs (dig, sc, sm: the lane's indices of the step's first block)."""
+        d_lo, dmin_lo = f16x2_f32(d[0, 0])
+        d_hi, dmin_hi = f16x2_f32(d[1, 0])
+        for part in range(2):  # sub-blocks 0 .. 3, then 4 .. 7
+            sc_lo, mn_lo = k_scale_words(d[0, 1], d[0, 2], d[0, 3], part)
+            sc_hi, mn_hi = k_scale_words(d[1, 1], d[1, 2], d[1, 3], part)
+            for i in range(4):
+                j = 4 * part + i
+                c, high = j >> 1, j & 1
+                a0, a1 = q4_k_levels(held[c, 0, 0], high), q4_k_levels(held[c, 1, 0], high)
+                a2, a3 = q4_k_levels(held[c, 0, 1], high), q4_k_levels(held[c, 1, 1], high)
+                scale_lo, scale_hi = k_sub_scale(d_lo, sc_lo, i), k_sub_scale(d_hi, sc_hi, i)
+                min_lo, min_hi = k_sub_scale(dmin_lo, mn_lo, i), k_sub_scale(dmin_hi, mn_hi, i)
+                for p in range(pairs):
+                    v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
+                    s = scales[sc + uint64(j + 2 * p * SLICE_BLOCKS_MAX)]
+                    m = sums[sm + uint64(j + 4 * p * SLICE_BLOCKS_MAX)]
+                    c0, c1, c2, c3 = imma(a0, a1, a2, a3, uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32)))
+                    acc[p, 0] = less_minimum(acc[p, 0] + float32(int32(c0 + c1 * DIGIT)) * (scale_lo * s), min_lo, m)
+                    acc[p, 1] = less_minimum(acc[p, 1] + float32(int32(c2 + c3 * DIGIT)) * (scale_hi * s), min_hi, m)
+
+    # a Q4_K slice is whole super-blocks (K is): no partial step
+    walk_load, walk_mmas = (load_full, step_mmas) if gtype == GGMLType.Q8_0 else (load_q4_k, q4_k_step_mmas)
+    partial_steps = gtype == GGMLType.Q8_0
+
     @cuda.jit if SIM else cuda.jit(launch_bounds=(WARP * DIGIT_TILES, 1))  # type: ignore[call-arg]
     def imma_gemv(x, w, y, partials, counters, n_tokens, group_rows, k, per_group, slices, slice_blocks):
         digits = cuda.shared.array(digits_shape, uint64)
         scales = cuda.shared.array(scales_shape, float32)
+        sums = cuda.shared.array(sums_shape, float32)
         red = cuda.shared.array(RED_SHAPE, float32)
         last_flag = cuda.shared.array(1, int32)
         x32 = x.view(np.uint32)  # [T, K_total / 2] bf16 pairs
@@ -384,13 +541,13 @@ def imma_kernel(cap: int, out_bf16: bool):
         hi = row_address(w32, row0 + min(first + g + uint32(8), last_row))
         acc = cuda.local.array(acc_shape, float32)
         held = cuda.local.array(held_shape, uint32)
-        d = cuda.local.array(d_shape, float32)
+        d = cuda.local.array(d_shape, d_type)
         for p in range(pairs):
             acc[p, 0] = float32(0)
             acc[p, 1] = float32(0)
         # the first step's loads, in flight while the digits are made
-        if b_start + uint32(UNROLL) <= b_end:
-            load_full(lo, hi, kk, b_start, held, d, t4)
+        if not partial_steps or b_start + uint32(step_blocks) <= b_end:
+            walk_load(lo, hi, kk, b_start, held, d, t4)
         else:
             load_tail(lo, hi, kk, b_start, uint32(b_end - uint32(1)), held, d, t4)
         half = uint32(CHUNK // 2)  # input words a block
@@ -409,17 +566,26 @@ def imma_kernel(cap: int, out_bf16: bool):
                 else:
                     zero_digits(digits, at, scales, uint64(ts), q)
         cuda.syncthreads()
+        if mins:  # each block's inputs' sum, a digit pair at a time, scaled (exact: module docstring)
+            for item in range(tid, uint32(sum_items), threads):
+                slot = uint32(uint32(item) % uint32(SLICE_BLOCKS_MAX))
+                th = uint32(uint32(item) // uint32(SLICE_BLOCKS_MAX))  # 2 token + digit pair
+                if slot < nb:
+                    t = uint32(th >> uint32(1))
+                    at = uint64(uint32(2) * th) * uint64(COLUMN_WORDS) + uint64(4) * uint64(slot)
+                    sums[item] = float32(pair_sum(digits, at)) * scales[uint64(t) * uint64(SLICE_BLOCKS_MAX) + slot]
+            cuda.syncthreads()
         lane_dig = uint64(g) * uint64(COLUMN_WORDS) + uint64(t4)  # B column g, the lane's 8 bytes of block 0
         lane_sc = uint64(t4 >> uint32(1)) * uint64(SLICE_BLOCKS_MAX)  # its D columns' token's block 0 scale
+        lane_sm = uint64(t4) * uint64(SLICE_BLOCKS_MAX)  # and its digit pair's block 0 sum
         b0 = b_start
-        while b0 + uint32(UNROLL) <= b_end:
+        while b0 + uint32(step_blocks) <= b_end:
             if b0 != b_start:
-                load_full(lo, hi, kk, b0, held, d, t4)
+                walk_load(lo, hi, kk, b0, held, d, t4)
             step = uint64(b0 - b_start)
-            for j in range(UNROLL):
-                block_mmas(digits, scales, held, d, acc, j, lane_dig + uint64(4) * step, lane_sc + step)
-            b0 = uint32(b0 + uint32(UNROLL))
-        if b0 < b_end:
+            walk_mmas(digits, scales, sums, held, d, acc, lane_dig + uint64(4) * step, lane_sc + step, lane_sm + step)
+            b0 = uint32(b0 + uint32(step_blocks))
+        if partial_steps and b0 < b_end:
             if b0 != b_start:
                 load_tail(lo, hi, kk, b0, uint32(b_end - uint32(1)), held, d, t4)
             step = uint64(b0 - b_start)
@@ -497,23 +663,26 @@ class Plan:
         return -(-self.warps * 16 // LINE) * LINE
 
 
-def plan(rows: int, k: int, groups: int) -> Plan:
+def plan(rows: int, k: int, groups: int, step_blocks: int = UNROLL) -> Plan:
     """The launch of a product, from its shape alone (never the token count: a token's sums must not
     depend on its batch): DIGIT_TILES tiles a block (fewer in a group of fewer), and K split into the
-    fewest slices, at most SLICE_STEPS_MAX walk steps each, that give TARGET_WARPS warps (or one step
-    each), then rounded to slices of whole steps (which keeps at least half the warps). On the flash
-    shapes (slices x steps each, blocks, warps): wq_a 20 x 2, 200, 1600; wkv 40 x 1, 160, 1280; wq_b
-    1 x 10, 256, 2048; wo_a 4 x 8, 256, 2048; wo_b 7 x 10, 280, 2240; the index wq_b 5 x 2, 160,
-    1280; the engram wkv 5 x 10, 1000, 8000: at least 160 blocks of 8 warps for 132 SMs."""
+    fewest slices, at most SLICE_BLOCKS_MAX blocks of 32 each, that give TARGET_WARPS warps (or one
+    walk step of step_blocks blocks each), then rounded to slices of whole steps (which keeps at least
+    half the warps). On the flash shapes with Q8_0's steps of four blocks (slices x steps each, blocks,
+    warps): wq_a 20 x 2, 200, 1600; wkv 40 x 1, 160, 1280; wq_b 1 x 10, 256, 2048; wo_a 4 x 8, 256,
+    2048; wo_b 7 x 10, 280, 2240; the index wq_b 5 x 2, 160, 1280; the engram wkv 5 x 10, 1000, 8000:
+    at least 160 blocks of 8 warps for 132 SMs. Q4_K's steps (a super-block) halve the slices of wq_a
+    (10 x 2), wkv (20 x 1) and the index wq_b (5 x 1): 100, 80 and 160 blocks."""
     tiles = -(-rows // 16)
     warps = min(DIGIT_TILES, tiles)
     per_group = -(-tiles // warps)
-    steps = -(-(k // CHUNK) // UNROLL)
-    slices = -(-steps // SLICE_STEPS_MAX)
+    steps = -(-(k // CHUNK) // step_blocks)
+    steps_max = SLICE_BLOCKS_MAX // step_blocks
+    slices = -(-steps // steps_max)
     while slices < steps and groups * per_group * slices * warps < TARGET_WARPS:
         slices += 1
     per_slice = -(-steps // slices)
-    return Plan(warps, per_group, -(-steps // per_slice), per_slice * UNROLL, groups * per_group)
+    return Plan(warps, per_group, -(-steps // per_slice), per_slice * step_blocks, groups * per_group)
 
 
 @dataclass
@@ -546,8 +715,9 @@ def workspace(w, p: Plan) -> Workspace:
 
 def takes(w, x_dtype, group_rows: int = 0) -> bool:
     """Whether linear_imma takes this weight, input dtype and grouping."""
-    return (w.gtype == GGMLType.Q8_0 and np.dtype(x_dtype) == np.uint16 and w.k % CHUNK == 0
-            and group_rows % 16 == 0)
+    kind = IMMA_TYPES.get(w.gtype)
+    values = CHUNK * (kind.step_blocks if kind and kind.mins else 1)  # a K-quant's K: whole super-blocks
+    return kind is not None and np.dtype(x_dtype) == np.uint16 and w.k % values == 0 and group_rows % 16 == 0
 
 
 def linear_imma(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
@@ -566,10 +736,10 @@ def linear_imma(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
                          f"{n_tokens} tokens, group rows {group_rows}")
     if n_tokens == 0:
         return
-    p = plan(rows, w.k, groups)
+    p = plan(rows, w.k, groups, IMMA_TYPES[w.gtype].step_blocks)
     ws = workspace(w, p)
     for t0 in range(0, n_tokens, MAX_TOKENS):
         live = min(MAX_TOKENS, n_tokens - t0)
         xt, yt = (x, y) if t0 == 0 else (x[t0:], y[t0:])
-        imma_kernel(token_cap(live), y.dtype == np.uint16)[p.tile_groups * p.slices, WARP * p.warps, stream](
+        imma_kernel(w.gtype, token_cap(live), y.dtype == np.uint16)[p.tile_groups * p.slices, WARP * p.warps, stream](
             xt, w.data, yt, ws.partials, ws.counters, live, rows, w.k, p.per_group, p.slices, p.slice_blocks)

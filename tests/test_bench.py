@@ -112,7 +112,9 @@ def test_every_case_still_listed() -> None:
     assert "prefill.gemm.engram.wkv.Q8_0" in names and "engram.hash.64k" in names
     assert "gemv.imma.attn.wq_a.Q8_0" in names and "gemv.imma.engram.wkv.Q8_0" in names
     q2 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q2_K",)))]
-    assert not [name for name in q2 if name.startswith("gemv.imma.")]  # (the imma rows are Q8_0's)
+    assert not [name for name in q2 if name.startswith("gemv.imma.")]  # (no imma rows for a type it does not take)
+    q4 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q4_K",)))]
+    assert "gemv.imma.attn.wq_a.Q4_K" in q4 and "gemv.imma.attn.wo_a.Q4_K" in q4
 
 
 def test_the_40_layer_stack_is_a_row_of_its_own() -> None:

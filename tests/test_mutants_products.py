@@ -55,7 +55,7 @@ from flashv41.stages.device import CHUNK, device, f32_bits
 from flashv41.stages.linear import DeviceWeight
 from flashv41.stages.quant_types import DEVICE_TYPES
 from tests.bounds import BIT_EQUAL_RULE, BOUND_RULE
-from tests.mutants import mutant
+from tests.mutants import edited, mutant
 from tests.test_linear import check_linear, weight
 from tests.test_linear_tc import FLASH, check_tc, stored_rows
 
@@ -200,6 +200,23 @@ def scaled_back(block_scales, factor):
 
 
 IMMA_MUTANTS = ["truncate", "digit", "drop_digit", "scale", "exponent"]
+# the K-quant pieces: every sub-block's d sc 1% large; the minimum term left out or added; each
+# sub-block's levels from the other nibble of its bytes
+IMMA_K_MUTANTS = ["sub_scale", "no_minimum", "minimum_sign", "nibble"]
+
+
+def imma_k_replacements(kind: str) -> dict:
+    """The globals an imma K-quant mutant swaps."""
+    imma = stages.linear_imma
+    if kind == "sub_scale":
+        old = "scale_lo, scale_hi = k_sub_scale(d_lo, sc_lo, i), k_sub_scale(d_hi, sc_hi, i)"
+        off = old.replace("k_sub_scale(", "float32(1.01) * k_sub_scale(")
+        return {"imma_kernel": edited(imma, "imma_kernel", old, off)}
+    if kind == "no_minimum":
+        return {"less_minimum": edited(imma, "less_minimum", "return acc - dmin_m * block_sum", "return acc")}
+    if kind == "minimum_sign":
+        return {"less_minimum": edited(imma, "less_minimum", "acc - dmin_m", "acc + dmin_m")}
+    return {"q4_k_levels": edited(imma, "q4_k_levels", "if high else", "if not high else")}
 
 
 def replacements(kernel: str, kind: str) -> dict:
@@ -207,6 +224,8 @@ def replacements(kernel: str, kind: str) -> dict:
     (tests/mutants.py)."""
     if kind == "truncate":
         return {"f32_to_bf16": truncating_bf16}
+    if kind in IMMA_K_MUTANTS:
+        return imma_k_replacements(kind)
     if kernel == "imma":
         imma = stages.linear_imma
         if kind == "digit":  # a digit weighs 255 times the one below it, not 256
@@ -281,6 +300,14 @@ def test_narrow_mutants(gtype, kind):
 def test_imma_mutants(kind):
     """The integer tensor-core decode product at T = 4 (two token pairs), K in two slices."""
     w, wq = small_weight(GGMLType.Q8_0)
+    run_mutant("imma", kind, check_linear, w, wq, T, "imma", seed=6)
+
+
+@pytest.mark.parametrize("kind", ["truncate", *IMMA_K_MUTANTS])
+@pytest.mark.parametrize("gtype", [GGMLType.Q4_K], ids=lambda t: t.name)
+def test_imma_k_mutants(gtype, kind):
+    """The integer tensor-core decode product of a K-quant at T = 4, K in one slice."""
+    w, wq = small_weight(gtype)
     run_mutant("imma", kind, check_linear, w, wq, T, "imma", seed=6)
 
 
@@ -362,6 +389,17 @@ def test_flash_imma_mutants(name, tokens, kind):
     """The integer tensor-core decode product on a flash shape of one slice (wq_b) and of seven (wo_b)."""
     n, k = FLASH[name]
     w, wq = flash_weight(n, k, GGMLType.Q8_0)
+    run_mutant("imma", kind, check_linear, w, wq, tokens, "imma", seed=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["truncate", *IMMA_K_MUTANTS])
+@pytest.mark.parametrize("gtype,name,tokens", [(GGMLType.Q4_K, "wq_b", 1), (GGMLType.Q4_K, "wo_b", 8)],
+                         ids=lambda v: getattr(v, "name", v))
+def test_flash_imma_k_mutants(gtype, name, tokens, kind):
+    """The integer tensor-core decode product of a K-quant on a flash shape of one slice and of several."""
+    n, k = FLASH[name]
+    w, wq = flash_weight(n, k, gtype)
     run_mutant("imma", kind, check_linear, w, wq, tokens, "imma", seed=8)
 
 

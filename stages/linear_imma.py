@@ -1,11 +1,12 @@
 """Integer tensor-core decode products: y[t, n] = sum_k x[t, k] * dequant(w)[n, k] for the few tokens
-of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0 or Q4_K weights, on
+of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0, Q4_K or MXFP4 weights, on
 `mma.sync.m16n8k32.s32.s8.s8` with the stored levels as the mma's A operand, unconverted.
 
 Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16), w a
 stages.linear.DeviceWeight of Q8_0 in its split device layout (per row the K int8 levels, then the
-K/32 fp16 scales d) or of Q4_K in its stored one (144-byte super-blocks: d, dmin, 12 scale bytes,
-128 level bytes), y [T, N] bf16 bits (rounded to nearest even) or float32. Grouped product
+K/32 fp16 scales d), of Q4_K in its stored one (144-byte super-blocks: d, dmin, 12 scale bytes,
+128 level bytes) or of MXFP4 in its split one (per row the K/32 blocks' 16 code bytes, then their
+exponent bytes), y [T, N] bf16 bits (rounded to nearest even) or float32. Grouped product
 (group_rows > 0, a multiple of 16): output row n reads x[:, (n // group_rows) * K :][:K].
 
 One mma covers one Q8_0 block (32 levels q, one scale d) of 16 rows: its int32 result is that
@@ -50,6 +51,26 @@ integer under 2^24 times a normal power of two, never below 2^-126); the walk ta
 it from acc in one fused multiply-add (less_minimum). The two digit pairs' sums add up to the
 block's sum of X exactly, so y = acc_lo + 2^16 acc_hi holds sum_k x_k (d sc q_k) - dmin m sum_k x_k
 for the rounded X as the Q8_0 product does. A slice is whole super-blocks (no partial step).
+
+MXFP4. Value i of a block is v_i 2^(e - 128), v_i a doubled E2M1 level (-12..12), e the block's
+exponent byte. A lane's word of code bytes 4 t .. 4 t + 3 holds eight values, 4 t + i (low nibbles)
+and 16 + 4 t + i (high ones); one byte permute with the code nibbles as its selector looks up eight
+magnitudes at once (E2M1_MAG: byte_perm reads the selector's low four nibbles, so the A registers
+hold values 4 t, 16 + 4 t, 4 t + 1, 17 + 4 t and 4 t + 2, 18 + 4 t, 4 t + 3, 19 + 4 t, the order
+the prologue gives the digits of MXFP4 blocks, e2m1_octet_digits). A permute cannot negate: a code
+with the sign bit reads 0 there (the permute's sign mode on a table of positive bytes), so the
+negative codes' magnitudes come from a second look-up of the codes with their sign bits flipped,
+and each block takes two mmas, P = P_pos - P_neg (mxfp4_levels). |P| < 2^24 (|S_p| <= 32 x 12 x 128):
+converted exactly, then acc += (fp32(P) 2^(E - 29)) 2^(e - 128): the first product exact (an
+integer under 2^24 times a normal power of two), the second rounded once with the addition, into
+fp32's subnormals too (e = 0, 1: 2^-128, 2^-127), as the oracle's products would be. So that the top
+digit pair's sums are not scaled down by 2^16 (into subnormals for the smallest exponents), the
+prologue stores each block's scale for each digit pair, the top one's times 2^16, and y = acc_lo +
+acc_hi. From MXFP4_INF_E (253) on a value can be inf: such a block's mmas are scaled by 0 and, in a
+step that has one (one test of the exponent words), the lanes of the top digit pairs add its values
+times the token's inputs one by one, each value scaled first as the host's dequantiser does
+(mxfp4_inf_blocks): the oracle's inf and NaN. No real weight has one. An MXFP4 step is four blocks,
+as Q8_0's, its slices may end inside one.
 
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with tests/bounds.py's
 rules (>= 99% of bf16 outputs bit-equal to the oracle's, every output within half a bf16 ulp plus
@@ -112,7 +133,7 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from flashv41.host.quants import GGMLType
+from flashv41.host.quants import MXFP4_DOUBLED, GGMLType
 from flashv41.stages import linear_tc
 from flashv41.stages.device import (
     CHUNK,
@@ -125,12 +146,24 @@ from flashv41.stages.device import (
     f32_from_bits,
     f32_to_bf16,
     inlined,
+    load_words2,
     load_words4,
     row_address,
+    word_at,
     words2_at,
     words4_at,
 )
-from flashv41.stages.quant_types import LOW_NIBBLES, Q4_K_BYTES, Q4_K_QS, k_scale_words, uint8_at
+from flashv41.stages.quant_types import (
+    LOW_NIBBLES,
+    MXFP4_INF_E,
+    MXFP4_PAIRS,
+    Q4_K_BYTES,
+    Q4_K_QS,
+    e2m1_doubled,
+    e8m0_half,
+    k_scale_words,
+    uint8_at,
+)
 
 MAX_TOKENS = 8  # tokens a launch: stages.linear's GEMV_MAX_TOKENS (which imports this module)
 TOKEN_CAPS = (1, 2, 4, 8)  # compiled per cap: cap / 2 mmas (token pairs) per A fragment
@@ -169,7 +202,14 @@ class ImmaType:
     mins: bool
 
 
-IMMA_TYPES = {GGMLType.Q8_0: ImmaType(UNROLL, False), GGMLType.Q4_K: ImmaType(Q4_K_STEP, True)}
+IMMA_TYPES = {GGMLType.Q8_0: ImmaType(UNROLL, False), GGMLType.Q4_K: ImmaType(Q4_K_STEP, True),
+              GGMLType.MXFP4: ImmaType(UNROLL, False)}
+# MXFP4: a code's doubled E2M1 magnitude is byte (code & 7) of these two words (byte_perm's table);
+# a code of the other sign (bit 3 set, byte_perm's sign mode) gives 0 there
+E2M1_MAG_LO, E2M1_MAG_HI = (uint32(v) for v in MXFP4_DOUBLED[:8].astype(np.uint8).view("<u4"))
+E2M1_SIGN_FLIP = uint32(0x88888888)  # the sign bit of eight codes
+assert (MXFP4_DOUBLED[8:] == -MXFP4_DOUBLED[:8]).all() and MXFP4_DOUBLED[:8].max() < 128 and MXFP4_PAIRS == 16
+assert MXFP4_INF_E == 128 - 3 + 128  # inf_exponents' test
 
 
 def token_cap(n_tokens: int) -> int:
@@ -327,22 +367,46 @@ def store_octet(digits, at, w0, w1, w2, w3, scale):
 
 
 @device
-def octet_digits(x32, t, word, q, digits, at, scales, s_at):
-    """Inputs 8 q .. 8 q + 7 of token t's block of 32 at word `word` of x32 (bf16 pairs): their four
-    digit columns' bytes into digits[at + p COLUMN_WORDS] (p = 0..3, a uint64 each); the block's
-    scale 2^(E - X_BITS) into scales[s_at] by the lane of q = 0. Each of the block's four lanes reads
-    the whole block for its largest exponent (three of its four loads are L1 hits)."""
+def block_scale(x32, t, word):
+    """block_scales of token t's block of 32 inputs at word `word` of x32 (bf16 pairs). Each of the
+    block's four lanes reads the whole block for its largest exponent (three of its four loads are L1
+    hits)."""
     a0, a1, a2, a3 = load_words4(x32, t, word)
     b0, b1, b2, b3 = load_words4(x32, t, uint32(word + uint32(4)))
     c0, c1, c2, c3 = load_words4(x32, t, uint32(word + uint32(8)))
     e0, e1, e2, e3 = load_words4(x32, t, uint32(word + uint32(12)))
     field = max(max(field4(a0, a1, a2, a3), field4(b0, b1, b2, b3)),
                 max(field4(c0, c1, c2, c3), field4(e0, e1, e2, e3)))
-    scale, back = block_scales(field)
+    return block_scales(field)
+
+
+@device
+def octet_digits(x32, t, word, q, digits, at, scales, s_at):
+    """Inputs 8 q .. 8 q + 7 of token t's block of 32 at word `word` of x32 (bf16 pairs): their four
+    digit columns' bytes into digits[at + p COLUMN_WORDS] (p = 0..3, a uint64 each); the block's
+    scale 2^(E - X_BITS) into scales[s_at] by the lane of q = 0 (block_scale)."""
+    scale, back = block_scale(x32, t, word)
     if q == 0:
         scales[s_at] = back
     w0, w1, w2, w3 = load_words4(x32, t, uint32(word + uint32(4) * q))
     store_octet(digits, at, w0, w1, w2, w3, scale)
+
+
+@device
+def e2m1_octet_digits(x32, t, word, q, digits, at, scales, s_at):
+    """octet_digits in MXFP4's order (mxfp4_levels'): lane q's word of a digit column holds the
+    digits of inputs 4 q, 16 + 4 q, 4 q + 1, 17 + 4 q, then 4 q + 2, 18 + 4 q, 4 q + 3, 19 + 4 q.
+    The scale back goes to scales[s_at] (lane 0) and, times 2^16, to scales[s_at + SLICE_BLOCKS_MAX]
+    (lane 1): each digit pair's own, so that the top pair's sums carry their weight in y."""
+    scale, back = block_scale(x32, t, word)
+    if q == 0:
+        scales[s_at] = back
+    if q == 1:
+        scales[s_at + uint64(SLICE_BLOCKS_MAX)] = back * DIGIT_PAIR
+    lo0, lo1 = load_words2(x32, t, uint32(word + uint32(2) * q))  # inputs 4 q .. 4 q + 3
+    hi0, hi1 = load_words2(x32, t, uint32(word + uint32(8) + uint32(2) * q))  # 16 + 4 q ..
+    store_octet(digits, at, byte_perm(lo0, hi0, 0x5410), byte_perm(lo0, hi0, 0x7632),
+                byte_perm(lo1, hi1, 0x5410), byte_perm(lo1, hi1, 0x7632), scale)
 
 
 @device
@@ -391,6 +455,52 @@ def less_minimum(acc, dmin_m, block_sum):
     return acc - dmin_m * block_sum
 
 
+@device
+def mxfp4_levels(word):
+    """The A registers of a word of MXFP4 code bytes 4 t .. 4 t + 3 (byte i: value 4 t + i in its low
+    nibble, 16 + 4 t + i in its high one): the levels of values (4 t, 16 + 4 t, 4 t + 1, 17 + 4 t)
+    and (4 t + 2, 18 + 4 t, 4 t + 3, 19 + 4 t) (byte_perm reads its selector's low four nibbles in
+    that order), as the magnitudes of the positive codes (others 0) and of the negative ones: the
+    level is the first less the second, which two mmas take apart."""
+    flipped = word ^ E2M1_SIGN_FLIP
+    return (byte_perm(E2M1_MAG_LO, E2M1_MAG_HI, word), byte_perm(E2M1_MAG_LO, E2M1_MAG_HI, word >> uint32(16)),
+            byte_perm(E2M1_MAG_LO, E2M1_MAG_HI, flipped), byte_perm(E2M1_MAG_LO, E2M1_MAG_HI, flipped >> uint32(16)))
+
+
+@device
+def mxfp4_scale(e):
+    """2^(e - 128) for an MXFP4 block's exponent byte e (subnormal for e < 2), 0 from MXFP4_INF_E on,
+    where the block is added value by value instead (mxfp4_inf_block)."""
+    return e8m0_half(e) if e < MXFP4_INF_E else float32(0)
+
+
+@device
+def inf_exponents(word):
+    """Whether any of the four exponent bytes of a word is from MXFP4_INF_E (253) on: a byte's top
+    bit, and its low seven bits plus 3 reaching 128 (no carry leaves a byte)."""
+    return (word & ((word & uint32(0x7F7F7F7F)) + uint32(0x03030303)) & uint32(0x80808080)) != uint32(0)
+
+
+@device
+def mxfp4_inf_block(x32, t, word, address, b, e):
+    """Token t's inputs (at word `word` of x32) times the values of block b of a row (row_address),
+    each value scaled first as the host's dequantiser has it (inf where it overflows): the oracle's
+    inf and NaN for a block whose exponent byte is from MXFP4_INF_E on. No real weight has one."""
+    d = e8m0_half(e)
+    total = float32(0)
+    for i in range(4):
+        codes = word_at(address, uint32(MXFP4_PAIRS) * b + uint32(4 * i))
+        for j in range(2):
+            lo = x32[t, word + uint32(2 * i + j)]  # inputs 4 i + 2 j, + 1
+            hi = x32[t, word + uint32(8 + 2 * i + j)]  # their partners 16 up
+            for h in range(2):
+                c = (codes >> uint32(16 * j + 8 * h)) & uint32(0xFF)
+                shift = uint32(16 * (1 - h))
+                total += f32_from_bits((lo << shift) & uint32(0xFFFF0000)) * (e2m1_doubled(c & uint32(15)) * d)
+                total += f32_from_bits((hi << shift) & uint32(0xFFFF0000)) * (e2m1_doubled(c >> uint32(4)) * d)
+    return total
+
+
 @cache
 def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     """A block: DIGIT_TILES tiles of 16 rows of one group (a warp each) over one slice of K, for up
@@ -401,12 +511,16 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     pairs = max(cap, 2) // 2  # mmas a block of A meets: two tokens each
     # flat shared arrays, indexed by uint64 offsets from a lane's base (constant offsets fold into the loads)
     digits_shape = 8 * pairs * COLUMN_WORDS  # [column 4 token + digit][8 values] int8 digits, eight a word
-    scales_shape = 2 * pairs * SLICE_BLOCKS_MAX  # [token][block] 2^(E - X_BITS)
+    mx = gtype == GGMLType.MXFP4
+    # [token][block] 2^(E - X_BITS); MXFP4: [token][digit pair][block] 2^(E - X_BITS + 16 pair)
+    scales_shape = (4 if mx else 2) * pairs * SLICE_BLOCKS_MAX
+    pair_weight = float32(1) if mx else DIGIT_PAIR  # the top digit pair's sums' weight in y
     # [token][digit pair][block] 2^(E - X_BITS) times the block's sum of the pair's D_p + 2^8 D_p+1
     sums_shape = 4 * pairs * SLICE_BLOCKS_MAX if mins else 1
     acc_shape = (pairs, 2)  # [token pair, row half]
     held_shape = (UNROLL, 2, 2)  # [block (Q4_K: run of level bytes), row half, word] a walk step's levels
-    # Q8_0: [block, row half] the step's scales; Q4_K: [row half, word] its super-block's first 16 bytes
+    # Q8_0: [block, row half] the step's scales; Q4_K: [row half, word] its super-block's first 16
+    # bytes; MXFP4: [row half, 0] the word of the step's exponent bytes
     d_shape, d_type = ((UNROLL, 2), float32) if gtype == GGMLType.Q8_0 else ((2, 4), uint32)
     sum_items = 4 * pairs * SLICE_BLOCKS_MAX  # (token, digit pair, block) items of the sums
 
@@ -444,7 +558,7 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
         d[2, 1], d[3, 1] = f16x2_f32(s23)
 
     @inlined
-    def block_mmas(digits, scales, held, d, acc, j, dig, sc):
+    def block_mmas(digits, scales, held, d, acc, j, dig, sc, ctx):
         """Block j of the step against every token pair's digits (dig, sc: the lane's indices of the
         step's first block in digits and scales)."""
         for p in range(pairs):
@@ -459,10 +573,10 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
 
 
     @inlined
-    def step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm):
+    def step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
         """A walk step's UNROLL blocks against every token pair's digits (sums: no minimum term)."""
         for j in range(UNROLL):
-            block_mmas(digits, scales, held, d, acc, j, dig, sc)
+            block_mmas(digits, scales, held, d, acc, j, dig, sc, ctx)
 
 
     @inlined
@@ -480,7 +594,7 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
         d[1, 0], d[1, 1], d[1, 2], d[1, 3] = words4_at(hi_at, uint32(0))
 
     @inlined
-    def q4_k_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm):
+    def q4_k_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
         """A super-block's eight sub-blocks against every token pair's digits: for sub-block j and a
         digit pair's P, acc += P (d sc_j 2^(E - X_BITS)), then acc -= dmin m_j times the pair's scaled
         sum of the block's inputs (dig, sc, sm: the lane's indices of the step's first block)."""
@@ -504,9 +618,99 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
                     acc[p, 0] = less_minimum(acc[p, 0] + float32(int32(c0 + c1 * DIGIT)) * (scale_lo * s), min_lo, m)
                     acc[p, 1] = less_minimum(acc[p, 1] + float32(int32(c2 + c3 * DIGIT)) * (scale_hi * s), min_hi, m)
 
-    # a Q4_K slice is whole super-blocks (K is): no partial step
-    walk_load, walk_mmas = (load_full, step_mmas) if gtype == GGMLType.Q8_0 else (load_q4_k, q4_k_step_mmas)
-    partial_steps = gtype == GGMLType.Q8_0
+    @inlined
+    def load_mxfp4(lo, hi, k, b, held, d, t4):
+        """A walk step's loads: code bytes 4 t4 .. 4 t4 + 3 of blocks b .. b + UNROLL - 1 of the
+        lane's two rows (a word each, at constant offsets of one address a row) and the word of
+        their exponent bytes (byte K / 2 + b of the row; b a multiple of 4)."""
+        at = uint32(uint32(MXFP4_PAIRS) * b + uint32(4) * t4)
+        lo_at = address_at(lo, at)
+        hi_at = address_at(hi, at)
+        for j in range(UNROLL):
+            held[j, 0, 0] = word_at(lo_at, uint32(MXFP4_PAIRS * j))
+            held[j, 1, 0] = word_at(hi_at, uint32(MXFP4_PAIRS * j))
+        load_exponents(lo, hi, k, b, d)
+
+    @inlined
+    def tail_mxfp4(lo, hi, k, b, last, held, d, t4):
+        """load_mxfp4's loads for a slice's last, partial step: blocks past `last` load block `last`."""
+        for j in range(UNROLL):
+            at = uint32(uint32(MXFP4_PAIRS) * min(uint32(b + uint32(j)), last) + uint32(4) * t4)
+            held[j, 0, 0] = word_at(lo, at)
+            held[j, 1, 0] = word_at(hi, at)
+        load_exponents(lo, hi, k, b, d)
+
+    @inlined
+    def load_exponents(lo, hi, k, b, d):
+        """The word of the exponent bytes of blocks b .. b + 3 of both rows (inside the row: its
+        exponent bytes are padded to whole 16-byte pieces)."""
+        at = uint32((k >> uint32(1)) + b)
+        d[0, 0] = word_at(lo, at)
+        d[1, 0] = word_at(hi, at)
+
+    @inlined
+    def mxfp4_block(digits, scales, held, d, acc, j, dig, sc, ctx):
+        """Block j of the step against every token pair's digits: per digit pair P = (positive
+        codes' sums) - (negative codes' sums), acc += (fp32(P) 2^(E - X_BITS + 16 pair)) 2^(e - 128);
+        a block whose exponent byte is from MXFP4_INF_E on adds nothing here (mxfp4_inf_blocks)."""
+        p0l, p1l, n0l, n1l = mxfp4_levels(held[j, 0, 0])
+        p0h, p1h, n0h, n1h = mxfp4_levels(held[j, 1, 0])
+        e_lo = (d[0, 0] >> uint32(8 * j)) & uint32(0xFF)
+        e_hi = (d[1, 0] >> uint32(8 * j)) & uint32(0xFF)
+        a_lo, a_hi = mxfp4_scale(e_lo), mxfp4_scale(e_hi)
+        for p in range(pairs):
+            v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
+            s = scales[sc + uint64(j + 4 * p * SLICE_BLOCKS_MAX)]
+            b_lo, b_hi = uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32))
+            c0, c1, c2, c3 = imma(p0l, p0h, p1l, p1h, b_lo, b_hi)
+            m0, m1, m2, m3 = imma(n0l, n0h, n1l, n1h, b_lo, b_hi)
+            acc[p, 0] += (float32(int32((c0 - m0) + (c1 - m1) * DIGIT)) * s) * a_lo
+            acc[p, 1] += (float32(int32((c2 - m2) + (c3 - m3) * DIGIT)) * s) * a_hi
+
+    @inlined
+    def mxfp4_inf_blocks(d, acc, blocks, ctx):
+        """The step's first `blocks` blocks whose exponent byte is from MXFP4_INF_E on (no real
+        weight has one; mxfp4_scale left them out): mxfp4_inf_block's sums, added by the lanes of the
+        top digit pairs. Taken only where a step has one (one test of the two exponent words); a loop
+        over the blocks and row halves, so that the walk's code holds it once a token pair."""
+        x32, x_at, lo, hi, b0, live, t4 = ctx
+        e_lo, e_hi = d[0, 0], d[1, 0]  # (d indexed by constants only: it stays in registers)
+        if (t4 & uint32(1)) and (inf_exponents(e_lo) or inf_exponents(e_hi)):
+            for p in range(pairs):
+                t = uint32(uint32(2 * p) + (t4 >> uint32(1)))
+                if t < live:
+                    total_lo = float32(0)
+                    total_hi = float32(0)
+                    i = uint32(0)
+                    while i < uint32(2) * blocks:
+                        j, h = i >> uint32(1), i & uint32(1)
+                        e = ((e_hi if h else e_lo) >> (uint32(8) * j)) & uint32(0xFF)
+                        if e >= MXFP4_INF_E:
+                            r = mxfp4_inf_block(x32, t, uint32(x_at + uint32(CHUNK // 2) * j), hi if h else lo,
+                                                uint32(b0 + j), e)
+                            if h:
+                                total_hi += r
+                            else:
+                                total_lo += r
+                        i += uint32(1)
+                    acc[p, 0] += total_lo
+                    acc[p, 1] += total_hi
+
+    @inlined
+    def mxfp4_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
+        """A walk step's UNROLL MXFP4 blocks (sums: no minimum term)."""
+        for j in range(UNROLL):
+            mxfp4_block(digits, scales, held, d, acc, j, dig, sc, ctx)
+        mxfp4_inf_blocks(d, acc, uint32(UNROLL), ctx)
+
+    # each type's walk step, its loads and (Q8_0, MXFP4: slices of K may end inside a step) the tail's;
+    # a Q4_K slice is whole super-blocks (K is)
+    walk_load, walk_tail, walk_block, walk_mmas = {
+        GGMLType.Q8_0: (load_full, load_tail, block_mmas, step_mmas),
+        GGMLType.Q4_K: (load_q4_k, load_tail, block_mmas, q4_k_step_mmas),
+        GGMLType.MXFP4: (load_mxfp4, tail_mxfp4, mxfp4_block, mxfp4_step_mmas)}[gtype]
+    partial_steps = gtype != GGMLType.Q4_K
+    digits_of = e2m1_octet_digits if gtype == GGMLType.MXFP4 else octet_digits
 
     @cuda.jit if SIM else cuda.jit(launch_bounds=(WARP * DIGIT_TILES, 1))  # type: ignore[call-arg]
     def imma_gemv(x, w, y, partials, counters, n_tokens, group_rows, k, per_group, slices, slice_blocks):
@@ -549,7 +753,7 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
         if not partial_steps or b_start + uint32(step_blocks) <= b_end:
             walk_load(lo, hi, kk, b_start, held, d, t4)
         else:
-            load_tail(lo, hi, kk, b_start, uint32(b_end - uint32(1)), held, d, t4)
+            walk_tail(lo, hi, kk, b_start, uint32(b_end - uint32(1)), held, d, t4)
         half = uint32(CHUNK // 2)  # input words a block
         x_word = uint32(group * (kk >> uint32(1)) + b_start * half)  # the slice's first input word
         live = uint32(n_tokens)
@@ -560,11 +764,15 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
             t = uint32(ts // uint32(SLICE_BLOCKS_MAX))  # (a constant divisor: no division)
             slot = uint32(ts % uint32(SLICE_BLOCKS_MAX))
             at = uint64(t) * uint64(4 * COLUMN_WORDS) + uint64(4) * uint64(slot) + uint64(q)
+            # the block's scale back (MXFP4: the low digit pair's; the top pair's a row of blocks on)
+            s_at = uint64(ts) + (uint64(t) * uint64(SLICE_BLOCKS_MAX) if mx else uint64(0))
             if slot < nb:
                 if t < live:
-                    octet_digits(x32, t, uint32(x_word + slot * half), q, digits, at, scales, uint64(ts))
+                    digits_of(x32, t, uint32(x_word + slot * half), q, digits, at, scales, s_at)
                 else:
-                    zero_digits(digits, at, scales, uint64(ts), q)
+                    zero_digits(digits, at, scales, s_at, q)
+                    if mx and q == 1:
+                        scales[s_at + uint64(SLICE_BLOCKS_MAX)] = float32(0)
         cuda.syncthreads()
         if mins:  # each block's inputs' sum, a digit pair at a time, scaled (exact: module docstring)
             for item in range(tid, uint32(sum_items), threads):
@@ -576,22 +784,28 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
                     sums[item] = float32(pair_sum(digits, at)) * scales[uint64(t) * uint64(SLICE_BLOCKS_MAX) + slot]
             cuda.syncthreads()
         lane_dig = uint64(g) * uint64(COLUMN_WORDS) + uint64(t4)  # B column g, the lane's 8 bytes of block 0
-        lane_sc = uint64(t4 >> uint32(1)) * uint64(SLICE_BLOCKS_MAX)  # its D columns' token's block 0 scale
+        # its D columns' token's block 0 scale (MXFP4: that of its digit pair)
+        lane_sc = uint64(t4 if mx else t4 >> uint32(1)) * uint64(SLICE_BLOCKS_MAX)
         lane_sm = uint64(t4) * uint64(SLICE_BLOCKS_MAX)  # and its digit pair's block 0 sum
         b0 = b_start
         while b0 + uint32(step_blocks) <= b_end:
             if b0 != b_start:
                 walk_load(lo, hi, kk, b0, held, d, t4)
             step = uint64(b0 - b_start)
-            walk_mmas(digits, scales, sums, held, d, acc, lane_dig + uint64(4) * step, lane_sc + step, lane_sm + step)
+            ctx = (x32, uint32(x_word + uint32(step) * half), lo, hi, b0, live, t4)  # (MXFP4's inf blocks)
+            walk_mmas(digits, scales, sums, held, d, acc, lane_dig + uint64(4) * step, lane_sc + step, lane_sm + step,
+                      ctx)
             b0 = uint32(b0 + uint32(step_blocks))
         if partial_steps and b0 < b_end:
             if b0 != b_start:
-                load_tail(lo, hi, kk, b0, uint32(b_end - uint32(1)), held, d, t4)
+                walk_tail(lo, hi, kk, b0, uint32(b_end - uint32(1)), held, d, t4)
             step = uint64(b0 - b_start)
+            ctx = (x32, uint32(x_word + uint32(step) * half), lo, hi, b0, live, t4)
             for j in range(UNROLL):
                 if b0 + uint32(j) < b_end:
-                    block_mmas(digits, scales, held, d, acc, j, lane_dig + uint64(4) * step, lane_sc + step)
+                    walk_block(digits, scales, held, d, acc, j, lane_dig + uint64(4) * step, lane_sc + step, ctx)
+            if mx:
+                mxfp4_inf_blocks(d, acc, uint32(b_end - b0), ctx)
         # out: lane (g, t) holds rows g, g + 8 and token 2 p + t // 2's digits 2 (t % 2), + 1; a lane
         # of the pair's sum takes row i = lane % 16 and token 2 p + lane // 16
         i = uint32(lane % uint32(16))
@@ -605,7 +819,7 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
             red[warp, 0, lane] = acc[p, 0]
             red[warp, 1, lane] = acc[p, 1]
             cuda.syncthreads()
-            v = red[warp, h, src] + DIGIT_PAIR * red[warp, h, src + uint32(1)]
+            v = red[warp, h, src] + pair_weight * red[warp, h, src + uint32(1)]
             t = uint32(uint32(2 * p) + (lane >> uint32(4)))
             if t < live:
                 if n_slices == 1:

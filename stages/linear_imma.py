@@ -61,16 +61,18 @@ the prologue gives the digits of MXFP4 blocks, e2m1_octet_digits). A permute can
 with the sign bit reads 0 there (the permute's sign mode on a table of positive bytes), so the
 negative codes' magnitudes come from a second look-up of the codes with their sign bits flipped,
 and each block takes two mmas, P = P_pos - P_neg (mxfp4_levels). |P| < 2^24 (|S_p| <= 32 x 12 x 128):
-converted exactly, then acc += (fp32(P) 2^(E - 29)) 2^(e - 128): the first product exact (an
-integer under 2^24 times a normal power of two), the second rounded once with the addition, into
-fp32's subnormals too (e = 0, 1: 2^-128, 2^-127), as the oracle's products would be. So that the top
-digit pair's sums are not scaled down by 2^16 (into subnormals for the smallest exponents), the
-prologue stores each block's scale for each digit pair, the top one's times 2^16, and y = acc_lo +
-acc_hi. From MXFP4_INF_E (253) on a value can be inf: such a block's mmas are scaled by 0 and, in a
-step that has one (one test of the exponent words), the lanes of the top digit pairs add its values
-times the token's inputs one by one, each value scaled first as the host's dequantiser does
-(mxfp4_inf_blocks): the oracle's inf and NaN. No real weight has one. An MXFP4 step is four blocks,
-as Q8_0's, its slices may end inside one.
+converted exactly, then acc += (fp32(P) 2^(E - 31)) 2^(e - 126): the first product exact (an
+integer under 2^24 times a power of two of at least 2^-128, its lowest bit far above fp32's
+subnormal step), the second, a normal power of two placed as bits for every e < 253 (mxfp4_scale:
+no branch for the subnormal 2^(e - 128) of e = 0, 1), rounded once with the addition, into fp32's
+subnormals too, as the oracle's products would be. So that the top digit pair's sums are not scaled
+down by 2^16 (into subnormals for the smallest exponents), the prologue stores each block's input
+scale 2^(E - 31) for each digit pair, the top one's times 2^16, and y = acc_lo + acc_hi. From
+MXFP4_INF_E (253) on a value can be inf: such a block's exponent byte is made 255 at its load
+(finite_exponents), whose placed bits are -0.0, and in a step that has one (one test of the
+exponent words) the lanes of the top digit pairs add its values times the token's inputs one by one,
+each value scaled first as the host's dequantiser does (mxfp4_inf_blocks): the oracle's inf and NaN.
+No real weight has one. An MXFP4 step is four blocks, as Q8_0's, its slices may end inside one.
 
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with tests/bounds.py's
 rules (>= 99% of bf16 outputs bit-equal to the oracle's, every output within half a bf16 ulp plus
@@ -208,6 +210,7 @@ IMMA_TYPES = {GGMLType.Q8_0: ImmaType(UNROLL, False), GGMLType.Q4_K: ImmaType(Q4
 # a code of the other sign (bit 3 set, byte_perm's sign mode) gives 0 there
 E2M1_MAG_LO, E2M1_MAG_HI = (uint32(v) for v in MXFP4_DOUBLED[:8].astype(np.uint8).view("<u4"))
 E2M1_SIGN_FLIP = uint32(0x88888888)  # the sign bit of eight codes
+MXFP4_BACK = float32(0.25)  # 2^(e - 128) over mxfp4_scale's 2^(e - 126), in the blocks' input scales
 assert (MXFP4_DOUBLED[8:] == -MXFP4_DOUBLED[:8]).all() and MXFP4_DOUBLED[:8].max() < 128 and MXFP4_PAIRS == 16
 assert MXFP4_INF_E == 128 - 3 + 128  # inf_exponents' test
 
@@ -396,13 +399,14 @@ def octet_digits(x32, t, word, q, digits, at, scales, s_at):
 def e2m1_octet_digits(x32, t, word, q, digits, at, scales, s_at):
     """octet_digits in MXFP4's order (mxfp4_levels'): lane q's word of a digit column holds the
     digits of inputs 4 q, 16 + 4 q, 4 q + 1, 17 + 4 q, then 4 q + 2, 18 + 4 q, 4 q + 3, 19 + 4 q.
-    The scale back goes to scales[s_at] (lane 0) and, times 2^16, to scales[s_at + SLICE_BLOCKS_MAX]
-    (lane 1): each digit pair's own, so that the top pair's sums carry their weight in y."""
+    The scale back times MXFP4_BACK goes to scales[s_at] (lane 0) and, times 2^16 more, to
+    scales[s_at + SLICE_BLOCKS_MAX] (lane 1): each digit pair's own, so that the top pair's sums
+    carry their weight in y."""
     scale, back = block_scale(x32, t, word)
     if q == 0:
-        scales[s_at] = back
+        scales[s_at] = back * MXFP4_BACK
     if q == 1:
-        scales[s_at + uint64(SLICE_BLOCKS_MAX)] = back * DIGIT_PAIR
+        scales[s_at + uint64(SLICE_BLOCKS_MAX)] = back * (MXFP4_BACK * DIGIT_PAIR)
     lo0, lo1 = load_words2(x32, t, uint32(word + uint32(2) * q))  # inputs 4 q .. 4 q + 3
     hi0, hi1 = load_words2(x32, t, uint32(word + uint32(8) + uint32(2) * q))  # 16 + 4 q ..
     store_octet(digits, at, byte_perm(lo0, hi0, 0x5410), byte_perm(lo0, hi0, 0x7632),
@@ -468,17 +472,31 @@ def mxfp4_levels(word):
 
 
 @device
-def mxfp4_scale(e):
-    """2^(e - 128) for an MXFP4 block's exponent byte e (subnormal for e < 2), 0 from MXFP4_INF_E on,
-    where the block is added value by value instead (mxfp4_inf_block)."""
-    return e8m0_half(e) if e < MXFP4_INF_E else float32(0)
+def mxfp4_scale(word, j):
+    """2^(e - 126) for byte j of a word of exponent bytes made finite (finite_exponents): a normal
+    power of two, placed as fp32 bits, for e < MXFP4_INF_E (the 2^-2 to 2^(e - 128) is in the
+    blocks' input scales); -0.0 for e = 255, where the block is added value by value instead
+    (mxfp4_inf_blocks)."""
+    return f32_from_bits((((word >> uint32(8 * j)) & uint32(0xFF)) + uint32(1)) << uint32(23))
+
+
+@device
+def inf_bytes(word):
+    """The top bit of each of the four exponent bytes of a word that is from MXFP4_INF_E (253) on: a
+    byte's top bit, and its low seven bits plus 3 reaching 128 (no carry leaves a byte)."""
+    return word & ((word & uint32(0x7F7F7F7F)) + uint32(0x03030303)) & uint32(0x80808080)
+
+
+@device
+def finite_exponents(word):
+    """A word of exponent bytes with those from MXFP4_INF_E on made 255 (mxfp4_scale's zero)."""
+    return word | ((inf_bytes(word) >> uint32(7)) * uint32(0xFF))
 
 
 @device
 def inf_exponents(word):
-    """Whether any of the four exponent bytes of a word is from MXFP4_INF_E (253) on: a byte's top
-    bit, and its low seven bits plus 3 reaching 128 (no carry leaves a byte)."""
-    return (word & ((word & uint32(0x7F7F7F7F)) + uint32(0x03030303)) & uint32(0x80808080)) != uint32(0)
+    """Whether any of the four exponent bytes of a word is from MXFP4_INF_E on."""
+    return inf_bytes(word) != uint32(0)
 
 
 @device
@@ -647,6 +665,8 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
         at = uint32((k >> uint32(1)) + b)
         d[0, 0] = word_at(lo, at)
         d[1, 0] = word_at(hi, at)
+        d[0, 1] = finite_exponents(d[0, 0])
+        d[1, 1] = finite_exponents(d[1, 0])
 
     @inlined
     def mxfp4_block(digits, scales, held, d, acc, j, dig, sc, ctx):
@@ -655,9 +675,7 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
         a block whose exponent byte is from MXFP4_INF_E on adds nothing here (mxfp4_inf_blocks)."""
         p0l, p1l, n0l, n1l = mxfp4_levels(held[j, 0, 0])
         p0h, p1h, n0h, n1h = mxfp4_levels(held[j, 1, 0])
-        e_lo = (d[0, 0] >> uint32(8 * j)) & uint32(0xFF)
-        e_hi = (d[1, 0] >> uint32(8 * j)) & uint32(0xFF)
-        a_lo, a_hi = mxfp4_scale(e_lo), mxfp4_scale(e_hi)
+        a_lo, a_hi = mxfp4_scale(d[0, 1], j), mxfp4_scale(d[1, 1], j)
         for p in range(pairs):
             v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
             s = scales[sc + uint64(j + 4 * p * SLICE_BLOCKS_MAX)]

@@ -223,8 +223,8 @@ def imma_k_replacements(kind: str) -> dict:
     if kind == "no_negatives":
         return {"mxfp4_levels": edited(imma, "mxfp4_levels", "word ^ E2M1_SIGN_FLIP", "word | E2M1_SIGN_FLIP")}
     if kind == "e_scale":
-        off = "return float32(1.01) * e8m0_half(e)"
-        return {"mxfp4_scale": edited(imma, "mxfp4_scale", "return e8m0_half(e)", off)}
+        off = "return float32(1.01) * f32_from_bits("
+        return {"mxfp4_scale": edited(imma, "mxfp4_scale", "return f32_from_bits(", off)}
     if kind == "sub_scale":
         old = "scale_lo, scale_hi = k_sub_scale(d_lo, sc_lo, i), k_sub_scale(d_hi, sc_hi, i)"
         off = old.replace("k_sub_scale(", "float32(1.01) * k_sub_scale(")

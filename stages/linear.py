@@ -33,8 +33,8 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
 - on a GPU, a batch of up to NARROW_MAX_TOKENS tokens that neither narrow nor tc takes (fp32 x,
   F16 / F32 weights: the indexer's head weights) runs `stream` in launches of GEMV_MAX_TOKENS: gemm
   would cover such a short matrix with one tile block.
-- `imma` (never picked: forced with kernel="imma"; bf16 x, Q8_0, Q4_K, MXFP4 weights, any T in launches
-  of GEMV_MAX_TOKENS): stages.linear_imma, the decode GEMV on the integer tensor cores, the stored
+- `imma` (never picked: forced with kernel="imma"; bf16 x, Q8_0, Q4_K, Q5_K and MXFP4 weights, any T
+  in launches of GEMV_MAX_TOKENS): stages.linear_imma, the decode GEMV on the integer tensor cores, the stored
   levels as the mma's A operand and each input split into four int8 digits as its B columns.
 - `gemm` (more tokens, what tc does not take: every product on the simulator, where tc's inline
   PTX does not run; on a GPU fp32 x and F16 / F32 weights past NARROW_MAX_TOKENS tokens): a

@@ -1,12 +1,13 @@
 """Integer tensor-core decode products: y[t, n] = sum_k x[t, k] * dequant(w)[n, k] for the few tokens
-of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0, Q4_K or MXFP4 weights, on
+of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0, Q4_K, Q5_K or MXFP4 weights, on
 `mma.sync.m16n8k32.s32.s8.s8` with the stored levels as the mma's A operand, unconverted.
 
 Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16), w a
 stages.linear.DeviceWeight of Q8_0 in its split device layout (per row the K int8 levels, then the
-K/32 fp16 scales d), of Q4_K in its stored one (144-byte super-blocks: d, dmin, 12 scale bytes,
-128 level bytes) or of MXFP4 in its split one (per row the K/32 blocks' 16 code bytes, then their
-exponent bytes), y [T, N] bf16 bits (rounded to nearest even) or float32. Grouped product
+K/32 fp16 scales d), of Q4_K or Q5_K in its stored one (144-byte super-blocks: d, dmin, 12 scale
+bytes, 128 level bytes; Q5_K's 176 with 32 fifth-bit bytes before the levels) or of MXFP4 in its
+split one (per row the K/32 blocks' 16 code bytes, then their exponent bytes), y [T, N] bf16 bits
+(rounded to nearest even) or float32. Grouped product
 (group_rows > 0, a multiple of 16): output row n reads x[:, (n // group_rows) * K :][:K].
 
 One mma covers one Q8_0 block (32 levels q, one scale d) of 16 rows: its int32 result is that
@@ -51,6 +52,10 @@ integer under 2^24 times a normal power of two, never below 2^-126); the walk ta
 it from acc in one fused multiply-add (less_minimum). The two digit pairs' sums add up to the
 block's sum of X exactly, so y = acc_lo + 2^16 acc_hi holds sum_k x_k (d sc q_k) - dmin m sum_k x_k
 for the rounded X as the Q8_0 product does. A slice is whole super-blocks (no partial step).
+Q5_K is Q4_K with a fifth bit: bit j of fifth-bit byte i is bit 4 of value i of sub-block j, so the
+lane's 8-byte load of fifth-bit bytes 8 t .. 8 t + 7 a row gives every sub-block's, one shift and
+one and-or a register (fifth_bits); the levels 0..31 are int8 as they are. |S_p| <= 32 x 31 x 128
+lets P reach 2^25: its conversion rounds (once) where |P| >= 2^24, as Q8_0's may.
 
 MXFP4. Value i of a block is v_i 2^(e - 128), v_i a doubled E2M1 level (-12..12), e the block's
 exponent byte. A lane's word of code bytes 4 t .. 4 t + 3 holds eight values, 4 t + i (low nibbles)
@@ -84,10 +89,11 @@ accumulation (one a block and digit pair along the warp's slice, at most SLICE_S
 the digit pairs' sum (one), the slices' sums (slices - 1, in slice order) and the bf16 rounding. So
 each exact term (a block and digit pair's d 2^(E - 29) P) passes through at most K/32 + slices + 1
 roundings before the bf16 one, fewer than the K a term may meet under bounds.py's sqrt(K) rule, in
-the same model (terms of random sign, rounded to nearest). Q4_K adds each value's two parts apart
-(tests/bounds.py's SPLIT_KERNELS: 2K terms of magnitudes |x| |d sc q| and |x| |dmin m|): per sub-block
-and digit pair a scaled term and a minimum term, each rounded once into acc, so a term meets at most
-2 K/32 + slices + 1 roundings before the bf16 one, under the 2K of that bound. The rounding of X is not of that kind:
+the same model (terms of random sign, rounded to nearest). Q4_K and Q5_K add each value's two parts
+apart (tests/bounds.py's SPLIT_KERNELS: 2K terms of magnitudes |x| |d sc q| and |x| |dmin m|): per
+sub-block and digit pair a scaled term and a minimum term, each rounded once into acc (Q5_K's
+scaled term once more where its P's conversion rounds), so a term meets at most 2 K/32 + slices + 2
+roundings before the bf16 one, under the 2K of that bound. The rounding of X is not of that kind:
 its error, at most 2^(E - 30) |w_k| for each input below 2^(E - 22) of its block's largest, is
 bounded by 2^-30 times the block's largest |x| times |w_k|, not by |x_k w_k|, so bounds.py covers
 it only while each block's largest input meets a weight of comparable size; it is not claimed
@@ -161,6 +167,9 @@ from flashv41.stages.quant_types import (
     MXFP4_PAIRS,
     Q4_K_BYTES,
     Q4_K_QS,
+    Q5_K_BYTES,
+    Q5_K_QH,
+    Q5_K_QS,
     e2m1_doubled,
     e8m0_half,
     k_scale_words,
@@ -188,10 +197,13 @@ COLUMN_WORDS = SLICE_BLOCKS_MAX * CHUNK // 8 + 4
 RED_SHAPE = (DIGIT_TILES, 2, WARP)  # [warp, row half, lane] a token pair's sums, for the digit pairs' sum
 LINE = 32  # floats of a 128-byte line: each block's rows of the partial sums start one (no line shared)
 BYTE_ONES = uint32(0x01010101)  # dp4a's other operand for the sum of a word's four signed bytes
-Q4_K_STEP = 8  # blocks of 32 values a Q4_K walk step: one super-block, its sub-blocks one mma each
+FIFTH_BITS = uint32(0x10101010)  # bit 4 of each byte: a Q5_K level's fifth bit
+K_STEP = 8  # blocks of 32 values a Q4_K or Q5_K walk step: one super-block, its sub-blocks one mma each
 # a super-block's level bytes: four runs of 32 from Q4_K_QS, run c's low nibbles sub-block 2 c, its high ones 2 c + 1
-assert Q4_K_STEP * CHUNK == 256 and Q4_K_BYTES == Q4_K_QS + 4 * CHUNK and Q4_K_QS % 16 == 0
-assert SLICE_BLOCKS_MAX % Q4_K_STEP == 0  # a slice is whole super-blocks
+# (Q5_K's: from Q5_K_QS, its fifth bits 32 bytes from Q5_K_QH, bit j of byte i sub-block j's value i)
+assert K_STEP * CHUNK == 256 and Q4_K_BYTES == Q4_K_QS + 4 * CHUNK and Q4_K_QS % 16 == 0
+assert Q5_K_BYTES == Q5_K_QS + 4 * CHUNK and Q5_K_QS % 16 == 0 and Q5_K_QH % 8 == 0
+assert SLICE_BLOCKS_MAX % K_STEP == 0  # a slice is whole super-blocks
 
 
 @dataclass(frozen=True)
@@ -204,8 +216,8 @@ class ImmaType:
     mins: bool
 
 
-IMMA_TYPES = {GGMLType.Q8_0: ImmaType(UNROLL, False), GGMLType.Q4_K: ImmaType(Q4_K_STEP, True),
-              GGMLType.MXFP4: ImmaType(UNROLL, False)}
+IMMA_TYPES = {GGMLType.Q8_0: ImmaType(UNROLL, False), GGMLType.Q4_K: ImmaType(K_STEP, True),
+              GGMLType.Q5_K: ImmaType(K_STEP, True), GGMLType.MXFP4: ImmaType(UNROLL, False)}
 # MXFP4: a code's doubled E2M1 magnitude is byte (code & 7) of these two words (byte_perm's table);
 # a code of the other sign (bit 3 set, byte_perm's sign mode) gives 0 there
 E2M1_MAG_LO, E2M1_MAG_HI = (uint32(v) for v in MXFP4_DOUBLED[:8].astype(np.uint8).view("<u4"))
@@ -447,6 +459,14 @@ def q4_k_levels(word, high):
 
 
 @device
+def fifth_bits(levels, qh, j):
+    """Four Q5_K levels: Q4_K's four (levels) with bit j of the four bytes of qh as their bit 4
+    (0..31, int8 bytes as they are)."""
+    high = qh << uint32(4 - j) if j < 4 else qh >> uint32(j - 4)
+    return levels | (high & FIFTH_BITS)
+
+
+@device
 def k_sub_scale(d, word, i):
     """d times byte i of a word of 6-bit scales (or mins), k_scale_words': exact in float32."""
     return d * uint8_at(word, i)
@@ -536,7 +556,11 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     # [token][digit pair][block] 2^(E - X_BITS) times the block's sum of the pair's D_p + 2^8 D_p+1
     sums_shape = 4 * pairs * SLICE_BLOCKS_MAX if mins else 1
     acc_shape = (pairs, 2)  # [token pair, row half]
-    held_shape = (UNROLL, 2, 2)  # [block (Q4_K: run of level bytes), row half, word] a walk step's levels
+    fifth = gtype == GGMLType.Q5_K
+    k_bytes, k_qs = (Q5_K_BYTES, Q5_K_QS) if fifth else (Q4_K_BYTES, Q4_K_QS)
+    # [block (Q4_K, Q5_K: run of level bytes; Q5_K's fifth bits after them), row half, word] a walk
+    # step's levels
+    held_shape = (UNROLL + fifth, 2, 2)
     # Q8_0: [block, row half] the step's scales; Q4_K: [row half, word] its super-block's first 16
     # bytes; MXFP4: [row half, 0] the word of the step's exponent bytes
     d_shape, d_type = ((UNROLL, 2), float32) if gtype == GGMLType.Q8_0 else ((2, 4), uint32)
@@ -598,21 +622,31 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
 
 
     @inlined
-    def load_q4_k(lo, hi, k, b, held, d, t4):
-        """A walk step's loads: super-block b // Q4_K_STEP of the lane's two rows, bytes 8 t4 ..
-        8 t4 + 7 of each of its four runs of level bytes (8-byte loads at constant offsets of one
-        address a row) and its first 16 bytes (d, dmin, the 12 scale bytes: one load a row)."""
-        at = uint32(uint32(Q4_K_BYTES) * (b // uint32(Q4_K_STEP)))
+    def load_k(lo, hi, k, b, held, d, t4):
+        """A walk step's loads: super-block b // K_STEP of the lane's two rows, bytes 8 t4 .. 8 t4 + 7
+        of each of its four runs of level bytes (8-byte loads at constant offsets of one address a
+        row), Q5_K's of its fifth bits (held[UNROLL]) and its first 16 bytes (d, dmin, the 12 scale
+        bytes: one load a row)."""
+        at = uint32(uint32(k_bytes) * (b // uint32(K_STEP)))
         lo_at = address_at(lo, at)
         hi_at = address_at(hi, at)
         for c in range(UNROLL):
-            held[c, 0, 0], held[c, 0, 1] = words2_at(lo_at, uint32(Q4_K_QS + CHUNK * c) + uint32(8) * t4)
-            held[c, 1, 0], held[c, 1, 1] = words2_at(hi_at, uint32(Q4_K_QS + CHUNK * c) + uint32(8) * t4)
+            held[c, 0, 0], held[c, 0, 1] = words2_at(lo_at, uint32(k_qs + CHUNK * c) + uint32(8) * t4)
+            held[c, 1, 0], held[c, 1, 1] = words2_at(hi_at, uint32(k_qs + CHUNK * c) + uint32(8) * t4)
+        if fifth:
+            held[UNROLL, 0, 0], held[UNROLL, 0, 1] = words2_at(lo_at, uint32(Q5_K_QH) + uint32(8) * t4)
+            held[UNROLL, 1, 0], held[UNROLL, 1, 1] = words2_at(hi_at, uint32(Q5_K_QH) + uint32(8) * t4)
         d[0, 0], d[0, 1], d[0, 2], d[0, 3] = words4_at(lo_at, uint32(0))
         d[1, 0], d[1, 1], d[1, 2], d[1, 3] = words4_at(hi_at, uint32(0))
 
     @inlined
-    def q4_k_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
+    def k_levels(held, c, h, w, j):
+        """The A register of sub-block j (run c) of row half h, word w: Q4_K's levels, with Q5_K's fifth bit."""
+        q = q4_k_levels(held[c, h, w], j & 1)
+        return fifth_bits(q, held[UNROLL, h, w], j) if fifth else q
+
+    @inlined
+    def k_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
         """A super-block's eight sub-blocks against every token pair's digits: for sub-block j and a
         digit pair's P, acc += P (d sc_j 2^(E - X_BITS)), then acc -= dmin m_j times the pair's scaled
         sum of the block's inputs (dig, sc, sm: the lane's indices of the step's first block)."""
@@ -623,9 +657,9 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
             sc_hi, mn_hi = k_scale_words(d[1, 1], d[1, 2], d[1, 3], part)
             for i in range(4):
                 j = 4 * part + i
-                c, high = j >> 1, j & 1
-                a0, a1 = q4_k_levels(held[c, 0, 0], high), q4_k_levels(held[c, 1, 0], high)
-                a2, a3 = q4_k_levels(held[c, 0, 1], high), q4_k_levels(held[c, 1, 1], high)
+                c = j >> 1
+                a0, a1 = k_levels(held, c, 0, 0, j), k_levels(held, c, 1, 0, j)
+                a2, a3 = k_levels(held, c, 0, 1, j), k_levels(held, c, 1, 1, j)
                 scale_lo, scale_hi = k_sub_scale(d_lo, sc_lo, i), k_sub_scale(d_hi, sc_hi, i)
                 min_lo, min_hi = k_sub_scale(dmin_lo, mn_lo, i), k_sub_scale(dmin_hi, mn_hi, i)
                 for p in range(pairs):
@@ -725,9 +759,10 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     # a Q4_K slice is whole super-blocks (K is)
     walk_load, walk_tail, walk_block, walk_mmas = {
         GGMLType.Q8_0: (load_full, load_tail, block_mmas, step_mmas),
-        GGMLType.Q4_K: (load_q4_k, load_tail, block_mmas, q4_k_step_mmas),
+        GGMLType.Q4_K: (load_k, load_tail, block_mmas, k_step_mmas),
+        GGMLType.Q5_K: (load_k, load_tail, block_mmas, k_step_mmas),
         GGMLType.MXFP4: (load_mxfp4, tail_mxfp4, mxfp4_block, mxfp4_step_mmas)}[gtype]
-    partial_steps = gtype != GGMLType.Q4_K
+    partial_steps = not mins
     digits_of = e2m1_octet_digits if gtype == GGMLType.MXFP4 else octet_digits
 
     @cuda.jit if SIM else cuda.jit(launch_bounds=(WARP * DIGIT_TILES, 1))  # type: ignore[call-arg]

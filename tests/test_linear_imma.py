@@ -3,9 +3,9 @@ rules (bf16 out: at least 99% of outputs bit-equal to the oracle, every output w
 ulp plus the sqrt(K) bound; fp32 out: the sqrt(K) bound): T = 1, 2, 8 and past a launch, rows that
 are not whole tiles, slices of K ending inside a walk step, one slice and several (the workspace
 and its counters), the grouped product, inputs of a wide range inside a block, zeros and negative
-values; Q4_K (random valid super-blocks and corner ones, the split terms' bound) and MXFP4 (its
-exponent corners, inf and NaN included, are test_quants_more's) on the same paths. The digit split
-is held to a host reference of its own (X and its four balanced digits,
+values; Q4_K and Q5_K (random valid super-blocks and corner ones, the split terms' bound) and
+MXFP4 (its exponent corners, inf and NaN included, are test_quants_more's) on the same paths. The
+digit split is held to a host reference of its own (X and its four balanced digits,
 which must add back up to X exactly). On the simulator the mma is emulated (exactly, in integers)
 and the shapes small; the flash shapes run on a GPU. tests/test_mutants_products.py runs broken
 imma kernels through the same checks."""
@@ -160,7 +160,7 @@ def test_a_token_is_the_same_in_any_batch():
 # ------------------------------------------------------- K-quant and MXFP4 weights (simulator)
 
 
-NEW_TYPES = [GGMLType.Q4_K, GGMLType.MXFP4]
+NEW_TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.MXFP4]
 # (outputs, K, tokens, out, group rows); MXFP4 (steps of four blocks) swaps K = 512 for 352: three
 # slices, the last a partial step
 TYPE_CASES = [(40, 512, 1, "bf16", 0), (40, 256, 2, "f32", 0), (24, 512, 8, "bf16", 0), (64, 256, 2, "bf16", 32)]
@@ -231,7 +231,7 @@ def test_plan_fills_the_gpu(name):
 def test_flash_shapes(gtype, tokens, name):
     """Every decode shape at one, two and eight tokens (-s prints each check's bit-equal fraction)."""
     n, k = FLASH[name]
-    w, wq, _ = tc_weight(n, k, gtype, corners=gtype == GGMLType.Q4_K)
+    w, wq, _ = tc_weight(n, k, gtype, corners=gtype != GGMLType.MXFP4)
     check_linear(w, wq, tokens, "imma", seed=tokens)
 
 

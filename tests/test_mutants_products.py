@@ -20,9 +20,11 @@ scale and exponent 0%); fp32 out, digit and scale by the sqrt(K) bound (99 and 2
 Q4_K pieces: sub_scale (every sub-block's d sc 1% large), no_minimum and minimum_sign (the dmin m
 term left out, or added), nibble (each sub-block's levels from the other nibble of its bytes); its
 MXFP4 ones: table (the magnitude table read one entry up), no_negatives (the negative codes left
-out), e_scale (every 2^(e - 128) 1% large). On the simulator (random valid blocks, K = 256, T = 4)
-each is caught by both rules: Q4_K truncate 52% bit-equal, sub_scale 6%, no_minimum 6%,
-minimum_sign 3%, nibble 0%; MXFP4 truncate 51%, table 0%, no_negatives 0.8%, e_scale 0%.
+out), e_scale (every 2^(e - 128) 1% large); Q5_K is held to Q4_K's truncate, sub_scale and
+no_minimum and to fifth (sub-block j's fifth bit taken from bit j + 1 of its bytes). On the
+simulator (random valid blocks, K = 256, T = 4) each is caught by both rules: Q4_K truncate 52%
+bit-equal, sub_scale 6%, no_minimum 6%, minimum_sign 3%, nibble 0%; Q5_K truncate 51%, sub_scale
+2%, no_minimum 7%, fifth 0%; MXFP4 truncate 51%, table 0%, no_negatives 0.8%, e_scale 0%.
 
 The mutated pieces are the quant-type table's (stages.quant_types.DEVICE_TYPES, swapped in the
 kernel's module: a record with a broken weight dequantiser or tc put) or the kernel module's own
@@ -209,6 +211,7 @@ IMMA_MUTANTS = ["truncate", "digit", "drop_digit", "scale", "exponent"]
 # the K-quant pieces: every sub-block's d sc 1% large; the minimum term left out or added; each
 # sub-block's levels from the other nibble of its bytes
 IMMA_K_MUTANTS = ["sub_scale", "no_minimum", "minimum_sign", "nibble"]
+IMMA_Q5_K_MUTANTS = ["fifth"]  # Q5_K's fifth bit of sub-block j taken from bit j + 1 of its bytes
 # MXFP4's: the magnitude table read one entry up; the negative codes left out; every block's 2^(e - 128)
 # 1% large
 IMMA_MXFP4_MUTANTS = ["table", "no_negatives", "e_scale"]
@@ -220,6 +223,10 @@ def imma_k_replacements(kind: str) -> dict:
     if kind == "table":  # byte c of the table is code c + 1's magnitude (code 7's: 16)
         up = np.append(MXFP4_DOUBLED[1:8], 16).astype(np.uint8).view("<u4")
         return {"E2M1_MAG_LO": uint32(up[0]), "E2M1_MAG_HI": uint32(up[1])}
+    if kind == "fifth":
+        right = "qh << uint32(4 - j) if j < 4 else qh >> uint32(j - 4)"
+        wrong = "qh << uint32(3 - j) if j < 3 else qh >> uint32(j - 3)"
+        return {"fifth_bits": edited(imma, "fifth_bits", right, wrong)}
     if kind == "no_negatives":
         return {"mxfp4_levels": edited(imma, "mxfp4_levels", "word ^ E2M1_SIGN_FLIP", "word | E2M1_SIGN_FLIP")}
     if kind == "e_scale":
@@ -241,7 +248,7 @@ def replacements(kernel: str, kind: str) -> dict:
     (tests/mutants.py)."""
     if kind == "truncate":
         return {"f32_to_bf16": truncating_bf16}
-    if kind in IMMA_K_MUTANTS + IMMA_MXFP4_MUTANTS:
+    if kind in IMMA_K_MUTANTS + IMMA_Q5_K_MUTANTS + IMMA_MXFP4_MUTANTS:
         return imma_k_replacements(kind)
     if kernel == "imma":
         imma = stages.linear_imma
@@ -320,8 +327,9 @@ def test_imma_mutants(kind):
     run_mutant("imma", kind, check_linear, w, wq, T, "imma", seed=6)
 
 
-IMMA_TYPE_MUTANTS = [(GGMLType.Q4_K, kind) for kind in ["truncate", *IMMA_K_MUTANTS]] + [
-    (GGMLType.MXFP4, kind) for kind in ["truncate", *IMMA_MXFP4_MUTANTS]]
+IMMA_TYPE_MUTANTS = ([(GGMLType.Q4_K, kind) for kind in ["truncate", *IMMA_K_MUTANTS]]
+                     + [(GGMLType.Q5_K, kind) for kind in ["truncate", "sub_scale", "no_minimum", "fifth"]]
+                     + [(GGMLType.MXFP4, kind) for kind in ["truncate", *IMMA_MXFP4_MUTANTS]])
 
 
 @pytest.mark.parametrize("gtype,kind", IMMA_TYPE_MUTANTS, ids=lambda v: getattr(v, "name", v))

@@ -162,6 +162,8 @@ from flashv41.stages.device import (
     words4_at,
 )
 from flashv41.stages.quant_types import (
+    INT8_MAGIC,
+    INT8_SELECT,
     LOW_NIBBLES,
     MXFP4_INF_E,
     MXFP4_PAIRS,
@@ -173,7 +175,6 @@ from flashv41.stages.quant_types import (
     e2m1_doubled,
     e8m0_half,
     k_scale_words,
-    uint8_at,
 )
 
 MAX_TOKENS = 8  # tokens a launch: stages.linear's GEMV_MAX_TOKENS (which imports this module)
@@ -198,6 +199,7 @@ RED_SHAPE = (DIGIT_TILES, 2, WARP)  # [warp, row half, lane] a token pair's sums
 LINE = 32  # floats of a 128-byte line: each block's rows of the partial sums start one (no line shared)
 BYTE_ONES = uint32(0x01010101)  # dp4a's other operand for the sum of a word's four signed bytes
 FIFTH_BITS = uint32(0x10101010)  # bit 4 of each byte: a Q5_K level's fifth bit
+TWO_23 = float32(8388608.0)  # k_sub_scale's 2^23
 K_STEP = 8  # blocks of 32 values a Q4_K or Q5_K walk step: one super-block, its sub-blocks one mma each
 # a super-block's level bytes: four runs of 32 from Q4_K_QS, run c's low nibbles sub-block 2 c, its high ones 2 c + 1
 # (Q5_K's: from Q5_K_QS, its fifth bits 32 bytes from Q5_K_QH, bit j of byte i sub-block j's value i)
@@ -257,6 +259,11 @@ if SIM:
         """a[s, t, i] (on a GPU read from L2: what other blocks wrote)."""
         return a[s, t, i]
 
+    def fma_f32(a, b, c):
+        """a * b + c rounded once to float32 (float64 holds the product of two float32 exactly; the
+        callers' results are exact in float32, so the second rounding changes nothing)."""
+        return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
     def dp4a(a, b, c):
         """c plus the dot product of the four signed bytes of a and of b (int32)."""
         pa = np.array([int(a) & 0xFFFFFFFF], np.uint32).view(np.int8).astype(np.int64)
@@ -308,6 +315,11 @@ else:
             return builder.call(asm, [builder.ptrtoint(pointer, ir.IntType(64))])
 
         return sig, codegen
+
+    @cuda.jit(device=True)
+    def fma_f32(a, b, c):
+        """a * b + c rounded once (one FFMA)."""
+        return cuda.fma(a, b, c)
 
     @intrinsic
     def dp4a(typingctx, a, b, c):
@@ -468,8 +480,10 @@ def fifth_bits(levels, qh, j):
 
 @device
 def k_sub_scale(d, word, i):
-    """d times byte i of a word of 6-bit scales (or mins), k_scale_words': exact in float32."""
-    return d * uint8_at(word, i)
+    """d times byte i of a word of 6-bit scales (or mins), k_scale_words': exact in float32. One
+    byte permute puts the byte b under 2^23's exponent (2^23 + b), one fused multiply-add takes
+    2^23 d back off its product with d (both exact: b d has at most 17 significant bits)."""
+    return fma_f32(f32_from_bits(byte_perm(word, INT8_MAGIC, INT8_SELECT | uint32(i))), d, -(d * TWO_23))
 
 
 @device

@@ -127,6 +127,14 @@ cost a launch and a dependency in the step's graph (a microsecond or two against
 5-50 us) and a round trip of the digits through L2; a launch's x and every scale come from device
 memory either way (decode steps are replayed as graphs).
 
+The other types' walk steps, counted the same way (the engram wkv's launch, T = 1; instructions a
+step, weight bytes a thread a step, their ratio, and the stream kernel's GEMV walk beside it): Q4_K
+321, 72 bytes (a super-block of 16 rows), 4.5 (stream 8.4); Q5_K 386, 88, 4.4 (stream 7.9); MXFP4
+227 on the path of a step without inf exponents (their test included; 210 without it), 34 (four
+blocks), 6.7 (stream 11.9). 80-96 registers at T <= 2 and 111-127 at T = 8 (Q8_0: 78, 94), no
+spills. Q4_K and Q5_K's prologue has a second pass, the block sums: about 110 instructions a
+(token, digit pair, block) item.
+
 On the simulator the mma is emulated exactly (stages.linear_tc's warp meeting with an integer
 tile), blocks have at most four warps and slices are short, so the tests reach every path; NumPy
 rounds the accumulation's product apart from its sum there (one rounding more a term).

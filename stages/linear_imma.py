@@ -1,10 +1,13 @@
 """Integer tensor-core decode products: y[t, n] = sum_k x[t, k] * dequant(w)[n, k] for the few tokens
-of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0 weights, on
-`mma.sync.m16n8k32.s32.s8.s8` with the stored Q8_0 levels as the mma's A operand, unconverted.
+of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0, Q4_K, Q5_K or MXFP4 weights, on
+`mma.sync.m16n8k32.s32.s8.s8` with the stored levels as the mma's A operand, unconverted.
 
 Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16), w a
 stages.linear.DeviceWeight of Q8_0 in its split device layout (per row the K int8 levels, then the
-K/32 fp16 scales d), y [T, N] bf16 bits (rounded to nearest even) or float32. Grouped product
+K/32 fp16 scales d), of Q4_K or Q5_K in its stored one (144-byte super-blocks: d, dmin, 12 scale
+bytes, 128 level bytes; Q5_K's 176 with 32 fifth-bit bytes before the levels) or of MXFP4 in its
+split one (per row the K/32 blocks' 16 code bytes, then their exponent bytes), y [T, N] bf16 bits
+(rounded to nearest even) or float32. Grouped product
 (group_rows > 0, a multiple of 16): output row n reads x[:, (n // group_rows) * K :][:K].
 
 One mma covers one Q8_0 block (32 levels q, one scale d) of 16 rows: its int32 result is that
@@ -34,6 +37,48 @@ instead costs two more conversions and multiply-adds, less two integer adds, a t
 block: 8% more of the walk's instructions for a rounding that rarely happens.) At the end
 y = acc_lo + 2^16 acc_hi (digits 0, 1 and 2, 3: a lane pair's sums, exchanged through shared memory).
 
+Q4_K (IMMA_TYPES: one generic kernel, a walk step and its pieces per type). Value i of sub-block j
+(32 values) of a super-block is d sc_j q_i - dmin m_j, q_i in 0..15, sc_j and m_j 6-bit
+(k_scale_words), d and dmin fp16. One mma is one sub-block: byte 8 t + i of the super-block's level
+run c holds q of sub-block 2 c in its low nibble and of 2 c + 1 in its high one, so a lane's two
+8-byte loads a row and run give the A registers of two mmas by a mask (q4_k_levels), in the layout
+above. A walk step is a super-block: four 8-byte loads and one 16-byte load (d, dmin, scales) a row.
+Per sub-block and digit pair, P is exact and below 2^24 (|S_p| <= 32 x 15 x 128), so its conversion
+is exact; acc += fp32(P) (d sc_j 2^(E - 29)), d sc_j exact (11 x 6 bits), times a power of two.
+The minimum term, -dmin m_j sum_{k in j} x_k, comes from the block's digits: after the digits, a
+second prologue pass sums each (token, block, digit pair)'s D_p + 2^8 D_p+1 over its 32 values
+(pair_sum: eight dp4a a digit, exact, at most 2^20.01) and stores it times 2^(E - 29) (exact: an
+integer under 2^24 times a normal power of two, never below 2^-126); the walk takes dmin m_j times
+it from acc in one fused multiply-add (less_minimum). The two digit pairs' sums add up to the
+block's sum of X exactly, so y = acc_lo + 2^16 acc_hi holds sum_k x_k (d sc q_k) - dmin m sum_k x_k
+for the rounded X as the Q8_0 product does. A slice is whole super-blocks (no partial step).
+Q5_K is Q4_K with a fifth bit: bit j of fifth-bit byte i is bit 4 of value i of sub-block j, so the
+lane's 8-byte load of fifth-bit bytes 8 t .. 8 t + 7 a row gives every sub-block's, one shift and
+one and-or a register (fifth_bits); the levels 0..31 are int8 as they are. |S_p| <= 32 x 31 x 128
+lets P reach 2^25: its conversion rounds (once) where |P| >= 2^24, as Q8_0's may.
+
+MXFP4. Value i of a block is v_i 2^(e - 128), v_i a doubled E2M1 level (-12..12), e the block's
+exponent byte. A lane's word of code bytes 4 t .. 4 t + 3 holds eight values, 4 t + i (low nibbles)
+and 16 + 4 t + i (high ones); one byte permute with the code nibbles as its selector looks up eight
+magnitudes at once (E2M1_MAG: byte_perm reads the selector's low four nibbles, so the A registers
+hold values 4 t, 16 + 4 t, 4 t + 1, 17 + 4 t and 4 t + 2, 18 + 4 t, 4 t + 3, 19 + 4 t, the order
+the prologue gives the digits of MXFP4 blocks, e2m1_octet_digits). A permute cannot negate: a code
+with the sign bit reads 0 there (the permute's sign mode on a table of positive bytes), so the
+negative codes' magnitudes come from a second look-up of the codes with their sign bits flipped,
+and each block takes two mmas, P = P_pos - P_neg (mxfp4_levels). |P| < 2^24 (|S_p| <= 32 x 12 x 128):
+converted exactly, then acc += (fp32(P) 2^(E - 31)) 2^(e - 126): the first product exact (an
+integer under 2^24 times a power of two of at least 2^-128, its lowest bit far above fp32's
+subnormal step), the second, a normal power of two placed as bits for every e < 253 (mxfp4_scale:
+no branch for the subnormal 2^(e - 128) of e = 0, 1), rounded once with the addition, into fp32's
+subnormals too, as the oracle's products would be. So that the top digit pair's sums are not scaled
+down by 2^16 (into subnormals for the smallest exponents), the prologue stores each block's input
+scale 2^(E - 31) for each digit pair, the top one's times 2^16, and y = acc_lo + acc_hi. From
+MXFP4_INF_E (253) on a value can be inf: such a block's exponent byte is made 255 at its load
+(finite_exponents), whose placed bits are -0.0, and in a step that has one (one test of the
+exponent words) the lanes of the top digit pairs add its values times the token's inputs one by one,
+each value scaled first as the host's dequantiser does (mxfp4_inf_blocks): the oracle's inf and NaN.
+No real weight has one. An MXFP4 step is four blocks, as Q8_0's, its slices may end inside one.
+
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with tests/bounds.py's
 rules (>= 99% of bf16 outputs bit-equal to the oracle's, every output within half a bf16 ulp plus
 8 sqrt(K) 2^-24 sum_k |x_k w_k| of the exact product).
@@ -44,7 +89,11 @@ accumulation (one a block and digit pair along the warp's slice, at most SLICE_S
 the digit pairs' sum (one), the slices' sums (slices - 1, in slice order) and the bf16 rounding. So
 each exact term (a block and digit pair's d 2^(E - 29) P) passes through at most K/32 + slices + 1
 roundings before the bf16 one, fewer than the K a term may meet under bounds.py's sqrt(K) rule, in
-the same model (terms of random sign, rounded to nearest). The rounding of X is not of that kind:
+the same model (terms of random sign, rounded to nearest). Q4_K and Q5_K add each value's two parts
+apart (tests/bounds.py's SPLIT_KERNELS: 2K terms of magnitudes |x| |d sc q| and |x| |dmin m|): per
+sub-block and digit pair a scaled term and a minimum term, each rounded once into acc (Q5_K's
+scaled term once more where its P's conversion rounds), so a term meets at most 2 K/32 + slices + 2
+roundings before the bf16 one, under the 2K of that bound. The rounding of X is not of that kind:
 its error, at most 2^(E - 30) |w_k| for each input below 2^(E - 22) of its block's largest, is
 bounded by 2^-30 times the block's largest |x| times |w_k|, not by |x_k w_k|, so bounds.py covers
 it only while each block's largest input meets a weight of comparable size; it is not claimed
@@ -78,6 +127,14 @@ cost a launch and a dependency in the step's graph (a microsecond or two against
 5-50 us) and a round trip of the digits through L2; a launch's x and every scale come from device
 memory either way (decode steps are replayed as graphs).
 
+The other types' walk steps, counted the same way (the engram wkv's launch, T = 1; instructions a
+step, weight bytes a thread a step, their ratio, and the stream kernel's GEMV walk beside it): Q4_K
+321, 72 bytes (a super-block of 16 rows), 4.5 (stream 8.4); Q5_K 386, 88, 4.4 (stream 7.9); MXFP4
+227 on the path of a step without inf exponents (their test included; 210 without it), 34 (four
+blocks), 6.7 (stream 11.9). 80-96 registers at T <= 2 and 111-127 at T = 8 (Q8_0: 78, 94), no
+spills. Q4_K and Q5_K's prologue has a second pass, the block sums: about 110 instructions a
+(token, digit pair, block) item.
+
 On the simulator the mma is emulated exactly (stages.linear_tc's warp meeting with an integer
 tile), blocks have at most four warps and slices are short, so the tests reach every path; NumPy
 rounds the accumulation's product apart from its sum there (one rounding more a term).
@@ -92,7 +149,7 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from flashv41.host.quants import GGMLType
+from flashv41.host.quants import MXFP4_DOUBLED, GGMLType
 from flashv41.stages import linear_tc
 from flashv41.stages.device import (
     CHUNK,
@@ -105,10 +162,28 @@ from flashv41.stages.device import (
     f32_from_bits,
     f32_to_bf16,
     inlined,
+    load_words2,
     load_words4,
     product_groups,
     row_address,
+    word_at,
     words2_at,
+    words4_at,
+)
+from flashv41.stages.quant_types import (
+    INT8_MAGIC,
+    INT8_SELECT,
+    LOW_NIBBLES,
+    MXFP4_INF_E,
+    MXFP4_PAIRS,
+    Q4_K_BYTES,
+    Q4_K_QS,
+    Q5_K_BYTES,
+    Q5_K_QH,
+    Q5_K_QS,
+    e2m1_doubled,
+    e8m0_half,
+    k_scale_words,
 )
 
 MAX_TOKENS = 8  # tokens a launch: stages.linear's GEMV_MAX_TOKENS (which imports this module)
@@ -131,6 +206,36 @@ SLICE_BLOCKS_MAX = SLICE_STEPS_MAX * UNROLL  # a slice's blocks of 32 values at 
 COLUMN_WORDS = SLICE_BLOCKS_MAX * CHUNK // 8 + 4
 RED_SHAPE = (DIGIT_TILES, 2, WARP)  # [warp, row half, lane] a token pair's sums, for the digit pairs' sum
 LINE = 32  # floats of a 128-byte line: each block's rows of the partial sums start one (no line shared)
+BYTE_ONES = uint32(0x01010101)  # dp4a's other operand for the sum of a word's four signed bytes
+FIFTH_BITS = uint32(0x10101010)  # bit 4 of each byte: a Q5_K level's fifth bit
+TWO_23 = float32(8388608.0)  # k_sub_scale's 2^23
+K_STEP = 8  # blocks of 32 values a Q4_K or Q5_K walk step: one super-block, its sub-blocks one mma each
+# a super-block's level bytes: four runs of 32 from Q4_K_QS, run c's low nibbles sub-block 2 c, its high ones 2 c + 1
+# (Q5_K's: from Q5_K_QS, its fifth bits 32 bytes from Q5_K_QH, bit j of byte i sub-block j's value i)
+assert K_STEP * CHUNK == 256 and Q4_K_BYTES == Q4_K_QS + 4 * CHUNK and Q4_K_QS % 16 == 0
+assert Q5_K_BYTES == Q5_K_QS + 4 * CHUNK and Q5_K_QS % 16 == 0 and Q5_K_QH % 8 == 0
+assert SLICE_BLOCKS_MAX % K_STEP == 0  # a slice is whole super-blocks
+
+
+@dataclass(frozen=True)
+class ImmaType:
+    """What the generic kernel needs to know of a weight type: the blocks of 32 values a walk step
+    takes (its loads issued together), and whether its values have a minimum term (then the prologue
+    also sums each block's digits)."""
+
+    step_blocks: int
+    mins: bool
+
+
+IMMA_TYPES = {GGMLType.Q8_0: ImmaType(UNROLL, False), GGMLType.Q4_K: ImmaType(K_STEP, True),
+              GGMLType.Q5_K: ImmaType(K_STEP, True), GGMLType.MXFP4: ImmaType(UNROLL, False)}
+# MXFP4: a code's doubled E2M1 magnitude is byte (code & 7) of these two words (byte_perm's table);
+# a code of the other sign (bit 3 set, byte_perm's sign mode) gives 0 there
+E2M1_MAG_LO, E2M1_MAG_HI = (uint32(v) for v in MXFP4_DOUBLED[:8].astype(np.uint8).view("<u4"))
+E2M1_SIGN_FLIP = uint32(0x88888888)  # the sign bit of eight codes
+MXFP4_BACK = float32(0.25)  # 2^(e - 128) over mxfp4_scale's 2^(e - 126), in the blocks' input scales
+assert (MXFP4_DOUBLED[8:] == -MXFP4_DOUBLED[:8]).all() and MXFP4_DOUBLED[:8].max() < 128 and MXFP4_PAIRS == 16
+assert MXFP4_INF_E == 128 - 3 + 128  # inf_exponents' test
 
 
 def token_cap(n_tokens: int) -> int:
@@ -162,6 +267,17 @@ if SIM:
     def load_l2(a, s, t, i):
         """a[s, t, i] (on a GPU read from L2: what other blocks wrote)."""
         return a[s, t, i]
+
+    def fma_f32(a, b, c):
+        """a * b + c rounded once to float32 (float64 holds the product of two float32 exactly; the
+        callers' results are exact in float32, so the second rounding changes nothing)."""
+        return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+    def dp4a(a, b, c):
+        """c plus the dot product of the four signed bytes of a and of b (int32)."""
+        pa = np.array([int(a) & 0xFFFFFFFF], np.uint32).view(np.int8).astype(np.int64)
+        pb = np.array([int(b) & 0xFFFFFFFF], np.uint32).view(np.int8).astype(np.int64)
+        return int32(int(c) + int((pa * pb).sum()))
 else:
     from llvmlite import ir
     from numba import types
@@ -206,6 +322,26 @@ else:
             pointer = cgutils.get_item_pointer(context, builder, array_type, array, index)
             asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(64)]), "ld.global.cg.f32 $0, [$1];", "=f,l")
             return builder.call(asm, [builder.ptrtoint(pointer, ir.IntType(64))])
+
+        return sig, codegen
+
+    @cuda.jit(device=True)
+    def fma_f32(a, b, c):
+        """a * b + c rounded once (one FFMA)."""
+        return cuda.fma(a, b, c)
+
+    @intrinsic
+    def dp4a(typingctx, a, b, c):
+        """c plus the dot product of the four signed bytes of a and of b: one `dp4a.s32.s32`."""
+        sig = types.int32(types.uint32, types.uint32, types.int32)
+
+        def codegen(context, builder, signature, args):
+            word = ir.IntType(32)
+            values = [context.cast(builder, v, t, s) for v, t, s in zip(args, signature.args,
+                                                                        (types.uint32, types.uint32, types.int32),
+                                                                        strict=True)]
+            asm = ir.InlineAsm(ir.FunctionType(word, [word] * 3), "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, values)
 
         return sig, codegen
 
@@ -267,22 +403,47 @@ def store_octet(digits, at, w0, w1, w2, w3, scale):
 
 
 @device
-def octet_digits(x32, t, word, q, digits, at, scales, s_at):
-    """Inputs 8 q .. 8 q + 7 of token t's block of 32 at word `word` of x32 (bf16 pairs): their four
-    digit columns' bytes into digits[at + p COLUMN_WORDS] (p = 0..3, a uint64 each); the block's
-    scale 2^(E - X_BITS) into scales[s_at] by the lane of q = 0. Each of the block's four lanes reads
-    the whole block for its largest exponent (three of its four loads are L1 hits)."""
+def block_scale(x32, t, word):
+    """block_scales of token t's block of 32 inputs at word `word` of x32 (bf16 pairs). Each of the
+    block's four lanes reads the whole block for its largest exponent (three of its four loads are L1
+    hits)."""
     a0, a1, a2, a3 = load_words4(x32, t, word)
     b0, b1, b2, b3 = load_words4(x32, t, uint32(word + uint32(4)))
     c0, c1, c2, c3 = load_words4(x32, t, uint32(word + uint32(8)))
     e0, e1, e2, e3 = load_words4(x32, t, uint32(word + uint32(12)))
     field = max(max(field4(a0, a1, a2, a3), field4(b0, b1, b2, b3)),
                 max(field4(c0, c1, c2, c3), field4(e0, e1, e2, e3)))
-    scale, back = block_scales(field)
+    return block_scales(field)
+
+
+@device
+def octet_digits(x32, t, word, q, digits, at, scales, s_at):
+    """Inputs 8 q .. 8 q + 7 of token t's block of 32 at word `word` of x32 (bf16 pairs): their four
+    digit columns' bytes into digits[at + p COLUMN_WORDS] (p = 0..3, a uint64 each); the block's
+    scale 2^(E - X_BITS) into scales[s_at] by the lane of q = 0 (block_scale)."""
+    scale, back = block_scale(x32, t, word)
     if q == 0:
         scales[s_at] = back
     w0, w1, w2, w3 = load_words4(x32, t, uint32(word + uint32(4) * q))
     store_octet(digits, at, w0, w1, w2, w3, scale)
+
+
+@device
+def e2m1_octet_digits(x32, t, word, q, digits, at, scales, s_at):
+    """octet_digits in MXFP4's order (mxfp4_levels'): lane q's word of a digit column holds the
+    digits of inputs 4 q, 16 + 4 q, 4 q + 1, 17 + 4 q, then 4 q + 2, 18 + 4 q, 4 q + 3, 19 + 4 q.
+    The scale back times MXFP4_BACK goes to scales[s_at] (lane 0) and, times 2^16 more, to
+    scales[s_at + SLICE_BLOCKS_MAX] (lane 1): each digit pair's own, so that the top pair's sums
+    carry their weight in y."""
+    scale, back = block_scale(x32, t, word)
+    if q == 0:
+        scales[s_at] = back * MXFP4_BACK
+    if q == 1:
+        scales[s_at + uint64(SLICE_BLOCKS_MAX)] = back * (MXFP4_BACK * DIGIT_PAIR)
+    lo0, lo1 = load_words2(x32, t, uint32(word + uint32(2) * q))  # inputs 4 q .. 4 q + 3
+    hi0, hi1 = load_words2(x32, t, uint32(word + uint32(8) + uint32(2) * q))  # 16 + 4 q ..
+    store_octet(digits, at, byte_perm(lo0, hi0, 0x5410), byte_perm(lo0, hi0, 0x7632),
+                byte_perm(lo1, hi1, 0x5410), byte_perm(lo1, hi1, 0x7632), scale)
 
 
 @device
@@ -294,17 +455,139 @@ def zero_digits(digits, at, scales, s_at, q):
         scales[s_at] = float32(0)
 
 
+@device
+def pair_sum(digits, at):
+    """The sum over a block of 32 values of D_p + 2^8 D_p+1, digit p's column's words at
+    digits[at ..], digit p + 1's a column further (exact: at most 32 x 32896 in magnitude)."""
+    low = int32(0)
+    high = int32(0)
+    for i in range(4):
+        v = digits[at + uint64(i)]
+        low = dp4a(uint32(v & uint64(0xFFFFFFFF)), BYTE_ONES, dp4a(uint32(v >> uint64(32)), BYTE_ONES, low))
+        v = digits[at + uint64(COLUMN_WORDS + i)]
+        high = dp4a(uint32(v & uint64(0xFFFFFFFF)), BYTE_ONES, dp4a(uint32(v >> uint64(32)), BYTE_ONES, high))
+    return int32(low + high * DIGIT)
+
+
+# the weight types' pieces: the A registers of a walk step's block, its scale and its minimum term
+
+
+@device
+def q4_k_levels(word, high):
+    """Four Q4_K levels (0..15, int8 bytes as they are) of a word of level bytes: the low nibbles
+    (sub-block 2 c of the run) or the high ones (2 c + 1)."""
+    return (word >> uint32(4)) & LOW_NIBBLES if high else word & LOW_NIBBLES
+
+
+@device
+def fifth_bits(levels, qh, j):
+    """Four Q5_K levels: Q4_K's four (levels) with bit j of the four bytes of qh as their bit 4
+    (0..31, int8 bytes as they are)."""
+    high = qh << uint32(4 - j) if j < 4 else qh >> uint32(j - 4)
+    return levels | (high & FIFTH_BITS)
+
+
+@device
+def k_sub_scale(d, word, i):
+    """d times byte i of a word of 6-bit scales (or mins), k_scale_words': exact in float32. One
+    byte permute puts the byte b under 2^23's exponent (2^23 + b), one fused multiply-add takes
+    2^23 d back off its product with d (both exact: b d has at most 17 significant bits)."""
+    return fma_f32(f32_from_bits(byte_perm(word, INT8_MAGIC, INT8_SELECT | uint32(i))), d, -(d * TWO_23))
+
+
+@device
+def less_minimum(acc, dmin_m, block_sum):
+    """acc - dmin m times a block's inputs' (digit pair's) sum, which the prologue scaled: one fused
+    multiply-add."""
+    return acc - dmin_m * block_sum
+
+
+@device
+def mxfp4_levels(word):
+    """The A registers of a word of MXFP4 code bytes 4 t .. 4 t + 3 (byte i: value 4 t + i in its low
+    nibble, 16 + 4 t + i in its high one): the levels of values (4 t, 16 + 4 t, 4 t + 1, 17 + 4 t)
+    and (4 t + 2, 18 + 4 t, 4 t + 3, 19 + 4 t) (byte_perm reads its selector's low four nibbles in
+    that order), as the magnitudes of the positive codes (others 0) and of the negative ones: the
+    level is the first less the second, which two mmas take apart."""
+    flipped = word ^ E2M1_SIGN_FLIP
+    return (byte_perm(E2M1_MAG_LO, E2M1_MAG_HI, word), byte_perm(E2M1_MAG_LO, E2M1_MAG_HI, word >> uint32(16)),
+            byte_perm(E2M1_MAG_LO, E2M1_MAG_HI, flipped), byte_perm(E2M1_MAG_LO, E2M1_MAG_HI, flipped >> uint32(16)))
+
+
+@device
+def mxfp4_scale(word, j):
+    """2^(e - 126) for byte j of a word of exponent bytes made finite (finite_exponents): a normal
+    power of two, placed as fp32 bits, for e < MXFP4_INF_E (the 2^-2 to 2^(e - 128) is in the
+    blocks' input scales); -0.0 for e = 255, where the block is added value by value instead
+    (mxfp4_inf_blocks)."""
+    return f32_from_bits((((word >> uint32(8 * j)) & uint32(0xFF)) + uint32(1)) << uint32(23))
+
+
+@device
+def inf_bytes(word):
+    """The top bit of each of the four exponent bytes of a word that is from MXFP4_INF_E (253) on: a
+    byte's top bit, and its low seven bits plus 3 reaching 128 (no carry leaves a byte)."""
+    return word & ((word & uint32(0x7F7F7F7F)) + uint32(0x03030303)) & uint32(0x80808080)
+
+
+@device
+def finite_exponents(word):
+    """A word of exponent bytes with those from MXFP4_INF_E on made 255 (mxfp4_scale's zero)."""
+    return word | ((inf_bytes(word) >> uint32(7)) * uint32(0xFF))
+
+
+@device
+def inf_exponents(word):
+    """Whether any of the four exponent bytes of a word is from MXFP4_INF_E on."""
+    return inf_bytes(word) != uint32(0)
+
+
+@device
+def mxfp4_inf_block(x32, t, word, address, b, e):
+    """Token t's inputs (at word `word` of x32) times the values of block b of a row (row_address),
+    each value scaled first as the host's dequantiser has it (inf where it overflows): the oracle's
+    inf and NaN for a block whose exponent byte is from MXFP4_INF_E on. No real weight has one."""
+    d = e8m0_half(e)
+    total = float32(0)
+    for i in range(4):
+        codes = word_at(address, uint32(MXFP4_PAIRS) * b + uint32(4 * i))
+        for j in range(2):
+            lo = x32[t, word + uint32(2 * i + j)]  # inputs 4 i + 2 j, + 1
+            hi = x32[t, word + uint32(8 + 2 * i + j)]  # their partners 16 up
+            for h in range(2):
+                c = (codes >> uint32(16 * j + 8 * h)) & uint32(0xFF)
+                shift = uint32(16 * (1 - h))
+                total += f32_from_bits((lo << shift) & uint32(0xFFFF0000)) * (e2m1_doubled(c & uint32(15)) * d)
+                total += f32_from_bits((hi << shift) & uint32(0xFFFF0000)) * (e2m1_doubled(c >> uint32(4)) * d)
+    return total
+
+
 @cache
-def imma_kernel(cap: int, out_bf16: bool):
+def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     """A block: DIGIT_TILES tiles of 16 rows of one group (a warp each) over one slice of K, for up
-    to `cap` tokens; grid = (tile groups x slices,), block = 32 x warps threads."""
+    to `cap` tokens, weights of type gtype (IMMA_TYPES); grid = (tile groups x slices,), block =
+    32 x warps threads."""
+    kind = IMMA_TYPES[gtype]
+    step_blocks, mins = kind.step_blocks, kind.mins
     pairs = max(cap, 2) // 2  # mmas a block of A meets: two tokens each
     # flat shared arrays, indexed by uint64 offsets from a lane's base (constant offsets fold into the loads)
     digits_shape = 8 * pairs * COLUMN_WORDS  # [column 4 token + digit][8 values] int8 digits, eight a word
-    scales_shape = 2 * pairs * SLICE_BLOCKS_MAX  # [token][block] 2^(E - X_BITS)
+    mx = gtype == GGMLType.MXFP4
+    # [token][block] 2^(E - X_BITS); MXFP4: [token][digit pair][block] 2^(E - X_BITS + 16 pair)
+    scales_shape = (4 if mx else 2) * pairs * SLICE_BLOCKS_MAX
+    pair_weight = float32(1) if mx else DIGIT_PAIR  # the top digit pair's sums' weight in y
+    # [token][digit pair][block] 2^(E - X_BITS) times the block's sum of the pair's D_p + 2^8 D_p+1
+    sums_shape = 4 * pairs * SLICE_BLOCKS_MAX if mins else 1
     acc_shape = (pairs, 2)  # [token pair, row half]
-    held_shape = (UNROLL, 2, 2)  # [block, row half, word] a walk step's levels (its A registers)
-    d_shape = (UNROLL, 2)  # [block, row half] their scales
+    fifth = gtype == GGMLType.Q5_K
+    k_bytes, k_qs = (Q5_K_BYTES, Q5_K_QS) if fifth else (Q4_K_BYTES, Q4_K_QS)
+    # [block (Q4_K, Q5_K: run of level bytes; Q5_K's fifth bits after them), row half, word] a walk
+    # step's levels
+    held_shape = (UNROLL + fifth, 2, 2)
+    # Q8_0: [block, row half] the step's scales; Q4_K: [row half, word] its super-block's first 16
+    # bytes; MXFP4: [row half, 0] the word of the step's exponent bytes
+    d_shape, d_type = ((UNROLL, 2), float32) if gtype == GGMLType.Q8_0 else ((2, 4), uint32)
+    sum_items = 4 * pairs * SLICE_BLOCKS_MAX  # (token, digit pair, block) items of the sums
 
     @inlined
     def load_full(lo, hi, k, b, held, d, t4):
@@ -340,7 +623,7 @@ def imma_kernel(cap: int, out_bf16: bool):
         d[2, 1], d[3, 1] = f16x2_f32(s23)
 
     @inlined
-    def block_mmas(digits, scales, held, d, acc, j, dig, sc):
+    def block_mmas(digits, scales, held, d, acc, j, dig, sc, ctx):
         """Block j of the step against every token pair's digits (dig, sc: the lane's indices of the
         step's first block in digits and scales)."""
         for p in range(pairs):
@@ -353,10 +636,163 @@ def imma_kernel(cap: int, out_bf16: bool):
             acc[p, 0] += float32(int32(c0 + c1 * DIGIT)) * (d[j, 0] * s)
             acc[p, 1] += float32(int32(c2 + c3 * DIGIT)) * (d[j, 1] * s)
 
+
+    @inlined
+    def step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
+        """A walk step's UNROLL blocks against every token pair's digits (sums: no minimum term)."""
+        for j in range(UNROLL):
+            block_mmas(digits, scales, held, d, acc, j, dig, sc, ctx)
+
+
+    @inlined
+    def load_k(lo, hi, k, b, held, d, t4):
+        """A walk step's loads: super-block b // K_STEP of the lane's two rows, bytes 8 t4 .. 8 t4 + 7
+        of each of its four runs of level bytes (8-byte loads at constant offsets of one address a
+        row), Q5_K's of its fifth bits (held[UNROLL]) and its first 16 bytes (d, dmin, the 12 scale
+        bytes: one load a row)."""
+        at = uint32(uint32(k_bytes) * (b // uint32(K_STEP)))
+        lo_at = address_at(lo, at)
+        hi_at = address_at(hi, at)
+        for c in range(UNROLL):
+            held[c, 0, 0], held[c, 0, 1] = words2_at(lo_at, uint32(k_qs + CHUNK * c) + uint32(8) * t4)
+            held[c, 1, 0], held[c, 1, 1] = words2_at(hi_at, uint32(k_qs + CHUNK * c) + uint32(8) * t4)
+        if fifth:
+            held[UNROLL, 0, 0], held[UNROLL, 0, 1] = words2_at(lo_at, uint32(Q5_K_QH) + uint32(8) * t4)
+            held[UNROLL, 1, 0], held[UNROLL, 1, 1] = words2_at(hi_at, uint32(Q5_K_QH) + uint32(8) * t4)
+        d[0, 0], d[0, 1], d[0, 2], d[0, 3] = words4_at(lo_at, uint32(0))
+        d[1, 0], d[1, 1], d[1, 2], d[1, 3] = words4_at(hi_at, uint32(0))
+
+    @inlined
+    def k_levels(held, c, h, w, j):
+        """The A register of sub-block j (run c) of row half h, word w: Q4_K's levels, with Q5_K's fifth bit."""
+        q = q4_k_levels(held[c, h, w], j & 1)
+        return fifth_bits(q, held[UNROLL, h, w], j) if fifth else q
+
+    @inlined
+    def k_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
+        """A super-block's eight sub-blocks against every token pair's digits: for sub-block j and a
+        digit pair's P, acc += P (d sc_j 2^(E - X_BITS)), then acc -= dmin m_j times the pair's scaled
+        sum of the block's inputs (dig, sc, sm: the lane's indices of the step's first block)."""
+        d_lo, dmin_lo = f16x2_f32(d[0, 0])
+        d_hi, dmin_hi = f16x2_f32(d[1, 0])
+        for part in range(2):  # sub-blocks 0 .. 3, then 4 .. 7
+            sc_lo, mn_lo = k_scale_words(d[0, 1], d[0, 2], d[0, 3], part)
+            sc_hi, mn_hi = k_scale_words(d[1, 1], d[1, 2], d[1, 3], part)
+            for i in range(4):
+                j = 4 * part + i
+                c = j >> 1
+                a0, a1 = k_levels(held, c, 0, 0, j), k_levels(held, c, 1, 0, j)
+                a2, a3 = k_levels(held, c, 0, 1, j), k_levels(held, c, 1, 1, j)
+                scale_lo, scale_hi = k_sub_scale(d_lo, sc_lo, i), k_sub_scale(d_hi, sc_hi, i)
+                min_lo, min_hi = k_sub_scale(dmin_lo, mn_lo, i), k_sub_scale(dmin_hi, mn_hi, i)
+                for p in range(pairs):
+                    v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
+                    s = scales[sc + uint64(j + 2 * p * SLICE_BLOCKS_MAX)]
+                    m = sums[sm + uint64(j + 4 * p * SLICE_BLOCKS_MAX)]
+                    c0, c1, c2, c3 = imma(a0, a1, a2, a3, uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32)))
+                    acc[p, 0] = less_minimum(acc[p, 0] + float32(int32(c0 + c1 * DIGIT)) * (scale_lo * s), min_lo, m)
+                    acc[p, 1] = less_minimum(acc[p, 1] + float32(int32(c2 + c3 * DIGIT)) * (scale_hi * s), min_hi, m)
+
+    @inlined
+    def load_mxfp4(lo, hi, k, b, held, d, t4):
+        """A walk step's loads: code bytes 4 t4 .. 4 t4 + 3 of blocks b .. b + UNROLL - 1 of the
+        lane's two rows (a word each, at constant offsets of one address a row) and the word of
+        their exponent bytes (byte K / 2 + b of the row; b a multiple of 4)."""
+        at = uint32(uint32(MXFP4_PAIRS) * b + uint32(4) * t4)
+        lo_at = address_at(lo, at)
+        hi_at = address_at(hi, at)
+        for j in range(UNROLL):
+            held[j, 0, 0] = word_at(lo_at, uint32(MXFP4_PAIRS * j))
+            held[j, 1, 0] = word_at(hi_at, uint32(MXFP4_PAIRS * j))
+        load_exponents(lo, hi, k, b, d)
+
+    @inlined
+    def tail_mxfp4(lo, hi, k, b, last, held, d, t4):
+        """load_mxfp4's loads for a slice's last, partial step: blocks past `last` load block `last`."""
+        for j in range(UNROLL):
+            at = uint32(uint32(MXFP4_PAIRS) * min(uint32(b + uint32(j)), last) + uint32(4) * t4)
+            held[j, 0, 0] = word_at(lo, at)
+            held[j, 1, 0] = word_at(hi, at)
+        load_exponents(lo, hi, k, b, d)
+
+    @inlined
+    def load_exponents(lo, hi, k, b, d):
+        """The word of the exponent bytes of blocks b .. b + 3 of both rows (inside the row: its
+        exponent bytes are padded to whole 16-byte pieces)."""
+        at = uint32((k >> uint32(1)) + b)
+        d[0, 0] = word_at(lo, at)
+        d[1, 0] = word_at(hi, at)
+        d[0, 1] = finite_exponents(d[0, 0])
+        d[1, 1] = finite_exponents(d[1, 0])
+
+    @inlined
+    def mxfp4_block(digits, scales, held, d, acc, j, dig, sc, ctx):
+        """Block j of the step against every token pair's digits: per digit pair P = (positive
+        codes' sums) - (negative codes' sums), acc += (fp32(P) 2^(E - X_BITS + 16 pair)) 2^(e - 128);
+        a block whose exponent byte is from MXFP4_INF_E on adds nothing here (mxfp4_inf_blocks)."""
+        p0l, p1l, n0l, n1l = mxfp4_levels(held[j, 0, 0])
+        p0h, p1h, n0h, n1h = mxfp4_levels(held[j, 1, 0])
+        a_lo, a_hi = mxfp4_scale(d[0, 1], j), mxfp4_scale(d[1, 1], j)
+        for p in range(pairs):
+            v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
+            s = scales[sc + uint64(j + 4 * p * SLICE_BLOCKS_MAX)]
+            b_lo, b_hi = uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32))
+            c0, c1, c2, c3 = imma(p0l, p0h, p1l, p1h, b_lo, b_hi)
+            m0, m1, m2, m3 = imma(n0l, n0h, n1l, n1h, b_lo, b_hi)
+            acc[p, 0] += (float32(int32((c0 - m0) + (c1 - m1) * DIGIT)) * s) * a_lo
+            acc[p, 1] += (float32(int32((c2 - m2) + (c3 - m3) * DIGIT)) * s) * a_hi
+
+    @inlined
+    def mxfp4_inf_blocks(d, acc, blocks, ctx):
+        """The step's first `blocks` blocks whose exponent byte is from MXFP4_INF_E on (no real
+        weight has one; mxfp4_scale left them out): mxfp4_inf_block's sums, added by the lanes of the
+        top digit pairs. Taken only where a step has one (one test of the two exponent words); a loop
+        over the blocks and row halves, so that the walk's code holds it once a token pair."""
+        x32, x_at, lo, hi, b0, live, t4 = ctx
+        e_lo, e_hi = d[0, 0], d[1, 0]  # (d indexed by constants only: it stays in registers)
+        if (t4 & uint32(1)) and (inf_exponents(e_lo) or inf_exponents(e_hi)):
+            for p in range(pairs):
+                t = uint32(uint32(2 * p) + (t4 >> uint32(1)))
+                if t < live:
+                    total_lo = float32(0)
+                    total_hi = float32(0)
+                    i = uint32(0)
+                    while i < uint32(2) * blocks:
+                        j, h = i >> uint32(1), i & uint32(1)
+                        e = ((e_hi if h else e_lo) >> (uint32(8) * j)) & uint32(0xFF)
+                        if e >= MXFP4_INF_E:
+                            r = mxfp4_inf_block(x32, t, uint32(x_at + uint32(CHUNK // 2) * j), hi if h else lo,
+                                                uint32(b0 + j), e)
+                            if h:
+                                total_hi += r
+                            else:
+                                total_lo += r
+                        i += uint32(1)
+                    acc[p, 0] += total_lo
+                    acc[p, 1] += total_hi
+
+    @inlined
+    def mxfp4_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
+        """A walk step's UNROLL MXFP4 blocks (sums: no minimum term)."""
+        for j in range(UNROLL):
+            mxfp4_block(digits, scales, held, d, acc, j, dig, sc, ctx)
+        mxfp4_inf_blocks(d, acc, uint32(UNROLL), ctx)
+
+    # each type's walk step, its loads and (Q8_0, MXFP4: slices of K may end inside a step) the tail's;
+    # a Q4_K slice is whole super-blocks (K is)
+    walk_load, walk_tail, walk_block, walk_mmas = {
+        GGMLType.Q8_0: (load_full, load_tail, block_mmas, step_mmas),
+        GGMLType.Q4_K: (load_k, load_tail, block_mmas, k_step_mmas),
+        GGMLType.Q5_K: (load_k, load_tail, block_mmas, k_step_mmas),
+        GGMLType.MXFP4: (load_mxfp4, tail_mxfp4, mxfp4_block, mxfp4_step_mmas)}[gtype]
+    partial_steps = not mins
+    digits_of = e2m1_octet_digits if gtype == GGMLType.MXFP4 else octet_digits
+
     @cuda.jit if SIM else cuda.jit(launch_bounds=(WARP * DIGIT_TILES, 1))  # type: ignore[call-arg]
     def imma_gemv(x, w, y, partials, counters, n_tokens, group_rows, k, per_group, slices, slice_blocks):
         digits = cuda.shared.array(digits_shape, uint64)
         scales = cuda.shared.array(scales_shape, float32)
+        sums = cuda.shared.array(sums_shape, float32)
         red = cuda.shared.array(RED_SHAPE, float32)
         last_flag = cuda.shared.array(1, int32)
         x32 = x.view(np.uint32)  # [T, K_total / 2] bf16 pairs
@@ -385,15 +821,15 @@ def imma_kernel(cap: int, out_bf16: bool):
         hi = row_address(w32, row0 + min(first + g + uint32(8), last_row))
         acc = cuda.local.array(acc_shape, float32)
         held = cuda.local.array(held_shape, uint32)
-        d = cuda.local.array(d_shape, float32)
+        d = cuda.local.array(d_shape, d_type)
         for p in range(pairs):
             acc[p, 0] = float32(0)
             acc[p, 1] = float32(0)
         # the first step's loads, in flight while the digits are made
-        if b_start + uint32(UNROLL) <= b_end:
-            load_full(lo, hi, kk, b_start, held, d, t4)
+        if not partial_steps or b_start + uint32(step_blocks) <= b_end:
+            walk_load(lo, hi, kk, b_start, held, d, t4)
         else:
-            load_tail(lo, hi, kk, b_start, uint32(b_end - uint32(1)), held, d, t4)
+            walk_tail(lo, hi, kk, b_start, uint32(b_end - uint32(1)), held, d, t4)
         half = uint32(CHUNK // 2)  # input words a block
         x_word = uint32(group * (kk >> uint32(1)) + b_start * half)  # the slice's first input word
         live = uint32(n_tokens)
@@ -404,29 +840,48 @@ def imma_kernel(cap: int, out_bf16: bool):
             t = uint32(ts // uint32(SLICE_BLOCKS_MAX))  # (a constant divisor: no division)
             slot = uint32(ts % uint32(SLICE_BLOCKS_MAX))
             at = uint64(t) * uint64(4 * COLUMN_WORDS) + uint64(4) * uint64(slot) + uint64(q)
+            # the block's scale back (MXFP4: the low digit pair's; the top pair's a row of blocks on)
+            s_at = uint64(ts) + (uint64(t) * uint64(SLICE_BLOCKS_MAX) if mx else uint64(0))
             if slot < nb:
                 if t < live:
-                    octet_digits(x32, t, uint32(x_word + slot * half), q, digits, at, scales, uint64(ts))
+                    digits_of(x32, t, uint32(x_word + slot * half), q, digits, at, scales, s_at)
                 else:
-                    zero_digits(digits, at, scales, uint64(ts), q)
+                    zero_digits(digits, at, scales, s_at, q)
+                    if mx and q == 1:
+                        scales[s_at + uint64(SLICE_BLOCKS_MAX)] = float32(0)
         cuda.syncthreads()
+        if mins:  # each block's inputs' sum, a digit pair at a time, scaled (exact: module docstring)
+            for item in range(tid, uint32(sum_items), threads):
+                slot = uint32(uint32(item) % uint32(SLICE_BLOCKS_MAX))
+                th = uint32(uint32(item) // uint32(SLICE_BLOCKS_MAX))  # 2 token + digit pair
+                if slot < nb:
+                    t = uint32(th >> uint32(1))
+                    at = uint64(uint32(2) * th) * uint64(COLUMN_WORDS) + uint64(4) * uint64(slot)
+                    sums[item] = float32(pair_sum(digits, at)) * scales[uint64(t) * uint64(SLICE_BLOCKS_MAX) + slot]
+            cuda.syncthreads()
         lane_dig = uint64(g) * uint64(COLUMN_WORDS) + uint64(t4)  # B column g, the lane's 8 bytes of block 0
-        lane_sc = uint64(t4 >> uint32(1)) * uint64(SLICE_BLOCKS_MAX)  # its D columns' token's block 0 scale
+        # its D columns' token's block 0 scale (MXFP4: that of its digit pair)
+        lane_sc = uint64(t4 if mx else t4 >> uint32(1)) * uint64(SLICE_BLOCKS_MAX)
+        lane_sm = uint64(t4) * uint64(SLICE_BLOCKS_MAX)  # and its digit pair's block 0 sum
         b0 = b_start
-        while b0 + uint32(UNROLL) <= b_end:
+        while b0 + uint32(step_blocks) <= b_end:
             if b0 != b_start:
-                load_full(lo, hi, kk, b0, held, d, t4)
+                walk_load(lo, hi, kk, b0, held, d, t4)
             step = uint64(b0 - b_start)
-            for j in range(UNROLL):
-                block_mmas(digits, scales, held, d, acc, j, lane_dig + uint64(4) * step, lane_sc + step)
-            b0 = uint32(b0 + uint32(UNROLL))
-        if b0 < b_end:
+            ctx = (x32, uint32(x_word + uint32(step) * half), lo, hi, b0, live, t4)  # (MXFP4's inf blocks)
+            walk_mmas(digits, scales, sums, held, d, acc, lane_dig + uint64(4) * step, lane_sc + step, lane_sm + step,
+                      ctx)
+            b0 = uint32(b0 + uint32(step_blocks))
+        if partial_steps and b0 < b_end:
             if b0 != b_start:
-                load_tail(lo, hi, kk, b0, uint32(b_end - uint32(1)), held, d, t4)
+                walk_tail(lo, hi, kk, b0, uint32(b_end - uint32(1)), held, d, t4)
             step = uint64(b0 - b_start)
+            ctx = (x32, uint32(x_word + uint32(step) * half), lo, hi, b0, live, t4)
             for j in range(UNROLL):
                 if b0 + uint32(j) < b_end:
-                    block_mmas(digits, scales, held, d, acc, j, lane_dig + uint64(4) * step, lane_sc + step)
+                    walk_block(digits, scales, held, d, acc, j, lane_dig + uint64(4) * step, lane_sc + step, ctx)
+            if mx:
+                mxfp4_inf_blocks(d, acc, uint32(b_end - b0), ctx)
         # out: lane (g, t) holds rows g, g + 8 and token 2 p + t // 2's digits 2 (t % 2), + 1; a lane
         # of the pair's sum takes row i = lane % 16 and token 2 p + lane // 16
         i = uint32(lane % uint32(16))
@@ -440,7 +895,7 @@ def imma_kernel(cap: int, out_bf16: bool):
             red[warp, 0, lane] = acc[p, 0]
             red[warp, 1, lane] = acc[p, 1]
             cuda.syncthreads()
-            v = red[warp, h, src] + DIGIT_PAIR * red[warp, h, src + uint32(1)]
+            v = red[warp, h, src] + pair_weight * red[warp, h, src + uint32(1)]
             t = uint32(uint32(2 * p) + (lane >> uint32(4)))
             if t < live:
                 if n_slices == 1:
@@ -498,23 +953,26 @@ class Plan:
         return -(-self.warps * 16 // LINE) * LINE
 
 
-def plan(rows: int, k: int, groups: int) -> Plan:
+def plan(rows: int, k: int, groups: int, step_blocks: int = UNROLL) -> Plan:
     """The launch of a product, from its shape alone (never the token count: a token's sums must not
     depend on its batch): DIGIT_TILES tiles a block (fewer in a group of fewer), and K split into the
-    fewest slices, at most SLICE_STEPS_MAX walk steps each, that give TARGET_WARPS warps (or one step
-    each), then rounded to slices of whole steps (which keeps at least half the warps). On the flash
-    shapes (slices x steps each, blocks, warps): wq_a 20 x 2, 200, 1600; wkv 40 x 1, 160, 1280; wq_b
-    1 x 10, 256, 2048; wo_a 4 x 8, 256, 2048; wo_b 7 x 10, 280, 2240; the index wq_b 5 x 2, 160,
-    1280; the engram wkv 5 x 10, 1000, 8000: at least 160 blocks of 8 warps for 132 SMs."""
+    fewest slices, at most SLICE_BLOCKS_MAX blocks of 32 each, that give TARGET_WARPS warps (or one
+    walk step of step_blocks blocks each), then rounded to slices of whole steps (which keeps at least
+    half the warps). On the flash shapes with Q8_0's steps of four blocks (slices x steps each, blocks,
+    warps): wq_a 20 x 2, 200, 1600; wkv 40 x 1, 160, 1280; wq_b 1 x 10, 256, 2048; wo_a 4 x 8, 256,
+    2048; wo_b 7 x 10, 280, 2240; the index wq_b 5 x 2, 160, 1280; the engram wkv 5 x 10, 1000, 8000:
+    at least 160 blocks of 8 warps for 132 SMs. Q4_K's steps (a super-block) halve the slices of wq_a
+    (10 x 2), wkv (20 x 1) and the index wq_b (5 x 1): 100, 80 and 160 blocks."""
     tiles = -(-rows // 16)
     warps = min(DIGIT_TILES, tiles)
     per_group = -(-tiles // warps)
-    steps = -(-(k // CHUNK) // UNROLL)
-    slices = -(-steps // SLICE_STEPS_MAX)
+    steps = -(-(k // CHUNK) // step_blocks)
+    steps_max = SLICE_BLOCKS_MAX // step_blocks
+    slices = -(-steps // steps_max)
     while slices < steps and groups * per_group * slices * warps < TARGET_WARPS:
         slices += 1
     per_slice = -(-steps // slices)
-    return Plan(warps, per_group, -(-steps // per_slice), per_slice * UNROLL, groups * per_group)
+    return Plan(warps, per_group, -(-steps // per_slice), per_slice * step_blocks, groups * per_group)
 
 
 @dataclass
@@ -547,8 +1005,9 @@ def workspace(w, p: Plan) -> Workspace:
 
 def takes(w, x_dtype, group_rows: int = 0) -> bool:
     """Whether linear_imma takes this weight, input dtype and grouping."""
-    return (w.gtype == GGMLType.Q8_0 and np.dtype(x_dtype) == np.uint16 and w.k % CHUNK == 0
-            and group_rows % 16 == 0)
+    kind = IMMA_TYPES.get(w.gtype)
+    values = CHUNK * (kind.step_blocks if kind and kind.mins else 1)  # a K-quant's K: whole super-blocks
+    return kind is not None and np.dtype(x_dtype) == np.uint16 and w.k % values == 0 and group_rows % 16 == 0
 
 
 def linear_imma(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
@@ -562,10 +1021,10 @@ def linear_imma(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     groups, rows = product_groups("linear_imma", x, w, y, n_tokens, group_rows)
     if n_tokens == 0:
         return
-    p = plan(rows, w.k, groups)
+    p = plan(rows, w.k, groups, IMMA_TYPES[w.gtype].step_blocks)
     ws = workspace(w, p)
     for t0 in range(0, n_tokens, MAX_TOKENS):
         live = min(MAX_TOKENS, n_tokens - t0)
         xt, yt = (x, y) if t0 == 0 else (x[t0:], y[t0:])
-        imma_kernel(token_cap(live), y.dtype == np.uint16)[p.tile_groups * p.slices, WARP * p.warps, stream](
+        imma_kernel(w.gtype, token_cap(live), y.dtype == np.uint16)[p.tile_groups * p.slices, WARP * p.warps, stream](
             xt, w.data, yt, ws.partials, ws.counters, live, rows, w.k, p.per_group, p.slices, p.slice_blocks)

@@ -113,8 +113,11 @@ def test_every_case_still_listed() -> None:
     assert "gemv.imma.attn.wq_a.Q8_0" in names and "gemv.imma.engram.wkv.Q8_0" in names
     assert "prefill.gemm.pipe.attn.wo_a.Q8_0" in names and "prefill.gemm.attn.wo_a.Q8_0" in names
     q2 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q2_K",)))]
-    assert not [name for name in q2 if name.startswith("gemv.imma.")]  # (the imma rows are Q8_0's)
+    assert not [name for name in q2 if name.startswith("gemv.imma.")]  # (no imma rows for a type it does not take)
     assert not [name for name in q2 if name.startswith("prefill.gemm.pipe.")]  # (BF16's and Q8_0's)
+    q4 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q4_K", "MXFP4")))]
+    assert "gemv.imma.attn.wq_a.Q4_K" in q4 and "gemv.imma.attn.wo_a.Q4_K" in q4
+    assert "gemv.imma.engram.wkv.MXFP4" in q4
 
 
 def test_the_40_layer_stack_is_a_row_of_its_own() -> None:

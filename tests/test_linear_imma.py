@@ -3,7 +3,9 @@ rules (bf16 out: at least 99% of outputs bit-equal to the oracle, every output w
 ulp plus the sqrt(K) bound; fp32 out: the sqrt(K) bound): T = 1, 2, 8 and past a launch, rows that
 are not whole tiles, slices of K ending inside a walk step, one slice and several (the workspace
 and its counters), the grouped product, inputs of a wide range inside a block, zeros and negative
-values. The digit split is held to a host reference of its own (X and its four balanced digits,
+values; Q4_K and Q5_K (random valid super-blocks and corner ones, the split terms' bound) and
+MXFP4 (its exponent corners, inf and NaN included, are test_quants_more's) on the same paths. The
+digit split is held to a host reference of its own (X and its four balanced digits,
 which must add back up to X exactly). On the simulator the mma is emulated (exactly, in integers)
 and the shapes small; the flash shapes run on a GPU. tests/test_mutants_products.py runs broken
 imma kernels through the same checks."""
@@ -28,6 +30,7 @@ from flashv41.stages.linear_imma import (
     octet_digits,
     plan,
 )
+from tests.bounds import weight_terms
 from tests.test_linear import check_groups, check_linear, weight
 from tests.test_linear_tc import FLASH
 from tests.test_linear_tc import weight as tc_weight
@@ -154,6 +157,45 @@ def test_a_token_is_the_same_in_any_batch():
         assert np.array_equal(run_imma(w, x[t:t + 1])[0], batch[t]), f"token {t} alone differs"
 
 
+# ------------------------------------------------------- K-quant and MXFP4 weights (simulator)
+
+
+NEW_TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.MXFP4]
+# (outputs, K, tokens, out, group rows); MXFP4 (steps of four blocks) swaps K = 512 for 352: three
+# slices, the last a partial step
+TYPE_CASES = [(40, 512, 1, "bf16", 0), (40, 256, 2, "f32", 0), (24, 512, 8, "bf16", 0), (64, 256, 2, "bf16", 32)]
+
+
+@pytest.mark.parametrize("gtype", NEW_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k,tokens,out,group_rows", TYPE_CASES)
+def test_imma_types(gtype, n, k, tokens, out, group_rows):
+    """Random valid blocks (Q4_K: the first rows its corner blocks, extreme scales, mins and levels,
+    tests/blocks.py; MXFP4's exponent corners are test_quants_more's), against the oracle with the
+    split terms' bound for Q4_K (d sc q and dmin m added apart): K = 512 in two slices (one
+    super-block each on the simulator; MXFP4: K = 352, three slices, the last a partial step) and
+    K = 256 in one, T = 1, 2, 8, grouped and not. Simulator: 100% bit-equal (bf16 out); fp32 out far
+    inside the bound."""
+    k = 352 if gtype == GGMLType.MXFP4 and k == 512 else k
+    w, wq, _ = tc_weight(n, k, gtype, corners=gtype != GGMLType.MXFP4)
+    check_linear(w, wq, tokens, "imma", group_rows=group_rows, out_bf16=out == "bf16", seed=tokens)
+
+
+@pytest.mark.parametrize("gtype", NEW_TYPES, ids=lambda t: t.name)
+def test_imma_types_wide_range_inside_a_block(gtype):
+    """test_wide_range_inside_a_block's inputs (2^-20 .. 2^4 in every block, zeros, a token of zeros):
+    Q4_K's minimum term's block sums are taken from the same digits, exactly; MXFP4's digits are in
+    its own order."""
+    rng = np.random.default_rng(6)
+    w, wq, _ = tc_weight(40, 512, gtype)
+    x = rng.choice([-1.0, 1.0], (3, 512)) * 2.0 ** rng.uniform(-20, 4, (3, 512))
+    x[:, ::5] = 0
+    x[1] = 0
+    x = bf16(x.astype(np.float32))
+    got = run_imma(w, x)
+    check_groups(got, x, wq, w.n, True, f"imma {gtype.name} wide range", weight_terms(w, "imma"))
+    assert (got[1] == 0).all()
+
+
 def test_refuses_what_it_does_not_take():
     w, _ = weight(np.random.default_rng(1), 32, 64, GGMLType.Q8_0)
     assert pick_kernel(w, True, 1) == "stream"  # never picked: forced only
@@ -185,17 +227,19 @@ def test_plan_fills_the_gpu(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 2, 8])
 @pytest.mark.parametrize("name", list(FLASH))
-def test_flash_shapes(tokens, name):
+@pytest.mark.parametrize("gtype", [GGMLType.Q8_0, *NEW_TYPES], ids=lambda t: t.name)
+def test_flash_shapes(gtype, tokens, name):
     """Every decode shape at one, two and eight tokens (-s prints each check's bit-equal fraction)."""
     n, k = FLASH[name]
-    w, wq, _ = tc_weight(n, k, GGMLType.Q8_0)
+    w, wq, _ = tc_weight(n, k, gtype, corners=gtype != GGMLType.MXFP4)
     check_linear(w, wq, tokens, "imma", seed=tokens)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,out", [(1, "bf16"), (8, "f32")])
-def test_flash_grouped_wo_a(tokens, out):
-    w, wq, _ = tc_weight(8 * 1024, 4096, GGMLType.Q8_0)
+@pytest.mark.parametrize("gtype", [GGMLType.Q8_0, *NEW_TYPES], ids=lambda t: t.name)
+def test_flash_grouped_wo_a(gtype, tokens, out):
+    w, wq, _ = tc_weight(8 * 1024, 4096, gtype)
     check_linear(w, wq, tokens, "imma", group_rows=1024, out_bf16=out == "bf16", seed=tokens)
 
 

@@ -16,7 +16,15 @@ digit weighs 255 times the one below it, not 256); drop_digit (each input's digi
 scale (every block's scale back 1% large); exponent (the scale back of every block twice what its
 digits were made for: the block exponent off by one). On the simulator (K = 256 in two slices,
 T = 4) each bf16 mutant is caught by both rules (truncate 49% bit-equal, digit 27%, drop_digit 10%,
-scale and exponent 0%); fp32 out, digit and scale by the sqrt(K) bound (99 and 250 times it).
+scale and exponent 0%); fp32 out, digit and scale by the sqrt(K) bound (99 and 250 times it). Its
+Q4_K pieces: sub_scale (every sub-block's d sc 1% large), no_minimum and minimum_sign (the dmin m
+term left out, or added), nibble (each sub-block's levels from the other nibble of its bytes); its
+MXFP4 ones: table (the magnitude table read one entry up), no_negatives (the negative codes left
+out), e_scale (every 2^(e - 128) 1% large); Q5_K is held to Q4_K's truncate, sub_scale and
+no_minimum and to fifth (sub-block j's fifth bit taken from bit j + 1 of its bytes). On the
+simulator (random valid blocks, K = 256, T = 4) each is caught by both rules: Q4_K truncate 52%
+bit-equal, sub_scale 6%, no_minimum 6%, minimum_sign 3%, nibble 0%; Q5_K truncate 51%, sub_scale
+2%, no_minimum 7%, fifth 0%; MXFP4 truncate 51%, table 0%, no_negatives 0.8%, e_scale 0%.
 
 The mutated pieces are the quant-type table's (stages.quant_types.DEVICE_TYPES, swapped in the
 kernel's module: a record with a broken weight dequantiser or tc put) or the kernel module's own
@@ -49,13 +57,13 @@ import pytest
 from numba import float32, int32, uint16, uint32
 
 from flashv41 import stages
-from flashv41.host.quants import GGMLType, dequantize, random_blocks
+from flashv41.host.quants import MXFP4_DOUBLED, GGMLType, dequantize, random_blocks
 from flashv41.host.synth import DRAWN_ONLY
 from flashv41.stages.device import CHUNK, device, f32_bits
 from flashv41.stages.linear import DeviceWeight
 from flashv41.stages.quant_types import DEVICE_TYPES
 from tests.bounds import BIT_EQUAL_RULE, BOUND_RULE
-from tests.mutants import mutant
+from tests.mutants import edited, mutant
 from tests.test_linear import check_linear, weight
 from tests.test_linear_tc import FLASH, check_tc, stored_rows
 
@@ -200,6 +208,39 @@ def scaled_back(block_scales, factor):
 
 
 IMMA_MUTANTS = ["truncate", "digit", "drop_digit", "scale", "exponent"]
+# the K-quant pieces: every sub-block's d sc 1% large; the minimum term left out or added; each
+# sub-block's levels from the other nibble of its bytes
+IMMA_K_MUTANTS = ["sub_scale", "no_minimum", "minimum_sign", "nibble"]
+IMMA_Q5_K_MUTANTS = ["fifth"]  # Q5_K's fifth bit of sub-block j taken from bit j + 1 of its bytes
+# MXFP4's: the magnitude table read one entry up; the negative codes left out; every block's 2^(e - 128)
+# 1% large
+IMMA_MXFP4_MUTANTS = ["table", "no_negatives", "e_scale"]
+
+
+def imma_k_replacements(kind: str) -> dict:
+    """The globals an imma K-quant or MXFP4 mutant swaps."""
+    imma = stages.linear_imma
+    if kind == "table":  # byte c of the table is code c + 1's magnitude (code 7's: 16)
+        up = np.append(MXFP4_DOUBLED[1:8], 16).astype(np.uint8).view("<u4")
+        return {"E2M1_MAG_LO": uint32(up[0]), "E2M1_MAG_HI": uint32(up[1])}
+    if kind == "fifth":
+        right = "qh << uint32(4 - j) if j < 4 else qh >> uint32(j - 4)"
+        wrong = "qh << uint32(3 - j) if j < 3 else qh >> uint32(j - 3)"
+        return {"fifth_bits": edited(imma, "fifth_bits", right, wrong)}
+    if kind == "no_negatives":
+        return {"mxfp4_levels": edited(imma, "mxfp4_levels", "word ^ E2M1_SIGN_FLIP", "word | E2M1_SIGN_FLIP")}
+    if kind == "e_scale":
+        off = "return float32(1.01) * f32_from_bits("
+        return {"mxfp4_scale": edited(imma, "mxfp4_scale", "return f32_from_bits(", off)}
+    if kind == "sub_scale":
+        old = "scale_lo, scale_hi = k_sub_scale(d_lo, sc_lo, i), k_sub_scale(d_hi, sc_hi, i)"
+        off = old.replace("k_sub_scale(", "float32(1.01) * k_sub_scale(")
+        return {"imma_kernel": edited(imma, "imma_kernel", old, off)}
+    if kind == "no_minimum":
+        return {"less_minimum": edited(imma, "less_minimum", "return acc - dmin_m * block_sum", "return acc")}
+    if kind == "minimum_sign":
+        return {"less_minimum": edited(imma, "less_minimum", "acc - dmin_m", "acc + dmin_m")}
+    return {"q4_k_levels": edited(imma, "q4_k_levels", "if high else", "if not high else")}
 
 
 def replacements(kernel: str, kind: str) -> dict:
@@ -207,6 +248,8 @@ def replacements(kernel: str, kind: str) -> dict:
     (tests/mutants.py)."""
     if kind == "truncate":
         return {"f32_to_bf16": truncating_bf16}
+    if kind in IMMA_K_MUTANTS + IMMA_Q5_K_MUTANTS + IMMA_MXFP4_MUTANTS:
+        return imma_k_replacements(kind)
     if kernel == "imma":
         imma = stages.linear_imma
         if kind == "digit":  # a digit weighs 255 times the one below it, not 256
@@ -281,6 +324,19 @@ def test_narrow_mutants(gtype, kind):
 def test_imma_mutants(kind):
     """The integer tensor-core decode product at T = 4 (two token pairs), K in two slices."""
     w, wq = small_weight(GGMLType.Q8_0)
+    run_mutant("imma", kind, check_linear, w, wq, T, "imma", seed=6)
+
+
+IMMA_TYPE_MUTANTS = ([(GGMLType.Q4_K, kind) for kind in ["truncate", *IMMA_K_MUTANTS]]
+                     + [(GGMLType.Q5_K, kind) for kind in ["truncate", "sub_scale", "no_minimum", "fifth"]]
+                     + [(GGMLType.MXFP4, kind) for kind in ["truncate", *IMMA_MXFP4_MUTANTS]])
+
+
+@pytest.mark.parametrize("gtype,kind", IMMA_TYPE_MUTANTS, ids=lambda v: getattr(v, "name", v))
+def test_imma_type_mutants(gtype, kind):
+    """The integer tensor-core decode product of a K-quant or MXFP4 at T = 4, K in one slice (Q4_K)
+    or two (MXFP4)."""
+    w, wq = small_weight(gtype)
     run_mutant("imma", kind, check_linear, w, wq, T, "imma", seed=6)
 
 
@@ -362,6 +418,17 @@ def test_flash_imma_mutants(name, tokens, kind):
     """The integer tensor-core decode product on a flash shape of one slice (wq_b) and of seven (wo_b)."""
     n, k = FLASH[name]
     w, wq = flash_weight(n, k, GGMLType.Q8_0)
+    run_mutant("imma", kind, check_linear, w, wq, tokens, "imma", seed=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gtype,kind", IMMA_TYPE_MUTANTS, ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("name,tokens", [("wq_b", 1), ("wo_b", 8)])
+def test_flash_imma_type_mutants(gtype, kind, name, tokens):
+    """The integer tensor-core decode product of a K-quant or MXFP4 on a flash shape of one slice and
+    of several."""
+    n, k = FLASH[name]
+    w, wq = flash_weight(n, k, gtype)
     run_mutant("imma", kind, check_linear, w, wq, tokens, "imma", seed=8)
 
 

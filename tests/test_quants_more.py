@@ -428,10 +428,13 @@ CORNERS_FILTER = pytest.mark.filterwarnings("ignore:overflow encountered", "igno
 
 @CORNERS_FILTER
 @pytest.mark.parametrize("kernel,tokens,out", [("stream", 1, "bf16"), ("stream", 3, "bf16"), ("stream", 3, "f32"),
-                                               ("gemm", 9, "bf16"), ("tc", 20, "bf16"), ("tc", 20, "f32")])
+                                               ("gemm", 9, "bf16"), ("tc", 20, "bf16"), ("tc", 20, "f32"),
+                                               ("imma", 1, "bf16"), ("imma", 3, "f32")])
 def test_mxfp4_exponent_corners(kernel, tokens, out):
     """tc: the blocks with infinite values enter scaled (the host's values, inf included) under a
-    step scale of 1; the others as doubled integers under 2^(e - 128), the subnormal ones too."""
+    step scale of 1; the others as doubled integers under 2^(e - 128), the subnormal ones too. imma:
+    the sums times 2^(E - 29), then 2^(e - 128) (subnormal scales too), the blocks with infinite
+    values value by value."""
     check_exponent_corners(kernel, tokens, out)
 
 

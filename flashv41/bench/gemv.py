@@ -17,9 +17,10 @@ in a real step). The copies are freed when the row ends. The JSON's `l2` says "r
 copies", or for a weight >= 4x L2 "read from HBM" (timed back to back on the one weight).
 `time_product` also serves the prefill rows (flashv41.bench.prefill), which evict instead.
 
-`gemv.imma.<matrix>.Q8_0`: the same product forced onto the integer tensor-core kernel
-(stages.linear_imma, never picked by default yet), timed and bounded as its `gemv.<matrix>.Q8_0`
-row beside it, so that one run compares the two.
+`gemv.imma.<matrix>.<type>` (Q8_0, Q4_K, Q5_K, MXFP4: the types stages.linear_imma takes, among those
+--weight-type selects): the same product forced onto the integer tensor-core kernel (never picked
+by default yet), timed and bounded as its `gemv.<matrix>.<type>` row beside it, so that one run
+compares the two.
 
 `gemv.floor.read_<MB>MB`: the read-only copy-bandwidth kernel alone over a buffer of that size
 (rotated copies, as a weight's), the fastest a kernel that reads so many bytes has been seen to
@@ -116,6 +117,9 @@ def floor_case(mb: int) -> BenchCase:
 
 
 def cases(options: BenchOptions) -> list[BenchCase]:
-    imma = [gemv_case(m, n, k, g, "Q8_0", "imma") for m, n, k, g in SHAPES] if "Q8_0" in options.weight_types else []
+    from flashv41.stages.linear_imma import IMMA_TYPES
+
+    imma = [gemv_case(m, n, k, g, wtype, "imma") for wtype in options.weight_types if GGMLType[wtype] in IMMA_TYPES
+            for m, n, k, g in SHAPES]
     return ([floor_case(mb) for mb in FLOOR_MB]
             + [gemv_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES] + imma)

@@ -65,19 +65,22 @@ Q2_K. Value i of 16-value group j of a 256-value super-block is d sc_j q_i - dmi
 chunk 4 h + s in bits 2 s, so a lane's two 8-byte loads a row (runs 0, 1) give the A registers of
 all eight chunks by a shift and a mask. The lane's eight values of a chunk (stored 8 t .. 8 t + 7)
 are all of group 2 c + t // 2, so each of its A registers is four levels of one group and row:
-one integer multiply by that group's sc scales all four (q sc <= 45: no byte carries), and
-P = S_p + 2^8 S_p+1 of those is the chunk's sum of sc q D (|S_p| <= 32 x 45 x 128 < 2^18, P up to
-2^25.5: its conversion rounds, once, where |P| >= 2^24), acc += fp32(P) (d 2^(E - 29)). A second mma
-takes the minimum term: its A registers are each group's m in all four bytes (one multiply), so
-its P_m is sum_k m_j(k) (D_p + 2^8 D_p+1) over the chunk, exact and converted exactly (|S_p| <=
-32 x 15 x 128, P_m < 2^23.91), and acc -= fp32(P_m) (dmin 2^(E - 29)) (less_minimum): the groups'
-input sums come from the mma itself, so Q2_K needs no prologue pass of sums (a 16-value group is
-half a block of digits; the mma weighs the two halves by their m at once). (The super-block cannot
-take one scale 2^(E - 29) for its 256 values: E is each 32-value block's.) A walk step is a
-super-block: two 8-byte loads, one 16-byte load (the scale bytes) and one 4-byte load (d, dmin) a
-row; a slice is whole super-blocks. Each value's two parts are added apart, as Q4_K's: per chunk
-and digit pair a scaled term rounded at most twice (conversion, accumulation) and a minimum term
-once, within the split terms' bound below.
+one integer multiply by that group's sc scales all four (q sc <= 45: no byte carries; sc picked
+from the scale word by one byte permute), and P = S_p + 2^8 S_p+1 of those is the chunk's sum of
+sc q D (|S_p| <= 32 x 45 x 128 < 2^18, |P| < 2^25.5: its conversion rounds, once, where
+|P| >= 2^24). A second mma takes the minimum term: its A registers are each group's m in all four
+bytes (one byte permute), so its P_m is sum_k m_j(k) (D_p + 2^8 D_p+1) over the chunk, exact and
+converted exactly (|S_p| <= 32 x 15 x 128, |P_m| < 2^23.91): the groups' input sums come from the
+mma itself, so Q2_K needs no prologue pass of sums (a 16-value group is half a block of digits; the
+mma weighs the two halves by their m at once). The super-block cannot take one integer sum and one
+scale 2^(E - 29) for its 256 values (E is each 32-value block's), so each chunk's fp32(P) and
+fp32(P_m) times its 2^(E - 29) (exact) go into two fp32 sums over the super-block, one fused
+multiply-add each, and the step ends with acc += d (the first) - dmin (the second) (less_minimum):
+d and dmin multiply once a step, not once a chunk and token pair. A walk step is a super-block: two
+8-byte loads, one 16-byte load (the scale bytes) and one 4-byte load (d, dmin) a row; a slice is
+whole super-blocks. Each value's two parts are added apart, as Q4_K's: a term of the scaled part
+meets its P's conversion (at most one), the step's sum (at most 8 additions) and acc's two fused
+multiply-adds, a term of the minimum part the last two, within the split terms' bound below.
 
 MXFP4. Value i of a block is v_i 2^(e - 128), v_i a doubled E2M1 level (-12..12), e the block's
 exponent byte. A lane's word of code bytes 4 t .. 4 t + 3 holds eight values, 4 t + i (low nibbles)
@@ -113,16 +116,17 @@ each exact term (a block and digit pair's d 2^(E - 29) P) passes through at most
 roundings before the bf16 one, fewer than the K a term may meet under bounds.py's sqrt(K) rule, in
 the same model (terms of random sign, rounded to nearest). Q4_K, Q5_K and Q2_K add each value's two
 parts apart (tests/bounds.py's SPLIT_KERNELS: 2K terms of magnitudes |x| |d sc q| and |x| |dmin m|):
-per sub-block (Q2_K: chunk) and digit pair a scaled term and a minimum term, each rounded once into
-acc (Q5_K's and Q2_K's scaled term once more where its P's conversion rounds), so a term meets at
-most 2 K/32 + slices + 2 roundings before the bf16 one, under the 2K of that bound. The rounding of
-X is not of that kind: its error, at most 2^(E - 30) |w_k| for each input below 2^(E - 22) of its
-block's largest, is bounded by 2^-30 times the block's largest |x| times |w_k|, not by |x_k w_k|, so
-bounds.py covers it only while each block's largest input meets a weight of comparable size; it is
-not claimed beyond that (on the tests' Gaussian inputs a value 2^-22 below its block's largest is
-about one in 10^6; tests/test_linear_imma.py also puts inputs 2^-20 of their block's largest beside
-it, and holds the digits to a host reference of X). Blocks whose largest |x| is below
-2^(FIELD_MIN - 127) = 2^-97 are scaled as if it were 2^-97 (their inputs rounded to multiples of
+per sub-block and digit pair a scaled term and a minimum term, each rounded once into acc (Q5_K's
+scaled term once more where its P's conversion rounds; Q2_K's terms at most 8 + 2 times in a step,
+above), so a term meets at most 2 K/32 + slices + 2 roundings before the bf16 one (Q2_K: at most 2
+K/256 + 9 + slices, acc meeting two a step, fewer for K >= 256), under the 2K of that bound. The
+rounding of X is not of that kind: its error, at most 2^(E - 30) |w_k| for each input below 2^(E -
+22) of its block's largest, is bounded by 2^-30 times the block's largest |x| times |w_k|, not by
+|x_k w_k|, so bounds.py covers it only while each block's largest input meets a weight of comparable
+size; it is not claimed beyond that (on the tests' Gaussian inputs a value 2^-22 below its block's
+largest is about one in 10^6; tests/test_linear_imma.py also puts inputs 2^-20 of their block's
+largest beside it, and holds the digits to a host reference of X). Blocks whose largest |x| is below
+2^(FIELD_MIN - 7) = 2^-97 are scaled as if it were 2^-97 (their inputs rounded to multiples of
 2^-127, about as fp32's subnormals would); non-finite inputs are not supported (an inf or NaN makes
 its block's sums wrong). Every output's sum depends on its row and token alone, never on T or the
 other tokens: the launch (`plan`) comes from the shape.
@@ -153,9 +157,10 @@ The other types' walk steps, counted the same way (the engram wkv's launch, T = 
 step, weight bytes a thread a step, their ratio, and the stream kernel's GEMV walk beside it): Q4_K
 321, 72 bytes (a super-block of 16 rows), 4.5 (stream 8.4); Q5_K 386, 88, 4.4 (stream 7.9); MXFP4
 227 on the path of a step without inf exponents (their test included; 210 without it), 34 (four
-blocks), 6.7 (stream 11.9). 80-96 registers at T <= 2 and 111-127 at T = 8 (Q8_0: 78, 94), no
-spills. Q4_K and Q5_K's prologue has a second pass, the block sums: about 110 instructions a
-(token, digit pair, block) item.
+blocks), 6.7 (stream 11.9); Q2_K 331, 42 (a super-block of 16 rows), 7.9 (stream 15.8; at T = 8 769,
+18.3: the walk's work grows with the token pairs, its bytes do not). 80-96 registers at T <= 2 and
+111-127 at T = 8 (Q8_0: 78, 94), no spills. Q4_K and Q5_K's prologue has a second pass, the block
+sums: about 110 instructions a (token, digit pair, block) item.
 
 On the simulator the mma is emulated exactly (stages.linear_tc's warp meeting with an integer
 tile), blocks have at most four warps and slices are short, so the tests reach every path; NumPy
@@ -243,7 +248,6 @@ assert K_STEP * CHUNK == 256 and Q4_K_BYTES == Q4_K_QS + 4 * CHUNK and Q4_K_QS %
 assert Q5_K_BYTES == Q5_K_QS + 4 * CHUNK and Q5_K_QS % 16 == 0 and Q5_K_QH % 8 == 0
 assert SLICE_BLOCKS_MAX % K_STEP == 0  # a slice is whole super-blocks
 Q2_K_LEVELS = uint32(0x03030303)  # a Q2_K level's two bits in each byte of a word
-BYTE_SPREAD = uint32(0x01010101)  # a byte times this: that byte in all four
 # a Q2_K super-block: 16 scale bytes, two runs of 32 level bytes (run c holds chunks 4 c .. 4 c + 3,
 # chunk 4 c + s in bits 2 s of each byte), d and dmin in one word
 assert Q2_K_GROUPS == 16 and Q2_K_HALF_QS == CHUNK and Q2_K_QS_BYTES == 2 * CHUNK and Q2_K_BYTES - Q2_K_D == 4
@@ -538,12 +542,11 @@ def less_minimum(acc, dmin_m, block_sum):
 
 
 @device
-def q2_k_group(word, j):
-    """(sc, m) of the lane's group of chunk j (32 values) of a Q2_K super-block: the nibbles of byte
-    2 (j % 2) of `word`, its scale word j // 2 shifted down by the lane's half of the chunk (a byte:
-    its values 8 t .. 8 t + 7 are all in group 2 j + t // 2)."""
-    b = word >> uint32(16 * (j & 1))
-    return b & uint32(15), (b >> uint32(4)) & uint32(15)
+def q2_k_group(word, b):
+    """sc and m of byte b of a word of Q2_K scale bytes (a group's): sc (its low nibble) as a number,
+    m (its high one) in all four bytes, for an mma's A register. One byte permute each."""
+    return (byte_perm(word & LOW_NIBBLES, uint32(0), uint32(0x4440) | b),
+            byte_perm((word >> uint32(4)) & LOW_NIBBLES, uint32(0), b * uint32(0x1111)))
 
 
 @device
@@ -631,6 +634,7 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     # [token][digit pair][block] 2^(E - X_BITS) times the block's sum of the pair's D_p + 2^8 D_p+1
     sums_shape = 4 * pairs * SLICE_BLOCKS_MAX if block_sums else 1
     acc_shape = (pairs, 2)  # [token pair, row half]
+    part_shape = (pairs, 2, 2)  # a Q2_K step's sums: [token pair, row half, scaled or minimum]
     fifth = gtype == GGMLType.Q5_K
     k_bytes, k_qs = (Q5_K_BYTES, Q5_K_QS) if fifth else (Q4_K_BYTES, Q4_K_QS)
     # [block (Q4_K, Q5_K, Q2_K: run of level bytes; Q5_K's fifth bits after them), row half, word] a
@@ -766,30 +770,38 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     @inlined
     def q2_k_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
         """A Q2_K super-block's eight chunks against every token pair's digits: for chunk j and a digit
-        pair's P of the levels times their groups' sc, acc += P (d 2^(E - X_BITS)); the minimum term's
-        mma takes each value's m as its level (the lane's four registers a row, all of its group), and
-        acc -= dmin 2^(E - X_BITS) times its pair's sum (sums: unused)."""
-        t4 = ctx[6]
-        half = uint32(8) * (t4 >> uint32(1))  # the lane's scale byte of a chunk: its half's
-        d_lo, dmin_lo = f16x2_f32(d[0, 4])
-        d_hi, dmin_hi = f16x2_f32(d[1, 4])
+        pair, the P of the levels times their groups' sc and the P of the groups' m (the minimum
+        term's mma: each value's m as its level; the lane's four registers of a row all of its
+        group) are summed over the super-block times 2^(E - X_BITS) (exact products: one fused
+        multiply-add each a chunk), then acc += d (the first sum) - dmin (the second) (sums: unused)."""
+        lane_half = ctx[6] >> uint32(1)  # a chunk's values 8 t .. 8 t + 7 are of its group 2 j + t // 2
+        part = cuda.local.array(part_shape, float32)  # [token pair, row half, scaled or minimum]
+        for p in range(pairs):
+            for h in range(2):
+                part[p, h, 0] = float32(0)
+                part[p, h, 1] = float32(0)
         for j in range(K_STEP):
             c = j >> 2
-            sc_lo, m_lo = q2_k_group(d[0, j >> 1] >> half, j)
-            sc_hi, m_hi = q2_k_group(d[1, j >> 1] >> half, j)
+            b = uint32(2 * (j & 1)) + lane_half  # the lane's scale byte of chunk j in word j // 2
+            sc_lo, n_lo = q2_k_group(d[0, j >> 1], b)
+            sc_hi, n_hi = q2_k_group(d[1, j >> 1], b)
             a0, a2 = q2_k_levels(held[c, 0, 0], j, sc_lo), q2_k_levels(held[c, 0, 1], j, sc_lo)
             a1, a3 = q2_k_levels(held[c, 1, 0], j, sc_hi), q2_k_levels(held[c, 1, 1], j, sc_hi)
-            n_lo, n_hi = m_lo * BYTE_SPREAD, m_hi * BYTE_SPREAD
             for p in range(pairs):
                 v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
                 s = scales[sc + uint64(j + 2 * p * SLICE_BLOCKS_MAX)]
                 b_lo, b_hi = uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32))
                 c0, c1, c2, c3 = imma(a0, a1, a2, a3, b_lo, b_hi)
                 m0, m1, m2, m3 = imma(n_lo, n_hi, n_lo, n_hi, b_lo, b_hi)
-                acc[p, 0] = less_minimum(acc[p, 0] + float32(int32(c0 + c1 * DIGIT)) * (d_lo * s), dmin_lo * s,
-                                         float32(int32(m0 + m1 * DIGIT)))
-                acc[p, 1] = less_minimum(acc[p, 1] + float32(int32(c2 + c3 * DIGIT)) * (d_hi * s), dmin_hi * s,
-                                         float32(int32(m2 + m3 * DIGIT)))
+                part[p, 0, 0] += float32(int32(c0 + c1 * DIGIT)) * s
+                part[p, 1, 0] += float32(int32(c2 + c3 * DIGIT)) * s
+                part[p, 0, 1] += float32(int32(m0 + m1 * DIGIT)) * s
+                part[p, 1, 1] += float32(int32(m2 + m3 * DIGIT)) * s
+        d_lo, dmin_lo = f16x2_f32(d[0, 4])
+        d_hi, dmin_hi = f16x2_f32(d[1, 4])
+        for p in range(pairs):
+            acc[p, 0] = less_minimum(acc[p, 0] + d_lo * part[p, 0, 0], dmin_lo, part[p, 0, 1])
+            acc[p, 1] = less_minimum(acc[p, 1] + d_hi * part[p, 1, 0], dmin_hi, part[p, 1, 1])
 
     @inlined
     def load_mxfp4(lo, hi, k, b, held, d, t4):

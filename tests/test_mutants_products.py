@@ -231,10 +231,10 @@ def imma_k_replacements(kind: str) -> dict:
         wrong = "qh << uint32(3 - j) if j < 3 else qh >> uint32(j - 3)"
         return {"fifth_bits": edited(imma, "fifth_bits", right, wrong)}
     if kind == "q2_scale":
-        off = "return (b + uint32(1)) & uint32(15),"
-        return {"q2_k_group": edited(imma, "q2_k_group", "return b & uint32(15),", off)}
+        return {"q2_k_group": edited(imma, "q2_k_group", "return (byte_perm(", "return (uint32(1) + byte_perm(")}
     if kind == "q2_group":
-        return {"q2_k_group": edited(imma, "q2_k_group", "uint32(16 * (j & 1))", "uint32(16 * (~j & 1))")}
+        old = "b = uint32(2 * (j & 1)) + lane_half"
+        return {"imma_kernel": edited(imma, "imma_kernel", old, old.replace("(j & 1)", "(~j & 1)"))}
     if kind == "q2_level":
         return {"q2_k_levels": edited(imma, "q2_k_levels", "uint32(2 * (j & 3))", "uint32(2 * ((j + 1) & 3))")}
     if kind == "no_negatives":

@@ -33,9 +33,10 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
 - on a GPU, a batch of up to NARROW_MAX_TOKENS tokens that neither narrow nor tc takes (fp32 x,
   F16 / F32 weights: the indexer's head weights) runs `stream` in launches of GEMV_MAX_TOKENS: gemm
   would cover such a short matrix with one tile block.
-- `imma` (never picked: forced with kernel="imma"; bf16 x, Q8_0, Q4_K, Q5_K and MXFP4 weights, any T
-  in launches of GEMV_MAX_TOKENS): stages.linear_imma, the decode GEMV on the integer tensor cores, the stored
-  levels as the mma's A operand and each input split into four int8 digits as its B columns.
+- `imma` (never picked: forced with kernel="imma"; bf16 x, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K and MXFP4 weights,
+  any T in launches of GEMV_MAX_TOKENS): stages.linear_imma, the decode GEMV on the integer tensor
+  cores, the stored levels as the mma's A operand and each input split into four int8 digits as its
+  B columns.
 - `pipe` (never picked: forced with kernel="pipe"; bf16 x, BF16 and Q8_0 weights, T >= 64 in
   mind): stages.gemm_pipe, the prefill GEMM on the tensor cores with its tiles streamed into
   shared memory by cp.async several K steps ahead and read with ldmatrix.

@@ -1,12 +1,15 @@
 """Integer tensor-core decode products: y[t, n] = sum_k x[t, k] * dequant(w)[n, k] for the few tokens
-of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0, Q4_K, Q5_K or MXFP4 weights, on
+of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K or MXFP4 weights, on
 `mma.sync.m16n8k32.s32.s8.s8` with the stored levels as the mma's A operand, unconverted.
 
 Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16), w a
 stages.linear.DeviceWeight of Q8_0 in its split device layout (per row the K int8 levels, then the
 K/32 fp16 scales d), of Q4_K or Q5_K in its stored one (144-byte super-blocks: d, dmin, 12 scale
 bytes, 128 level bytes; Q5_K's 176 with 32 fifth-bit bytes before the levels) or of MXFP4 in its
-split one (per row the K/32 blocks' 16 code bytes, then their exponent bytes), y [T, N] bf16 bits
+split one (per row the K/32 blocks' 16 code bytes, then their exponent bytes), of Q2_K in its
+split one (per row every super-block's 16 scale bytes, then their 64 level bytes, then their d and
+dmin), of Q6_K in its split one (per row every super-block's ql, qh and 16 int8 scales, 208
+bytes, then their fp16 d's), y [T, N] bf16 bits
 (rounded to nearest even) or float32. Grouped product
 (group_rows > 0, a multiple of 16): output row n reads x[:, (n // group_rows) * K :][:K].
 
@@ -57,6 +60,50 @@ lane's 8-byte load of fifth-bit bytes 8 t .. 8 t + 7 a row gives every sub-block
 one and-or a register (fifth_bits); the levels 0..31 are int8 as they are. |S_p| <= 32 x 31 x 128
 lets P reach 2^25: its conversion rounds (once) where |P| >= 2^24, as Q8_0's may.
 
+Q2_K. Value i of 16-value group j of a 256-value super-block is d sc_j q_i - dmin m_j, q_i in
+0..3, sc_j and m_j the low and high nibbles of scale byte j, d and dmin fp16. One mma is a chunk of
+32 values (groups 2 c, 2 c + 1): level byte i of the super-block's run h (32 bytes) holds value i of
+chunk 4 h + s in bits 2 s, so a lane's two 8-byte loads a row (runs 0, 1) give the A registers of
+all eight chunks by a shift and a mask. The lane's eight values of a chunk (stored 8 t .. 8 t + 7)
+are all of group 2 c + t // 2, so each of its A registers is four levels of one group and row:
+one integer multiply by that group's sc scales all four (q sc <= 45: no byte carries; sc picked
+from the scale word by one byte permute), and P = S_p + 2^8 S_p+1 of those is the chunk's sum of
+sc q D (|S_p| <= 32 x 45 x 128 < 2^18, |P| < 2^25.5: its conversion rounds, once, where
+|P| >= 2^24). A second mma takes the minimum term: its A registers are each group's m in all four
+bytes (one byte permute), so its P_m is sum_k m_j(k) (D_p + 2^8 D_p+1) over the chunk, exact and
+converted exactly (|S_p| <= 32 x 15 x 128, |P_m| < 2^23.91): the groups' input sums come from the
+mma itself, so Q2_K needs no prologue pass of sums (a 16-value group is half a block of digits; the
+mma weighs the two halves by their m at once). The super-block cannot take one integer sum and one
+scale 2^(E - 29) for its 256 values (E is each 32-value block's), so each chunk's fp32(P) and
+fp32(P_m) times its 2^(E - 29) (exact) go into two fp32 sums over the super-block, one fused
+multiply-add each, and the step ends with acc += d (the first) - dmin (the second) (less_minimum):
+d and dmin multiply once a step, not once a chunk and token pair. A walk step is a super-block: two
+8-byte loads, one 16-byte load (the scale bytes) and one 4-byte load (d, dmin) a row; a slice is
+whole super-blocks. Each value's two parts are added apart, as Q4_K's: a term of the scaled part
+meets its P's conversion (at most one), the step's sum (at most 8 additions) and acc's two fused
+multiply-adds, a term of the minimum part the last two, within the split terms' bound below.
+
+Q6_K. Value i of 16-value group j of a super-block is d sc_j (q_i - 32), q_i 6-bit (a low nibble of
+ql, a top pair of qh), sc_j int8, d fp16. As Q2_K's, a lane's eight values of a chunk are of one
+group (2 c + t // 2), and q - 32 in -32..31 is an int8 level as it is (shifts, masks and an or a
+register join the two parts, then bit 5 flipped and six times it added sets bits 6 and 7 below it),
+but sc (up to 128 in magnitude) cannot go into it. So each chunk takes two mmas on the same A
+registers, the first with the B registers of the lanes of the chunk's second group zeroed (a lane's
+B bytes are of the same values as its A bytes), the second with those of its first: an and and an
+xor a B register and token pair, 566 instructions a step at T <= 2 against 630 for masking the four
+A registers instead (which would cost less from T = 8 on: decode is mostly one or two tokens); per
+group and digit pair P is exact
+(|S_p| <= 16 x 32 x 128) and its conversion exact below 2^24 (which only a group of levels at -32
+nearly throughout against digits at -128 nearly throughout passes; then rounded once), acc += fp32(P)
+(d sc 2^(E - 29)), d sc exact (11 x 8 bits) and sc read by one byte permute (its sign mode) and a
+conversion. (An m16n8k16 mma a group would need the B fragments of 16 values, which the digit
+columns' order (lanes hold 8 t .. 8 t + 7 of a block) does not give without a shuffle; zeroing a
+k32's halves moves no data.) A walk step is a super-block:
+six 8-byte loads (four runs of ql, two of qh), one 16-byte load (the scales) and one 4-byte load
+(the word of its d) a row; a slice is whole super-blocks. acc meets two roundings a chunk (one a
+group), so a term meets at most its conversion and 2 K/32 + slices + 1 more before the bf16 one,
+under the K of bounds.py's rule.
+
 MXFP4. Value i of a block is v_i 2^(e - 128), v_i a doubled E2M1 level (-12..12), e the block's
 exponent byte. A lane's word of code bytes 4 t .. 4 t + 3 holds eight values, 4 t + i (low nibbles)
 and 16 + 4 t + i (high ones); one byte permute with the code nibbles as its selector looks up eight
@@ -89,21 +136,22 @@ accumulation (one a block and digit pair along the warp's slice, at most SLICE_S
 the digit pairs' sum (one), the slices' sums (slices - 1, in slice order) and the bf16 rounding. So
 each exact term (a block and digit pair's d 2^(E - 29) P) passes through at most K/32 + slices + 1
 roundings before the bf16 one, fewer than the K a term may meet under bounds.py's sqrt(K) rule, in
-the same model (terms of random sign, rounded to nearest). Q4_K and Q5_K add each value's two parts
-apart (tests/bounds.py's SPLIT_KERNELS: 2K terms of magnitudes |x| |d sc q| and |x| |dmin m|): per
-sub-block and digit pair a scaled term and a minimum term, each rounded once into acc (Q5_K's
-scaled term once more where its P's conversion rounds), so a term meets at most 2 K/32 + slices + 2
-roundings before the bf16 one, under the 2K of that bound. The rounding of X is not of that kind:
-its error, at most 2^(E - 30) |w_k| for each input below 2^(E - 22) of its block's largest, is
-bounded by 2^-30 times the block's largest |x| times |w_k|, not by |x_k w_k|, so bounds.py covers
-it only while each block's largest input meets a weight of comparable size; it is not claimed
-beyond that (on the tests' Gaussian inputs a value 2^-22 below its block's largest is about one in
-10^6; tests/test_linear_imma.py also puts inputs 2^-20 of their block's largest beside it, and
-holds the digits to a host reference of X). Blocks whose largest |x| is below 2^(FIELD_MIN - 127)
-= 2^-97 are scaled as if it were 2^-97 (their inputs rounded to multiples of 2^-127, about as
-fp32's subnormals would); non-finite inputs are not supported (an inf or NaN makes its block's
-sums wrong). Every output's sum depends on its row and token alone, never on T or the other
-tokens: the launch (`plan`) comes from the shape.
+the same model (terms of random sign, rounded to nearest). Q4_K, Q5_K and Q2_K add each value's two
+parts apart (tests/bounds.py's SPLIT_KERNELS: 2K terms of magnitudes |x| |d sc q| and |x| |dmin m|):
+per sub-block and digit pair a scaled term and a minimum term, each rounded once into acc (Q5_K's
+scaled term once more where its P's conversion rounds; Q2_K's terms at most 8 + 2 times in a step,
+above), so a term meets at most 2 K/32 + slices + 2 roundings before the bf16 one (Q2_K: at most 2
+K/256 + 9 + slices, acc meeting two a step, fewer for K >= 256), under the 2K of that bound. The
+rounding of X is not of that kind: its error, at most 2^(E - 30) |w_k| for each input below 2^(E -
+22) of its block's largest, is bounded by 2^-30 times the block's largest |x| times |w_k|, not by
+|x_k w_k|, so bounds.py covers it only while each block's largest input meets a weight of comparable
+size; it is not claimed beyond that (on the tests' Gaussian inputs a value 2^-22 below its block's
+largest is about one in 10^6; tests/test_linear_imma.py also puts inputs 2^-20 of their block's
+largest beside it, and holds the digits to a host reference of X). Blocks whose largest |x| is below
+2^(FIELD_MIN - 7) = 2^-97 are scaled as if it were 2^-97 (their inputs rounded to multiples of
+2^-127, about as fp32's subnormals would); non-finite inputs are not supported (an inf or NaN makes
+its block's sums wrong). Every output's sum depends on its row and token alone, never on T or the
+other tokens: the launch (`plan`) comes from the shape.
 
 Launch (`plan`): a block is DIGIT_TILES 16-row tiles of one group (one a warp) over one slice of
 K; the tiles' K is split into `slices` slices (each a whole number of walk steps of UNROLL blocks,
@@ -131,9 +179,11 @@ The other types' walk steps, counted the same way (the engram wkv's launch, T = 
 step, weight bytes a thread a step, their ratio, and the stream kernel's GEMV walk beside it): Q4_K
 321, 72 bytes (a super-block of 16 rows), 4.5 (stream 8.4); Q5_K 386, 88, 4.4 (stream 7.9); MXFP4
 227 on the path of a step without inf exponents (their test included; 210 without it), 34 (four
-blocks), 6.7 (stream 11.9). 80-96 registers at T <= 2 and 111-127 at T = 8 (Q8_0: 78, 94), no
-spills. Q4_K and Q5_K's prologue has a second pass, the block sums: about 110 instructions a
-(token, digit pair, block) item.
+blocks), 6.7 (stream 11.9); Q2_K 331, 42 (a super-block of 16 rows), 7.9 (stream 15.8; at T = 8 769,
+18.3: the walk's work grows with the token pairs, its bytes do not); Q6_K 566, 105, 5.4 (stream 6.4;
+at T = 8 1142, 10.9, the stream's 20.3). 80-96 registers at T <= 2 and 111-127 at T = 8 (Q8_0: 78,
+94; Q6_K: 111, 168), no spills. Q4_K and Q5_K's prologue has a second pass, the block sums: about
+110 instructions a (token, digit pair, block) item.
 
 On the simulator the mma is emulated exactly (stages.linear_tc's warp meeting with an integer
 tile), blocks have at most four warps and slices are short, so the tests reach every path; NumPy
@@ -176,11 +226,21 @@ from flashv41.stages.quant_types import (
     LOW_NIBBLES,
     MXFP4_INF_E,
     MXFP4_PAIRS,
+    Q2_K_BYTES,
+    Q2_K_D,
+    Q2_K_GROUPS,
+    Q2_K_HALF_QS,
+    Q2_K_QS_BYTES,
     Q4_K_BYTES,
     Q4_K_QS,
     Q5_K_BYTES,
     Q5_K_QH,
     Q5_K_QS,
+    Q6_K_BYTES,
+    Q6_K_D,
+    Q6_K_QH,
+    Q6_K_QL,
+    Q6_K_SCALES,
     e2m1_doubled,
     e8m0_half,
     k_scale_words,
@@ -215,20 +275,32 @@ K_STEP = 8  # blocks of 32 values a Q4_K or Q5_K walk step: one super-block, its
 assert K_STEP * CHUNK == 256 and Q4_K_BYTES == Q4_K_QS + 4 * CHUNK and Q4_K_QS % 16 == 0
 assert Q5_K_BYTES == Q5_K_QS + 4 * CHUNK and Q5_K_QS % 16 == 0 and Q5_K_QH % 8 == 0
 assert SLICE_BLOCKS_MAX % K_STEP == 0  # a slice is whole super-blocks
+Q2_K_LEVELS = uint32(0x03030303)  # a Q2_K level's two bits in each byte of a word
+# a Q2_K super-block: 16 scale bytes, two runs of 32 level bytes (run c holds chunks 4 c .. 4 c + 3,
+# chunk 4 c + s in bits 2 s of each byte), d and dmin in one word
+assert Q2_K_GROUPS == 16 and Q2_K_HALF_QS == CHUNK and Q2_K_QS_BYTES == 2 * CHUNK and Q2_K_BYTES - Q2_K_D == 4
+Q6_K_HIGH = uint32(0x30303030)  # a Q6_K level's top two bits in each byte of a word
+Q6_K_SIGN = uint32(0x20202020)  # bit 5 of each byte: flipped, the level less 32 as a 6-bit signed number
+# a Q6_K super-block's piece: 128 low-nibble bytes (run c of 32: chunks 4 (c // 2) + c % 2 and
+# 4 (c // 2) + c % 2 + 2 in its low and high nibbles), 64 top-pair bytes (run h: chunks 4 h + s in bits
+# 2 s), 16 int8 scales; the fp16 d's after every block's piece
+assert (Q6_K_QL, Q6_K_QH, Q6_K_SCALES, Q6_K_D, Q6_K_BYTES) == (0, 4 * CHUNK, 6 * CHUNK, 6 * CHUNK + 16, Q6_K_D + 2)
 
 
 @dataclass(frozen=True)
 class ImmaType:
     """What the generic kernel needs to know of a weight type: the blocks of 32 values a walk step
-    takes (its loads issued together), and whether its values have a minimum term (then the prologue
-    also sums each block's digits)."""
+    takes (its loads issued together; a super-block's make a slice whole super-blocks), and whether
+    its values' minimum term takes each block's sums of digits (then made by a second prologue
+    pass; Q2_K's takes an mma instead)."""
 
     step_blocks: int
-    mins: bool
+    sums: bool
 
 
 IMMA_TYPES = {GGMLType.Q8_0: ImmaType(UNROLL, False), GGMLType.Q4_K: ImmaType(K_STEP, True),
-              GGMLType.Q5_K: ImmaType(K_STEP, True), GGMLType.MXFP4: ImmaType(UNROLL, False)}
+              GGMLType.Q5_K: ImmaType(K_STEP, True), GGMLType.MXFP4: ImmaType(UNROLL, False),
+              GGMLType.Q2_K: ImmaType(K_STEP, False), GGMLType.Q6_K: ImmaType(K_STEP, False)}
 # MXFP4: a code's doubled E2M1 magnitude is byte (code & 7) of these two words (byte_perm's table);
 # a code of the other sign (bit 3 set, byte_perm's sign mode) gives 0 there
 E2M1_MAG_LO, E2M1_MAG_HI = (uint32(v) for v in MXFP4_DOUBLED[:8].astype(np.uint8).view("<u4"))
@@ -503,6 +575,40 @@ def less_minimum(acc, dmin_m, block_sum):
 
 
 @device
+def q2_k_group(word, b):
+    """sc and m of byte b of a word of Q2_K scale bytes (a group's): sc (its low nibble) as a number,
+    m (its high one) in all four bytes, for an mma's A register. One byte permute each."""
+    return (byte_perm(word & LOW_NIBBLES, uint32(0), uint32(0x4440) | b),
+            byte_perm((word >> uint32(4)) & LOW_NIBBLES, uint32(0), b * uint32(0x1111)))
+
+
+@device
+def q2_k_levels(word, j, sc):
+    """An A register of chunk j of a Q2_K super-block: four levels (bits 2 (j % 4) of each level
+    byte of `word`, of run j // 4) times their group's scale sc in one integer multiply (q sc <= 45:
+    no byte carries into the next)."""
+    return ((word >> uint32(2 * (j & 3))) & Q2_K_LEVELS) * sc
+
+
+@device
+def q6_k_levels(low, high, j):
+    """The A register of four Q6_K levels of chunk j: the low nibbles (bits 4 ((j % 4) // 2) of each
+    byte of `low`, its run of ql) joined to the top pairs (bits 2 (j % 4) of `high`, its run of qh),
+    less 32 as int8 bytes (bit 5 flipped, then 6 times it added: bits 6 and 7 set where it is, no
+    carry leaving a byte)."""
+    top = high << uint32(4 - 2 * (j & 3)) if (j & 3) < 3 else high >> uint32(2)
+    x = (((low >> uint32(4 * ((j & 3) >> 1))) & LOW_NIBBLES) | (top & Q6_K_HIGH)) ^ Q6_K_SIGN
+    return x + (x & Q6_K_SIGN) * uint32(6)
+
+
+@device
+def q6_k_scale(word, b):
+    """Int8 scale byte b of a word of Q6_K scales, as float32: one byte permute (sign mode: the
+    byte's top bit in the three above it) and one conversion."""
+    return float32(int32(byte_perm(word, uint32(0), b | ((b | uint32(8)) * uint32(0x1110)))))
+
+
+@device
 def mxfp4_levels(word):
     """The A registers of a word of MXFP4 code bytes 4 t .. 4 t + 3 (byte i: value 4 t + i in its low
     nibble, 16 + 4 t + i in its high one): the levels of values (4 t, 16 + 4 t, 4 t + 1, 17 + 4 t)
@@ -568,7 +674,7 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     to `cap` tokens, weights of type gtype (IMMA_TYPES); grid = (tile groups x slices,), block =
     32 x warps threads."""
     kind = IMMA_TYPES[gtype]
-    step_blocks, mins = kind.step_blocks, kind.mins
+    step_blocks, block_sums = kind.step_blocks, kind.sums
     pairs = max(cap, 2) // 2  # mmas a block of A meets: two tokens each
     # flat shared arrays, indexed by uint64 offsets from a lane's base (constant offsets fold into the loads)
     digits_shape = 8 * pairs * COLUMN_WORDS  # [column 4 token + digit][8 values] int8 digits, eight a word
@@ -577,16 +683,19 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     scales_shape = (4 if mx else 2) * pairs * SLICE_BLOCKS_MAX
     pair_weight = float32(1) if mx else DIGIT_PAIR  # the top digit pair's sums' weight in y
     # [token][digit pair][block] 2^(E - X_BITS) times the block's sum of the pair's D_p + 2^8 D_p+1
-    sums_shape = 4 * pairs * SLICE_BLOCKS_MAX if mins else 1
+    sums_shape = 4 * pairs * SLICE_BLOCKS_MAX if block_sums else 1
     acc_shape = (pairs, 2)  # [token pair, row half]
+    part_shape = (pairs, 2, 2)  # a Q2_K step's sums: [token pair, row half, scaled or minimum]
     fifth = gtype == GGMLType.Q5_K
     k_bytes, k_qs = (Q5_K_BYTES, Q5_K_QS) if fifth else (Q4_K_BYTES, Q4_K_QS)
-    # [block (Q4_K, Q5_K: run of level bytes; Q5_K's fifth bits after them), row half, word] a walk
-    # step's levels
-    held_shape = (UNROLL + fifth, 2, 2)
+    # [block (Q4_K, Q5_K, Q2_K: run of level bytes; Q5_K's fifth bits after them), row half, word] a
+    # walk step's levels
+    held_shape = (6 if gtype == GGMLType.Q6_K else UNROLL + fifth, 2, 2)  # Q6_K: four runs of ql, two of qh
     # Q8_0: [block, row half] the step's scales; Q4_K: [row half, word] its super-block's first 16
     # bytes; MXFP4: [row half, 0] the word of the step's exponent bytes
     d_shape, d_type = ((UNROLL, 2), float32) if gtype == GGMLType.Q8_0 else ((2, 4), uint32)
+    if gtype in (GGMLType.Q2_K, GGMLType.Q6_K):  # [row half, word] its 16 scale bytes, then its d (and dmin)
+        d_shape = (2, 5)
     sum_items = 4 * pairs * SLICE_BLOCKS_MAX  # (token, digit pair, block) items of the sums
 
     @inlined
@@ -694,6 +803,110 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
                     acc[p, 1] = less_minimum(acc[p, 1] + float32(int32(c2 + c3 * DIGIT)) * (scale_hi * s), min_hi, m)
 
     @inlined
+    def load_q2_k(lo, hi, k, b, held, d, t4):
+        """A walk step's loads: super-block s = b // K_STEP of the lane's two rows in the split layout,
+        bytes 8 t4 .. 8 t4 + 7 of each of its two runs of level bytes (at K / 16 + 64 s), its 16
+        scale bytes (at 16 s: one load) and its d and dmin (at K / 16 + K / 4 + 4 s)."""
+        s = uint32(b // uint32(K_STEP))
+        qs = uint32((k >> uint32(4)) + uint32(Q2_K_QS_BYTES) * s + uint32(8) * t4)
+        dm = uint32((k >> uint32(4)) + (k >> uint32(2)) + uint32(4) * s)
+        for c in range(2):
+            held[c, 0, 0], held[c, 0, 1] = words2_at(lo, qs + uint32(CHUNK * c))
+            held[c, 1, 0], held[c, 1, 1] = words2_at(hi, qs + uint32(CHUNK * c))
+        d[0, 0], d[0, 1], d[0, 2], d[0, 3] = words4_at(lo, uint32(Q2_K_GROUPS) * s)
+        d[1, 0], d[1, 1], d[1, 2], d[1, 3] = words4_at(hi, uint32(Q2_K_GROUPS) * s)
+        d[0, 4] = word_at(lo, dm)
+        d[1, 4] = word_at(hi, dm)
+
+    @inlined
+    def q2_k_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
+        """A Q2_K super-block's eight chunks against every token pair's digits: for chunk j and a digit
+        pair, the P of the levels times their groups' sc and the P of the groups' m (the minimum
+        term's mma: each value's m as its level; the lane's four registers of a row all of its
+        group) are summed over the super-block times 2^(E - X_BITS) (exact products: one fused
+        multiply-add each a chunk), then acc += d (the first sum) - dmin (the second) (sums: unused)."""
+        lane_half = ctx[6] >> uint32(1)  # a chunk's values 8 t .. 8 t + 7 are of its group 2 j + t // 2
+        part = cuda.local.array(part_shape, float32)  # [token pair, row half, scaled or minimum]
+        for p in range(pairs):
+            for h in range(2):
+                part[p, h, 0] = float32(0)
+                part[p, h, 1] = float32(0)
+        for j in range(K_STEP):
+            c = j >> 2
+            b = uint32(2 * (j & 1)) + lane_half  # the lane's scale byte of chunk j in word j // 2
+            sc_lo, n_lo = q2_k_group(d[0, j >> 1], b)
+            sc_hi, n_hi = q2_k_group(d[1, j >> 1], b)
+            a0, a2 = q2_k_levels(held[c, 0, 0], j, sc_lo), q2_k_levels(held[c, 0, 1], j, sc_lo)
+            a1, a3 = q2_k_levels(held[c, 1, 0], j, sc_hi), q2_k_levels(held[c, 1, 1], j, sc_hi)
+            for p in range(pairs):
+                v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
+                s = scales[sc + uint64(j + 2 * p * SLICE_BLOCKS_MAX)]
+                b_lo, b_hi = uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32))
+                c0, c1, c2, c3 = imma(a0, a1, a2, a3, b_lo, b_hi)
+                m0, m1, m2, m3 = imma(n_lo, n_hi, n_lo, n_hi, b_lo, b_hi)
+                part[p, 0, 0] += float32(int32(c0 + c1 * DIGIT)) * s
+                part[p, 1, 0] += float32(int32(c2 + c3 * DIGIT)) * s
+                part[p, 0, 1] += float32(int32(m0 + m1 * DIGIT)) * s
+                part[p, 1, 1] += float32(int32(m2 + m3 * DIGIT)) * s
+        d_lo, dmin_lo = f16x2_f32(d[0, 4])
+        d_hi, dmin_hi = f16x2_f32(d[1, 4])
+        for p in range(pairs):
+            acc[p, 0] = less_minimum(acc[p, 0] + d_lo * part[p, 0, 0], dmin_lo, part[p, 0, 1])
+            acc[p, 1] = less_minimum(acc[p, 1] + d_hi * part[p, 1, 0], dmin_hi, part[p, 1, 1])
+
+    @inlined
+    def load_q6_k(lo, hi, k, b, held, d, t4):
+        """A walk step's loads: super-block s = b // K_STEP of the lane's two rows in the split layout,
+        bytes 8 t4 .. 8 t4 + 7 of each of its four runs of low-nibble bytes and two of top-pair
+        bytes, its 16 scale bytes (one load) and the word of its d (d at K / 256 Q6_K_D + 2 s)."""
+        s = uint32(b // uint32(K_STEP))
+        at = uint32(uint32(Q6_K_D) * s)
+        lo_at = address_at(lo, at)
+        hi_at = address_at(hi, at)
+        for c in range(6):
+            held[c, 0, 0], held[c, 0, 1] = words2_at(lo_at, uint32(CHUNK * c) + uint32(8) * t4)
+            held[c, 1, 0], held[c, 1, 1] = words2_at(hi_at, uint32(CHUNK * c) + uint32(8) * t4)
+        d[0, 0], d[0, 1], d[0, 2], d[0, 3] = words4_at(lo_at, uint32(Q6_K_SCALES))
+        d[1, 0], d[1, 1], d[1, 2], d[1, 3] = words4_at(hi_at, uint32(Q6_K_SCALES))
+        dw = uint32((k >> uint32(8)) * uint32(Q6_K_D) + uint32(4) * (s >> uint32(1)))
+        d[0, 4] = word_at(lo, dw) >> (uint32(16) * (s & uint32(1)))
+        d[1, 4] = word_at(hi, dw) >> (uint32(16) * (s & uint32(1)))
+
+    @inlined
+    def q6_k_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
+        """A Q6_K super-block's eight chunks against every token pair's digits: chunk j's two groups
+        in two mmas (the lanes of the other group's values give zero digits: a lane's B bytes are of
+        the same values as its A bytes), for each a digit pair's P, acc += P (d sc 2^(E - X_BITS))
+        (sums: unused)."""
+        lane_half = ctx[6] >> uint32(1)  # a chunk's values 8 t .. 8 t + 7 are of its group 2 j + t // 2
+        keep = (lane_half ^ uint32(1)) * uint32(0xFFFFFFFF)  # all ones in the lanes of the chunk's first group
+        d_lo, _ = f16x2_f32(d[0, 4])
+        d_hi, _ = f16x2_f32(d[1, 4])
+        for j in range(K_STEP):
+            c = 2 * (j >> 2) + (j & 1)  # the run of ql
+            h = 4 + (j >> 2)  # the run of qh
+            a0 = q6_k_levels(held[c, 0, 0], held[h, 0, 0], j)
+            a1 = q6_k_levels(held[c, 1, 0], held[h, 1, 0], j)
+            a2 = q6_k_levels(held[c, 0, 1], held[h, 0, 1], j)
+            a3 = q6_k_levels(held[c, 1, 1], held[h, 1, 1], j)
+            first = uint32(2 * (j & 1))  # the byte of chunk j's first group in scale word j // 2
+            scale_lo = d_lo * q6_k_scale(d[0, j >> 1], first)
+            scale_hi = d_hi * q6_k_scale(d[1, j >> 1], first)
+            other_lo = d_lo * q6_k_scale(d[0, j >> 1], first + uint32(1))
+            other_hi = d_hi * q6_k_scale(d[1, j >> 1], first + uint32(1))
+            for p in range(pairs):
+                v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
+                s = scales[sc + uint64(j + 2 * p * SLICE_BLOCKS_MAX)]
+                w_lo, w_hi = uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32))
+                b_lo, b_hi = w_lo & keep, w_hi & keep
+                c0, c1, c2, c3 = imma(a0, a1, a2, a3, b_lo, b_hi)
+                e0, e1, e2, e3 = imma(a0, a1, a2, a3, w_lo ^ b_lo, w_hi ^ b_hi)
+                acc[p, 0] += float32(int32(c0 + c1 * DIGIT)) * (scale_lo * s)
+                acc[p, 1] += float32(int32(c2 + c3 * DIGIT)) * (scale_hi * s)
+                acc[p, 0] += float32(int32(e0 + e1 * DIGIT)) * (other_lo * s)
+                acc[p, 1] += float32(int32(e2 + e3 * DIGIT)) * (other_hi * s)
+
+    @inlined
     def load_mxfp4(lo, hi, k, b, held, d, t4):
         """A walk step's loads: code bytes 4 t4 .. 4 t4 + 3 of blocks b .. b + UNROLL - 1 of the
         lane's two rows (a word each, at constant offsets of one address a row) and the word of
@@ -784,8 +997,10 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
         GGMLType.Q8_0: (load_full, load_tail, block_mmas, step_mmas),
         GGMLType.Q4_K: (load_k, load_tail, block_mmas, k_step_mmas),
         GGMLType.Q5_K: (load_k, load_tail, block_mmas, k_step_mmas),
+        GGMLType.Q2_K: (load_q2_k, load_tail, block_mmas, q2_k_step_mmas),
+        GGMLType.Q6_K: (load_q6_k, load_tail, block_mmas, q6_k_step_mmas),
         GGMLType.MXFP4: (load_mxfp4, tail_mxfp4, mxfp4_block, mxfp4_step_mmas)}[gtype]
-    partial_steps = not mins
+    partial_steps = step_blocks == UNROLL  # (a K-quant's slice is whole super-blocks)
     digits_of = e2m1_octet_digits if gtype == GGMLType.MXFP4 else octet_digits
 
     @cuda.jit if SIM else cuda.jit(launch_bounds=(WARP * DIGIT_TILES, 1))  # type: ignore[call-arg]
@@ -850,7 +1065,7 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
                     if mx and q == 1:
                         scales[s_at + uint64(SLICE_BLOCKS_MAX)] = float32(0)
         cuda.syncthreads()
-        if mins:  # each block's inputs' sum, a digit pair at a time, scaled (exact: module docstring)
+        if block_sums:  # each block's inputs' sum, a digit pair at a time, scaled (exact: module docstring)
             for item in range(tid, uint32(sum_items), threads):
                 slot = uint32(uint32(item) % uint32(SLICE_BLOCKS_MAX))
                 th = uint32(uint32(item) // uint32(SLICE_BLOCKS_MAX))  # 2 token + digit pair
@@ -1006,7 +1221,7 @@ def workspace(w, p: Plan) -> Workspace:
 def takes(w, x_dtype, group_rows: int = 0) -> bool:
     """Whether linear_imma takes this weight, input dtype and grouping."""
     kind = IMMA_TYPES.get(w.gtype)
-    values = CHUNK * (kind.step_blocks if kind and kind.mins else 1)  # a K-quant's K: whole super-blocks
+    values = CHUNK * (kind.step_blocks if kind and kind.step_blocks == K_STEP else 1)  # a K-quant's: whole super-blocks
     return kind is not None and np.dtype(x_dtype) == np.uint16 and w.k % values == 0 and group_rows % 16 == 0
 
 
@@ -1016,8 +1231,8 @@ def linear_imma(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     x[:, (n // group_rows) * K : ... + K]. Raises ValueError for what it does not take."""
     if not takes(w, x.dtype, group_rows):
         raise ValueError(f"linear_imma {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs in "
-                         f"groups of {group_rows} rows is not supported (bf16 inputs; Q8_0 weights, K a multiple "
-                         f"of {CHUNK}, groups of a multiple of 16 rows)")
+                         f"groups of {group_rows} rows is not supported (bf16 inputs; Q8_0 or MXFP4 weights, K a "
+                         f"multiple of {CHUNK}, or Q2_K, Q4_K or Q5_K, of 256; groups of a multiple of 16 rows)")
     groups, rows = product_groups("linear_imma", x, w, y, n_tokens, group_rows)
     if n_tokens == 0:
         return

@@ -91,7 +91,7 @@ def assert_within(got: np.ndarray, ref: np.ndarray, bound: np.ndarray, what: str
 # The kernels that add a weight value of these types as its two parts d sc q and dmin m apart (the
 # stream units, the tensor-core pieces, the integer tensor-core GEMV); every other kernel (gemm)
 # dequantises it first.
-SPLIT_KERNELS = {GGMLType.Q2_K: ("stream", "tc"), GGMLType.Q4_K: ("stream", "tc", "imma"),
+SPLIT_KERNELS = {GGMLType.Q2_K: ("stream", "tc", "imma"), GGMLType.Q4_K: ("stream", "tc", "imma"),
                  GGMLType.Q5_K: ("stream", "tc", "imma")}
 PART_TERMS = {GGMLType.Q2_K: q2_k_terms, GGMLType.Q4_K: q4_k_terms, GGMLType.Q5_K: q5_k_terms}
 

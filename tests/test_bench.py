@@ -113,8 +113,11 @@ def test_every_case_still_listed() -> None:
     assert "gemv.imma.attn.wq_a.Q8_0" in names and "gemv.imma.engram.wkv.Q8_0" in names
     assert "prefill.gemm.pipe.attn.wo_a.Q8_0" in names and "prefill.gemm.attn.wo_a.Q8_0" in names
     q2 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q2_K",)))]
-    assert not [name for name in q2 if name.startswith("gemv.imma.")]  # (no imma rows for a type it does not take)
+    assert "gemv.imma.engram.wkv.Q2_K" in q2 and "gemv.imma.attn.wq_a.Q2_K" in q2
     assert not [name for name in q2 if name.startswith("prefill.gemm.pipe.")]  # (BF16's and Q8_0's)
+    q3 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q3_K", "Q6_K")))]
+    assert "gemv.imma.engram.wkv.Q6_K" in q3
+    assert not [name for name in q3 if name.startswith("gemv.imma.") and name.endswith("Q3_K")]  # (not taken)
     q4 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q4_K", "MXFP4")))]
     assert "gemv.imma.attn.wq_a.Q4_K" in q4 and "gemv.imma.attn.wo_a.Q4_K" in q4
     assert "gemv.imma.engram.wkv.MXFP4" in q4

@@ -212,6 +212,11 @@ IMMA_MUTANTS = ["truncate", "digit", "drop_digit", "scale", "exponent"]
 # sub-block's levels from the other nibble of its bytes
 IMMA_K_MUTANTS = ["sub_scale", "no_minimum", "minimum_sign", "nibble"]
 IMMA_Q5_K_MUTANTS = ["fifth"]  # Q5_K's fifth bit of sub-block j taken from bit j + 1 of its bytes
+# Q2_K's: a group's scale one larger (mod 16); each chunk's scales and mins from the other group of its
+# lane's pair of groups; each chunk's levels from the next chunk's bits of its bytes
+IMMA_Q2_K_MUTANTS = ["q2_scale", "q2_group", "q2_level"]
+# Q6_K's: a group's scale one larger; each chunk's groups' scales swapped; the levels without their 32 off
+IMMA_Q6_K_MUTANTS = ["q6_scale", "q6_group", "q6_offset"]
 # MXFP4's: the magnitude table read one entry up; the negative codes left out; every block's 2^(e - 128)
 # 1% large
 IMMA_MXFP4_MUTANTS = ["table", "no_negatives", "e_scale"]
@@ -227,6 +232,21 @@ def imma_k_replacements(kind: str) -> dict:
         right = "qh << uint32(4 - j) if j < 4 else qh >> uint32(j - 4)"
         wrong = "qh << uint32(3 - j) if j < 3 else qh >> uint32(j - 3)"
         return {"fifth_bits": edited(imma, "fifth_bits", right, wrong)}
+    if kind == "q2_scale":
+        return {"q2_k_group": edited(imma, "q2_k_group", "return (byte_perm(", "return (uint32(1) + byte_perm(")}
+    if kind == "q2_group":
+        old = "b = uint32(2 * (j & 1)) + lane_half"
+        return {"imma_kernel": edited(imma, "imma_kernel", old, old.replace("(j & 1)", "(~j & 1)"))}
+    if kind == "q2_level":
+        return {"q2_k_levels": edited(imma, "q2_k_levels", "uint32(2 * (j & 3))", "uint32(2 * ((j + 1) & 3))")}
+    if kind == "q6_scale":
+        return {"q6_k_scale": edited(imma, "q6_k_scale", "return float32(int32(", "return float32(1 + int32(")}
+    if kind == "q6_group":
+        old = "keep = (lane_half ^ uint32(1)) * uint32(0xFFFFFFFF)"
+        return {"imma_kernel": edited(imma, "imma_kernel", old, "keep = lane_half * uint32(0xFFFFFFFF)")}
+    if kind == "q6_offset":
+        right = "return x + (x & Q6_K_SIGN) * uint32(6)"
+        return {"q6_k_levels": edited(imma, "q6_k_levels", right, "return x ^ Q6_K_SIGN")}
     if kind == "no_negatives":
         return {"mxfp4_levels": edited(imma, "mxfp4_levels", "word ^ E2M1_SIGN_FLIP", "word | E2M1_SIGN_FLIP")}
     if kind == "e_scale":
@@ -248,7 +268,7 @@ def replacements(kernel: str, kind: str) -> dict:
     (tests/mutants.py)."""
     if kind == "truncate":
         return {"f32_to_bf16": truncating_bf16}
-    if kind in IMMA_K_MUTANTS + IMMA_Q5_K_MUTANTS + IMMA_MXFP4_MUTANTS:
+    if kind in IMMA_K_MUTANTS + IMMA_Q5_K_MUTANTS + IMMA_Q2_K_MUTANTS + IMMA_Q6_K_MUTANTS + IMMA_MXFP4_MUTANTS:
         return imma_k_replacements(kind)
     if kernel == "imma":
         imma = stages.linear_imma
@@ -329,7 +349,10 @@ def test_imma_mutants(kind):
 
 IMMA_TYPE_MUTANTS = ([(GGMLType.Q4_K, kind) for kind in ["truncate", *IMMA_K_MUTANTS]]
                      + [(GGMLType.Q5_K, kind) for kind in ["truncate", "sub_scale", "no_minimum", "fifth"]]
-                     + [(GGMLType.MXFP4, kind) for kind in ["truncate", *IMMA_MXFP4_MUTANTS]])
+                     + [(GGMLType.MXFP4, kind) for kind in ["truncate", *IMMA_MXFP4_MUTANTS]]
+                     + [(GGMLType.Q2_K, kind) for kind in ["truncate", "no_minimum", "minimum_sign",
+                                                           *IMMA_Q2_K_MUTANTS]]
+                     + [(GGMLType.Q6_K, kind) for kind in ["truncate", *IMMA_Q6_K_MUTANTS]])
 
 
 @pytest.mark.parametrize("gtype,kind", IMMA_TYPE_MUTANTS, ids=lambda v: getattr(v, "name", v))

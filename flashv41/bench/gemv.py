@@ -17,7 +17,7 @@ in a real step). The copies are freed when the row ends. The JSON's `l2` says "r
 copies", or for a weight >= 4x L2 "read from HBM" (timed back to back on the one weight).
 `time_product` also serves the prefill rows (flashv41.bench.prefill), which evict instead.
 
-`gemv.imma.<matrix>.<type>` (Q8_0, Q4_K, Q5_K, MXFP4: the types stages.linear_imma takes, among those
+`gemv.imma.<matrix>.<type>` (Q8_0, Q2_K, Q4_K, Q5_K, Q6_K, MXFP4: the types stages.linear_imma takes, among those
 --weight-type selects): the same product forced onto the integer tensor-core kernel (never picked
 by default yet), timed and bounded as its `gemv.<matrix>.<type>` row beside it, so that one run
 compares the two.

@@ -175,7 +175,7 @@ def test_imma_types(gtype, n, k, tokens, out, group_rows):
     super-block each on the simulator; MXFP4: K = 352, three slices, the last a partial step) and
     K = 256 in one, T = 1, 2, 8, grouped and not. Simulator: 100% bit-equal (bf16 out); fp32 out far
     inside the bound. Q2_K's grouped case is twice as wide: on 32 rows of this seed one output of
-    the 64 a group sits 2^-22 (relative) from a bf16 midpoint, where the oracle's fp32 sum and the
+    the 64 a group sits 2^-22 (relative) from a bf16 midpoint, where the oracle's float64 sum and the
     kernel's exact block sums round to its two sides (both within the bound), and the 99% rule on
     64 outputs allows none."""
     k = 352 if gtype == GGMLType.MXFP4 and k == 512 else k

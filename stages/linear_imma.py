@@ -528,16 +528,29 @@ def zero_digits(digits, at, scales, s_at, q):
 
 
 @device
+def word_halves(v):
+    """A uint64 word of the digits as its two uint32 halves (low, high): four int8 digits each."""
+    return uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32))
+
+
+@device
+def b_words(digits, dig, j, p):
+    """The B registers (b0, b1) of token pair p for block j of a walk step: the lane's 8-byte word of
+    its digit column, a lane's column base at digits[dig]."""
+    return word_halves(digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)])
+
+
+@device
 def pair_sum(digits, at):
     """The sum over a block of 32 values of D_p + 2^8 D_p+1, digit p's column's words at
     digits[at ..], digit p + 1's a column further (exact: at most 32 x 32896 in magnitude)."""
     low = int32(0)
     high = int32(0)
     for i in range(4):
-        v = digits[at + uint64(i)]
-        low = dp4a(uint32(v & uint64(0xFFFFFFFF)), BYTE_ONES, dp4a(uint32(v >> uint64(32)), BYTE_ONES, low))
-        v = digits[at + uint64(COLUMN_WORDS + i)]
-        high = dp4a(uint32(v & uint64(0xFFFFFFFF)), BYTE_ONES, dp4a(uint32(v >> uint64(32)), BYTE_ONES, high))
+        lo, hi = word_halves(digits[at + uint64(i)])
+        low = dp4a(lo, BYTE_ONES, dp4a(hi, BYTE_ONES, low))
+        lo, hi = word_halves(digits[at + uint64(COLUMN_WORDS + i)])
+        high = dp4a(lo, BYTE_ONES, dp4a(hi, BYTE_ONES, high))
     return int32(low + high * DIGIT)
 
 
@@ -738,10 +751,9 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
         for p in range(pairs):
             # B column g of token pair p: token 2 p + g // 4, digit g % 4; D columns 2 t4, 2 t4 + 1:
             # token 2 p + t4 // 2
-            v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
+            b_lo, b_hi = b_words(digits, dig, j, p)
             s = scales[sc + uint64(j + 2 * p * SLICE_BLOCKS_MAX)]
-            c0, c1, c2, c3 = imma(held[j, 0, 0], held[j, 1, 0], held[j, 0, 1], held[j, 1, 1],
-                                  uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32)))
+            c0, c1, c2, c3 = imma(held[j, 0, 0], held[j, 1, 0], held[j, 0, 1], held[j, 1, 1], b_lo, b_hi)
             acc[p, 0] += float32(int32(c0 + c1 * DIGIT)) * (d[j, 0] * s)
             acc[p, 1] += float32(int32(c2 + c3 * DIGIT)) * (d[j, 1] * s)
 
@@ -795,10 +807,10 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
                 scale_lo, scale_hi = k_sub_scale(d_lo, sc_lo, i), k_sub_scale(d_hi, sc_hi, i)
                 min_lo, min_hi = k_sub_scale(dmin_lo, mn_lo, i), k_sub_scale(dmin_hi, mn_hi, i)
                 for p in range(pairs):
-                    v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
+                    b_lo, b_hi = b_words(digits, dig, j, p)
                     s = scales[sc + uint64(j + 2 * p * SLICE_BLOCKS_MAX)]
                     m = sums[sm + uint64(j + 4 * p * SLICE_BLOCKS_MAX)]
-                    c0, c1, c2, c3 = imma(a0, a1, a2, a3, uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32)))
+                    c0, c1, c2, c3 = imma(a0, a1, a2, a3, b_lo, b_hi)
                     acc[p, 0] = less_minimum(acc[p, 0] + float32(int32(c0 + c1 * DIGIT)) * (scale_lo * s), min_lo, m)
                     acc[p, 1] = less_minimum(acc[p, 1] + float32(int32(c2 + c3 * DIGIT)) * (scale_hi * s), min_hi, m)
 
@@ -839,9 +851,8 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
             a0, a2 = q2_k_levels(held[c, 0, 0], j, sc_lo), q2_k_levels(held[c, 0, 1], j, sc_lo)
             a1, a3 = q2_k_levels(held[c, 1, 0], j, sc_hi), q2_k_levels(held[c, 1, 1], j, sc_hi)
             for p in range(pairs):
-                v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
+                b_lo, b_hi = b_words(digits, dig, j, p)
                 s = scales[sc + uint64(j + 2 * p * SLICE_BLOCKS_MAX)]
-                b_lo, b_hi = uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32))
                 c0, c1, c2, c3 = imma(a0, a1, a2, a3, b_lo, b_hi)
                 m0, m1, m2, m3 = imma(n_lo, n_hi, n_lo, n_hi, b_lo, b_hi)
                 part[p, 0, 0] += float32(int32(c0 + c1 * DIGIT)) * s
@@ -895,9 +906,8 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
             other_lo = d_lo * q6_k_scale(d[0, j >> 1], first + uint32(1))
             other_hi = d_hi * q6_k_scale(d[1, j >> 1], first + uint32(1))
             for p in range(pairs):
-                v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
+                w_lo, w_hi = b_words(digits, dig, j, p)
                 s = scales[sc + uint64(j + 2 * p * SLICE_BLOCKS_MAX)]
-                w_lo, w_hi = uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32))
                 b_lo, b_hi = w_lo & keep, w_hi & keep
                 c0, c1, c2, c3 = imma(a0, a1, a2, a3, b_lo, b_hi)
                 e0, e1, e2, e3 = imma(a0, a1, a2, a3, w_lo ^ b_lo, w_hi ^ b_hi)
@@ -947,9 +957,8 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
         p0h, p1h, n0h, n1h = mxfp4_levels(held[j, 1, 0])
         a_lo, a_hi = mxfp4_scale(d[0, 1], j), mxfp4_scale(d[1, 1], j)
         for p in range(pairs):
-            v = digits[dig + uint64(4 * j + 8 * p * COLUMN_WORDS)]
+            b_lo, b_hi = b_words(digits, dig, j, p)
             s = scales[sc + uint64(j + 4 * p * SLICE_BLOCKS_MAX)]
-            b_lo, b_hi = uint32(v & uint64(0xFFFFFFFF)), uint32(v >> uint64(32))
             c0, c1, c2, c3 = imma(p0l, p0h, p1l, p1h, b_lo, b_hi)
             m0, m1, m2, m3 = imma(n0l, n0h, n1l, n1h, b_lo, b_hi)
             acc[p, 0] += (float32(int32((c0 - m0) + (c1 - m1) * DIGIT)) * s) * a_lo
@@ -1230,9 +1239,11 @@ def linear_imma(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     tokens (y's dtype picks bf16 or fp32 out). group_rows > 0: grouped product, output row n reads
     x[:, (n // group_rows) * K : ... + K]. Raises ValueError for what it does not take."""
     if not takes(w, x.dtype, group_rows):
+        blocks = ", ".join(t.name for t, kind in IMMA_TYPES.items() if kind.step_blocks != K_STEP)
+        supers = ", ".join(t.name for t, kind in IMMA_TYPES.items() if kind.step_blocks == K_STEP)
         raise ValueError(f"linear_imma {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs in "
-                         f"groups of {group_rows} rows is not supported (bf16 inputs; Q8_0 or MXFP4 weights, K a "
-                         f"multiple of {CHUNK}, or Q2_K, Q4_K or Q5_K, of 256; groups of a multiple of 16 rows)")
+                         f"groups of {group_rows} rows is not supported (bf16 inputs; {blocks} weights with K a "
+                         f"multiple of {CHUNK}, or {supers} of {K_STEP * CHUNK}; groups of a multiple of 16 rows)")
     groups, rows = product_groups("linear_imma", x, w, y, n_tokens, group_rows)
     if n_tokens == 0:
         return

@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from flashv41.bench.core import PEAK_TFLOPS, BenchCase, BenchContext, BenchOptions, BenchRow, L2Plan
-from flashv41.bench.stack import STACKS, TABLE_ROWS
+from flashv41.bench.stack import STACKS, stack_model
 from flashv41.host.config import ModelConfig
 from flashv41.host.errors import CapacityError
 from flashv41.host.model import Model
@@ -295,19 +295,6 @@ PREFILL_STACKS = (
 )
 
 
-def prefill_model(options: BenchOptions, stack: PrefillStack) -> Model:
-    """The stack's model, written into the work directory the first time (Q8_0 weights, Q2_K
-    engram tables of TABLE_ROWS rows: with no overrides, the file stack.decode.40 writes)."""
-    import flashv41
-    from flashv41.host.synth import write_synthetic
-
-    path = options.workdir / stack.filename
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_synthetic(path, stack.preset, weight_type="Q8_0", engram_rows=TABLE_ROWS, **dict(stack.overrides))
-    return flashv41.load_model(path)
-
-
 def stack_rows(stack: PrefillStack, cfg: ModelConfig, wall_s: float, parts: dict[str, float], l2: L2Plan
                ) -> list[BenchRow]:
     """The row of a timed prefill (wall clock `wall_s`, device seconds by part `parts`) and its
@@ -360,7 +347,7 @@ def prefill_case(stack: PrefillStack) -> BenchCase:
     def run(ctx: BenchContext) -> list[BenchRow]:
         import flashv41
 
-        model = prefill_model(ctx.options, stack)
+        model = stack_model(ctx.options, stack, **dict(stack.overrides))
         cfg = model.config
         try:
             estimate = require_memory(model, stack.tokens, CHUNK, device_free_bytes(), stack.name)

@@ -44,6 +44,7 @@ JSON says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -75,14 +76,27 @@ STACKS = (
 )
 
 
-def stack_model(options: BenchOptions, stack: Stack = STACKS[0]):
+class ModelFile(Protocol):
+    """What stack_model writes a model from: a synthetic preset's name and the file's name."""
+
+    @property
+    def preset(self) -> str: ...
+
+    @property
+    def filename(self) -> str: ...
+
+
+def stack_model(options: BenchOptions, stack: ModelFile = STACKS[0], **overrides: Any):
+    """The stack's model (anything with a synthetic `preset` and a `filename`), written into the work
+    directory the first time: Q8_0 weights, Q2_K engram tables of TABLE_ROWS rows, and `overrides`
+    of host.synth.write_synthetic's keywords (the prefill rows' longer context)."""
     import flashv41
     from flashv41.host.synth import write_synthetic
 
     path = options.workdir / stack.filename
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_synthetic(path, stack.preset, weight_type="Q8_0", engram_rows=TABLE_ROWS)
+        write_synthetic(path, stack.preset, weight_type="Q8_0", engram_rows=TABLE_ROWS, **overrides)
     return flashv41.load_model(path)
 
 

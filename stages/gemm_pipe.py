@@ -59,8 +59,8 @@ conversion (24 PRMT, 16 FADD, 1 LDS.128, 2 STS.128), 64 FFMA for the scales, 2 B
 Q8_0, 878 for the same work. Two blocks (16 warps) an SM: the registers' limit.
 
 On the simulator the copies are plain copies (commit and wait do nothing), ldmatrix a gather in
-which every lane brings the 16 bytes at its own row address to the warp's meeting (stages.linear_tc's)
-and takes back its words of the four matrices, the mma linear_tc's emulation; blocks have 4 warps
+which every lane brings the 16 bytes at its own row address to the warp's meeting (stages.warp_mma's)
+and takes back its words of the four matrices, the mma stages.warp_mma's emulation; blocks have 4 warps
 of 32 x 32 tiles (a Python thread per CUDA thread there), whose loops over fragments and copies run
 more than once, as on a GPU.
 """
@@ -73,7 +73,7 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from flashv41.host.quants import GGMLType
-from flashv41.stages import linear_tc
+from flashv41.stages import warp_mma
 from flashv41.stages.device import (
     CHUNK,
     SIM,
@@ -85,6 +85,7 @@ from flashv41.stages.device import (
     f32_to_bf16,
     product_groups,
 )
+from flashv41.stages.warp_mma import kernel_mma as mma
 
 BK = CHUNK  # values of k per step: one Q8_0 block
 KW = BK // 2  # 32-bit words (bf16 pairs) of a bf16 tile row per step: 64 bytes
@@ -146,7 +147,7 @@ if SIM:
         word .. word + 3 (row l % 8 of matrix l // 8) and gets, of each matrix i, word l % 4 of its
         row l // 4."""
         flat = a.reshape(-1)
-        rows = linear_tc.kernel_warp_meet((flat[word], flat[word + 1], flat[word + 2], flat[word + 3], 0, 0),
+        rows = warp_mma.kernel_warp_meet((flat[word], flat[word + 1], flat[word + 2], flat[word + 3], 0, 0),
                                           ldmatrix_tile)
         lane = cuda.threadIdx.x % WARP
         return (uint32(rows[lane >> 2, lane & 3]), uint32(rows[8 + (lane >> 2), lane & 3]),
@@ -373,7 +374,6 @@ else:
 
         return sig, codegen
 
-mma = linear_tc.kernel_mma
 
 
 def swizzled(r, c):

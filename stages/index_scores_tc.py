@@ -21,7 +21,7 @@ token's queries in registers (IH / 8 fragments x ID / 32 blocks x 4 words) and w
 keys, strided over the grid; the blocks of a token stride together, so a graph captured for the
 whole cache launches what fills the GPU and each block stops at the width it reads off positions.
 
-On the simulator the mma is stages.linear_tc's emulation (exact), so the kernel's indexing is
+On the simulator the mma is stages.warp_mma's emulation (exact), so the kernel's indexing is
 tested there on small shapes; its blocks are at most linear_tc's four warps.
 """
 
@@ -32,11 +32,9 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, float64, uint32
 
-from flashv41.stages import linear_tc
 from flashv41.stages.device import SIM, WARP, bf16_round, bf16_to_f32, f32_to_bf16, jit_for, load_words4, mul_rn
 from flashv41.stages.row_tables import u32_rows
-
-mma = linear_tc.kernel_mma
+from flashv41.stages.warp_mma import kernel_mma as mma
 
 FP4_BLOCK = 32  # the fp4 (E8M0) block of the index queries and keys: one mma k32 (two k16 steps)
 KEYS = 16  # keys a warp's tile (the mma's rows)

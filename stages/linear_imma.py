@@ -185,7 +185,7 @@ at T = 8 1142, 10.9, the stream's 20.3). 80-96 registers at T <= 2 and 111-127 a
 94; Q6_K: 111, 168), no spills. Q4_K and Q5_K's prologue has a second pass, the block sums: about
 110 instructions a (token, digit pair, block) item.
 
-On the simulator the mma is emulated exactly (stages.linear_tc's warp meeting with an integer
+On the simulator the mma is emulated exactly (stages.warp_mma's warp meeting with an integer
 tile), blocks have at most four warps and slices are short, so the tests reach every path; NumPy
 rounds the accumulation's product apart from its sum there (one rounding more a term).
 """
@@ -200,7 +200,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from flashv41.host.quants import MXFP4_DOUBLED, GGMLType
-from flashv41.stages import linear_tc
+from flashv41.stages import warp_mma
 from flashv41.stages.device import (
     CHUNK,
     SIM,
@@ -326,9 +326,9 @@ if SIM:
         return a @ bt.T
 
     def imma(a0, a1, a2, a3, b0, b1):
-        """The warp's 16 x 8 int32 tile D = A @ B, emulated: the lanes meet (stages.linear_tc)."""
+        """The warp's 16 x 8 int32 tile D = A @ B, emulated: the lanes meet (stages.warp_mma)."""
         tid = cuda.threadIdx.x
-        d = linear_tc.kernel_warp_meet((a0, a1, a2, a3, b0, b1), imma_tile)
+        d = warp_mma.kernel_warp_meet((a0, a1, a2, a3, b0, b1), imma_tile)
         g, t = (tid % WARP) >> 2, tid & 3
         return int32(d[g, 2 * t]), int32(d[g, 2 * t + 1]), int32(d[g + 8, 2 * t]), int32(d[g + 8, 2 * t + 1])
 

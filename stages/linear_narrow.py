@@ -27,7 +27,7 @@ Launch: a block is a tile of 16 * FM rows of one group (grid x over every group'
 (`plan`), so that short-and-wide matrices still fill the GPU: enough warps, each at least one
 walk step (UNROLL blocks, whose loads a lane issues together) of K.
 
-On the simulator the mma is stages.linear_tc's emulation (the lanes of a warp meet at each call),
+On the simulator the mma is stages.warp_mma's emulation (the lanes of a warp meet at each call),
 so blocks have at most four warps there.
 """
 
@@ -38,11 +38,9 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, uint32
 
-from flashv41.stages import linear_tc
 from flashv41.stages.device import CHUNK, SIM, WARP, f32_to_bf16, inlined, load_words4, product_groups
 from flashv41.stages.quant_types import DEVICE_TYPES, NarrowType
-
-mma = linear_tc.kernel_mma
+from flashv41.stages.warp_mma import kernel_mma as mma
 
 NARROW_MAX_TOKENS = 64  # the largest batch bucket of a decode step
 TOKEN_CAPS = (8, 16, 32, 64)  # compiled per cap: accumulators for cap / 8 token fragments

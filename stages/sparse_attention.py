@@ -81,7 +81,6 @@ import numpy as np
 from numba import cuda, float32, float64, int32, uint32
 
 from flashv41.host.errors import InputError
-from flashv41.stages import linear_tc
 from flashv41.stages.device import (
     SIM,
     WARP,
@@ -105,11 +104,11 @@ from flashv41.stages.device import (
     words4_at,
 )
 from flashv41.stages.row_tables import u16_rows, u32_rows
+from flashv41.stages.warp_mma import kernel_mma as mma
 
 if SIM:
     from flashv41.stages.device import _BF16_VALUES
 
-mma = linear_tc.kernel_mma
 
 SPARSE_BLOCK = 64
 START_MAX = float32(-1e30)

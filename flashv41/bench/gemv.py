@@ -17,7 +17,11 @@ in a real step). The copies are freed when the row ends. The JSON's `l2` says "r
 copies", or for a weight >= 4x L2 "read from HBM" (timed back to back on the one weight).
 `time_product` also serves the prefill rows (flashv41.bench.prefill), which evict instead.
 
-`gemv.imma.<matrix>.<type>` (Q8_0, Q2_K, Q4_K, Q5_K, Q6_K, MXFP4: the types stages.linear_imma takes, among those
+`gemv.t8.<matrix>.<type>`: the same product for eight tokens (a batched decode step of eight
+sequences, the most tokens a decode GEMV takes), its weight rotated as a single token's.
+
+`gemv.imma.<matrix>.<type>` and `gemv.imma.t8.<matrix>.<type>` (Q8_0, Q2_K, Q4_K, Q5_K, Q6_K,
+MXFP4: the types stages.linear_imma takes, among those
 --weight-type selects): the same product forced onto the integer tensor-core kernel (never picked
 by default yet), timed and bounded as its `gemv.<matrix>.<type>` row beside it, so that one run
 compares the two.
@@ -49,8 +53,9 @@ def time_product(ctx: BenchContext, matrix: str, n: int, k: int, groups: int, wt
     (`groups` groups reading their own input slices), with `kernel` (stages.linear's names) or the
     kernel stages.linear picks; the kernel's name; and what was done about the L2. One token (a
     decode GEMV reads its weight once): copies of the weight rotated (each run once before the
-    timing where the kernel is forced). More (a prefill GEMM, which reuses its tiles from the L2 by
-    design): the L2 evicted between repetitions if weight, input and output fit."""
+    timing where the kernel is forced), as for up to DECODE_TOKENS tokens (a batched decode step's
+    product, which reads its weight once too). More (a prefill GEMM, which reuses its tiles from the L2
+    by design): the L2 evicted between repetitions if weight, input and output fit."""
     from numba import cuda
 
     from flashv41.stages.linear import DeviceWeight, linear, pick_kernel
@@ -67,7 +72,7 @@ def time_product(ctx: BenchContext, matrix: str, n: int, k: int, groups: int, wt
         linear(x, weight, y, tokens, group_rows=rows, stream=stream, kernel=kernel)
 
     queued = 4 if tokens > 1 else 8
-    if tokens == 1:
+    if tokens <= DECODE_TOKENS:
         median, plan = ctx.rotated_time(w, lambda v: copy_weight(v, stream), product, w.nbytes, stream, n=queued,
                                         hold_s=hold_s, prepare=product if kernel else None)
     else:
@@ -76,13 +81,14 @@ def time_product(ctx: BenchContext, matrix: str, n: int, k: int, groups: int, wt
     return median, kernel or pick_kernel(w, True, tokens), plan
 
 
-def gemv_case(matrix: str, n: int, k: int, groups: int, wtype: str, forced: str = "") -> BenchCase:
-    """The row of one token through the matrix: `gemv.<matrix>.<type>` with the kernel stages.linear
-    picks, or `gemv.<forced>.<matrix>.<type>` with that kernel forced."""
-    name = f"gemv.{forced + '.' if forced else ''}{matrix}.{wtype}"
+def gemv_case(matrix: str, n: int, k: int, groups: int, wtype: str, forced: str = "", tokens: int = 1) -> BenchCase:
+    """The row of `tokens` tokens through the matrix: `gemv.<matrix>.<type>` (one token) or
+    `gemv.t<tokens>.<matrix>.<type>` with the kernel stages.linear picks, or the same names with
+    `<forced>.` after `gemv.` with that kernel forced."""
+    name = f"gemv.{forced + '.' if forced else ''}{f't{tokens}.' if tokens > 1 else ''}{matrix}.{wtype}"
 
     def run(ctx: BenchContext) -> list[BenchRow]:
-        median, kernel, plan = time_product(ctx, matrix, n, k, groups, wtype, 1, kernel=forced)
+        median, kernel, plan = time_product(ctx, matrix, n, k, groups, wtype, tokens, kernel=forced)
         nbytes = FORMATS[GGMLType[wtype]].row_bytes(k) * n
         share = nbytes / median / ctx.copy_bandwidth
         return [BenchRow(name, median, ctx.memory_bound(nbytes), bytes=nbytes,
@@ -93,6 +99,7 @@ def gemv_case(matrix: str, n: int, k: int, groups: int, wtype: str, forced: str 
 
 
 FLOOR_MB = (4, 16, 24, 32, 64, 128)  # read sizes of the floor rows, MiB
+DECODE_TOKENS = 8  # the largest batch whose products are decode GEMVs (stages.linear.GEMV_MAX_TOKENS)
 
 
 def floor_case(mb: int) -> BenchCase:
@@ -119,7 +126,8 @@ def floor_case(mb: int) -> BenchCase:
 def cases(options: BenchOptions) -> list[BenchCase]:
     from flashv41.stages.linear_imma import IMMA_TYPES
 
-    imma = [gemv_case(m, n, k, g, wtype, "imma") for wtype in options.weight_types if GGMLType[wtype] in IMMA_TYPES
-            for m, n, k, g in SHAPES]
-    return ([floor_case(mb) for mb in FLOOR_MB]
-            + [gemv_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES] + imma)
+    picked = [gemv_case(m, n, k, g, wtype, tokens=t) for t in (1, DECODE_TOKENS) for wtype in options.weight_types
+              for m, n, k, g in SHAPES]
+    imma = [gemv_case(m, n, k, g, wtype, "imma", t) for t in (1, DECODE_TOKENS) for wtype in options.weight_types
+            if GGMLType[wtype] in IMMA_TYPES for m, n, k, g in SHAPES]
+    return [floor_case(mb) for mb in FLOOR_MB] + picked + imma

@@ -1,0 +1,10 @@
+# Source this on the GPU machine, in the project root, before the GPU suite or the benchmark:
+#   . tools/device_setup.sh
+# It installs the wheels carried in .whl/ (NumPy 2.4, which numba-cuda 0.30 needs, and the
+# pure-Python packages the machine lacks) into /tmp/site, puts them first on PYTHONPATH, and
+# installs flashv41 editable into the machine's Python, so that flashv41.host and flashv41.stages map
+# to host/ and stages/ as they do in CI and the `flashv41` command exists. How to fill .whl/: the
+# header of tools/gpu_suite.sh.
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || return 2
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 2

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one call on the GPU machine (DEVICE.md in ../shared says how to reach it).
+#
+#   tools/gpu_suite.sh LOG_DIR [WORKERS] [-- extra pytest arguments]
+#
+# Installs the carried wheels and flashv41 (tools/device_setup.sh), then runs every `gpu` test over
+# WORKERS pytest-xdist processes (14 by default: Numba's compiles, one CPU core each, are most of the
+# suite's time; every worker holds its own CUDA context on the one GPU). The log goes to LOG_DIR/gpu_suite.log, the slowest tests and the
+# skips with their reasons included; the exit status is pytest's. SUITE_TIMEOUT (seconds, default 3000)
+# interrupts pytest, which then still prints what ran, so a device call's limit never loses the log.
+#
+# Prepare once, on a machine with a package index, in the project root:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl numpy==2.4.6
+#   python3 -m pip download --no-deps -d .whl gguf==0.19.0 tqdm pytest-xdist execnet setuptools
+# then carry .whl in the device call.
+set -uo pipefail
+
+log_dir=${1:?usage: tools/gpu_suite.sh LOG_DIR [WORKERS] [-- pytest args]}
+shift
+workers=14
+if [ $# -gt 0 ] && [ "$1" != "--" ]; then
+    workers=$1
+    shift
+fi
+[ "${1:-}" = "--" ] && shift
+mkdir -p "$log_dir"
+log="$log_dir/gpu_suite.log"
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here" || exit 2
+# shellcheck source=tools/device_setup.sh
+. tools/device_setup.sh || exit 2
+
+{
+    echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+    python3 -c "import numpy, numba, numba.cuda; print('numpy', numpy.__version__, 'numba', numba.__version__)"
+} 2>&1 | tee "$log"
+
+start=$(date +%s)
+timeout --signal=INT "${SUITE_TIMEOUT:-3000}" python3 -m pytest -m gpu -n "$workers" -p no:cacheprovider -q -rs --durations=25 "$@" 2>&1 | tee -a "$log"
+status=${PIPESTATUS[0]}
+echo "== gpu suite: exit $status, $(( $(date +%s) - start )) s wall" | tee -a "$log"
+exit "$status"

@@ -131,26 +131,29 @@ def stage_table(seconds: dict[str, float]) -> list[str]:
 
 def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded: np.ndarray) -> tuple[list[str], bool]:
     """Every layer of every call against the oracle from identical starting points
-    (flashv41.check): the prompt (its last max_tokens tokens in one call), then each decode step.
-    Returns the report lines and whether every layer agreed."""
-    from flashv41.check import COSINE, MAX_FLIP_SHARE, REL_RMS, Flips, compare_call
+    (flashv41.check): the prompt (its last max_tokens tokens in one call), then each decode step;
+    and the whole run against an oracle sequence run from position 0 on its own (flashv41.check.Chain:
+    the prompt's earlier chunks too). Returns the report lines and whether everything agreed."""
+    from flashv41.check import COSINE, MAX_FLIP_SHARE, REL_RMS, Chain, Flips, compare_call
     from flashv41.host.oracle import Oracle
 
     oracle = Oracle(model, max_seq=engine.max_seq)
     seq, ref = engine.new_sequence(), oracle.new_sequence()
     n = model.config.n_layers
+    chain = Chain(oracle.new_sequence(), n)
     worst_cos, worst_err, flips, ok = [1.0] * n, [0.0] * n, [0] * n, True
     failures: list[str] = []
     run = Flips()
     start = max(0, prompt.size - engine.max_tokens)
     calls = [prompt[start:]] + [np.array([t]) for t in decoded]
     try:
+        for s in range(0, start, engine.max_tokens):  # the chunks before the compared call: chained only
+            chain.step(seq, prompt[s:min(start, s + engine.max_tokens)])
         if start:
-            seq.prefill(prompt[:start])
             ref.prefill(prompt[:start])
         with Progress("check against the oracle", len(calls), "call", "calls") as progress:
             for k, ids in enumerate(calls):
-                _, call = compare_call(seq, ref, ids)
+                _, call = compare_call(seq, ref, ids, chain=chain)
                 progress.update()
                 for a in call.layers:
                     worst_cos[a.layer] = min(worst_cos[a.layer], a.cosine)
@@ -165,12 +168,17 @@ def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded:
     if not run.rare:
         ok = False
         failures.append(f"  flips over the run are not rare: {run.describe()}")
+    chained = chain.agreement()
+    if not chained.ok:
+        ok = False
+        failures.append("  the whole run left the oracle beyond its bound (the chained line above)")
     lines = [f"check against the oracle ({len(calls)} calls, each from the engine's state, per-layer inputs and "
              f"choices; cosine >= {COSINE} and rel rms <= {REL_RMS}, flips <= {MAX_FLIP_SHARE:.0%} a kind):"]
     for role, cos, err, flip in zip(model.config.roles, worst_cos, worst_err, flips, strict=True):
         lines.append(f"  layer {role.layer:>3} {role.block_type:<28} max |err| {err:.3e}  cosine {cos:.8f}"
                      + (f"  ({flip} flipped values adopted from the engine)" if flip else ""))
     lines.append(f"  flips (the engine's choices the oracle went on with): {run.describe()}")
+    lines.append(f"  {chained.describe()}")
     lines += failures
     lines.append("check: " + ("every layer agrees" if ok else "DISAGREEMENT beyond the bounds"))
     return lines, ok

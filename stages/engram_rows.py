@@ -23,10 +23,11 @@ Host-to-device copies go through pinned staging buffers, so they run asynchronou
 stage's stream; an event keeps the host from refilling a staging buffer while a copy from it may
 still be in flight.
 
-Every type of the quant-type table (stages.quant_types.DEVICE_TYPES: Q2_K, Q8_0, BF16, F16, F32)
-is supported: one thread per 32-value chunk of a row, the type's chunk dequantiser of stored rows,
-then the round to bf16 (nearest even). The dequantised values are exact in float32 (host.quants),
-so the rows are bit-identical to the oracle's, host.oracle.engram.engram_rows.
+Every type of the quant-type table (stages.quant_types.DEVICE_TYPES: F32, F16, BF16, Q8_0, the
+K-quants Q2_K .. Q6_K, MXFP4 and ds4's E4M3_ROW264) is supported: one thread per 32-value chunk of a
+row, the type's chunk dequantiser of stored rows, then the round to bf16 (nearest even). The
+dequantised values are exact in float32 (host.quants), so the rows are bit-identical to the
+oracle's, host.oracle.engram.engram_rows.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ and flash sizes are in tests/test_engram_gpu.py).
 
 - hash (host.engram_hash_fast): equal to host.engram_hash, element for element, for prefill, chunked
   prefill, decode, masks and unmapped ids, with the same errors;
-- rows (stages.engram_rows): bit-identical to host.oracle.engram.engram_rows, Q2_K / Q8_0 / BF16
-  tables, both residencies;
+- rows (stages.engram_rows): bit-identical to host.oracle.engram.engram_rows, Q2_K / Q8_0 / BF16 /
+  MXFP4 tables (MXFP4 in the llama.cpp and mxxm-t layouts), every residency;
 - projection (stages.linear through the stage): tests/bounds.py's product rules (at least 99% of
   outputs bit-equal to the oracle, the rest within the sqrt(K) bound);
 - gate (stages.engram_gate): within `gate_bounds` below;
@@ -183,9 +183,12 @@ def _ids(rng: np.random.Generator, table_rows: int, t: int, cols: int) -> np.nda
 
 
 @pytest.mark.parametrize("residency", ["device", "pinned", "host"])
-@pytest.mark.parametrize("table_type", ["Q2_K", "Q8_0", "BF16"])
-def test_rows_bit_exact(synth_model, table_type: str, residency: str) -> None:
-    model = flashv41.load_model(synth_model("tiny", table_type=table_type))
+@pytest.mark.parametrize(("table_type", "layout"), [("Q2_K", "llama.cpp"), ("Q8_0", "llama.cpp"), ("BF16", "llama.cpp"),
+                                                    ("MXFP4", "llama.cpp"), ("MXFP4", "mxxm-t")])
+def test_rows_bit_exact(synth_model, table_type: str, layout: str, residency: str) -> None:
+    """MXFP4 in both layouts that carry it: eight 17-byte blocks a 256-value row (llama.cpp's
+    `engram_embd`, mxxm-t's `engram_embed`)."""
+    model = flashv41.load_model(synth_model("tiny", table_type=table_type, layout=layout))
     try:
         engram = model.config.engram
         table = model.tensor(engram.layer_ids[1], "engram_embd")

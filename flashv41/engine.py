@@ -101,8 +101,8 @@ class Engine:
         for name, value in (("max_seq", max_seq), ("max_tokens", max_tokens)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
                 raise InputError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-        if max_tokens < 1 or max_seq < 1:
-            raise InputError(f"max_tokens ({max_tokens}) and max_seq ({max_seq}) must be at least 1")
+            if value < 1:
+                raise InputError(f"{name} must be at least 1, got {value}")
         if max_seq > cfg.context_length:
             raise CapacityError(f"max_seq {max_seq} exceeds the model's context length {cfg.context_length}")
         if table_residency not in TABLE_RESIDENCIES:
@@ -479,7 +479,8 @@ class Sequence:
         self.engine._check_open()
         ids, mask = check_tokens(token_ids, token_mask, self.engine.cfg.vocab_size)
         if self.position + ids.size > self.max_seq:
-            raise CapacityError(f"{plural(ids.size, 'token')} at position {self.position} exceed max_seq "
+            raise CapacityError(f"{plural(ids.size, 'token')} at position {self.position} "
+                                f"{'exceeds' if ids.size == 1 else 'exceed'} max_seq "
                                 f"{self.max_seq} "
                                 f"({plural(self.max_seq - self.position, 'position')} left)")
         return ids, mask

@@ -35,7 +35,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from flashv41.host import gguf_layout as L
 from flashv41.host.config import EngramConfig, LayerRole, ModelConfig
 from flashv41.host.engram_tables import engram_offsets
-from flashv41.host.errors import FlashError, ModelFormatError, SequenceStateError, UnsupportedError
+from flashv41.host.errors import FlashError, InputError, ModelFormatError, SequenceStateError, UnsupportedError
 from flashv41.host.quants import FORMATS, GGML_I8, GGMLType, RowType, check_e4m3_row264, dequantize
 
 
@@ -225,6 +225,10 @@ def _min_item_bytes(reader: GGUFReader, raw_type: int) -> int:
 
 
 def open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFReader, Path]:
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"a model is opened from the path of its GGUF file, got {type(path).__name__} {path!r}")
+    if str(path) == "":
+        raise InputError("a model is opened from the path of its GGUF file, got an empty path")
     p = Path(path)
     if p.is_dir():
         raise ModelFormatError(f"{p} is a directory, not a GGUF model file")

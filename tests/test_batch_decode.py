@@ -71,7 +71,7 @@ def test_bad_batches_change_nothing(model) -> None:
         vocab = model.config.vocab_size
         bad = [
             (([a, b], [1, vocab]), InputError, "sequence 1: token id"),
-            (([a, full], [1, 2]), CapacityError, "sequence 1: 1 tokens at position 8 exceed max_seq 8"),
+            (([a, full], [1, 2]), CapacityError, "sequence 1: 1 token at position 8 exceeds max_seq 8"),
             (([a, a], [1, 2]), InputError, "sequence 1 appears twice"),
             (([b, gone], [1, 2]), SequenceStateError, "sequence 1: this sequence was released"),
             (([stranger, a], [1, 2]), InputError, "sequence 0 is not a sequence of this engine"),

@@ -253,8 +253,8 @@ def test_unmapped_blocks_like_a_mask_in_the_oracle(setup) -> None:
 def test_engine_arguments(setup) -> None:
     model, _, _ = setup
     for kwargs, error, words in (
-        (dict(max_seq=0), InputError, "max_seq (0)"),
-        (dict(max_tokens=0), InputError, "max_tokens (0)"),
+        (dict(max_seq=0), InputError, "max_seq must be at least 1, got 0"),
+        (dict(max_tokens=0), InputError, "max_tokens must be at least 1, got 0"),
         (dict(max_seq=model.config.context_length + 1), CapacityError, "context length"),
         (dict(table_residency="disk"), InputError, "table_residency"),
     ):

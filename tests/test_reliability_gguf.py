@@ -22,7 +22,7 @@ from gguf import GGUFReader
 import flashv41
 from flashv41.check import compare_call
 from flashv41.host import gguf_layout as L
-from flashv41.host.errors import FlashError, ModelFormatError, SequenceStateError, UnsupportedError
+from flashv41.host.errors import FlashError, InputError, ModelFormatError, SequenceStateError, UnsupportedError
 from flashv41.host.gguf_model import open_gguf
 from flashv41.host.oracle import Oracle
 from tests.gguf_edit import field_value, rewrite_gguf
@@ -100,6 +100,16 @@ def test_not_a_gguf(tmp_path: Path, content: bytes | str, words: str) -> None:
 def test_no_such_file(tmp_path: Path) -> None:
     expect(tmp_path / "absent.gguf", ModelFormatError, "absent.gguf", "no such file")
     expect(tmp_path, ModelFormatError, str(tmp_path), "is a directory, not a GGUF model file")
+
+
+@pytest.mark.parametrize(("path", "words"), [
+    (None, "the path of its GGUF file, got NoneType None"),
+    (7, "the path of its GGUF file, got int 7"),
+    ("", "the path of its GGUF file, got an empty path"),
+])
+def test_not_a_path(path: object, words: str) -> None:
+    with pytest.raises(InputError, match=words):
+        flashv41.load_model(path)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("fraction", [0.001, 0.01, 0.3, 0.6, 0.95])

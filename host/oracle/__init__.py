@@ -104,7 +104,8 @@ class OracleSequence:
             raise SequenceStateError("this sequence was released")
         ids, mask = check_tokens(token_ids, token_mask, self.cfg.vocab_size)
         if self.position + ids.size > self.max_seq:
-            raise CapacityError(f"{plural(ids.size, 'token')} at position {self.position} exceed max_seq "
+            raise CapacityError(f"{plural(ids.size, 'token')} at position {self.position} "
+                                f"{'exceeds' if ids.size == 1 else 'exceed'} max_seq "
                                 f"{self.max_seq}")
         return ids, mask
 

@@ -29,6 +29,7 @@ import numpy as np
 
 import flashv41
 from flashv41.check import COSINE, MAX_FLIP_SHARE, REL_RMS, Flips, LayerAgreement, compare_call
+from flashv41.cli import guarded
 from flashv41.host.oracle import Oracle
 from flashv41.host.progress import Progress
 from flashv41.runner import backend_description, open_model, random_tokens
@@ -106,4 +107,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # errors as the flashv41 command shows them: a missing or bad model file is one line (exit 2)
+    sys.exit(guarded("compare_oracle.py", main))

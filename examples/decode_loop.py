@@ -27,8 +27,9 @@ import warnings
 from pathlib import Path
 
 import flashv41
+from flashv41.cli import guarded
 from flashv41.host.progress import Progress
-from flashv41.runner import backend_description, open_model, random_tokens, stage_table
+from flashv41.runner import backend_description, open_model, prefill_progress, random_tokens, stage_table
 
 
 def report(step_s: list[float], position: int, stage_seconds: dict[str, float] | None) -> None:
@@ -75,11 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                                  profile=not args.no_profile)
         try:
             seq = engine.new_sequence()
-            with Progress(f"prefill of {prompt.size} tokens", 1, "call", "calls") as progress:
+            with prefill_progress(engine, prompt.size):  # on stderr, layer by layer
                 start = time.perf_counter()
                 seq.prefill(prompt)
                 prefill_s = time.perf_counter() - start
-                progress.update()
             print(f"prefill: {prompt.size} tokens in {prefill_s * 1e3:.1f} ms ({prompt.size / prefill_s:.1f} tokens/s; "
                   "on a GPU the first call compiles the kernels)")
 
@@ -105,4 +105,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # errors as the flashv41 command shows them: a missing or bad model file is one line (exit 2)
+    sys.exit(guarded("decode_loop.py", main))

@@ -504,20 +504,16 @@ def _quiet_stdout() -> None:
     os.close(devnull)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
-    prog = "flashv41"
+def guarded(prog: str, work: Callable[[], int]) -> int:
+    """`work()`'s exit status, with what goes wrong said as every flashv41 command says it: a
+    FlashError as `PROG: error: message` (2), an operating-system error likewise (1), Ctrl-C as
+    `PROG: interrupted` (130), a closed pipe silently (141). The examples run their main through
+    it, so they answer a missing model file as the command line does."""
     try:
-        parser = build_parser()
-        try:
-            args = parser.parse_args(argv)
-        except SystemExit as exc:  # --help, --version and usage errors: hand back argparse's status
-            sys.stdout.flush()
-            return exc.code if isinstance(exc.code, int) else 2
         from flashv41.host.errors import FlashError
 
         try:
-            status = int(args.handler(args))
+            status = work()
             sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
             return status
         except FlashError as exc:
@@ -531,6 +527,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        # the handlers' finally blocks have run by now: files closed, partial writes removed
+        # the work's finally blocks have run by now: files closed, partial writes removed
         print(f"{prog}: interrupted", file=sys.stderr)
         return INTERRUPTED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    def command() -> int:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help, --version and usage errors: hand back argparse's status
+            return exc.code if isinstance(exc.code, int) else 2
+        return int(args.handler(args))
+
+    return guarded("flashv41", command)

@@ -19,7 +19,8 @@ import hashlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -241,15 +242,27 @@ class LayerProgress:
             self.progress.update()
 
 
-def prefill_progress(runner: Runner, prompt: np.ndarray, n_chunks: int) -> Progress:
-    """The prefill's progress: in layers for the engine (each chunk passes every layer), in chunks
-    for a runner that cannot be watched inside a call (the oracle)."""
-    desc = f"prefill of {plural(prompt.size, 'token')}"
+@contextmanager
+def prefill_progress(runner: Any, tokens: int, chunks: int = 1) -> Iterator[Callable[[], None]]:
+    """The progress of a prefill of `tokens` tokens in `chunks` calls, on stderr (host.progress):
+    layer by layer for an engine, each chunk passing every layer (a LayerProgress among its
+    observers while the block runs), so a long chunk does not sit at 0%; call by call for a runner
+    that cannot be watched inside a call (the oracle). Yields what to call after each call."""
+    desc = f"prefill of {plural(tokens, 'token')}"
     plan = getattr(runner, "plan", None)
-    if plan is not None and hasattr(runner, "observers"):
-        chunks = f" in {n_chunks} chunks" if n_chunks > 1 else ""
-        return Progress(desc + chunks, n_chunks * len(plan.layers), "layer", "layers")
-    return Progress(desc, n_chunks, "chunk", "chunks")
+    observers = getattr(runner, "observers", None)
+    if plan is None or observers is None:
+        with Progress(desc, chunks, "chunk", "chunks") as progress:
+            yield progress.update
+        return
+    desc += f" in {chunks} chunks" if chunks > 1 else ""
+    with Progress(desc, chunks * len(plan.layers), "layer", "layers") as progress:
+        watcher = LayerProgress(plan, progress)
+        observers.append(watcher)
+        try:
+            yield lambda: None
+        finally:
+            observers.remove(watcher)
 
 
 def run_sequence(runner: Runner, prompt: np.ndarray, decoded: np.ndarray) -> RunResult:
@@ -262,19 +275,10 @@ def run_sequence(runner: Runner, prompt: np.ndarray, decoded: np.ndarray) -> Run
     try:
         outs = []
         start = time.perf_counter()
-        with prefill_progress(runner, prompt, n_chunks) as progress:
-            observers: list[Any] = getattr(runner, "observers", [])
-            watcher = LayerProgress(getattr(runner, "plan", None), progress) if progress.unit == "layer" else None
-            if watcher is not None:
-                observers.append(watcher)
-            try:
-                for s in range(0, prompt.size, chunk):
-                    outs.append(np.asarray(seq.prefill(prompt[s:s + chunk])))
-                    if watcher is None:
-                        progress.update()
-            finally:
-                if watcher is not None:
-                    observers.remove(watcher)
+        with prefill_progress(runner, prompt.size, n_chunks) as chunk_done:
+            for s in range(0, prompt.size, chunk):
+                outs.append(np.asarray(seq.prefill(prompt[s:s + chunk])))
+                chunk_done()
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         if decoded.size:

@@ -331,6 +331,6 @@ def test_progress_off_a_terminal() -> None:
     assert lines[0] == "decode: 3 steps" and len(lines) == 4 and "\r" not in stream.getvalue()
     assert re.fullmatch(r"decode: 3/3 steps \[00:00<00:00, .+step/s\]", lines[-1]), lines[-1]
     quiet = io.StringIO()
-    with Progress("prefill of 1 tokens", 1, "chunk", "chunks", stream=quiet) as progress:
+    with Progress("prefill of 1 token", 1, "chunk", "chunks", stream=quiet) as progress:
         progress.update()
-    assert quiet.getvalue() == "prefill of 1 tokens: 1 chunk\n"  # a short piece of work: its name only
+    assert quiet.getvalue() == "prefill of 1 token: 1 chunk\n"  # a short piece of work: its name only

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -112,7 +113,7 @@ def test_decode_loop(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     captured = capsys.readouterr()
     out = captured.out
     kernels_first(out)
-    assert opening_lines(captured.err) == ["prefill of 4 tokens: 1 call", "decode: 2 steps"]
+    assert opening_lines(captured.err) == ["prefill of 4 tokens: 6 layers", "decode: 2 steps"]
     assert re.search(r"prefill: 4 tokens in [\d.]+ ms", out)
     assert re.search(r"decode: first step [\d.]+ ms at position 4", out)
     assert re.search(r"decode: 1 step, [\d.]+ ms per step .* [\d.]+ tokens/s with stage timing on", out)
@@ -121,3 +122,15 @@ def test_decode_loop(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
         assert f"  {name} " in stages, name
     assert "final highway [1, 4, 32] at position 5" in out
     assert out.splitlines()[-1] == "released the sequence (released=True) and closed the engine (closed=True)"
+
+
+@pytest.mark.parametrize("name", ["decode_loop", "compare_oracle", "inspect_layers"])
+def test_a_missing_model_is_one_line(name: str, tmp_path: Path) -> None:
+    """Run as a script, an example answers a missing model as the flashv41 command does: its name
+    and the error on one line (exit 2), no traceback."""
+    absent = tmp_path / "absent.gguf"
+    done = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--model", str(absent)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [f"{name}.py: error: {absent}: no such file"], done.stderr
+    kernels_first(done.stdout)

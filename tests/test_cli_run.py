@@ -108,6 +108,7 @@ def test_run_rewrites_a_missing_or_broken_cache(cache: Path, capsys: pytest.Capt
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_run_engine_with_check(cache: Path, capsys: pytest.CaptureFixture[str],
                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The main job: the engine (here on the simulator, and it says so), its stage table, and the
@@ -142,6 +143,7 @@ def test_run_engine_with_check(cache: Path, capsys: pytest.CaptureFixture[str],
     assert "check: every layer agrees" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residency", ["pinned", "host"])
 def test_run_table_residency(residency: str, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`run --table-residency`: the engine with its tables in pinned host memory or read from the

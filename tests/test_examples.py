@@ -68,6 +68,7 @@ def layer_rows(out: str) -> list[str]:
     return [line for line in out.splitlines() if re.match(r"\s+\d+\s{2}\S", line)]
 
 
+@pytest.mark.slow
 def test_inspect_layers(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert load_example("inspect_layers").main(["--model", tiny, "--prompt-len", "4", "--query", "-1"]) == 0
     out = capsys.readouterr().out
@@ -86,6 +87,7 @@ def test_inspect_layers(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert "final highway [4, 4, 32]" in out
 
 
+@pytest.mark.slow
 def test_compare_oracle(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert load_example("compare_oracle").main(["--model", tiny, "--prompt-len", "4", "--steps", "1"]) == 0
     captured = capsys.readouterr()
@@ -100,6 +102,7 @@ def test_compare_oracle(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert out.splitlines()[-1] == "every layer agrees (6 layers x 2 calls)"
 
 
+@pytest.mark.slow
 def test_compare_oracle_exits_1_on_disagreement(tiny: str, capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(check, "COSINE", 2.0)  # no cosine reaches it: every layer fails
@@ -108,6 +111,7 @@ def test_compare_oracle_exits_1_on_disagreement(tiny: str, capsys: pytest.Captur
     assert "FAIL" in out and out.splitlines()[-1].startswith("DISAGREEMENT: ")
 
 
+@pytest.mark.slow
 def test_decode_loop(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert load_example("decode_loop").main(["--model", tiny, "--prompt-len", "4", "--steps", "2"]) == 0
     captured = capsys.readouterr()

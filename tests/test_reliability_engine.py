@@ -115,6 +115,7 @@ def assert_agrees(seq, ref, k: int, what: str) -> np.ndarray:
     return got
 
 
+@pytest.mark.slow
 def test_bad_calls_change_nothing(setup, monkeypatch: pytest.MonkeyPatch) -> None:
     model, engine, oracle = setup
     a, c = engine.new_sequence(), engine.new_sequence()  # a sees every bad call, c none

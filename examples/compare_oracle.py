@@ -6,16 +6,16 @@ disagrees beyond the bounds in flashv41/check.py.
     python examples/compare_oracle.py --model model.gguf   # any DeepSeek-V4.1 GGUF
     python examples/compare_oracle.py --prompt-len 16 --steps 5
 
-Without a GPU the kernels run on Numba's CUDA simulator (about 15 s for the tiny model with the
-defaults). Each call starts both sides from identical points: the oracle's attention state is set to
-the engine's before the call, each oracle layer starts from the engine's input to that layer, and
-wherever the two make a discrete choice differently (a quantisation flip: a last-bit difference
-landing on a rounding boundary gives another fp8 / fp4 code, candidate block or selected row) the
-oracle goes on with the engine's, so a row measures that layer alone, at the full bound. The
-columns: cosine and relative RMS error of the layer's output highway against the oracle's, the
-largest absolute difference, and the flips the layer had (values that differed, of those compared).
-A call fails if any layer is beyond the bounds or a kind of choice flipped in more than 1% of its
-values (flashv41/check.py).
+Without a GPU the kernels run on Numba's CUDA simulator: about 15-35 s for the tiny model with the
+defaults on two cores, the progress on stderr. Each call starts both sides from identical points:
+the oracle's attention state is set to the engine's before the call, each oracle layer starts from
+the engine's input to that layer, and wherever the two make a discrete choice differently (a
+quantisation flip: a last-bit difference landing on a rounding boundary gives another fp8 / fp4
+code, candidate block or selected row) the oracle goes on with the engine's, so a row measures that
+layer alone, at the full bound. The columns: cosine and relative RMS error of the layer's output
+highway against the oracle's, the largest absolute difference, and the flips the layer had (values
+that differed, of those compared). A call fails if any layer is beyond the bounds or a kind of
+choice flipped in more than 1% of its values (flashv41/check.py).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ where a step's time goes, stage by stage. Then the sequence is released and the 
     python examples/decode_loop.py --model model.gguf       # any DeepSeek-V4.1 GGUF
     python examples/decode_loop.py --steps 64 --no-profile  # throughput without stage timing
 
-Without a GPU the kernels run on Numba's CUDA simulator (about 2.5 s a step for the tiny model, so
-the defaults take about half a minute; simulator times say nothing about a GPU's). This engine
+Without a GPU the kernels run on Numba's CUDA simulator: with the defaults on the tiny model, a
+prefill of 8-15 s and 1.5-3 s a step, about 20-40 s in all on two cores (the more the machine is
+shared, the longer); simulator times say nothing about a GPU's. Progress shows on stderr. This engine
 stops at the last layer's highway (no MoE, no LM head), so there is nothing to sample: each step
 feeds the next of a seeded random token stream, the same as `flashv41 run`.
 

@@ -6,7 +6,8 @@ layers) and the compressed positions one query selected (layers with compressed 
     python examples/inspect_layers.py --model model.gguf   # any DeepSeek-V4.1 GGUF
     python examples/inspect_layers.py --prompt-len 16 --query -1
 
-Without a GPU the kernels run on Numba's CUDA simulator (a few seconds for the tiny model). The
+Without a GPU the kernels run on Numba's CUDA simulator: about 10-20 s for the tiny model on two
+cores, the prefill's progress on stderr. The
 prompt is `--prompt-len` seeded random token ids, run as one call (`max_tokens` is the prompt's
 length) because captures keep the last chunk only. Captures hold, per layer, host copies of the
 intermediates (`h_out` [T, hc, dim], `attn_out` [T, dim], `engram_gate` [T, hc], `selection` [T, topk]

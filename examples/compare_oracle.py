@@ -6,19 +6,20 @@ disagrees beyond the bounds in flashv41/check.py.
     python examples/compare_oracle.py --model model.gguf   # any DeepSeek-V4.1 GGUF
     python examples/compare_oracle.py --prompt-len 16 --steps 5
 
-Without a GPU the kernels run on Numba's CUDA simulator (about 15 s for the tiny model with the
-defaults). Each call starts both sides from identical points: the oracle's attention state is set to
-the engine's before the call, each oracle layer starts from the engine's input to that layer, and
-wherever the two make a discrete choice differently (a quantisation flip: a last-bit difference
-landing on a rounding boundary gives another fp8 / fp4 code, candidate block or selected row) the
-oracle goes on with the engine's, so a row measures that layer alone, at the full bound. The
-columns: cosine and relative RMS error of the layer's output highway against the oracle's, the
-largest absolute difference, and the flips the layer had (values that differed, of those compared).
-A call fails if any layer is beyond the bounds or a kind of choice flipped in more than 1% of its
-values (flashv41/check.py). Then the whole run against an oracle sequence that ran the same calls
-from position 0 on its own (nothing taken from the engine: what starting each call from the engine's
-state cannot see, a state gone wrong between calls): cosine, relative RMS and largest error of the
-output highways, held to the bound flashv41/check.py derives where no flip was counted.
+Without a GPU the kernels run on Numba's CUDA simulator: about 30-60 s for the tiny model with the
+defaults on two cores (the oracle runs twice: per call and chained), the progress on stderr. Each
+call starts both sides from identical points: the oracle's attention state is set to the engine's
+before the call, each oracle layer starts from the engine's input to that layer, and wherever the two
+make a discrete choice differently (a quantisation flip: a last-bit difference landing on a rounding
+boundary gives another fp8 / fp4 code, candidate block or selected row) the oracle goes on with the
+engine's, so a row measures that layer alone, at the full bound. The columns: cosine and relative RMS
+error of the layer's output highway against the oracle's, the largest absolute difference, and the
+flips the layer had (values that differed, of those compared). A call fails if any layer is beyond
+the bounds or a kind of choice flipped in more than 1% of its values (flashv41/check.py). Then the
+whole run against an oracle sequence that ran the same calls from position 0 on its own (nothing
+taken from the engine: what starting each call from the engine's state cannot see, a state gone
+wrong between calls): cosine, relative RMS and largest error of the output highways, held to the
+bound flashv41/check.py derives where no flip was counted.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 
 import flashv41
 from flashv41.check import COSINE, MAX_FLIP_SHARE, REL_RMS, Chain, Flips, LayerAgreement, compare_call
+from flashv41.cli import guarded
 from flashv41.host.oracle import Oracle
 from flashv41.host.progress import Progress
 from flashv41.runner import backend_description, open_model, random_tokens
@@ -117,4 +119,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # errors as the flashv41 command shows them: a missing or bad model file is one line (exit 2)
+    sys.exit(guarded("compare_oracle.py", main))

@@ -5,8 +5,9 @@ where a step's time goes, stage by stage. Then the sequence is released and the 
     python examples/decode_loop.py --model model.gguf       # any DeepSeek-V4.1 GGUF
     python examples/decode_loop.py --steps 64 --no-profile  # throughput without stage timing
 
-Without a GPU the kernels run on Numba's CUDA simulator (about 2.5 s a step for the tiny model, so
-the defaults take about half a minute; simulator times say nothing about a GPU's). This engine
+Without a GPU the kernels run on Numba's CUDA simulator: with the defaults on the tiny model, a
+prefill of 8-15 s and 1.5-3 s a step, about 20-40 s in all on two cores (the more the machine is
+shared, the longer); simulator times say nothing about a GPU's. Progress shows on stderr. This engine
 stops at the last layer's highway (no MoE, no LM head), so there is nothing to sample: each step
 feeds the next of a seeded random token stream, the same as `flashv41 run`.
 
@@ -27,8 +28,9 @@ import warnings
 from pathlib import Path
 
 import flashv41
+from flashv41.cli import guarded
 from flashv41.host.progress import Progress
-from flashv41.runner import backend_description, open_model, random_tokens, stage_table
+from flashv41.runner import backend_description, open_model, prefill_progress, random_tokens, stage_table
 
 
 def report(step_s: list[float], position: int, stage_seconds: dict[str, float] | None) -> None:
@@ -75,11 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                                  profile=not args.no_profile)
         try:
             seq = engine.new_sequence()
-            with Progress(f"prefill of {prompt.size} tokens", 1, "call", "calls") as progress:
+            with prefill_progress(engine, prompt.size):  # on stderr, layer by layer
                 start = time.perf_counter()
                 seq.prefill(prompt)
                 prefill_s = time.perf_counter() - start
-                progress.update()
             print(f"prefill: {prompt.size} tokens in {prefill_s * 1e3:.1f} ms ({prompt.size / prefill_s:.1f} tokens/s; "
                   "on a GPU the first call compiles the kernels)")
 
@@ -105,4 +106,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # errors as the flashv41 command shows them: a missing or bad model file is one line (exit 2)
+    sys.exit(guarded("decode_loop.py", main))

@@ -6,7 +6,8 @@ layers) and the compressed positions one query selected (layers with compressed 
     python examples/inspect_layers.py --model model.gguf   # any DeepSeek-V4.1 GGUF
     python examples/inspect_layers.py --prompt-len 16 --query -1
 
-Without a GPU the kernels run on Numba's CUDA simulator (a few seconds for the tiny model). The
+Without a GPU the kernels run on Numba's CUDA simulator: about 10-20 s for the tiny model on two
+cores, the prefill's progress on stderr. The
 prompt is `--prompt-len` seeded random token ids, run as one call (`max_tokens` is the prompt's
 length) because captures keep the last chunk only. Captures hold, per layer, host copies of the
 intermediates (`h_out` [T, hc, dim], `attn_out` [T, dim], `engram_gate` [T, hc], `selection` [T, topk]
@@ -23,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 import flashv41
-from flashv41.runner import backend_description, open_model, random_tokens
+from flashv41.cli import guarded
+from flashv41.runner import backend_description, open_model, prefill_progress, random_tokens
 
 
 def rms(a: np.ndarray) -> float:
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prompt: {prompt.size} tokens (seed {args.seed})")
         with flashv41.Engine(model, max_seq=prompt.size, max_tokens=prompt.size) as engine:
             seq = engine.new_sequence()
-            h = seq.prefill(prompt, capture=True)
+            with prefill_progress(engine, prompt.size):  # on stderr, layer by layer
+                h = seq.prefill(prompt, capture=True)
             for line in layer_lines(model, seq.captures, args.query % prompt.size):
                 print(line)
             print(f"final highway [{', '.join(str(n) for n in h.shape)}]: rms {rms(h):.4f}")
@@ -82,4 +85,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # errors as the flashv41 command shows them: a missing or bad model file is one line (exit 2)
+    sys.exit(guarded("inspect_layers.py", main))

@@ -2,21 +2,36 @@
 
 Public API: `load_model`, `builtin_model` (the built-in tiny model's path), `Model`, `Engine` /
 `Sequence`, `ModelConfig`, `LayerRole`, `EngramConfig` and the errors.
+
+The names are imported when first used (`flashv41.Engine`, `from flashv41 import Engine`), not
+when the package is: the command line imports `flashv41.cli`, and so this package, before it
+knows what it will run, and `flashv41 --help` must not wait for NumPy, gguf-py or Numba.
 """
 
-from flashv41.engine import Engine, Sequence
-from flashv41.host.config import EngramConfig, LayerRole, ModelConfig
-from flashv41.host.errors import (
-    CapacityError,
-    FlashError,
-    InputError,
-    ModelFormatError,
-    SequenceStateError,
-    UnsupportedError,
-)
-from flashv41.host.model import Model
-from flashv41.model import load_model
-from flashv41.runner import builtin_model
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# each public name and the module that defines it
+_HOMES = {
+    "Engine": "flashv41.engine",
+    "Sequence": "flashv41.engine",
+    "EngramConfig": "flashv41.host.config",
+    "LayerRole": "flashv41.host.config",
+    "ModelConfig": "flashv41.host.config",
+    "CapacityError": "flashv41.host.errors",
+    "FlashError": "flashv41.host.errors",
+    "InputError": "flashv41.host.errors",
+    "ModelFormatError": "flashv41.host.errors",
+    "SequenceStateError": "flashv41.host.errors",
+    "UnsupportedError": "flashv41.host.errors",
+    "Model": "flashv41.host.model",
+    "load_model": "flashv41.model",
+    "builtin_model": "flashv41.runner",
+}
 
 __all__ = [
     "CapacityError",
@@ -34,4 +49,32 @@ __all__ = [
     "builtin_model",
     "load_model",
 ]
-__version__ = "0.1.0"
+assert sorted(_HOMES) == __all__
+
+if TYPE_CHECKING:
+    from flashv41.engine import Engine, Sequence
+    from flashv41.host.config import EngramConfig, LayerRole, ModelConfig
+    from flashv41.host.errors import (
+        CapacityError,
+        FlashError,
+        InputError,
+        ModelFormatError,
+        SequenceStateError,
+        UnsupportedError,
+    )
+    from flashv41.host.model import Model
+    from flashv41.model import load_model
+    from flashv41.runner import builtin_model
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'flashv41' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next look-up is a plain one
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

@@ -1,45 +1,85 @@
 """The `flashv41` command line (also `python -m flashv41`).
 
-Each subcommand is a pair of functions: `add_<name>_command(subparsers)` declares its arguments
-and `<name>_command(args) -> int` runs it; `SUBCOMMANDS` lists the declarers, so adding a command
-is adding a pair and one entry. Every error is one line on stderr: a bad argument as argparse
-words it, `flashv41: error: argument --seed: ...` (exit 2; numbers are checked as they are
-parsed, so nothing runs first); an error flashv41 raises on purpose (`FlashError`) as
-`flashv41: error: <message>` (exit 2); an operating-system error (a full disk, a folder that
-cannot be written) likewise with exit 1; Ctrl-C as `flashv41: interrupted` (exit 130, after the
-work under way has cleaned up: synth leaves no partial file). `main(argv)` returns the status
-instead of exiting, so the CLI can be driven from Python.
+Each subcommand is a pair of functions: `add_<name>_command(parser)` declares its arguments and
+`<name>_command(args) -> int` runs it; `SUBCOMMANDS` lists each name with its one-line help and
+declarer, so adding a command is adding a pair and one entry.
+
+It answers at once: this module imports only the standard library, and a subcommand's arguments
+are declared (importing what their defaults and checks need: NumPy, gguf-py, never Numba) only
+when that subcommand is parsed or its help shown. So `flashv41 --help`, `--version` and a bad
+argument cost a Python start and no more; Numba and the kernels are imported by the work itself.
+
+Every error is one line on stderr: a bad argument as argparse words it, `flashv41: error:
+argument --seed: ...` (exit 2; numbers are checked as they are parsed, so nothing runs first); an
+error flashv41 raises on purpose (`FlashError`) as `flashv41: error: <message>` (exit 2); an
+operating-system error (a full disk, a folder that cannot be written) likewise with exit 1;
+Ctrl-C, at any moment, as `flashv41: interrupted` (exit 130, after the work under way has cleaned
+up: synth leaves no partial file). A reader that stops early (`flashv41 info | head`) ends the
+command quietly, with the status of a process a closed pipe stops (141), as `cat` or `git log`
+would. `main(argv)` returns the status instead of exiting, so the CLI can be driven from Python.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
-
-import numpy as np
+from typing import TYPE_CHECKING, NoReturn
 
 from flashv41 import __version__
-from flashv41.host.config import ModelConfig
-from flashv41.host.errors import FlashError, InputError
-from flashv41.host.gguf_layout import LAYOUTS
-from flashv41.host.model import Model
-from flashv41.memory import DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES, estimate_memory, format_bytes
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from flashv41.host.config import ModelConfig
+    from flashv41.host.model import Model
 
 # what `synth` writes: every type flashv41 reads (Q3_K .. Q6_K drawn as random valid super-blocks)
 SYNTH_TYPES = ("BF16", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16", "F32")
 BENCH_WEIGHT_TYPES = SYNTH_TYPES  # the bench's rows: random stored blocks of any of these
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
+BROKEN_PIPE = 141  # ... and by SIGPIPE (128 + 13): what a reader that stops early leaves
+# `flashv41 bench`'s defaults, written here so that its help and its argument errors need not
+# import the bench (which imports Numba); tests/test_cli.py holds them to flashv41.bench's
+BENCH_MIN_REPS = 20
+BENCH_DEFAULT_WEIGHT_TYPES = ("Q8_0", "Q2_K", "BF16")
+BENCH_DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "flashv41-bench"
 
 
 class Parser(argparse.ArgumentParser):
     """argparse with its usage errors on one line, `flashv41: error: message`, without the usage
     block above it: the same shape as every other flashv41 error, whichever subcommand's parser
-    found it (its prog is "flashv41 run"; the usage is a --help away)."""
+    found it (its prog is "flashv41 run"; the usage is a --help away).
+
+    A subcommand's parser is made with its `declare` function and declares its arguments only
+    when it is first parsed or its help formatted: the imports its defaults and checks need are
+    paid by that subcommand alone, never by `flashv41 --help`."""
+
+    def __init__(self, *args, declare: Callable[[Parser], None] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._declare = declare
+
+    def declared(self) -> Parser:
+        if self._declare is not None:
+            declare, self._declare = self._declare, None
+            declare(self)
+        return self
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.declared()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self.declared()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self.declared()
+        return super().format_usage()
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog.split()[0]}: error: {message}\n")
@@ -61,6 +101,7 @@ def at_least(least: int) -> Callable[[str], int]:
 
 def token_list(text: str) -> np.ndarray:
     """An argparse type: --tokens' comma-separated ids (flashv41.runner.parse_tokens)."""
+    from flashv41.host.errors import FlashError
     from flashv41.runner import parse_tokens
 
     try:
@@ -71,6 +112,7 @@ def token_list(text: str) -> np.ndarray:
 
 def type_map_items(text: str) -> dict[str, str]:
     """An argparse type: --type-map's `role=TYPE,role=TYPE` (flashv41.host.synth.parse_type_map)."""
+    from flashv41.host.errors import FlashError
     from flashv41.host.synth import parse_type_map
 
     try:
@@ -79,14 +121,12 @@ def type_map_items(text: str) -> dict[str, str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_synth_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
+def add_synth_command(p: Parser) -> None:
+    from flashv41.host.gguf_layout import LAYOUTS
     from flashv41.host.synth import PRESETS, TYPE_MAP_ROLES
 
-    p = subparsers.add_parser(
-        "synth", help="write a synthetic V4.1 model (random weights, real layout) to a GGUF file",
-        description="Write a complete synthetic DeepSeek-V4.1 model in the llama.cpp (or mxxm-t, or ds4) GGUF layout, "
-                    "with seeded random weights of realistic statistics.",
-    )
+    p.description = ("Write a complete synthetic DeepSeek-V4.1 model in the llama.cpp (or mxxm-t, or ds4) GGUF "
+                     "layout, with seeded random weights of realistic statistics.")
     p.add_argument("--preset", choices=list(PRESETS), default="tiny",
                    help="model sizes: tiny (simulator-sized), small (the reference tests' sizes), tiny256 (tiny "
                         "with rows 256 wide, so every matrix but the index keys' holds K-quant blocks), "
@@ -123,8 +163,10 @@ def add_synth_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
 
 
 def synth_command(args: argparse.Namespace) -> int:
+    from flashv41.host.errors import InputError
     from flashv41.host.gguf_layout import ENGRAM_TABLE
     from flashv41.host.synth import PRESETS, progress_bar, resolve_type_map, shard_paths, write_synthetic
+    from flashv41.memory import format_bytes
 
     overrides = {} if args.engram_rows is None else {"engram_rows": args.engram_rows}
     type_map: dict[str, str] = {}
@@ -158,12 +200,14 @@ def synth_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_info_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
-    p = subparsers.add_parser(
-        "info", help="show a GGUF model's configuration, layer roles, tensors and memory estimate",
-        description="Load and validate a DeepSeek-V4.1 GGUF (llama.cpp, mxxm-t or ds4 layout) and describe it.",
-    )
-    p.add_argument("model", type=Path, metavar="FILE.gguf")
+def add_info_command(p: Parser) -> None:
+    from flashv41.memory import DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES
+
+    p.description = ("Load and validate a DeepSeek-V4.1 GGUF (llama.cpp, mxxm-t or ds4 layout) and describe it: "
+                     "its configuration, layer roles, tensors and the memory an engine on it needs. Without "
+                     "MODEL, the built-in tiny synthetic model (as `flashv41 run`).")
+    p.add_argument("model", type=Path, nargs="?", default=None, metavar="MODEL.gguf",
+                   help="the model (default: the built-in tiny model)")
     p.add_argument("--max-seq", type=at_least(1), default=None, metavar="N",
                    help="positions per sequence for the memory estimate, up to the model's context length "
                         "(default: the context length)")
@@ -176,6 +220,7 @@ def add_info_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
 
 
 def info_command(args: argparse.Namespace) -> int:
+    from flashv41.memory import estimate_memory
     from flashv41.runner import open_model
 
     model = open_model(args.model)
@@ -202,6 +247,8 @@ def info_command(args: argparse.Namespace) -> int:
 def describe_residencies(cfg: ModelConfig, model: Model, max_seq: int, max_tokens: int) -> str:
     """One line per table residency: the device memory of an engine with one sequence, and the host
     memory its engram tables take beside it (`info`, whichever residency it was given)."""
+    from flashv41.memory import TABLE_RESIDENCIES, estimate_memory, format_bytes
+
     lines = ["by table residency (one sequence):"]
     for residency in TABLE_RESIDENCIES:
         e = estimate_memory(cfg, model.weights, max_seq, max_tokens, residency)
@@ -236,6 +283,11 @@ def _value(v: object) -> str:
 def describe_config(model: Model) -> str:
     """The file (or the shards of a split set), then every ModelConfig field by topic, then the
     engram geometry."""
+    import dataclasses
+
+    from flashv41.host.config import ModelConfig
+    from flashv41.memory import format_bytes
+
     cfg = model.config
     files = model.weights.files
     size = sum(f.path.stat().st_size for f in files)
@@ -315,6 +367,7 @@ def _split_name(name: str) -> tuple[int | None, str]:
 def describe_tensors(model: Model) -> str:
     """Every tensor in the file by layer: type, NumPy shape and stored bytes; unused ones marked."""
     from flashv41.host import gguf_layout as L
+    from flashv41.memory import format_bytes
 
     cfg = model.config
     name_of = model.weights.name_of  # the role's name in the file's layout
@@ -350,27 +403,21 @@ def describe_tensors(model: Model) -> str:
     return "\n".join(lines)
 
 
-def add_bench_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
-    from flashv41.bench import MIN_REPS, BenchOptions
-
-    defaults = BenchOptions()
-    p = subparsers.add_parser(
-        "bench", help="time the stages on the GPU against their bounds (copy bandwidth, GEMVs, engram steps, "
-                      "hash; docs/performance.md)",
-        description="Run the benchmark rows of docs/performance.md on the GPU: the copy bandwidth first, then "
-                    "every selected row with its median time, bytes, bound and ratio. Needs a CUDA GPU.",
-    )
+def add_bench_command(p: Parser) -> None:
+    p.description = ("Run the benchmark rows of docs/performance.md on the GPU: the copy bandwidth first, then "
+                     "every selected row with its median time, bytes, bound and ratio. Needs a CUDA GPU.")
     p.add_argument("--rows", nargs="+", default=[], metavar="PATTERN",
                    help="row names or fnmatch patterns to run (e.g. 'engram.wkv*'); default all but the "
                         "whole-stack prefills, which take minutes and run only when a pattern names them "
                         "(e.g. 'prefill.stack*')")
-    p.add_argument("--weight-type", nargs="+", default=list(defaults.weight_types), choices=BENCH_WEIGHT_TYPES,
-                   dest="weight_types", help="weight types of the GEMV and step rows (default Q8_0 Q2_K BF16)")
-    p.add_argument("--reps", type=at_least(MIN_REPS), default=defaults.reps, metavar="N",
-                   help=f"timed repetitions per row, the median is reported (default and minimum {MIN_REPS})")
+    p.add_argument("--weight-type", nargs="+", default=list(BENCH_DEFAULT_WEIGHT_TYPES), choices=BENCH_WEIGHT_TYPES,
+                   dest="weight_types", help="weight types of the GEMV and step rows (default "
+                                             f"{' '.join(BENCH_DEFAULT_WEIGHT_TYPES)})")
+    p.add_argument("--reps", type=at_least(BENCH_MIN_REPS), default=BENCH_MIN_REPS, metavar="N",
+                   help=f"timed repetitions per row, the median is reported (default and minimum {BENCH_MIN_REPS})")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--workdir", type=Path, default=defaults.workdir, metavar="DIR",
-                   help=f"where synthetic models for the rows are written and reused (default {defaults.workdir})")
+    p.add_argument("--workdir", type=Path, default=BENCH_DEFAULT_WORKDIR, metavar="DIR",
+                   help=f"where synthetic models for the rows are written and reused (default {BENCH_DEFAULT_WORKDIR})")
     p.set_defaults(handler=bench_command)
 
 
@@ -383,13 +430,13 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_run_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
-    p = subparsers.add_parser(
-        "run", help="run one sequence (prefill, then decode steps) and summarise the final highway",
-        description="Prefill a prompt, decode N more tokens one at a time, and print the timings and "
-                    "the final highway's statistics. Without MODEL, the built-in tiny synthetic model "
-                    "(written once into $FLASHV41_CACHE, $XDG_CACHE_HOME/flashv41 or ~/.cache/flashv41).",
-    )
+def add_run_command(p: Parser) -> None:
+    from flashv41.memory import TABLE_RESIDENCIES
+
+    p.description = ("Prefill a prompt, decode N more tokens one at a time, and print the timings and "
+                     "the final highway's statistics (the hidden state the last layer hands on; README.md, "
+                     "'What run prints'). Without MODEL, the built-in tiny synthetic model (written once into "
+                     "$FLASHV41_CACHE, $XDG_CACHE_HOME/flashv41 or ~/.cache/flashv41).")
     p.add_argument("model", type=Path, nargs="?", default=None, metavar="MODEL.gguf",
                    help="the model (default: the built-in tiny model)")
     p.add_argument("--oracle", action="store_true", help="run the NumPy oracle (CPU) instead of the GPU engine")
@@ -407,6 +454,9 @@ def add_run_command(subparsers: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--table-residency", choices=TABLE_RESIDENCIES, default="device",
                    help="where the engine keeps the engram tables: device (default), pinned host memory, "
                         "or the file (host)")
+    p.add_argument("--max-seq", type=at_least(1), default=None, metavar="N",
+                   help="positions the sequence may hold, up to the model's context length (default: the "
+                        "prompt's tokens and the decode steps, exactly)")
     p.set_defaults(handler=run_command)
 
 
@@ -414,46 +464,82 @@ def run_command(args: argparse.Namespace) -> int:
     from flashv41.runner import run_model
 
     return run_model(args.model, args.oracle, args.tokens, args.prompt_len, args.decode, args.seed,
-                     check=args.check, table_residency=args.table_residency)
+                     check=args.check, table_residency=args.table_residency, max_seq=args.max_seq)
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[Parser]], None], ...] = (
-    add_synth_command,
-    add_info_command,
-    add_run_command,
-    add_bench_command,
+# name, the line `flashv41 --help` shows, and the declarer of its arguments
+SUBCOMMANDS: tuple[tuple[str, str, Callable[[Parser], None]], ...] = (
+    ("synth", "write a synthetic V4.1 model (random weights, real layout) to a GGUF file", add_synth_command),
+    ("info", "show a GGUF model's configuration, layer roles, tensors and memory estimate", add_info_command),
+    ("run", "run one sequence (prefill, then decode steps) and summarise the final highway", add_run_command),
+    ("bench", "time the stages on the GPU against their bounds (copy bandwidth, GEMVs, engram steps, hash; "
+              "docs/performance.md)", add_bench_command),
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
+    """The parser, its subcommands named but not yet declared (Parser.declared)."""
     parser = Parser(
         prog="flashv41",
-        description="DeepSeek-V4.1-Flash engram and attention layers on the GPU (Numba-CUDA), "
-                    "from GGUF files.",
+        description="DeepSeek-V4.1-Flash engram and attention layers on the GPU (Numba-CUDA), from GGUF files. "
+                    "No tokenizer, no MoE, no LM head: token ids in, the last layer's hidden state out. "
+                    "Without a GPU the kernels run on Numba's CUDA simulator.",
     )
     parser.add_argument("--version", action="version", version=f"flashv41 {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add_command in SUBCOMMANDS:
-        add_command(subparsers)
+    for name, help_line, declare in SUBCOMMANDS:
+        subparsers.add_parser(name, help=help_line, declare=declare)
     return parser
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null, so that the interpreter's last flush of what
+    is still buffered has nowhere to fail (a sys.stdout without a file, as in a test, is left be)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def guarded(prog: str, work: Callable[[], int]) -> int:
+    """`work()`'s exit status, with what goes wrong said as every flashv41 command says it: a
+    FlashError as `PROG: error: message` (2), an operating-system error likewise (1), Ctrl-C as
+    `PROG: interrupted` (130), a closed pipe silently (141). The examples run their main through
+    it, so they answer a missing model file as the command line does."""
+    try:
+        from flashv41.host.errors import FlashError
+
+        try:
+            status = work()
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+            return status
+        except FlashError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 2
+    except BrokenPipeError:
+        # the reader went away (`flashv41 info | head`): nothing more to say, and nowhere to say it
+        _quiet_stdout()
+        return BROKEN_PIPE
+    except OSError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        # the work's finally blocks have run by now: files closed, partial writes removed
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version and usage errors: hand back argparse's status
-        return exc.code if isinstance(exc.code, int) else 2
-    try:
+    def command() -> int:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help, --version and usage errors: hand back argparse's status
+            return exc.code if isinstance(exc.code, int) else 2
         return int(args.handler(args))
-    except FlashError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        # the handlers' finally blocks have run by now: files closed, partial writes removed
-        print(f"{parser.prog}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+
+    return guarded("flashv41", command)

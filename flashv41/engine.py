@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 
 from flashv41.graphs import GraphRunner, graphs_available
-from flashv41.host.errors import CapacityError, InputError, SequenceStateError
+from flashv41.host.errors import CapacityError, InputError, SequenceStateError, plural
 from flashv41.host.model import Model
-from flashv41.host.tokens import check_tokens
+from flashv41.host.tokens import check_tokens, one_token
 from flashv41.memory import DEFAULT_MAX_SEQ, DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES, device_free_bytes, estimate_memory
 from flashv41.plan import (
     HASHER,
@@ -101,8 +101,8 @@ class Engine:
         for name, value in (("max_seq", max_seq), ("max_tokens", max_tokens)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
                 raise InputError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-        if max_tokens < 1 or max_seq < 1:
-            raise InputError(f"max_tokens ({max_tokens}) and max_seq ({max_seq}) must be at least 1")
+            if value < 1:
+                raise InputError(f"{name} must be at least 1, got {value}")
         if max_seq > cfg.context_length:
             raise CapacityError(f"max_seq {max_seq} exceeds the model's context length {cfg.context_length}")
         if table_residency not in TABLE_RESIDENCIES:
@@ -479,8 +479,10 @@ class Sequence:
         self.engine._check_open()
         ids, mask = check_tokens(token_ids, token_mask, self.engine.cfg.vocab_size)
         if self.position + ids.size > self.max_seq:
-            raise CapacityError(f"{ids.size} tokens at position {self.position} exceed max_seq {self.max_seq} "
-                                f"({self.max_seq - self.position} positions left)")
+            raise CapacityError(f"{plural(ids.size, 'token')} at position {self.position} "
+                                f"{'exceeds' if ids.size == 1 else 'exceed'} max_seq "
+                                f"{self.max_seq} "
+                                f"({plural(self.max_seq - self.position, 'position')} left)")
         return ids, mask
 
     def prefill(self, token_ids: Any, token_mask: Any = None, capture: bool = False) -> np.ndarray:
@@ -503,9 +505,7 @@ class Sequence:
 
     def decode(self, token_id: int, token_mask: bool | None = None, capture: bool = False) -> np.ndarray:
         """One token at the current position; returns h [1, hc, dim]."""
-        if not isinstance(token_id, (int, np.integer)) or isinstance(token_id, bool):
-            raise InputError(f"decode takes one integer token id, got {type(token_id).__name__}")
-        return self.prefill(np.array([token_id], np.int64), one_token_mask(token_mask, "decode's token_mask"),
+        return self.prefill(one_token(token_id), one_token_mask(token_mask, "decode's token_mask"),
                             capture)
 
     def attention_state(self) -> list[dict[str, np.ndarray]]:

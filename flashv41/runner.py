@@ -19,14 +19,15 @@ import hashlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from flashv41.host.errors import CapacityError, FlashError, InputError
+from flashv41.host.errors import CapacityError, FlashError, InputError, plural
 from flashv41.host.model import Model
 from flashv41.host.progress import Progress
 from flashv41.host.tokens import check_tokens
@@ -233,19 +234,59 @@ def prefill_chunk(runner: Runner, prompt: np.ndarray) -> int:
     return int(getattr(runner, "max_tokens", prompt.size))
 
 
+class LayerProgress:
+    """An engine observer (flashv41.plan.StepObserver) that moves `progress` on by one as each layer
+    of a call finishes, so a long prefill chunk shows its progress inside the chunk."""
+
+    def __init__(self, plan: Any, progress: Progress) -> None:
+        self.last_steps = {id(layer.steps[-1]) for layer in plan.layers if layer.steps}
+        self.progress = progress
+
+    def before(self, step: Any, call: Any) -> None:
+        pass
+
+    def after(self, step: Any, call: Any) -> None:
+        if id(step) in self.last_steps:
+            self.progress.update()
+
+
+@contextmanager
+def prefill_progress(runner: Any, tokens: int, chunks: int = 1) -> Iterator[Callable[[], None]]:
+    """The progress of a prefill of `tokens` tokens in `chunks` calls, on stderr (host.progress):
+    layer by layer for an engine, each chunk passing every layer (a LayerProgress among its
+    observers while the block runs), so a long chunk does not sit at 0%; call by call for a runner
+    that cannot be watched inside a call (the oracle). Yields what to call after each call."""
+    desc = f"prefill of {plural(tokens, 'token')}"
+    plan = getattr(runner, "plan", None)
+    observers = getattr(runner, "observers", None)
+    if plan is None or observers is None:
+        with Progress(desc, chunks, "chunk", "chunks") as progress:
+            yield progress.update
+        return
+    desc += f" in {chunks} chunks" if chunks > 1 else ""
+    with Progress(desc, chunks * len(plan.layers), "layer", "layers") as progress:
+        watcher = LayerProgress(plan, progress)
+        observers.append(watcher)
+        try:
+            yield lambda: None
+        finally:
+            observers.remove(watcher)
+
+
 def run_sequence(runner: Runner, prompt: np.ndarray, decoded: np.ndarray) -> RunResult:
     """Prefill `prompt` in chunks of `prefill_chunk` tokens, then decode `decoded` one token at a
-    time, the progress of each shown on stderr (host.progress)."""
+    time, the progress of each shown on stderr (host.progress): the engine's prefill layer by
+    layer, inside each chunk, as an observer of its calls."""
     chunk = prefill_chunk(runner, prompt)
     n_chunks = -(-prompt.size // chunk)
     seq = runner.new_sequence()
     try:
         outs = []
         start = time.perf_counter()
-        with Progress(f"prefill of {prompt.size} tokens", n_chunks, "chunk", "chunks") as progress:
+        with prefill_progress(runner, prompt.size, n_chunks) as chunk_done:
             for s in range(0, prompt.size, chunk):
                 outs.append(np.asarray(seq.prefill(prompt[s:s + chunk])))
-                progress.update()
+                chunk_done()
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         if decoded.size:
@@ -300,7 +341,7 @@ def report(model: Model, runner_name: str, result: RunResult, seed: int) -> list
         f"runner: {runner_name}",
         f"tokens: prompt {result.prompt.size} {_ids(result.prompt)}, decode {result.decoded.size} "
         f"{_ids(result.decoded)} (seed {seed})",
-        f"prefill: {result.prompt.size} tokens in {calls}, {result.prefill_s:.3f} s "
+        f"prefill: {plural(result.prompt.size, 'token')} in {calls}, {result.prefill_s:.3f} s "
         f"({_per_second(result.prompt.size, result.prefill_s)} tokens/s)",
         f"decode: {_rate(result.decoded.size, result.decode_s, 'step')}",
         f"final highway [{', '.join(str(n) for n in h.shape)}] fp32: {highway_stats(h)}",
@@ -310,9 +351,10 @@ def report(model: Model, runner_name: str, result: RunResult, seed: int) -> list
 
 def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, prompt_len: int, n_decode: int,
               seed: int, out: Callable[[str], None] = print, check: bool = False,
-              table_residency: str = "device") -> int:
+              table_residency: str = "device", max_seq: int | None = None) -> int:
     """The whole `flashv41 run`; returns the exit status. Everything is checked before any work
-    starts, so a bad argument costs no time and prints nothing but its error."""
+    starts, so a bad argument costs no time and prints nothing but its error. `max_seq`: the
+    positions the sequence may hold (default: the prompt and the decode steps, exactly)."""
     if prompt_len < 1 or n_decode < 0 or seed < 0:
         raise InputError(f"--prompt-len must be >= 1, --decode >= 0 and --seed >= 0, got {prompt_len}, "
                          f"{n_decode} and {seed}")
@@ -322,9 +364,13 @@ def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, 
     try:
         cfg = model.config
         n_prompt = tokens.size if tokens is not None else prompt_len
+        needed = f"{plural(n_prompt, 'prompt token')} and {plural(n_decode, 'decode step')}"
         if n_prompt + n_decode > cfg.context_length:
-            raise CapacityError(f"{n_prompt} prompt tokens and {n_decode} decode steps exceed the model's "
-                                f"context length {cfg.context_length}")
+            raise CapacityError(f"{needed} exceed the model's context length {cfg.context_length}")
+        if max_seq is not None and max_seq > cfg.context_length:
+            raise CapacityError(f"--max-seq {max_seq} exceeds the model's context length {cfg.context_length}")
+        if max_seq is not None and max_seq < n_prompt + n_decode:
+            raise CapacityError(f"--max-seq {max_seq} is too small for {needed} ({n_prompt + n_decode} positions)")
         if tokens is not None:
             prompt, _ = check_tokens(tokens, None, cfg.vocab_size)
         else:
@@ -332,7 +378,8 @@ def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, 
         decoded = random_tokens(cfg.vocab_size, n_decode, seed, 1)
         name = "NumPy oracle" if oracle else f"engine on {backend_description()}"
         _stderr(f"runner: {name}")
-        runner = make_runner(model, oracle, prompt.size + n_decode, table_residency=table_residency)
+        positions = max_seq if max_seq is not None else prompt.size + n_decode
+        runner = make_runner(model, oracle, positions, table_residency=table_residency)
         status = 0
         try:
             result = run_sequence(runner, prompt, decoded)

@@ -30,3 +30,9 @@ class CapacityError(FlashError):
 class SequenceStateError(FlashError):
     """A call on something that can no longer take it: a released sequence, a closed engine, a
     closed model."""
+
+
+def plural(count: int, noun: str) -> str:
+    """`count` and `noun` as a message says them: 1 token, 2 tokens, 0 decode steps (the plural is
+    the noun with an s)."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"

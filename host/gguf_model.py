@@ -35,7 +35,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from flashv41.host import gguf_layout as L
 from flashv41.host.config import EngramConfig, LayerRole, ModelConfig
 from flashv41.host.engram_tables import engram_offsets
-from flashv41.host.errors import FlashError, ModelFormatError, SequenceStateError, UnsupportedError
+from flashv41.host.errors import FlashError, InputError, ModelFormatError, SequenceStateError, UnsupportedError
 from flashv41.host.quants import FORMATS, GGML_I8, GGMLType, RowType, check_e4m3_row264, dequantize
 
 
@@ -129,6 +129,14 @@ class WeightStore:
         self._readers = []
 
 
+class _PastTheEnd(ValueError):
+    """A header read past the end of the file: the file is truncated, or a count in it is damaged."""
+
+    def __init__(self, end: int, size: int) -> None:
+        super().__init__(f"byte {end} of a {size}-byte file")
+        self.end, self.size = end, size
+
+
 class _Reader(GGUFReader):
     """gguf-py's reader, naming the tensor whose data runs past the end of a truncated file (gguf-py
     itself fails there with a bare reshape error), refusing a metadata array whose length runs
@@ -138,6 +146,14 @@ class _Reader(GGUFReader):
     same parts gguf-py builds (one 1-element array an entry), without its one memory-map view an
     entry, which made a damaged length of some 47,000 entries that still fit in the file take
     about two seconds to refuse."""
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None):
+        """gguf-py's read of `count` values at `offset`, refusing one that runs past the end of the
+        file (gguf-py itself returns a short array there, which fails later in a NumPy view)."""
+        end = int(offset) + int(np.dtype(dtype).itemsize) * int(count)
+        if end > int(self.data.shape[0]):
+            raise _PastTheEnd(end, int(self.data.shape[0]))
+        return super()._get(offset, dtype, count, override_order)
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if raw_type == GGUFValueType.ARRAY:
@@ -209,21 +225,55 @@ def _min_item_bytes(reader: GGUFReader, raw_type: int) -> int:
 
 
 def open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFReader, Path]:
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"a model is opened from the path of its GGUF file, got {type(path).__name__} {path!r}")
+    if str(path) == "":
+        raise InputError("a model is opened from the path of its GGUF file, got an empty path")
     p = Path(path)
     if p.is_dir():
         raise ModelFormatError(f"{p} is a directory, not a GGUF model file")
     if not p.is_file():
         raise ModelFormatError(f"{p}: no such file")
     with open(p, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelFormatError(f"{p.name}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        head = f.read(16)
+    if head[:4] != b"GGUF":
+        raise ModelFormatError(f"{p.name}: {_not_gguf(head, p.stat().st_size)}")
     try:
         return _Reader(p, "r"), p
     except FlashError:
         raise
+    except _PastTheEnd as exc:
+        raise ModelFormatError(f"{p.name}: the file ends inside its GGUF header ({exc.size} bytes, the header "
+                               f"reads on to byte {exc.end}): it is truncated (an interrupted download or "
+                               "copy?) or its header is damaged") from None
+    except KeyError as exc:  # gguf-py: "Duplicate <key> already in list at offset <n>"
+        said = str(exc.args[0]) if exc.args else ""
+        twice = re.fullmatch(r"Duplicate (.*) already in list at offset (\d+)", said)
+        where = f"key {twice[1]!r} appears twice, the second at byte {twice[2]}" if twice else said
+        raise ModelFormatError(f"{p.name}: damaged GGUF header: metadata {where}") from None
     except Exception as exc:  # gguf-py raises plain ValueError / IndexError on damaged headers
-        raise ModelFormatError(f"{p.name}: damaged or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
+        version = re.match(r"Sorry, file appears to be version (\d+)", str(exc))
+        if version:
+            raise ModelFormatError(f"{p.name}: GGUF version {version[1]}, which gguf-py cannot read (it reads "
+                                   "versions 2 and 3): the header is damaged, or a newer GGUF writer made the "
+                                   "file") from None
+        raise ModelFormatError(f"{p.name}: damaged GGUF header (gguf-py could not read it: {exc})") from exc
+
+
+def _not_gguf(head: bytes, size: int) -> str:
+    """Why a file whose first bytes are `head` is not a GGUF file, in words (and what it may be)."""
+    if size == 0:
+        return "the file is empty (0 bytes), not a GGUF model"
+    if size < 4:
+        return f"the file has only {size} bytes, too few for a GGUF model (which starts with the 4 bytes 'GGUF')"
+    what = ""
+    if head[8:10] == b'{"':
+        what = "; it looks like a safetensors file (flashv41 reads GGUF only)"
+    elif head[:2] == b"PK":
+        what = "; it looks like a zip archive (a PyTorch checkpoint?), and flashv41 reads GGUF only"
+    elif all(32 <= b < 127 or b in b"\t\r\n" for b in head):
+        what = "; it looks like a text file"
+    return f"not a GGUF file: it starts with {head[:4]!r} where a GGUF file starts with 'GGUF'{what}"
 
 
 # llama.cpp gguf-split: shard i (0-based) of n is NAME-{i+1:05d}-of-{n:05d}.gguf, and every shard

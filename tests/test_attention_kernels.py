@@ -382,6 +382,7 @@ def test_index_scores_exact(tiny_cfg, tile):
     check_index_scores(tiny_cfg, 9, heads=3, dim=64, t=5, width=13, spare=3, c=32, tile=tile)
 
 
+@pytest.mark.slow
 def test_index_scores_tensor_cores_exact(tiny_cfg):
     """The tensor-core kernel on the emulated mma: two fragments of heads, three key tiles (the last
     one partial), two tokens."""

@@ -173,6 +173,7 @@ def test_prefill_then_decode(one_shot):
     one_shot.check_state()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunks", [[3, 3, 3, 3, 1, 1, 1, 1], [5, 5, 2, 1, 1, 1, 1]], ids=["chunks3", "chunks5"])
 def test_chunked_prefill_matches_one_shot(tiny, one_shot, chunks):
     """Chunks of 3 and 5 (groups and the window split across calls), then decode: each call against
@@ -184,6 +185,7 @@ def test_chunked_prefill_matches_one_shot(tiny, one_shot, chunks):
         assert_rows_close(got, ref, f"layer {i}: chunks {chunks} vs one shot")
 
 
+@pytest.mark.slow
 def test_prefill_in_sparse_subchunks(tiny, one_shot, monkeypatch):
     """The one-shot run's 12-token prefill and decode steps with the sparse attention's workspace cut
     to 5 tokens: the prefill's attention runs in sub-chunks of 5, 5 and 2, the later ones reading the

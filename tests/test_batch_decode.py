@@ -31,6 +31,7 @@ def tokens(model, seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, model.config.vocab_size, n)
 
 
+@pytest.mark.slow
 def test_batch_equals_each_alone(model) -> None:
     prompts = [tokens(model, i, n) for i, n in enumerate(PROMPTS)]
     nexts = [tokens(model, 10 + i, STEPS) for i in range(len(PROMPTS))]
@@ -57,6 +58,7 @@ def test_batch_equals_each_alone(model) -> None:
                 assert seq.position == PROMPTS[b] + step + 1
 
 
+@pytest.mark.slow
 def test_bad_batches_change_nothing(model) -> None:
     """Each bad batch is one error naming the sequence; afterwards the batch decodes as if it had
     never been tried."""
@@ -71,7 +73,7 @@ def test_bad_batches_change_nothing(model) -> None:
         vocab = model.config.vocab_size
         bad = [
             (([a, b], [1, vocab]), InputError, "sequence 1: token id"),
-            (([a, full], [1, 2]), CapacityError, "sequence 1: 1 tokens at position 8 exceed max_seq 8"),
+            (([a, full], [1, 2]), CapacityError, "sequence 1: 1 token at position 8 exceeds max_seq 8"),
             (([a, a], [1, 2]), InputError, "sequence 1 appears twice"),
             (([b, gone], [1, 2]), SequenceStateError, "sequence 1: this sequence was released"),
             (([stranger, a], [1, 2]), InputError, "sequence 0 is not a sequence of this engine"),

@@ -135,6 +135,7 @@ def test_index_scores_and_select_tables(tiny_cfg):
         assert (sel.copy_to_host()[5] == -1).all()  # position 0 sees no group
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_compress_and_publish_batch(tiny_cfg, ratio):
     """compress_groups_batch + publish_batch for B sequences, each with its own compressor state

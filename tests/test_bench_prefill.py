@@ -50,6 +50,7 @@ def step_names(engine) -> set[str]:
             for step in (*plan.upload, *plan.device, *plan.download)}
 
 
+@pytest.mark.slow
 def test_every_part_a_prefill_marks_has_a_category(marked: dict[str, float]) -> None:
     split = ps.split_by_category(marked)  # a KeyError names any part CATEGORIES does not know
     assert list(split) == list(ps.CATEGORY_NAMES)

@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 
 import flashv41
+from flashv41 import cli
 from flashv41.cli import main
 from flashv41.host.errors import CapacityError
 from flashv41.host.progress import Progress
 from flashv41.host.synth import preset, write_synthetic
 from flashv41.memory import DEFAULT_MAX_TOKENS
-from flashv41.runner import make_runner
+from flashv41.runner import BUILTIN_NAME, CACHE_ENV, make_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,8 +206,101 @@ def test_info_estimates_with_the_default_chunk(tiny_path: Path, capsys: pytest.C
 def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--reps", "3"]) == 2
     assert one_error_line(capsys) == "flashv41: error: argument --reps: must be at least 20, got 3"
-    assert main(["info"]) == 2
-    assert one_error_line(capsys).startswith("flashv41: error: ")
+    assert main([]) == 2
+    assert one_error_line(capsys) == "flashv41: error: the following arguments are required: COMMAND"
+    assert main(["info", "--max-seq", "many"]) == 2
+    assert one_error_line(capsys) == "flashv41: error: argument --max-seq: takes an integer, got 'many'"
+
+
+def test_info_defaults_to_the_builtin_model(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`flashv41 info` without a file describes the built-in model, as `flashv41 run` runs it."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    assert main(["info"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"{BUILTIN_NAME}: ") and "layer roles" in captured.out
+    assert "wrote the built-in tiny model" in captured.err
+
+
+def test_bench_defaults_are_the_benchs() -> None:
+    """The CLI writes the bench's defaults out so that `bench --help` need not import Numba: they
+    must be the bench's own."""
+    from flashv41.bench import MIN_REPS, BenchOptions
+
+    defaults = BenchOptions()
+    assert (cli.BENCH_MIN_REPS, cli.BENCH_DEFAULT_WEIGHT_TYPES, cli.BENCH_DEFAULT_WORKDIR) == (
+        MIN_REPS, defaults.weight_types, defaults.workdir) and defaults.reps == MIN_REPS
+
+
+# what each command line may import before it answers: --help and --version nothing but the
+# standard library; a subcommand's help and argument errors NumPy and gguf-py, never Numba
+QUICK_ANSWERS = [
+    (["--help"], ("numpy", "numba")),
+    (["--version"], ("numpy", "numba")),
+    (["nope"], ("numpy", "numba")),
+    (["run", "--help"], ("numba",)),
+    (["run", "--seed", "x"], ("numba",)),
+    (["run", "--tokens", "1,x"], ("numba",)),
+    (["info", "--help"], ("numba",)),
+    (["synth", "--help"], ("numba",)),
+    (["synth", "--type-map", "nope=Q8_0", "-o", "x.gguf"], ("numba",)),
+    (["bench", "--help"], ("numba",)),
+    (["bench", "--reps", "3"], ("numba",)),
+]
+
+
+@pytest.mark.parametrize(("argv", "absent"), QUICK_ANSWERS, ids=[" ".join(a) for a, _ in QUICK_ANSWERS])
+def test_quick_answers_import_nothing_slow(argv: list[str], absent: tuple[str, ...], tmp_path: Path) -> None:
+    """`flashv41 --help` answers in a Python start-up's time because it imports nothing heavy (the
+    test counts imports, not seconds: a loaded machine would make any time limit flaky)."""
+    code = ("import sys\n"
+            "from flashv41.cli import main\n"
+            f"status = main({argv!r})\n"
+            "print('imported:', sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'numba', 'gguf')))\n"
+            "sys.exit(status)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode in (0, 2), done.stderr
+    imported = done.stdout.splitlines()[-1]
+    for name in absent:
+        assert f"'{name}'" not in imported and f"'{name}." not in imported, imported
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_closed_pipe_ends_quietly(tiny_path: Path) -> None:
+    """`flashv41 info FILE | head`: once the reader is gone, the command ends with the status of a
+    process stopped by a closed pipe (141), printing nothing (no "Broken pipe", no traceback)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before the first line is written
+    try:
+        done = subprocess.run([sys.executable, "-m", "flashv41", "info", str(tiny_path)], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (cli.BROKEN_PIPE, "")
+
+
+def test_a_closed_pipe_in_process(tiny_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    class Gone(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Gone())
+    assert main(["info", str(tiny_path)]) == cli.BROKEN_PIPE
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("where", ["build_parser", "Parser.declared"])
+def test_interrupted_before_any_work(where: str, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while the parser is built or a subcommand declared (its imports): one line, 130."""
+    def interrupt(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    owner, _, name = where.rpartition(".")
+    monkeypatch.setattr(getattr(cli, owner) if owner else cli, name, interrupt)
+    assert main(["run", "--oracle"]) == cli.INTERRUPTED
+    assert capsys.readouterr().err == "flashv41: interrupted\n"
 
 
 def test_bench_help_points_into_the_repository(capsys: pytest.CaptureFixture[str]) -> None:
@@ -237,6 +331,6 @@ def test_progress_off_a_terminal() -> None:
     assert lines[0] == "decode: 3 steps" and len(lines) == 4 and "\r" not in stream.getvalue()
     assert re.fullmatch(r"decode: 3/3 steps \[00:00<00:00, .+step/s\]", lines[-1]), lines[-1]
     quiet = io.StringIO()
-    with Progress("prefill of 1 tokens", 1, "chunk", "chunks", stream=quiet) as progress:
+    with Progress("prefill of 1 token", 1, "chunk", "chunks", stream=quiet) as progress:
         progress.update()
-    assert quiet.getvalue() == "prefill of 1 tokens: 1 chunk\n"  # a short piece of work: its name only
+    assert quiet.getvalue() == "prefill of 1 token: 1 chunk\n"  # a short piece of work: its name only

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import flashv41
 from flashv41 import load_model, runner
 from flashv41.cli import main
 from flashv41.host.oracle import Oracle
+from flashv41.host.progress import Progress
 from flashv41.runner import BUILTIN_NAME, CACHE_ENV, RunResult, cache_dir, random_tokens, report, run_sequence
 from flashv41.stages.backend import using_simulator
 
@@ -106,10 +108,22 @@ def test_run_rewrites_a_missing_or_broken_cache(cache: Path, capsys: pytest.Capt
     capsys.readouterr()
 
 
-def test_run_engine_with_check(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.slow
+def test_run_engine_with_check(cache: Path, capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The main job: the engine (here on the simulator, and it says so), its stage table, and the
-    per-layer agreement with the oracle; the final highway equals the oracle's within the check."""
+    per-layer agreement with the oracle; the final highway equals the oracle's within the check.
+    The prefill's progress moves layer by layer, inside its one chunk."""
+    finished: list[tuple[str, float, float]] = []
+    close = Progress.close
+
+    def closing(self: Progress) -> None:
+        finished.append((self.desc, self.done, self.total))
+        close(self)
+
+    monkeypatch.setattr(Progress, "close", closing)
     assert main(["run", "--prompt-len", "5", "--decode", "2", "--check"]) == 0
+    assert ("prefill of 5 tokens", 6, 6) in finished, finished
     captured = capsys.readouterr()
     out = captured.out
     assert "runner: engine on " in out
@@ -119,7 +133,7 @@ def test_run_engine_with_check(cache: Path, capsys: pytest.CaptureFixture[str]) 
     # of work named as it starts (stderr is not a terminal here, and this run is too short for more)
     err = [line for line in captured.err.splitlines() if not line.startswith(("writing the built-in", "wrote "))]
     assert err[0] == out.splitlines()[2], err
-    for words in ("prefill of 5 tokens: 1 chunk", "decode: 2 steps", "check against the oracle: 3 calls"):
+    for words in ("prefill of 5 tokens: 6 layers", "decode: 2 steps", "check against the oracle: 3 calls"):
         assert words in err, words
     for words in ("stage times", "attention (kv_index_source_r2)", "engram rows, projection, gate", "hc mixes",
                   "check against the oracle (3 calls"):
@@ -129,6 +143,7 @@ def test_run_engine_with_check(cache: Path, capsys: pytest.CaptureFixture[str]) 
     assert "check: every layer agrees" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residency", ["pinned", "host"])
 def test_run_table_residency(residency: str, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`run --table-residency`: the engine with its tables in pinned host memory or read from the
@@ -140,6 +155,14 @@ def test_run_table_residency(residency: str, cache: Path, capsys: pytest.Capture
     line = next(x for x in out.splitlines() if x.startswith("engram tables: "))
     assert where in line and "of device memory" in line, line
     assert "check: every layer agrees" in out
+
+
+def test_run_max_seq(tiny_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--max-seq sizes the sequence beyond what the run needs; the results do not change."""
+    assert main(["run", "--oracle", str(tiny_path), "--prompt-len", "3", "--decode", "1"]) == 0
+    exact = stat_line(capsys.readouterr().out, "final highway")
+    assert main(["run", "--oracle", str(tiny_path), "--prompt-len", "3", "--decode", "1", "--max-seq", "256"]) == 0
+    assert stat_line(capsys.readouterr().out, "final highway") == exact
 
 
 def test_run_check_refuses_oracle(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,6 +207,10 @@ def test_run_errors_are_one_line(args: list[str], words: str, cache: Path,
     (["--decode", "-1"], "flashv41: error: argument --decode: must be at least 0, got -1"),
     (["--prompt-len", "0"], "flashv41: error: argument --prompt-len: must be at least 1, got 0"),
     (["--tokens", "1,2,128"], "flashv41: error: token id 128 at index 2 is outside the vocabulary [0, 128)"),
+    (["--tokens", "1", "--decode", "1", "--max-seq", "1"],
+     "flashv41: error: --max-seq 1 is too small for 1 prompt token and 1 decode step (2 positions)"),
+    (["--max-seq", "257"], "flashv41: error: --max-seq 257 exceeds the model's context length 256"),
+    (["--max-seq", "0"], "flashv41: error: argument --max-seq: must be at least 1, got 0"),
 ])
 @pytest.mark.parametrize("oracle", [True, False])
 def test_run_bad_argument_is_its_only_line(args: list[str], line: str, oracle: bool, tiny_path: Path,
@@ -247,6 +274,42 @@ def test_prefill_in_the_engines_chunks(tiny_path: Path, capsys: pytest.CaptureFi
     finally:
         model.close()
     assert any(line.startswith("prefill: 5 tokens in 3 calls, ") for line in lines), lines
+
+
+class WatchedRunner(ChunkedRunner):
+    """A stand-in engine with a plan of three layers of two steps, whose calls walk it before its
+    observers as the engine's do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plan = SimpleNamespace(layers=[SimpleNamespace(steps=(object(), object())) for _ in range(3)])
+        self.observers: list = []
+
+    def prefill(self, token_ids: np.ndarray) -> np.ndarray:
+        for layer in self.plan.layers:
+            for step in layer.steps:
+                for observer in self.observers:
+                    observer.before(step, None)
+                    observer.after(step, None)
+        return super().prefill(token_ids)
+
+
+def test_prefill_progress_moves_layer_by_layer(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's prefill shows its progress in layers, each chunk passing every layer, so a long
+    chunk does not sit at 0%; the watcher leaves with the prefill (decode steps run unwatched)."""
+    seen: list[float] = []
+    update = Progress.update
+
+    def updating(self: Progress, amount: float = 1.0) -> None:
+        update(self, amount)
+        seen.append(self.done)
+
+    monkeypatch.setattr(Progress, "update", updating)
+    fake = WatchedRunner()
+    run_sequence(fake, np.arange(5), np.array([7]))
+    assert capsys.readouterr().err.splitlines() == ["prefill of 5 tokens in 3 chunks: 9 layers", "decode: 1 step"]
+    assert seen == [1, 2, 3, 4, 5, 6, 7, 8, 9, 1] and fake.observers == []
 
 
 def test_report_rates(tiny_path: Path) -> None:

@@ -85,7 +85,10 @@ def every_fitting_role(gtype: str, preset: str, layout: str, tmp_path: Path) -> 
     return {role: gtype for role in sorted(fits)}, {key: ref.ggml_type.name for key, ref in refs.items()}
 
 
-@pytest.mark.parametrize(("gtype", "preset", "layout", "shards", "decode"), CASES, ids=[c[0] for c in CASES])
+# the tiny256 cases take 4-11 s each on the simulator: the full suite's, not the quick tier's
+@pytest.mark.parametrize(("gtype", "preset", "layout", "shards", "decode"),
+                         [pytest.param(*c, id=c[0], marks=[pytest.mark.slow] if c[1] == "tiny256" else [])
+                          for c in CASES])
 def test_every_type_runs_check(gtype: str, preset: str, layout: str, shards: int, decode: int, tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
     type_map, defaults = every_fitting_role(gtype, preset, layout, tmp_path)

@@ -55,6 +55,7 @@ def test_every_block_type_and_engram_layer_present(tiny):
     assert [r.layer for r in model.config.roles if r.engram] == [0, 1]
 
 
+@pytest.mark.slow
 def test_prefill_per_layer(tiny):
     model, engine, oracle = tiny
     seq, ref = engine.new_sequence(), oracle.new_sequence()
@@ -63,6 +64,7 @@ def test_prefill_per_layer(tiny):
     seq.release()
 
 
+@pytest.mark.slow
 def test_chunked_prefill_then_decode_across_the_window(tiny):
     """A 10-token prompt (one call of 4, one of 6), then three windows of decode steps."""
     model, engine, oracle = tiny
@@ -78,6 +80,7 @@ def test_chunked_prefill_then_decode_across_the_window(tiny):
     assert_flips_rare(run, "tiny, 10-token prompt and 24 decode steps")
 
 
+@pytest.mark.slow
 def test_long_prompt_is_chunked_by_max_tokens(tiny):
     """A 14-token prompt through max_tokens = 6: three chunks inside one call, same result as
     feeding the chunks one call at a time."""
@@ -92,6 +95,7 @@ def test_long_prompt_is_chunked_by_max_tokens(tiny):
     parts.release()
 
 
+@pytest.mark.slow
 def test_interleaved_sequences_do_not_disturb_each_other(tiny):
     _, engine, oracle = tiny
     a_ids, b_ids = tokens(9, 3), tokens(9, 4)
@@ -108,6 +112,7 @@ def test_interleaved_sequences_do_not_disturb_each_other(tiny):
     assert_flips_rare(run, "tiny, two interleaved sequences")
 
 
+@pytest.mark.slow
 def test_deterministic(tiny):
     _, engine, _ = tiny
     ids = tokens(7, 5)
@@ -119,6 +124,7 @@ def test_deterministic(tiny):
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
 
 
+@pytest.mark.slow
 def test_bad_input_leaves_the_sequence_usable(tiny):
     _, engine, oracle = tiny
     seq, ref = engine.new_sequence(), oracle.new_sequence()
@@ -140,6 +146,7 @@ def test_bad_input_leaves_the_sequence_usable(tiny):
     seq.release()
 
 
+@pytest.mark.slow
 def test_token_mask(tiny):
     _, engine, oracle = tiny
     mask = np.array([True, False, True, True, False])

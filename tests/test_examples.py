@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -67,6 +68,7 @@ def layer_rows(out: str) -> list[str]:
     return [line for line in out.splitlines() if re.match(r"\s+\d+\s{2}\S", line)]
 
 
+@pytest.mark.slow
 def test_inspect_layers(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert load_example("inspect_layers").main(["--model", tiny, "--prompt-len", "4", "--query", "-1"]) == 0
     out = capsys.readouterr().out
@@ -85,6 +87,7 @@ def test_inspect_layers(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert "final highway [4, 4, 32]" in out
 
 
+@pytest.mark.slow
 def test_compare_oracle(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert load_example("compare_oracle").main(["--model", tiny, "--prompt-len", "4", "--steps", "1"]) == 0
     captured = capsys.readouterr()
@@ -99,6 +102,7 @@ def test_compare_oracle(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert out.splitlines()[-1] == "every layer agrees (6 layers x 2 calls)"
 
 
+@pytest.mark.slow
 def test_compare_oracle_exits_1_on_disagreement(tiny: str, capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(check, "COSINE", 2.0)  # no cosine reaches it: every layer fails
@@ -107,12 +111,13 @@ def test_compare_oracle_exits_1_on_disagreement(tiny: str, capsys: pytest.Captur
     assert "FAIL" in out and out.splitlines()[-1].startswith("DISAGREEMENT: ")
 
 
+@pytest.mark.slow
 def test_decode_loop(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert load_example("decode_loop").main(["--model", tiny, "--prompt-len", "4", "--steps", "2"]) == 0
     captured = capsys.readouterr()
     out = captured.out
     kernels_first(out)
-    assert opening_lines(captured.err) == ["prefill of 4 tokens: 1 call", "decode: 2 steps"]
+    assert opening_lines(captured.err) == ["prefill of 4 tokens: 6 layers", "decode: 2 steps"]
     assert re.search(r"prefill: 4 tokens in [\d.]+ ms", out)
     assert re.search(r"decode: first step [\d.]+ ms at position 4", out)
     assert re.search(r"decode: 1 step, [\d.]+ ms per step .* [\d.]+ tokens/s with stage timing on", out)
@@ -121,3 +126,15 @@ def test_decode_loop(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
         assert f"  {name} " in stages, name
     assert "final highway [1, 4, 32] at position 5" in out
     assert out.splitlines()[-1] == "released the sequence (released=True) and closed the engine (closed=True)"
+
+
+@pytest.mark.parametrize("name", ["decode_loop", "compare_oracle", "inspect_layers"])
+def test_a_missing_model_is_one_line(name: str, tmp_path: Path) -> None:
+    """Run as a script, an example answers a missing model as the flashv41 command does: its name
+    and the error on one line (exit 2), no traceback."""
+    absent = tmp_path / "absent.gguf"
+    done = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--model", str(absent)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [f"{name}.py: error: {absent}: no such file"], done.stderr
+    kernels_first(done.stdout)

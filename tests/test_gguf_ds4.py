@@ -331,6 +331,7 @@ def test_a_table_of_the_wrong_width(ds4_path: Path, tmp_path: Path) -> None:
 
 # --- the command line ---
 
+@pytest.mark.slow
 def test_synth_info_run_check_ds4(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "m.gguf"
     assert main(["synth", "--layout", "ds4", "-o", str(path)]) == 0

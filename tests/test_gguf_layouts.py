@@ -291,6 +291,7 @@ def test_old_engram_keys_are_refused(llama_path: Path, tmp_path: Path) -> None:
 
 # --- the command line ---
 
+@pytest.mark.slow
 def test_synth_info_run_check_mxxm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "m.gguf"
     assert main(["synth", "--layout", "mxxm-t", "-o", str(path)]) == 0

@@ -101,6 +101,7 @@ def check_drift(cos: np.ndarray, floor: float, what: str) -> None:
     assert min(medians) >= floor, f"{what}: window medians {medians} fall below {floor}"
 
 
+@pytest.mark.slow
 def test_long_decode_on_the_simulator(synth_model) -> None:
     model = flashv41.load_model(synth_model("tiny", **TWO_LAYER_TINY))
     cos = long_run(model, steps=28, prompt=3, sync_every=7, max_tokens=3, seed=11)

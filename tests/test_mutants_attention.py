@@ -384,12 +384,21 @@ def assert_rejected(m: Mutant, check: Callable[[], Any]) -> None:
         check()
 
 
-@pytest.mark.parametrize("kernel", list(CHECKS))
+# checks that take 5-13 s each on the simulator: they and their mutants run in the full suite only
+SLOW_CHECKS = ("index_scores_tc", "select")
+
+
+def slow_if(check: str) -> tuple[pytest.MarkDecorator, ...]:
+    return (pytest.mark.slow,) if check in SLOW_CHECKS else ()
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(k, marks=slow_if(k)) for k in CHECKS])
 def test_unmutated_passes(cfg, kernel):
     CHECKS[kernel](cfg)
 
 
-@pytest.mark.parametrize("m", MUTANTS, ids=lambda m: f"{m.check}-{m.key}")
+@pytest.mark.parametrize("m", [pytest.param(m, marks=slow_if(m.check)) for m in MUTANTS],
+                         ids=lambda m: f"{m.check}-{m.key}")
 def test_mutant_rejected(cfg, m):
     assert_rejected(m, lambda: CHECKS[m.check](cfg))
 

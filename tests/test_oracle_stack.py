@@ -321,9 +321,10 @@ def test_errors_leave_the_sequence_usable(case: Case) -> None:
         (InputError, "outside the vocabulary", lambda: seq.prefill(np.array([1, vocab, 2]))),
         (InputError, "outside the vocabulary", lambda: seq.prefill(np.array([-1]))),
         (InputError, "outside the vocabulary", lambda: seq.decode(vocab)),
-        (InputError, "1-D integer", lambda: seq.prefill(np.array([1.0, 2.0]))),
-        (InputError, "1-D integer", lambda: seq.prefill(np.array([[1, 2]]))),
-        (InputError, "1-D integer", lambda: seq.prefill(np.array([], np.int64))),
+        (InputError, "must be integers", lambda: seq.prefill(np.array([1.0, 2.0]))),
+        (InputError, "one flat sequence", lambda: seq.prefill(np.array([[1, 2]]))),
+        (InputError, "no token ids", lambda: seq.prefill(np.array([], np.int64))),
+        (InputError, "outside the vocabulary", lambda: seq.decode(2**70)),
         (InputError, "one integer token", lambda: seq.decode(1.5)),  # type: ignore[arg-type]
         (InputError, "token_mask", lambda: seq.prefill(np.array([1, 2]), np.array([True]))),
         (InputError, "token_mask", lambda: seq.prefill(np.array([1, 2]), np.array([1, 0]))),

@@ -21,6 +21,7 @@ import math
 
 import gguf
 import numpy as np
+import pytest
 from gguf import GGMLQuantizationType as GQ
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -183,6 +184,7 @@ def test_fp4_kernel_per_element(data: st.DataObject) -> None:
 # --- the selection kernel against the brute force -----------------------------------------------------------
 
 
+@pytest.mark.slow
 @property_settings(40)
 @given(patterns())
 def test_select_kernel_against_brute_force(case: tuple[np.ndarray, int, int, int, int, int]) -> None:

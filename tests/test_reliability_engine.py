@@ -40,27 +40,33 @@ BAD_CALLS: list[tuple[str, Call, type[FlashError], str]] = [
     ("id = vocab", lambda s: s.prefill(np.array([3, VOCAB])), InputError, f"token id {VOCAB} at index 1"),
     ("negative id", lambda s: s.prefill(np.array([-5, 3])), InputError, "token id -5 at index 0"),
     ("uint64 past int64", lambda s: s.prefill(np.array([2**64 - 1], np.uint64)), InputError, "outside the vocab"),
-    ("int past int64", lambda s: s.prefill([2**70]), InputError, "dtype object"),
-    ("float ids", lambda s: s.prefill(np.array([1.0, 2.0])), InputError, "integer array, got shape (2,) dtype float64"),
-    ("float in a list", lambda s: s.prefill([1, 2.5]), InputError, "dtype float64"),
-    ("bool ids", lambda s: s.prefill(np.array([True, False])), InputError, "dtype bool"),
-    ("string", lambda s: s.prefill("12"), InputError, "dtype <U2"),
-    ("None", lambda s: s.prefill(None), InputError, "dtype object"),
-    ("2-D ids", lambda s: s.prefill(np.array([[1, 2]])), InputError, "1-D integer array, got shape (1, 2)"),
-    ("0-D ids", lambda s: s.prefill(np.int64(3)), InputError, "got shape ()"),
-    ("no ids", lambda s: s.prefill(np.array([], np.int64)), InputError, "non-empty"),
+    ("int past int64", lambda s: s.prefill([2**70]), InputError,
+     f"token id {2**70} at index 0 is outside the vocabulary [0, {VOCAB})"),
+    ("float ids", lambda s: s.prefill(np.array([1.0, 2.0])), InputError, "the one at index 0 is 1.0 (a float)"),
+    ("float in a list", lambda s: s.prefill([1, 2.5]), InputError, "the one at index 1 is 2.5 (a float)"),
+    ("bool ids", lambda s: s.prefill(np.array([True, False])), InputError, "the one at index 0 is True (a bool)"),
+    ("string", lambda s: s.prefill("12"), InputError, "got '12' (a string)"),
+    ("None", lambda s: s.prefill(None), InputError, "a sequence of integers, got None"),
+    ("2-D ids", lambda s: s.prefill(np.array([[1, 2]])), InputError, "one flat sequence of integers, got a 2-D array"),
+    ("ragged ids", lambda s: s.prefill([[1], [1, 2]]), InputError, "one flat sequence of integers"),
+    ("0-D ids", lambda s: s.prefill(np.int64(3)), InputError, "got the single integer 3 (write [3] for one token)"),
+    ("no ids", lambda s: s.prefill(np.array([], np.int64)), InputError, "no token ids: a call takes at least one"),
+    ("empty list", lambda s: s.prefill([]), InputError, "no token ids: a call takes at least one"),
     ("decode id = vocab", lambda s: s.decode(VOCAB), InputError, f"token id {VOCAB} at index 0"),
     ("decode negative", lambda s: s.decode(-1), InputError, "token id -1"),
-    ("decode float", lambda s: s.decode(3.0), InputError, "one integer token id, got float"),  # type: ignore[arg-type]
-    ("decode bool", lambda s: s.decode(True), InputError, "got bool"),
-    ("decode array", lambda s: s.decode(np.array([3])), InputError, "got ndarray"),  # type: ignore[arg-type]
-    ("decode None", lambda s: s.decode(None), InputError, "got NoneType"),  # type: ignore[arg-type]
+    ("decode float", lambda s: s.decode(3.0), InputError,  # type: ignore[arg-type]
+     "one integer token id, got 3.0 (a float)"),
+    ("decode bool", lambda s: s.decode(True), InputError, "got True (a bool)"),
+    ("decode array", lambda s: s.decode(np.array([3])), InputError, "got an array of shape (1,)"),  # type: ignore[arg-type]
+    ("decode None", lambda s: s.decode(None), InputError, "got None"),  # type: ignore[arg-type]
+    ("decode past int64", lambda s: s.decode(2**70), InputError, f"token id {2**70} at index 0 is outside"),
     ("decode mask of int", lambda s: s.decode(3, 1), InputError,  # type: ignore[arg-type]
      "decode's token_mask is one bool or None, got int"),
     ("mask of ints", lambda s: s.prefill([1, 2], token_mask=np.array([1, 0])), InputError, "token_mask"),
-    ("mask of floats", lambda s: s.prefill([1, 2], token_mask=[1.0, 0.0]), InputError, "float64"),
-    ("mask too short", lambda s: s.prefill([1, 2, 3], token_mask=np.ones(2, bool)), InputError, "shape (3,)"),
-    ("mask too long", lambda s: s.prefill([1, 2], token_mask=np.ones(3, bool)), InputError, "bool (3,)"),
+    ("mask of floats", lambda s: s.prefill([1, 2], token_mask=[1.0, 0.0]), InputError, "values of type float64"),
+    ("mask too short", lambda s: s.prefill([1, 2, 3], token_mask=np.ones(2, bool)), InputError,
+     "one bool a token (3 here), got 2 bools"),
+    ("mask too long", lambda s: s.prefill([1, 2], token_mask=np.ones(3, bool)), InputError, "got 3 bools"),
     ("mask 2-D", lambda s: s.prefill([1, 2], token_mask=np.ones((1, 2), bool)), InputError, "(1, 2)"),
     ("past max_seq", lambda s: s.prefill(np.zeros(6, np.int64)), CapacityError, "exceed max_seq 8 (5 positions left)"),
     ("past max_seq in chunks", lambda s: s.prefill(np.arange(7)), CapacityError, "7 tokens at position 3"),
@@ -109,6 +115,7 @@ def assert_agrees(seq, ref, k: int, what: str) -> np.ndarray:
     return got
 
 
+@pytest.mark.slow
 def test_bad_calls_change_nothing(setup, monkeypatch: pytest.MonkeyPatch) -> None:
     model, engine, oracle = setup
     a, c = engine.new_sequence(), engine.new_sequence()  # a sees every bad call, c none
@@ -247,8 +254,8 @@ def test_unmapped_blocks_like_a_mask_in_the_oracle(setup) -> None:
 def test_engine_arguments(setup) -> None:
     model, _, _ = setup
     for kwargs, error, words in (
-        (dict(max_seq=0), InputError, "max_seq (0)"),
-        (dict(max_tokens=0), InputError, "max_tokens (0)"),
+        (dict(max_seq=0), InputError, "max_seq must be at least 1, got 0"),
+        (dict(max_tokens=0), InputError, "max_tokens must be at least 1, got 0"),
         (dict(max_seq=model.config.context_length + 1), CapacityError, "context length"),
         (dict(table_residency="disk"), InputError, "table_residency"),
     ):

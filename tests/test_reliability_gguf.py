@@ -22,7 +22,7 @@ from gguf import GGUFReader
 import flashv41
 from flashv41.check import compare_call
 from flashv41.host import gguf_layout as L
-from flashv41.host.errors import FlashError, ModelFormatError, SequenceStateError, UnsupportedError
+from flashv41.host.errors import FlashError, InputError, ModelFormatError, SequenceStateError, UnsupportedError
 from flashv41.host.gguf_model import open_gguf
 from flashv41.host.oracle import Oracle
 from tests.gguf_edit import field_value, rewrite_gguf
@@ -66,11 +66,26 @@ def patched(src: Path, dst: Path, patch: Callable[[GGUFReader], None]) -> Path:
 # --- not a GGUF file --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("content", [b"", b"hello, world\n", b"GGUF", b"GGUF\x03\x00\x00\x00",
-                                     b"\x00" * 64, "random", "random after the magic"],
-                         ids=["empty", "text", "magic only", "magic and version", "zeros", "random",
-                              "random after magic"])
-def test_not_a_gguf(tmp_path: Path, content: bytes | str) -> None:
+# words of gguf-py's or NumPy's own exceptions, which a message about a user's file must not carry
+JARGON = ("dtype", "ValueError", "IndexError", "KeyError", "b''", "Sorry")
+
+
+@pytest.mark.parametrize(("content", "words"), [
+    (b"", "the file is empty (0 bytes)"),
+    (b"hello, world\n", "it looks like a text file"),
+    (b"GG", "only 2 bytes"),
+    (b"GGUF", "the file ends inside its GGUF header"),
+    (b"GGUF\x03\x00\x00\x00", "the file ends inside its GGUF header"),
+    (b"\x00" * 64, "not a GGUF file: it starts with"),
+    ("random", "not a GGUF file: it starts with"),
+    ("random after the magic", "GGUF version"),
+    (b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\": 1}", "it looks like a safetensors file"),
+    (b"PK\x03\x04" + bytes(40), "it looks like a zip archive"),
+], ids=["empty", "text", "two bytes", "magic only", "magic and version", "zeros", "random", "random after magic",
+        "safetensors", "zip"])
+def test_not_a_gguf(tmp_path: Path, content: bytes | str, words: str) -> None:
+    """Each is one sentence about the file, in its owner's terms: empty, too short, truncated, what
+    it looks like instead, never the exception gguf-py or NumPy raised on the way."""
     rng = np.random.default_rng(0)
     if content == "random":
         content = rng.bytes(4096)
@@ -78,8 +93,8 @@ def test_not_a_gguf(tmp_path: Path, content: bytes | str) -> None:
         content = b"GGUF" + rng.bytes(4096)
     path = tmp_path / "x.gguf"
     path.write_bytes(content)  # type: ignore[arg-type]
-    message = expect(path, ModelFormatError, "x.gguf")
-    assert "not a GGUF file" in message or "damaged or truncated GGUF header" in message
+    message = expect(path, ModelFormatError, "x.gguf", words)
+    assert not any(jargon in message for jargon in JARGON), message
 
 
 def test_no_such_file(tmp_path: Path) -> None:
@@ -87,12 +102,23 @@ def test_no_such_file(tmp_path: Path) -> None:
     expect(tmp_path, ModelFormatError, str(tmp_path), "is a directory, not a GGUF model file")
 
 
+@pytest.mark.parametrize(("path", "words"), [
+    (None, "the path of its GGUF file, got NoneType None"),
+    (7, "the path of its GGUF file, got int 7"),
+    ("", "the path of its GGUF file, got an empty path"),
+])
+def test_not_a_path(path: object, words: str) -> None:
+    with pytest.raises(InputError, match=words):
+        flashv41.load_model(path)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("fraction", [0.001, 0.01, 0.3, 0.6, 0.95])
 def test_truncated_anywhere_in_the_header(tiny_path: Path, tmp_path: Path, fraction: float) -> None:
     header = int(GGUFReader(tiny_path).data_offset)
     path = tmp_path / "x.gguf"
     path.write_bytes(tiny_path.read_bytes()[:max(8, int(header * fraction))])
-    expect(path, ModelFormatError, "x.gguf")
+    message = expect(path, ModelFormatError, "x.gguf", "the file ends inside its GGUF header", "truncated")
+    assert not any(jargon in message for jargon in JARGON), message
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.999])

@@ -36,6 +36,7 @@ def failing_forward(engine, after: int):
     return failing
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not using_simulator(), reason="counts the simulator's device arrays; test_gpu_memory_comes_back "
                     "is the GPU's")
 def test_sequences_and_engines_give_their_memory_back(synth_model, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from flashv41.host import gguf_layout as L
 from flashv41.host.engram_hash import EngramHasher
-from flashv41.host.errors import CapacityError, InputError, SequenceStateError
+from flashv41.host.errors import CapacityError, InputError, SequenceStateError, plural
 from flashv41.host.model import Model
 from flashv41.host.numerics import F32, bf16, rms_norm, rope_tables
 from flashv41.host.oracle.attention import (
@@ -36,7 +36,7 @@ from flashv41.host.oracle.attention import (
 from flashv41.host.oracle.engram import engram_layer
 from flashv41.host.oracle.hc import hc_mixes, hc_post, hc_pre
 from flashv41.host.quants import dequantize
-from flashv41.host.tokens import check_tokens
+from flashv41.host.tokens import check_tokens, one_token
 
 __all__ = ["Oracle", "OracleSequence"]
 
@@ -104,7 +104,9 @@ class OracleSequence:
             raise SequenceStateError("this sequence was released")
         ids, mask = check_tokens(token_ids, token_mask, self.cfg.vocab_size)
         if self.position + ids.size > self.max_seq:
-            raise CapacityError(f"{ids.size} tokens at position {self.position} exceed max_seq {self.max_seq}")
+            raise CapacityError(f"{plural(ids.size, 'token')} at position {self.position} "
+                                f"{'exceeds' if ids.size == 1 else 'exceed'} max_seq "
+                                f"{self.max_seq}")
         return ids, mask
 
     def prefill(self, token_ids, token_mask=None, capture: bool = False,
@@ -161,10 +163,9 @@ class OracleSequence:
 
     def decode(self, token_id: int, token_mask: bool | None = None, capture: bool = False) -> np.ndarray:
         """One token at the current position; returns [1, hc, C]."""
-        if not isinstance(token_id, (int, np.integer)):
-            raise InputError(f"decode takes one integer token id, got {type(token_id).__name__}")
+        ids = one_token(token_id)
         mask = None if token_mask is None else np.array([bool(token_mask)])
-        return self.prefill(np.array([token_id], np.int64), mask, capture)
+        return self.prefill(ids, mask, capture)
 
     def load_attention_state(self, layers: list[dict[str, np.ndarray]]) -> None:
         """Overwrite every layer's attention state (window ring, compressor partial group, caches)

@@ -10,7 +10,7 @@ ds4 tables hold E4M3 codes and E8M0 scales that ds4 refuses when NaN. Every row 
 when a table is at most `E4M3_FULL_CHECK_BYTES`; a larger one (384M rows at flash size) only on a
 sample of `E4M3_SAMPLE_ROWS` rows spread over it, since reading it all would take minutes. The host
 dequantiser (the oracle, host-residency reads) checks every row it reads; the device row gather
-cannot raise and yields NaN for such a row (stages.quant_types.dequant_e4m3_row264).
+cannot raise and yields NaN for such a row (stages.quants.e4m3.dequant_e4m3_row264).
 
 The file is memory-mapped through gguf-py's `GGUFReader`; a tensor's bytes are touched only when
 someone asks for that tensor. A split set (llama.cpp gguf-split: `NAME-00001-of-00003.gguf` ...)

@@ -220,31 +220,11 @@ from flashv41.stages.device import (
     words2_at,
     words4_at,
 )
-from flashv41.stages.quant_types import (
-    INT8_MAGIC,
-    INT8_SELECT,
-    LOW_NIBBLES,
-    MXFP4_INF_E,
-    MXFP4_PAIRS,
-    Q2_K_BYTES,
-    Q2_K_D,
-    Q2_K_GROUPS,
-    Q2_K_HALF_QS,
-    Q2_K_QS_BYTES,
-    Q4_K_BYTES,
-    Q4_K_QS,
-    Q5_K_BYTES,
-    Q5_K_QH,
-    Q5_K_QS,
-    Q6_K_BYTES,
-    Q6_K_D,
-    Q6_K_QH,
-    Q6_K_QL,
-    Q6_K_SCALES,
-    e2m1_doubled,
-    e8m0_half,
-    k_scale_words,
-)
+from flashv41.stages.quants.mxfp4 import MXFP4_INF_E, MXFP4_PAIRS, e2m1_doubled, e8m0_half
+from flashv41.stages.quants.q2_k import Q2_K_BYTES, Q2_K_D, Q2_K_GROUPS, Q2_K_HALF_QS, Q2_K_QS_BYTES
+from flashv41.stages.quants.q4_k_q5_k import Q4_K_BYTES, Q4_K_QS, Q5_K_BYTES, Q5_K_QH, Q5_K_QS, k_scale_words
+from flashv41.stages.quants.q6_k import Q6_K_BYTES, Q6_K_D, Q6_K_QH, Q6_K_QL, Q6_K_SCALES
+from flashv41.stages.quants.units import INT8_MAGIC, INT8_SELECT, LOW_NIBBLES
 
 MAX_TOKENS = 8  # tokens a launch: stages.linear's GEMV_MAX_TOKENS (which imports this module)
 TOKEN_CAPS = (1, 2, 4, 8)  # compiled per cap: cap / 2 mmas (token pairs) per A fragment

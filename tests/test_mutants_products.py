@@ -26,7 +26,7 @@ simulator (random valid blocks, K = 256, T = 4) each is caught by both rules: Q4
 bit-equal, sub_scale 6%, no_minimum 6%, minimum_sign 3%, nibble 0%; Q5_K truncate 51%, sub_scale
 2%, no_minimum 7%, fifth 0%; MXFP4 truncate 51%, table 0%, no_negatives 0.8%, e_scale 0%.
 
-The mutated pieces are the quant-type table's (stages.quant_types.DEVICE_TYPES, swapped in the
+The mutated pieces are the quant-type table's (stages.quants.table.DEVICE_TYPES, swapped in the
 kernel's module: a record with a broken weight dequantiser or tc put) or the kernel module's own
 (stream_walker, mma, f32_to_bf16; imma's DIGIT, quad_digits and block_scales).
 
@@ -61,7 +61,7 @@ from flashv41.host.quants import MXFP4_DOUBLED, GGMLType, dequantize, random_blo
 from flashv41.host.synth import DRAWN_ONLY
 from flashv41.stages.device import CHUNK, device, f32_bits
 from flashv41.stages.linear import DeviceWeight
-from flashv41.stages.quant_types import DEVICE_TYPES
+from flashv41.stages.quants.table import DEVICE_TYPES
 from tests.bounds import BIT_EQUAL_RULE, BOUND_RULE
 from tests.mutants import edited, mutant
 from tests.test_linear import check_linear, weight

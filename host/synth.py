@@ -94,7 +94,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from flashv41.host import gguf_layout as L
 from flashv41.host.engram_tables import MAX_PRIME, engram_multipliers, engram_offsets, engram_primes, stub_token_map
 from flashv41.host.errors import InputError, UnsupportedError
-from flashv41.host.gguf_model import shard_name
+from flashv41.host.gguf_file import shard_name
 from flashv41.host.numerics import bf16
 from flashv41.host.progress import Progress
 from flashv41.host.quants import FORMATS, GGMLType, RowType, dequantize, ggml_type, quantize, random_blocks

@@ -22,6 +22,11 @@ Normalisation (`normalise`), the only change made to NVVM's output:
   module, or compiled in another order in the session, keeps its name;
 - Numba's shared and local array names (`_cudapy_smem_<n>`: a counter over the whole session)
   are numbered by first appearance in the kernel;
+- Numba's environment globals (`NumbaEnv.<function>`: one `.common .global .u64` declaration a
+  function, which the code never reads) lose their number and their declarations are listed
+  sorted after `.address_size`: they come in the order the functions' code libraries are linked,
+  which follows the modules the functions live in. Should one be referenced by an instruction,
+  the declarations are left where they are (and a move shows as a difference);
 - `.file` directives (source paths; absent without line info) are dropped.
 Nothing else: instruction bodies, register declarations, parameters and comments are compared
 as NVVM wrote them.
@@ -45,6 +50,7 @@ from collections import defaultdict
 from pathlib import Path
 
 MANGLED = re.compile(r"_ZN[A-Za-z0-9_]+")
+ENV = re.compile(r"NumbaEnv\.[A-Za-z0-9_]+(#\d+)?")
 SHARED = re.compile(r"_cudapy_([sl]mem)_\d+")  # Numba's shared / local array names: a session-wide counter
 COMPONENT = re.compile(r"(\d+)")
 CC = (9, 0)
@@ -98,7 +104,20 @@ def normalise(ptx: str) -> str:
         return arrays.setdefault(m.group(0), f"_cudapy_{m.group(1)}#{len(arrays)}")
 
     lines = [line for line in ptx.splitlines() if not line.lstrip().startswith(".file")]
-    return SHARED.sub(rename_array, MANGLED.sub(rename, "\n".join(lines))) + "\n"
+    return sorted_environments(SHARED.sub(rename_array, MANGLED.sub(rename, "\n".join(lines)))) + "\n"
+
+
+def sorted_environments(ptx: str) -> str:
+    """The NumbaEnv declarations (module docstring) without numbers, sorted after `.address_size`,
+    unless an instruction names one. Idempotent: `compare` applies it to stored records again."""
+    lines = [ENV.sub(lambda m: m.group(0).split("#")[0], line) for line in ptx.rstrip("\n").splitlines()]
+    declared = [i for i, line in enumerate(lines) if line.startswith(".common .global") and "NumbaEnv." in line]
+    if any("NumbaEnv." in line for i, line in enumerate(lines) if i not in set(declared)):
+        return ptx.rstrip("\n")
+    envs = sorted(lines[i] for i in declared)
+    rest = [line for i, line in enumerate(lines) if i not in set(declared)]
+    at = next((i + 1 for i, line in enumerate(rest) if line.startswith(".address_size")), 0)
+    return "\n".join(rest[:at] + envs + rest[at:])
 
 
 def digest(text: str) -> str:
@@ -166,9 +185,12 @@ def dump(out: Path, pytest_args: list[str]) -> int:
 
 
 def load(record: Path) -> dict[tuple[str, str], list[dict]]:
+    """A record's kernels by (qualname, signature), each hashed again after normalising its stored
+    text once more (idempotent: a record written by an earlier normalisation compares the same)."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for entry in json.loads((record / "index.json").read_text()):
-        groups[(entry["qualname"], entry["signature"])].append(entry)
+        text = sorted_environments((record / entry["file"]).read_text()) + "\n"
+        groups[(entry["qualname"], entry["signature"])].append({**entry, "hash": digest(text)})
     return groups
 
 

@@ -69,7 +69,7 @@ Q3_K_PIECE = Q3_K_SCALES  # hmask, qs
 Q3_K_SCALE_BYTES = Q3_K_D - Q3_K_SCALES
 Q3_K_PIECE_WORDS, Q3_K_SCALE_WORDS = Q3_K_PIECE // WORD, Q3_K_SCALE_BYTES // WORD
 Q3_K_HMASK_WORD, Q3_K_QS_WORD, Q3_K_HALF_QS_WORDS = Q3_K_HMASK // WORD, Q3_K_QS // WORD, Q3_K_HALF_QS // WORD
-Q3_K_LEVEL_MAGIC = float32(2.0**23 + 4)  # and the 4 off a Q3_K level + 4
+Q3_K_LEVEL_MAGIC = float32(2.0**23 + 4)  # byte_less's 2^23 + o: takes the 4 off a Q3_K level + 4
 # d last; the scales after the pieces, in whole words (three a block)
 assert Q3_K_D + F16_BYTES == Q3_K_BYTES and Q3_K_PIECE % ROW_ALIGN == 0 and Q3_K_SCALE_BYTES % WORD == 0
 assert Q3_K_HMASK % ROW_ALIGN == 0 and Q3_K_QS % ROW_ALIGN == 0

@@ -6,6 +6,9 @@ every kernel's PTX as it was, once the names are normalised. This tool proves it
     python tools/ptx_dump.py dump OUT -- tests/test_linear.py tests/test_linear_tc.py ...
     python tools/ptx_dump.py compare BASE OUT
 
+A record may also be a folder of records (one a pytest run, say one a test file, so that no process
+holds every kernel of the selection at once): `compare` merges the records it finds under it.
+
 `dump` runs pytest in the project's compile-check mode (tests/compile_check.py: every kernel a
 test launches is typed, lowered and compiled to sm_90 PTX through NVVM, not run) and records
 each compiled kernel's PTX under OUT, one file per (module, kernel qualname, signature) and
@@ -185,12 +188,18 @@ def dump(out: Path, pytest_args: list[str]) -> int:
 
 
 def load(record: Path) -> dict[tuple[str, str], list[dict]]:
-    """A record's kernels by (qualname, signature), each hashed again after normalising its stored
-    text once more (idempotent: a record written by an earlier normalisation compares the same)."""
+    """A record's kernels (or those of the records in its folders) by (qualname, signature), each
+    hashed again after normalising its stored text once more (idempotent: a record written by an
+    earlier normalisation compares the same). A kernel two runs compiled alike counts once."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
-    for entry in json.loads((record / "index.json").read_text()):
-        text = sorted_environments((record / entry["file"]).read_text()) + "\n"
-        groups[(entry["qualname"], entry["signature"])].append({**entry, "hash": digest(text)})
+    seen: set[tuple[str, str, str, str]] = set()
+    for index in sorted(record.rglob("index.json")):
+        for entry in json.loads(index.read_text()):
+            text = sorted_environments((index.parent / entry["file"]).read_text()) + "\n"
+            key = (entry["module"], entry["qualname"], entry["signature"], digest(text))
+            if key not in seen:
+                seen.add(key)
+                groups[key[1:3]].append({**entry, "file": str(index.parent / entry["file"]), "hash": key[3]})
     return groups
 
 

@@ -8,13 +8,16 @@ every kernel's PTX as it was, once the names are normalised. This tool proves it
 
 A record may also be a folder of records (one a pytest run, say one a test file, so that no process
 holds every kernel of the selection at once): `compare` merges the records it finds under it.
+Compile-check mode runs the `gpu` tests too, whose flash-sized arrays are NumPy arrays on the host
+(one process over several such files grew past 16 GB): `-m "not gpu"` keeps to the CI shapes.
 
 `dump` runs pytest in the project's compile-check mode (tests/compile_check.py: every kernel a
 test launches is typed, lowered and compiled to sm_90 PTX through NVVM, not run) and records
 each compiled kernel's PTX under OUT, one file per (module, kernel qualname, signature) and
 instance (factories make many kernels of one qualname and signature: one per closure), named
 `<module>--<qualname>--<signature hash>--<n>.ptx`, with `index.json` listing every file's
-module, qualname, full signature and normalised-PTX hash. The PTX written is the normalised one.
+module, qualname, full signature, normalised-PTX hash and the test that compiled it. The PTX
+written is the normalised one.
 
 Normalisation (`normalise`), the only change made to NVVM's output:
 - every Numba-mangled symbol (`_ZN...`: the kernel entry, every non-inlined device function and
@@ -140,6 +143,10 @@ class Recorder:
         self.index: list[dict] = []
         self.seen: set[tuple[str, str, str, str]] = set()
         self.instances: dict[tuple[str, str, str], int] = defaultdict(int)
+        self.test = ""  # the test running (the index names the first to compile each kernel)
+
+    def pytest_runtest_setup(self, item) -> None:
+        self.test = item.nodeid
 
     def pytest_configure(self, config) -> None:
         from numba.cuda import dispatcher
@@ -167,7 +174,7 @@ class Recorder:
         name = f"{safe(module)}--{safe(qualname)}--{digest(signature)[:12]}--{n}.ptx"
         (self.out / name).write_text(text)
         self.index.append({"file": name, "module": module, "qualname": qualname, "signature": signature,
-                           "hash": h})
+                           "hash": h, "test": self.test})
 
     def pytest_sessionfinish(self, session, exitstatus) -> None:
         (self.out / "index.json").write_text(json.dumps(self.index, indent=1) + "\n")

@@ -4,7 +4,7 @@ quantisers the synthetic-model writer uses.
 Supported types: F32, F16, BF16, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4, and one table format
 no ggml type id names, E4M3_ROW264 (ds4's engram rows, stored in the file as I8), each declared once in
 the table `FORMATS` (its block layout a NumPy structured dtype whose size is asserted, values a
-block, dequantiser and quantiser); stages.quant_types adds each type's device pieces.
+block, dequantiser and quantiser); stages.quants adds each type's device pieces.
 Dequantisation agrees bit for bit with gguf-py's `gguf.quants.dequantize` (tests/test_quants.py,
 tests/test_quants_more.py hold it to that).
 
@@ -68,7 +68,7 @@ class GGMLType(IntEnum):
 
 
 # The block layouts, each declared here once (ggml-common.h); the loader, the oracle and the device
-# pieces (stages.quant_types) read sizes and field offsets from these dtypes, never re-type them.
+# pieces (stages.quants) read sizes and field offsets from these dtypes, never re-type them.
 F32_BLOCK = np.dtype([("v", "<f4")])
 F16_BLOCK = np.dtype([("v", "<f2")])
 BF16_BLOCK = np.dtype([("v", "<u2")])  # the bf16 bit pattern
@@ -543,7 +543,7 @@ class QuantFormat:
 
 
 # The table of quant types: adding a type is adding its block dtype above and a row here (and its
-# device pieces in stages.quant_types).
+# device pieces in its family's module of stages.quants: see its package docstring).
 FORMATS: dict[GGMLType | RowType, QuantFormat] = {
     GGMLType.F32: QuantFormat(GGMLType.F32, F32_BLOCK, 1, dequantize_f32, quantize_f32),
     GGMLType.F16: QuantFormat(GGMLType.F16, F16_BLOCK, 1, dequantize_f16, quantize_f16),

@@ -1,6 +1,6 @@
 """Device helpers shared by every stage: bit casts, bf16 / fp16 conversion, 16-byte loads,
 reductions. The per-type weight pieces (dequantisers, stream units, tensor-core fetches) are the
-quant-type table's, stages.quant_types.
+quant-type table's, stages.quants.
 
 Formats on the device: bf16 tensors are uint16 bit patterns, fp32 tensors float32, weights the
 GGUF's stored bytes (uint8 [rows, row_bytes]), whatever their type. The same kernels run on a GPU

@@ -38,7 +38,7 @@ from flashv41.stages.device import DeviceArray
 from flashv41.stages.engram_gate import check_hc, engram_gate
 from flashv41.stages.engram_rows import RESIDENCIES, RowWorkspace, TableRows, is_device_array
 from flashv41.stages.linear import DeviceWeight, linear
-from flashv41.stages.quant_types import DEVICE_TYPES
+from flashv41.stages.quants.table import DEVICE_TYPES
 from flashv41.stages.trace import Traced
 
 WKV, Q_WEIGHT, K_WEIGHT = "engram_wkv", "engram_q", "engram_k"

@@ -23,7 +23,7 @@ Host-to-device copies go through pinned staging buffers, so they run asynchronou
 stage's stream; an event keeps the host from refilling a staging buffer while a copy from it may
 still be in flight.
 
-Every type of the quant-type table (stages.quant_types.DEVICE_TYPES: F32, F16, BF16, Q8_0, the
+Every type of the quant-type table (stages.quants.table.DEVICE_TYPES: F32, F16, BF16, Q8_0, the
 K-quants Q2_K .. Q6_K, MXFP4 and ds4's E4M3_ROW264) is supported: one thread per 32-value chunk of a
 row, the type's chunk dequantiser of stored rows, then the round to bf16 (nearest even). The
 dequantised values are exact in float32 (host.quants), so the rows are bit-identical to the
@@ -44,7 +44,8 @@ from flashv41.host.errors import CapacityError, InputError, UnsupportedError
 from flashv41.host.gguf_model import TensorRef
 from flashv41.host.quants import FORMATS
 from flashv41.stages.device import CHUNK, SIM, f32_to_bf16, grid_1d
-from flashv41.stages.quant_types import DEVICE_TYPES, DeviceType
+from flashv41.stages.quants.records import DeviceType
+from flashv41.stages.quants.table import DEVICE_TYPES
 
 RESIDENCIES = ("device", "pinned", "host")
 GATHERED = ("device", "pinned")  # residencies whose kernel gathers rows by id from the whole table

@@ -1,7 +1,7 @@
 """Linear layers on the device: y[t, n] = sum_k x[t, k] * dequant(w)[n, k], fp32 accumulation.
 
 Shapes: x [T, K_total] (bf16 bits uint16, or float32), w the rows of [N, K] in their device layout
-(any type of the quant-type table, stages.quant_types.DEVICE_TYPES), y [T, N] (bf16 bits, rounded
+(any type of the quant-type table, stages.quants.table.DEVICE_TYPES), y [T, N] (bf16 bits, rounded
 to nearest even, or float32). A grouped product (the attention's `wo_a`: G groups of `group_rows`
 outputs, each reading its own K-wide slice of x) is the same kernel with the input offset
 `(n // group_rows) * K`.
@@ -22,7 +22,7 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
   walks two or four row groups side by side, 16 or 8 lanes each (`stream_lanes`). The lanes of a
   row group walk the row's units (the type's stream unit: 16-byte pieces), two or four in flight,
   each used for every token of the step; x (a few KiB) is read through L1. How a unit decodes is
-  the type's (stages.quant_types). `stream_partials` is the same walk with the slices'
+  the type's (its family's module in stages.quants). `stream_partials` is the same walk with the slices'
   sums written out instead (any T, in groups of GEMV_MAX_TOKENS tokens), plus a row of the inputs'
   square sums: the hyper-connection mixes' product (stages.hyper sums the slices).
 - `narrow` (more tokens, up to NARROW_MAX_TOKENS: a batch of decode steps; bf16 x; BF16 and Q8_0
@@ -76,17 +76,9 @@ from flashv41.stages.device import (
     warp_sum,
 )
 from flashv41.stages.linear_narrow import NARROW_MAX_TOKENS
-from flashv41.stages.quant_types import (
-    DEVICE_TYPES,
-    U1,
-    U2,
-    U3,
-    U4,
-    DeviceType,
-    StreamUnit,
-    x4_bf16,
-    x4_f32,
-)
+from flashv41.stages.quants.records import DeviceType, StreamUnit
+from flashv41.stages.quants.table import DEVICE_TYPES
+from flashv41.stages.quants.units import U1, U2, U3, U4, x4_bf16, x4_f32
 
 if SIM:
     from flashv41.stages.device import _BF16_VALUES
@@ -122,7 +114,7 @@ ACC_TILE = (WM, WN)
 @dataclass
 class DeviceWeight:
     """A weight matrix on the device: `data` uint8 [N, pitch], each row in its type's device layout
-    (stages.quant_types: the stored bytes; Q8_0, Q6_K, Q3_K and MXFP4 split; padded to whole 16-byte
+    (stages.quants: the stored bytes; Q8_0, Q2_K, Q6_K, Q3_K and MXFP4 split; padded to whole 16-byte
     pieces)."""
 
     name: str
@@ -163,7 +155,7 @@ class DeviceWeight:
 
     @property
     def dequant(self):
-        """The chunk dequantiser of this weight's rows (stages.quant_types' signature)."""
+        """The chunk dequantiser of this weight's rows (stages.quants.records' signature)."""
         return DEVICE_TYPES[self.gtype].weight_dequant
 
 

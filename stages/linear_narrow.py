@@ -11,7 +11,7 @@ The weights are the mma's A operand (16 output rows a fragment), the tokens its 
 fragment), so one token costs what eight do. Lane (g, t) of a warp loads, from each 32-value
 block of its rows g and g + 8, the values 8 t .. 8 t + 7 (Q8_0: 8 bytes, BF16: 16) and the same
 eight inputs of its token g, and they enter the block's two k16 steps permuted alike (the
-quant-type table's `narrow` pieces, stages.quant_types): no shared memory, no shuffles.
+quant-type table's `narrow` pieces, stages.quants): no shared memory, no shuffles.
 
 Exactness as stages.linear_tc's: the tensor cores multiply exact values (bf16 inputs; a Q8_0
 level, |q| <= 128, is exact in bf16) and sum in fp32. BF16 accumulates along the warp's slice of
@@ -39,7 +39,8 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from flashv41.stages.device import CHUNK, SIM, WARP, f32_to_bf16, inlined, load_words4, product_groups
-from flashv41.stages.quant_types import DEVICE_TYPES, NarrowType
+from flashv41.stages.quants.records import NarrowType
+from flashv41.stages.quants.table import DEVICE_TYPES
 from flashv41.stages.warp_mma import kernel_mma as mma
 
 NARROW_MAX_TOKENS = 64  # the largest batch bucket of a decode step

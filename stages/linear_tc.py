@@ -3,7 +3,7 @@
 
 Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16; fp32 inputs are
 refused), w a stages.linear.DeviceWeight of BF16, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or MXFP4 in its
-device layout (stages.quant_types: Q8_0, Q3_K, Q6_K and MXFP4 rows split, quants first; the others
+device layout (stages.quants: Q8_0, Q2_K, Q3_K, Q6_K and MXFP4 rows split, quants first; the others
 the GGUF blocks), y [T, N] bf16 bits (rounded to nearest even) or float32. Grouped product
 (group_rows > 0): output row n reads x[:, (n // group_rows) * K :][:K].
 
@@ -67,15 +67,9 @@ from numba import cuda, float32, uint32
 
 from flashv41.host.quants import FORMATS
 from flashv41.stages.device import CHUNK, SIM, WARP, bf16_to_f32, device, f32_to_bf16, inlined, product_groups
-from flashv41.stages.quant_types import (
-    DEVICE_TYPES,
-    NO_SCALES,
-    TC_BLOCK_GROUPS,
-    TC_BLOCK_STEPS,
-    TC_STEP_WORDS,
-    DeviceType,
-    pack,
-)
+from flashv41.stages.quants.records import DeviceType
+from flashv41.stages.quants.table import DEVICE_TYPES
+from flashv41.stages.quants.units import NO_SCALES, TC_BLOCK_GROUPS, TC_BLOCK_STEPS, TC_STEP_WORDS, pack
 from flashv41.stages.warp_mma import kernel_mma as mma
 
 BK = CHUNK  # values of k per step: the table's tensor-core pieces fetch a chunk a step
@@ -117,7 +111,7 @@ def add_scaled(acc, part, d_s, h, wn, t4):
 @cache
 def tc_kernel(qt: DeviceType, out_bf16: bool):
     """Tiles of BM tokens x BN outputs of one group; block = THREADS, grid = (output tiles per group,
-    token tiles, groups). The weight type enters through its record's tc pieces (stages.quant_types)."""
+    token tiles, groups). The weight type enters through its record's tc pieces (stages.quants)."""
     tc = qt.tc
     assert tc is not None
     fetch, put, fetch_scales, put_scales = tc.fetch, tc.put, tc.fetch_scales, tc.put_scales

@@ -112,7 +112,7 @@ def split_terms(gtype: GGMLType, stored: np.ndarray, k: int, kernel: str) -> dic
     return {"w_abs": part_magnitudes(gtype, stored, k), "n_terms": 2 * k}
 
 
-# The device layouts that move a type's fields (stages.quant_types: "split"), as the stored block's
+# The device layouts that move a type's fields (stages.quants: "split"), as the stored block's
 # field groups each layout puts one after another along a row, every block's group back to back.
 SPLIT_FIELDS = {GGMLType.Q2_K: (("scales",), ("qs",), ("d", "dmin"))}
 

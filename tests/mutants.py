@@ -29,7 +29,7 @@ import linecache
 import textwrap
 import types
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from flashv41.stages.device import SIM
@@ -124,3 +124,18 @@ def mutant(module: types.ModuleType, **replacements: Any) -> Iterator[None]:
     finally:
         for name in swapped:
             setattr(module, name, saved[name])
+
+
+@contextmanager
+def mutant_across(modules: tuple[types.ModuleType, ...], **replacements: Any) -> Iterator[None]:
+    """`mutant` for a stage whose kernels and helpers live in several modules: each replacement is
+    swapped in every module of `modules` that holds the name (the one that defines it, those that
+    import it), and every module's kernels are built afresh, so that a swap reaches each kernel or
+    helper that calls the name, whichever module it is in (as one `mutant` of a one-module stage)."""
+    unheld = [name for name in replacements if not any(hasattr(module, name) for module in modules)]
+    if unheld:
+        raise AttributeError(f"no module of {[m.__name__ for m in modules]} holds {', '.join(unheld)} to mutate")
+    with ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(mutant(module, **{k: v for k, v in replacements.items() if hasattr(module, k)}))
+        yield

@@ -537,7 +537,7 @@ def _entries_of(positions, first, selection, entries, window, chunk_rows, n_entr
 
 def entry_lists(positions, selection, window: int, chunk_capacity: int, own_rows: bool = False,
                 first: np.ndarray | None = None) -> np.ndarray:
-    """The lists the sparse kernels make (stages.sparse_attention.entry_at), one column past E (which
+    """The lists the sparse kernels make (stages.sparse_entries.entry_at), one column past E (which
     must read -1), through a kernel compiled afresh each call (so a mutant of entry_at is the one run).
     first: the whole chunk's positions where positions and selection are a sub-chunk's rows (None:
     positions, the whole chunk)."""

@@ -153,7 +153,7 @@ def test_table_rows_dequantise_exactly(ds4_path: Path) -> None:
 def test_corner_rows_dequantise_exactly() -> None:
     """Every code and every scale, both ends of the scale range (fp32 subnormals, inf), host and
     the device chunk dequantiser on the simulator alike."""
-    from flashv41.stages.quant_types import DEVICE_TYPES
+    from flashv41.stages.quants.table import DEVICE_TYPES
 
     codes = np.arange(256, dtype=np.uint8)
     codes = codes[(codes & 127) != 127]

@@ -25,7 +25,7 @@ from flashv41.stages.linear import (  # noqa: E402
     stream_partials,
 )
 from flashv41.stages.linear_narrow import NARROW_MAX_TOKENS
-from flashv41.stages.quant_types import split_q8_0  # noqa: E402
+from flashv41.stages.quants.q8_0 import split_q8_0  # noqa: E402
 from tests.bounds import assert_bf16_product, assert_f32_product, assert_within, f32_sum_error, weight_terms
 from tests.mutants import mutant
 

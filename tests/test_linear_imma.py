@@ -19,17 +19,9 @@ from numba import cuda, uint32, uint64  # noqa: E402  (after conftest chose the 
 from flashv41.host.numerics import bf16, from_bits, to_bits
 from flashv41.host.quants import GGMLType
 from flashv41.stages import linear_imma
+from flashv41.stages.imma_digits import COLUMN_WORDS, FIELD_MIN, SLICE_STEPS_MAX, TARGET_WARPS, X_BITS, octet_digits
 from flashv41.stages.linear import DeviceWeight, linear, pick_kernel
-from flashv41.stages.linear_imma import (
-    COLUMN_WORDS,
-    FIELD_MIN,
-    MAX_TOKENS,
-    SLICE_STEPS_MAX,
-    TARGET_WARPS,
-    X_BITS,
-    octet_digits,
-    plan,
-)
+from flashv41.stages.linear_imma import MAX_TOKENS, plan
 from tests.bounds import weight_terms
 from tests.test_linear import check_groups, check_linear, weight
 from tests.test_linear_tc import FLASH

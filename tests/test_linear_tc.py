@@ -23,7 +23,8 @@ from flashv41.host.quants import FORMATS, MXFP4_DOUBLED, GGMLType, dequantize
 from flashv41.stages.device import CHUNK, SIM, bf16_to_f32
 from flashv41.stages.linear import DeviceWeight
 from flashv41.stages.linear_tc import BM, BN, linear_tc, supports
-from flashv41.stages.quant_types import DEVICE_TYPES, TC_BLOCK_STEPS, TC_STEP_WORDS
+from flashv41.stages.quants.table import DEVICE_TYPES
+from flashv41.stages.quants.units import TC_BLOCK_STEPS, TC_STEP_WORDS
 from tests.blocks import corner_rows
 from tests.bounds import split_terms
 from tests.test_linear import check_groups

@@ -54,11 +54,19 @@ from numba import float32, int32, uint16  # noqa: E402  (after conftest chose th
 
 from flashv41.model import load_model
 from flashv41.stages import device as device_module  # noqa: E402
-from flashv41.stages import index_scores_tc, indexer, topk  # noqa: E402
+from flashv41.stages import (  # noqa: E402
+    index_scores_tc,
+    indexer,
+    sparse_entries,
+    sparse_one_block,
+    sparse_split,
+    sparse_split_tc,
+    topk,
+)
 from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
 from flashv41.stages import sparse_attention as sa  # noqa: E402
 from flashv41.stages.device import bf16_to_f32, device, f32_bits, f32_to_bf16
-from tests.mutants import edited, mutant
+from tests.mutants import edited, mutant_across
 from tests.test_attention_kernels import (
     ENTRY_CASES,
     FLASH_SELECT_CASE,
@@ -101,7 +109,7 @@ def f32_to_bf16_one_percent_large(x):
 SUFFIX_INCLUSIVE = "c += local[DIGIT_BINS - 1 - r]\n                slice_counts[slot, DIGIT_BINS - 1 - r] = int32(c)"
 SUFFIX_EXCLUSIVE = "slice_counts[slot, DIGIT_BINS - 1 - r] = int32(c)\n                c += local[DIGIT_BINS - 1 - r]"
 
-_resolve = sa._resolve  # the real one, which the replacements below fall back on
+_resolve = sparse_entries._resolve  # the real one, which the replacements below fall back on
 FP4_BLOCK = indexer.FP4_BLOCK
 
 
@@ -179,72 +187,81 @@ class Mutant:
     check: str  # the key of CHECKS (and FLASH_CHECKS) that must reject it
     key: str  # the test id
     bug: str
-    module: types.ModuleType
+    module: types.ModuleType | tuple[types.ModuleType, ...]  # a tuple: each swap made in every one that has it
     replacements: Callable[[], dict[str, Any]]  # built inside the test, before the check runs
 
 
-def sparse_mutants(check: str, scores: str, combine: str) -> list[Mutant]:
+# the sparse attention stage's modules: a swap is made in each that holds the name (defines or imports it),
+# so that it reaches every kernel and helper that calls it, whichever module that is
+SPARSE = (sa, sparse_entries, sparse_one_block, sparse_split, sparse_split_tc)
+
+
+def sparse_mutants(check: str, scores_home: types.ModuleType, scores: str, combine_home: types.ModuleType,
+                   combine: str) -> list[Mutant]:
     """The sparse attention mutants of one path: the one-block-a-head kernel (check "sparse_attention",
     both kernels sparse_kernel) or the split path ("sparse_split": split_score_kernel scales the dot
-    products, split_combine_kernel adds the sink). The rounding and _resolve swaps reach every kernel
-    of the path that calls them (both split kernels resolve the entries)."""
+    products, split_combine_kernel adds the sink), each kernel edited in the module that defines it
+    (`*_home`). The rounding and _resolve swaps reach every kernel of the path that calls them (both
+    split kernels resolve the entries)."""
     return [
-        Mutant(check, "p_truncated", "p rounded toward zero to bf16 before the value product", sa,
+        Mutant(check, "p_truncated", "p rounded toward zero to bf16 before the value product", SPARSE,
                lambda: {"bf16_round": bf16_round_truncating}),
-        Mutant(check, "out_truncated", "the output rounded toward zero to bf16", sa,
+        Mutant(check, "out_truncated", "the output rounded toward zero to bf16", SPARSE,
                lambda: {"f32_to_bf16": f32_to_bf16_truncating}),
-        Mutant(check, "out_1pct", "the output 1% large", sa,
+        Mutant(check, "out_1pct", "the output 1% large", SPARSE,
                lambda: {"f32_to_bf16": f32_to_bf16_one_percent_large}),
-        Mutant(check, "scale_1pct", "the softmax scale 1% large", sa,
-               lambda: {scores: edited(sa, scores, "mul_rn(part, scale)", "mul_rn(part, scale * float32(1.01))")}),
-        Mutant(check, "first_chunk_row_dropped", "entries naming the chunk's first row skipped", sa,
+        Mutant(check, "scale_1pct", "the softmax scale 1% large", SPARSE,
+               lambda: {scores: edited(scores_home, scores, "mul_rn(part, scale)",
+                                       "mul_rn(part, scale * float32(1.01))")}),
+        Mutant(check, "first_chunk_row_dropped", "entries naming the chunk's first row skipped", SPARSE,
                lambda: {"_resolve": resolve_skipping_first_chunk_row}),
-        Mutant(check, "ring_slot_dropped", "entries naming ring slot 0 skipped", sa,
+        Mutant(check, "ring_slot_dropped", "entries naming ring slot 0 skipped", SPARSE,
                lambda: {"_resolve": resolve_skipping_ring_slot_0}),
         # a kernel that forgot the sink and then guarded the row without entries (0 / 0) on its own
-        Mutant(check, "o_rope_position_plus_1", "the output rotated back by the angle of position p + 1", sa,
-               lambda: {"_output_pair": edited(sa, "_output_pair", "cos[pos, pair], -sin[pos, pair]",
+        Mutant(check, "o_rope_position_plus_1", "the output rotated back by the angle of position p + 1", SPARSE,
+               lambda: {"_output_pair": edited(sparse_entries, "_output_pair", "cos[pos, pair], -sin[pos, pair]",
                                                "cos[pos + 1, pair], -sin[pos + 1, pair]")}),
-        Mutant(check, "o_rope_forward", "the output rotated forward, not back (the sine's sign)", sa,
-               lambda: {"_output_pair": edited(sa, "_output_pair", "-sin[pos, pair]", "sin[pos, pair]")}),
-        Mutant(check, "q_rope_position_plus_1", "the queries rotated by the angle of position p + 1", sa,
-               lambda: {"_pair_angle": edited(sa, "_pair_angle", "cos[pos, pair], sin[pos, pair]",
+        Mutant(check, "o_rope_forward", "the output rotated forward, not back (the sine's sign)", SPARSE,
+               lambda: {"_output_pair": edited(sparse_entries, "_output_pair", "-sin[pos, pair]", "sin[pos, pair]")}),
+        Mutant(check, "q_rope_position_plus_1", "the queries rotated by the angle of position p + 1", SPARSE,
+               lambda: {"_pair_angle": edited(sparse_entries, "_pair_angle", "cos[pos, pair], sin[pos, pair]",
                                               "cos[pos + 1, pair], sin[pos + 1, pair]")}),
-        Mutant(check, "q_rope_inverse", "the queries rotated back, not forward (the sine's sign)", sa,
-               lambda: {"_pair_angle": edited(sa, "_pair_angle", "cos[pos, pair], sin[pos, pair]",
+        Mutant(check, "q_rope_inverse", "the queries rotated back, not forward (the sine's sign)", SPARSE,
+               lambda: {"_pair_angle": edited(sparse_entries, "_pair_angle", "cos[pos, pair], sin[pos, pair]",
                                               "cos[pos, pair], -sin[pos, pair]")}),
-        Mutant(check, "rope_sin_dropped", "b sin left out of the first value of each rotated pair (q and out)", sa,
+        Mutant(check, "rope_sin_dropped", "b sin left out of the first value of each rotated pair (q and out)", SPARSE,
                lambda: {"rotate_pair": edited(device_module, "rotate_pair", "mul_rn(a, c) - mul_rn(b, s)",
                                               "mul_rn(a, c)")}),
-        Mutant(check, "sink_ignored", "the sink's term left out of the denominator", sa,
-               lambda: {combine: edited(sa, combine, "sum_exp = sum_exp + exp_f32(sinks[h] - run_max)",
+        Mutant(check, "sink_ignored", "the sink's term left out of the denominator", SPARSE,
+               lambda: {combine: edited(combine_home, combine, "sum_exp = sum_exp + exp_f32(sinks[h] - run_max)",
                                         "sum_exp = sum_exp if sum_exp > 0 else float32(np.inf)")}),
     ]
 
 
 MUTANTS = [
-    *sparse_mutants("sparse_attention", "sparse_kernel", "sparse_kernel"),
-    *sparse_mutants("sparse_split", "split_score_kernel", "split_combine_kernel"),
-    *sparse_mutants("sparse_split_tc", "split_score_tc_kernel", "split_combine_kernel"),
+    *sparse_mutants("sparse_attention", sparse_one_block, "sparse_kernel", sparse_one_block, "sparse_kernel"),
+    *sparse_mutants("sparse_split", sparse_split, "split_score_kernel", sparse_split, "split_combine_kernel"),
+    *sparse_mutants("sparse_split_tc", sparse_split_tc, "split_score_tc_kernel", sparse_split, "split_combine_kernel"),
     Mutant("sparse_subchunks", "own_start", "a sub-chunk's first position taken for the chunk's: the window rows of "
-           "the chunk's earlier tokens read from the ring", sa,
+           "the chunk's earlier tokens read from the ring", SPARSE,
            lambda: {"_attend": edited(sa, "_attend", SUBCHUNK_VIEWS,
                                       "positions[part], positions[part], chosen[part]")}),
-    Mutant("sparse_subchunks", "start_one_late", "the chunk's first position taken one token late", sa,
+    Mutant("sparse_subchunks", "start_one_late", "the chunk's first position taken one token late", SPARSE,
            lambda: {"_attend": edited(sa, "_attend", SUBCHUNK_VIEWS, "positions[part], positions[1:], chosen[part]")}),
     Mutant("sparse_subchunks", "scores_own_start", "the scores kernel's chunk start from the sub-chunk's positions",
-           sa, lambda: {"split_score_kernel": edited(sa, "split_score_kernel", "else first[0]", "else positions[0]")}),
-    Mutant("entries", "subchunk_own_start", "entry_at's chunk start read from the sub-chunk's positions", sa,
-           lambda: {"entry_at": edited(sa, "entry_at", "else first[0]", "else positions[0]")}),
-    Mutant("entries", "window_one_early", "window positions p - W .. p - 1 instead of p - W + 1 .. p", sa,
-           lambda: {"entry_from": edited(sa, "entry_from", "wp = pos - window + 1 + j",
+           SPARSE, lambda: {"split_score_kernel": edited(sparse_split, "split_score_kernel", "else first[0]",
+                                                         "else positions[0]")}),
+    Mutant("entries", "subchunk_own_start", "entry_at's chunk start read from the sub-chunk's positions", SPARSE,
+           lambda: {"entry_at": edited(sparse_entries, "entry_at", "else first[0]", "else positions[0]")}),
+    Mutant("entries", "window_one_early", "window positions p - W .. p - 1 instead of p - W + 1 .. p", SPARSE,
+           lambda: {"entry_from": edited(sparse_entries, "entry_from", "wp = pos - window + 1 + j",
                                        "wp = pos - window + j")}),
-    Mutant("entries", "chunk_start_from_ring", "the chunk's first position read from the ring", sa,
-           lambda: {"entry_from": edited(sa, "entry_from", "if wp >= start:", "if wp > start:")}),
-    Mutant("entries", "own_row_first", "a batch's tokens all reading chunk row 0 as their own", sa,
-           lambda: {"entry_from": edited(sa, "entry_from", "(t if own_rows else 0)", "0")}),
-    Mutant("entries", "selection_one_late", "selected group s read as s + 1", sa,
-           lambda: {"entry_from": edited(sa, "entry_from", "int32(window + chunk_rows + s)",
+    Mutant("entries", "chunk_start_from_ring", "the chunk's first position read from the ring", SPARSE,
+           lambda: {"entry_from": edited(sparse_entries, "entry_from", "if wp >= start:", "if wp > start:")}),
+    Mutant("entries", "own_row_first", "a batch's tokens all reading chunk row 0 as their own", SPARSE,
+           lambda: {"entry_from": edited(sparse_entries, "entry_from", "(t if own_rows else 0)", "0")}),
+    Mutant("entries", "selection_one_late", "selected group s read as s + 1", SPARSE,
+           lambda: {"entry_from": edited(sparse_entries, "entry_from", "int32(window + chunk_rows + s)",
                                        "int32(window + chunk_rows + s + 1)")}),
     Mutant("index_scores", "dot_term_dropped", "the last product of each head's q . k left out", indexer,
            lambda: {"_block_dot": block_dot_without_last_term}),
@@ -380,7 +397,8 @@ def cfg(tiny_path):
 
 def assert_rejected(m: Mutant, check: Callable[[], Any]) -> None:
     replacements = m.replacements()  # a MutationError here is a failure, never a rejection
-    with mutant(m.module, **replacements), pytest.raises(AssertionError):
+    modules = m.module if isinstance(m.module, tuple) else (m.module,)
+    with mutant_across(modules, **replacements), pytest.raises(AssertionError):
         check()
 
 

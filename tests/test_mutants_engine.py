@@ -33,7 +33,7 @@ import flashv41.stages.attention
 import flashv41.stages.engram_rows
 import flashv41.stages.kv_sources
 import flashv41.stages.norm_rope_quant
-import flashv41.stages.quant_types
+import flashv41.stages.quants.mxfp4
 from flashv41 import stages
 from flashv41.check import REL_RMS, CallAgreement, Chain, ChainAgreement, compare_call
 from flashv41.host.oracle import Oracle
@@ -170,7 +170,7 @@ def engram_rows_rejected(calls: list[CallAgreement]) -> None:
 
 def test_mxfp4_row_scale_off_by_one_exponent_step(two_layer_mxfp4):
     qt = stages.engram_rows.DEVICE_TYPES[GGMLType.MXFP4]
-    high = edited(stages.quant_types, "dequant_mxfp4", "uint32(w[row, base + MXFP4_E])",
+    high = edited(stages.quants.mxfp4, "dequant_mxfp4", "uint32(w[row, base + MXFP4_E])",
                   "uint32(w[row, base + MXFP4_E]) + 1")
     types = {**stages.engram_rows.DEVICE_TYPES, GGMLType.MXFP4: replace(qt, dequant=high)}
     with mutant(stages.engram_rows, DEVICE_TYPES=types):

@@ -26,9 +26,10 @@ simulator (random valid blocks, K = 256, T = 4) each is caught by both rules: Q4
 bit-equal, sub_scale 6%, no_minimum 6%, minimum_sign 3%, nibble 0%; Q5_K truncate 51%, sub_scale
 2%, no_minimum 7%, fifth 0%; MXFP4 truncate 51%, table 0%, no_negatives 0.8%, e_scale 0%.
 
-The mutated pieces are the quant-type table's (stages.quant_types.DEVICE_TYPES, swapped in the
+The mutated pieces are the quant-type table's (stages.quants.table.DEVICE_TYPES, swapped in the
 kernel's module: a record with a broken weight dequantiser or tc put) or the kernel module's own
-(stream_walker, mma, f32_to_bf16; imma's DIGIT, quad_digits and block_scales).
+(stream_walker, mma, f32_to_bf16; imma's DIGIT, quad_digits and block_scales, and its types' pieces
+and walk steps, swapped in each of the imma modules that holds them: IMMA_MODULES).
 
 Each test runs its mutant through the very check the product tests use (test_linear.check_linear,
 test_linear_tc.check_tc) and requires it to fail on one of tests/bounds.py's rules (the message
@@ -61,9 +62,9 @@ from flashv41.host.quants import MXFP4_DOUBLED, GGMLType, dequantize, random_blo
 from flashv41.host.synth import DRAWN_ONLY
 from flashv41.stages.device import CHUNK, device, f32_bits
 from flashv41.stages.linear import DeviceWeight
-from flashv41.stages.quant_types import DEVICE_TYPES
+from flashv41.stages.quants.table import DEVICE_TYPES
 from tests.bounds import BIT_EQUAL_RULE, BOUND_RULE
-from tests.mutants import edited, mutant
+from tests.mutants import edited, mutant_across
 from tests.test_linear import check_linear, weight
 from tests.test_linear_tc import FLASH, check_tc, stored_rows
 
@@ -187,7 +188,7 @@ def narrow_dropping_types():
 
 
 def digit_dropping(quad_digits):
-    """stages.linear_imma's quad_digits with digit 2 (the inputs' bits 16..23 of 2^29) left out."""
+    """stages.imma_digits' quad_digits with digit 2 (the inputs' bits 16..23 of 2^29) left out."""
     @device
     def quad_digits_dropping(wa, wb, scale):
         d0, d1, d2, d3 = quad_digits(wa, wb, scale)
@@ -197,7 +198,7 @@ def digit_dropping(quad_digits):
 
 
 def scaled_back(block_scales, factor):
-    """stages.linear_imma's block_scales whose scale back (2^(E - 29)) is `factor` times too large
+    """stages.imma_digits' block_scales whose scale back (2^(E - 29)) is `factor` times too large
     while the digits keep their own: a 1% scale (1.01), the block exponent off by one (2)."""
     @device
     def block_scales_off(field):
@@ -223,8 +224,8 @@ IMMA_MXFP4_MUTANTS = ["table", "no_negatives", "e_scale"]
 
 
 def imma_k_replacements(kind: str) -> dict:
-    """The globals an imma K-quant or MXFP4 mutant swaps."""
-    imma = stages.linear_imma
+    """The globals an imma K-quant or MXFP4 mutant swaps (their pieces and walk steps: stages.imma_walks)."""
+    imma = stages.imma_walks
     if kind == "table":  # byte c of the table is code c + 1's magnitude (code 7's: 16)
         up = np.append(MXFP4_DOUBLED[1:8], 16).astype(np.uint8).view("<u4")
         return {"E2M1_MAG_LO": uint32(up[0]), "E2M1_MAG_HI": uint32(up[1])}
@@ -236,14 +237,14 @@ def imma_k_replacements(kind: str) -> dict:
         return {"q2_k_group": edited(imma, "q2_k_group", "return (byte_perm(", "return (uint32(1) + byte_perm(")}
     if kind == "q2_group":
         old = "b = uint32(2 * (j & 1)) + lane_half"
-        return {"imma_kernel": edited(imma, "imma_kernel", old, old.replace("(j & 1)", "(~j & 1)"))}
+        return {"walk_steps": edited(imma, "walk_steps", old, old.replace("(j & 1)", "(~j & 1)"))}
     if kind == "q2_level":
         return {"q2_k_levels": edited(imma, "q2_k_levels", "uint32(2 * (j & 3))", "uint32(2 * ((j + 1) & 3))")}
     if kind == "q6_scale":
         return {"q6_k_scale": edited(imma, "q6_k_scale", "return float32(int32(", "return float32(1 + int32(")}
     if kind == "q6_group":
         old = "keep = (lane_half ^ uint32(1)) * uint32(0xFFFFFFFF)"
-        return {"imma_kernel": edited(imma, "imma_kernel", old, "keep = lane_half * uint32(0xFFFFFFFF)")}
+        return {"walk_steps": edited(imma, "walk_steps", old, "keep = lane_half * uint32(0xFFFFFFFF)")}
     if kind == "q6_offset":
         right = "return x + (x & Q6_K_SIGN) * uint32(6)"
         return {"q6_k_levels": edited(imma, "q6_k_levels", right, "return x ^ Q6_K_SIGN")}
@@ -255,7 +256,7 @@ def imma_k_replacements(kind: str) -> dict:
     if kind == "sub_scale":
         old = "scale_lo, scale_hi = k_sub_scale(d_lo, sc_lo, i), k_sub_scale(d_hi, sc_hi, i)"
         off = old.replace("k_sub_scale(", "float32(1.01) * k_sub_scale(")
-        return {"imma_kernel": edited(imma, "imma_kernel", old, off)}
+        return {"walk_steps": edited(imma, "walk_steps", old, off)}
     if kind == "no_minimum":
         return {"less_minimum": edited(imma, "less_minimum", "return acc - dmin_m * block_sum", "return acc")}
     if kind == "minimum_sign":
@@ -271,7 +272,7 @@ def replacements(kernel: str, kind: str) -> dict:
     if kind in IMMA_K_MUTANTS + IMMA_Q5_K_MUTANTS + IMMA_Q2_K_MUTANTS + IMMA_Q6_K_MUTANTS + IMMA_MXFP4_MUTANTS:
         return imma_k_replacements(kind)
     if kernel == "imma":
-        imma = stages.linear_imma
+        imma = stages.imma_digits
         if kind == "digit":  # a digit weighs 255 times the one below it, not 256
             return {"DIGIT": int32(255)}
         if kind == "drop_digit":
@@ -299,11 +300,15 @@ def rejected(check, *args, **kwargs) -> str:
     return " and ".join(rules)
 
 
+# the integer tensor-core GEMV's modules: a swap is made in each that holds the name (mutant_across)
+IMMA_MODULES = (stages.linear_imma, stages.imma_digits, stages.imma_walks)
+
+
 def run_mutant(kernel: str, kind: str, check, *args, **kwargs) -> None:
     """The mutant through `check` (rejected), then the real kernel through it (passes)."""
-    module = {"tc": stages.linear_tc, "narrow": stages.linear_narrow, "imma": stages.linear_imma}.get(kernel,
-                                                                                                   stages.linear)
-    with mutant(module, **replacements(kernel, kind)):
+    modules = {"tc": (stages.linear_tc,), "narrow": (stages.linear_narrow,), "imma": IMMA_MODULES}.get(
+        kernel, (stages.linear,))
+    with mutant_across(modules, **replacements(kernel, kind)):
         rules = rejected(check, *args, **kwargs)
     print(f"mutant {kernel} {kind}: rejected by the {rules}")
     check(*args, **kwargs)

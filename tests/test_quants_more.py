@@ -26,7 +26,9 @@ from flashv41.host.numerics import linear as oracle_linear
 from flashv41.host.quants import FORMATS, MXFP4_BLOCK, MXFP4_DOUBLED, GGMLType, dequantize, quantize, random_blocks
 from flashv41.stages.device import CHUNK, device
 from flashv41.stages.linear import DeviceWeight, linear, stream_partials
-from flashv41.stages.quant_types import DEVICE_TYPES, chunk_stream, e2m1_word
+from flashv41.stages.quants.mxfp4 import e2m1_word
+from flashv41.stages.quants.table import DEVICE_TYPES
+from flashv41.stages.quants.units import chunk_stream
 from tests.blocks import corner_rows
 from tests.bounds import BOUND_RULE, assert_bf16_product, assert_f32_product, stored_rows, weight_terms
 from tests.mutants import edited, mutant
@@ -146,8 +148,8 @@ def test_device_dequant_bit_exact(gtype):
     assert np.array_equal(bits(got), bits(dequantize(stored, gtype, 2304)))
 
 
-# the split layouts' regions, each the named fields of every block back to back (module docstring of
-# stages.quant_types): the quant pieces, then the rest
+# the split layouts' regions, each the named fields of every block back to back (module docstrings of
+# stages.quants.q6_k, q3_k, q2_k): the quant pieces, then the rest
 SPLIT_REGIONS = {GGMLType.Q6_K: (("ql", "qh", "scales"), ("d",)), GGMLType.Q3_K: (("hmask", "qs"), ("scales",), ("d",)),
                  GGMLType.Q2_K: (("scales",), ("qs",), ("d", "dmin"))}
 SPLIT = list(SPLIT_REGIONS)
@@ -345,7 +347,7 @@ def test_mxfp4_stream_partials():
 
 
 # Q4_K's and Q5_K's own stream units: one row of 64 values a unit for the partial sums
-# (stages.quant_types.k_nibble_unit), two rows of half a block for the GEMV (k_half_unit); each
+# (stages.quants.q4_k_q5_k.k_nibble_unit), two rows of half a block for the GEMV (k_half_unit); each
 # adds a value's two parts apart (tests/bounds.py's split terms). A bf16-out check has at least 100
 # outputs a group, so the 99% rule allows an output whose exact value sits at a bf16 rounding
 # boundary (the fp32 sum lands either side of it).
@@ -458,7 +460,7 @@ def test_mxfp4_corner_mutants(name, kind, failure):
     qt = DEVICE_TYPES[GGMLType.MXFP4]
     real, field = (qt, "gemv") if name == "mxfp4_pair_unit" else (dataclasses.replace(qt, gemv=None), "stream")
     old, new = (INF_UNSCALED if kind == "inf" else NO_SUBNORMALS)[name]
-    unit = dataclasses.replace(getattr(real, field), make=edited(stages.quant_types, name, old, new))
+    unit = dataclasses.replace(getattr(real, field), make=edited(stages.quants.mxfp4, name, old, new))
     broken = dataclasses.replace(real, **{field: unit})
     with mutant(stages.linear, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: broken}):
         with pytest.raises(AssertionError, match=re.escape(failure)):
@@ -512,8 +514,8 @@ def test_mxfp4_tc_corner_mutant():
     corner check rejects it, inf where the host has NaN (then passes the real pieces). The exponents
     0 and 1 taken for normal ones are that piece check's to reject (their values differ)."""
     qt = DEVICE_TYPES[GGMLType.MXFP4]
-    put = edited(stages.quant_types, "put_mxfp4", "if e >= MXFP4_INF_E:", "if e > 255:")
-    put_scales = edited(stages.quant_types, "put_scales_mxfp4", "if e < MXFP4_INF_E", "if e < 256")
+    put = edited(stages.quants.mxfp4, "put_mxfp4", "if e >= MXFP4_INF_E:", "if e > 255:")
+    put_scales = edited(stages.quants.mxfp4, "put_scales_mxfp4", "if e < MXFP4_INF_E", "if e < 256")
     tc = dataclasses.replace(qt.tc, put=put, put_scales=put_scales)
     with mutant(stages.linear_tc, DEVICE_TYPES={**DEVICE_TYPES, GGMLType.MXFP4: dataclasses.replace(qt, tc=tc)}):
         with pytest.raises(AssertionError, match="rows with inf values give"):
@@ -544,7 +546,7 @@ def test_chunk_unit_and_its_mutant():
 
 
 # decoding mistakes in Q4_K's and Q5_K's own units (the partial sums' one-row unit, the GEMV's
-# half-block one), each an edit of stages.quant_types' source
+# half-block one), each an edit of stages.quants.q4_k_q5_k's source
 NIBBLE_MUTANTS = {
     "fifth-bits-of-the-low-nibbles": (GGMLType.Q5_K, "q5_k_levels", "h = j + U1", "h = j"),
     "gemv-fifth-bits-of-the-other-half": (GGMLType.Q5_K, "q5_k_half", "lift = (uint32(1) - h) << uint32(2)",
@@ -558,9 +560,9 @@ STREAM_ONLY = ("q5_k_levels", "k_nibble_unit")  # the one-row unit's own functio
 
 
 def nibble_table(gtype: GGMLType) -> dict:
-    """The table with `gtype`'s stream units rebuilt from stages.quant_types' functions as they are
+    """The table with `gtype`'s stream units rebuilt from stages.quants.q4_k_q5_k's functions as they are
     now (inside a mutant: the edited ones)."""
-    qt = stages.quant_types
+    qt = stages.quants.q4_k_q5_k
     if gtype == GGMLType.Q4_K:
         stream, gemv = qt.k_nibble_stream(qt.Q4_K_WORDS, qt.q4_k_levels, qt.q4_k_half, qt.Q4_K_FIELDS)
     else:
@@ -575,7 +577,7 @@ def test_nibble_decode_mutants(name):
     k_scale_words, which both units read); then both checks pass the real units on the same rows."""
     gtype, function, old, new = NIBBLE_MUTANTS[name]
     w, wq = random_weight(gtype, 24, 512, 10)
-    qt = stages.quant_types
+    qt = stages.quants.q4_k_q5_k
     with mutant(qt, **{function: edited(qt, function, old, new)}):
         with mutant(stages.linear, DEVICE_TYPES=nibble_table(gtype)):
             if function not in STREAM_ONLY:
@@ -588,7 +590,7 @@ def test_nibble_decode_mutants(name):
 
 # decoding mistakes in Q6_K's and Q3_K's own units: the GEMV's pair units (kernel "stream": the
 # decode product) and the one-row units (kernel "partials": stream_partials), each an edit of
-# stages.quant_types' source
+# its module's source (stages.quants.q6_k, q3_k)
 SPLIT_K_MUTANTS = {
     "q6-second-row-reads-the-first": (GGMLType.Q6_K, "stream", "q6_k_pair_unit",
                                       "row_address(ww, min(row + 1, ww.shape[0] - 1))", "row_address(ww, row)"),
@@ -605,11 +607,11 @@ SPLIT_K_MUTANTS = {
 
 
 def split_k_units(gtype: GGMLType) -> dict:
-    """The table with `gtype`'s two stream units made by stages.quant_types' factories as they are
+    """The table with `gtype`'s two stream units made by its module's factories as they are
     now (inside a mutant: on the edited functions), as units of their own (a kernel per mutant)."""
-    qt = stages.quant_types
-    one_row, pair = {GGMLType.Q6_K: (qt.q6_k_unit, qt.q6_k_pair_unit),
-                     GGMLType.Q3_K: (qt.q3_k_unit, qt.q3_k_pair_unit)}[gtype]
+    q6, q3 = stages.quants.q6_k, stages.quants.q3_k
+    one_row, pair = {GGMLType.Q6_K: (q6.q6_k_unit, q6.q6_k_pair_unit),
+                     GGMLType.Q3_K: (q3.q3_k_unit, q3.q3_k_pair_unit)}[gtype]
     real = DEVICE_TYPES[gtype]
     stream = dataclasses.replace(real.stream, make=lambda tokens, x_bf16: one_row(tokens, x_bf16))
     gemv = dataclasses.replace(real.gemv, make=lambda tokens, x_bf16: pair(tokens, x_bf16))
@@ -630,7 +632,7 @@ def test_split_k_decode_mutants(name):
     then the real units pass the same check (7 rows: the pair unit's last is alone)."""
     gtype, kernel, function, old, new = SPLIT_K_MUTANTS[name]
     w, wq = random_weight(gtype, 7, 1280, 3)
-    qt = stages.quant_types
+    qt = {GGMLType.Q6_K: stages.quants.q6_k, GGMLType.Q3_K: stages.quants.q3_k}[gtype]
     with mutant(qt, **{function: edited(qt, function, old, new)}):
         with mutant(stages.linear, DEVICE_TYPES=split_k_units(gtype)):
             rejected(check_split_k, gtype, kernel, w, wq)

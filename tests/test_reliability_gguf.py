@@ -23,7 +23,7 @@ import flashv41
 from flashv41.check import compare_call
 from flashv41.host import gguf_layout as L
 from flashv41.host.errors import FlashError, InputError, ModelFormatError, SequenceStateError, UnsupportedError
-from flashv41.host.gguf_model import open_gguf
+from flashv41.host.gguf_file import open_gguf
 from flashv41.host.oracle import Oracle
 from tests.gguf_edit import field_value, rewrite_gguf
 from tests.reliability import TWO_LAYER_TINY
@@ -138,7 +138,7 @@ def test_damaged_headers_fail_cleanly_and_quickly(tiny_path: Path, tmp_path: Pat
     array length made gguf-py loop 2^40 times, and a damaged vocab_size padded the token map to
     gigabytes; and copy 29, whose engram.primes length becomes 46,852 entries that still fit in the
     file, took 1.07 s once and 1.6-1.9 s on 2026-12-02 while gguf-py read them one memory-map view
-    at a time (host.gguf_model now reads a numeric array in one view: a few ms)."""
+    at a time (host.gguf_file now reads a numeric array in one view: a few ms)."""
     data = bytearray(tiny_path.read_bytes())
     header = int(GGUFReader(tiny_path).data_offset)
     rng = np.random.default_rng(8)
@@ -173,7 +173,7 @@ def timed_load(path: Path) -> tuple[str, float]:
 
 @pytest.mark.parametrize("layout", L.LAYOUTS)
 def test_reader_fields_are_gguf_pys(synth_model, layout: str) -> None:
-    """flashv41's reader (host.gguf_model, which reads a numeric metadata array in one view) gives
+    """flashv41's reader (host.gguf_file's, which reads a numeric metadata array in one view) gives
     every field exactly as gguf-py's own reader does: offsets, types, parts (dtype and values),
     data indices and contents; and the same tensors."""
     path = synth_model("tiny") if layout == L.LLAMA_CPP else synth_model("tiny", layout=layout)

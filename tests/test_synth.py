@@ -1,5 +1,5 @@
 """The flash40 preset (V4.1-Flash's real 40-layer schedule) and the stored-format drawers that write
-it fast (host.synth.draw_q8_0, draw_bf16): the roles a written file loads with, the drawn blocks'
+it fast (host.synth_draw.draw_q8_0, draw_bf16): the roles a written file loads with, the drawn blocks'
 validity, and their statistics against the quantised Gaussian values they stand in for, each
 tolerance derived from the sample's own standard error."""
 
@@ -14,7 +14,7 @@ import pytest
 
 import flashv41
 from flashv41.host import gguf_layout as L
-from flashv41.host import synth
+from flashv41.host import synth, synth_draw
 from flashv41.host.errors import InputError, UnsupportedError
 from flashv41.host.quants import FORMATS, GGMLType, dequantize, k_scale_min, quantize
 from flashv41.host.synth import FLASH40_SCHEDULE, PRESETS, preset, write_synthetic
@@ -114,7 +114,7 @@ def q8_0_pair() -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 blocks [n] drawn in the stored format, and the real quantiser's of as many N(0, STD^2)
     values."""
     block = FORMATS[GGMLType.Q8_0].block
-    drawn = synth.draw_q8_0(np.random.default_rng(1), (ROWS, COLS), STD)
+    drawn = synth_draw.draw_q8_0(np.random.default_rng(1), (ROWS, COLS), STD)
     values = np.random.default_rng(2).standard_normal((ROWS, COLS), dtype=np.float32) * np.float32(STD)
     real = quantize(values, GGMLType.Q8_0)
     return drawn.reshape(-1).view(block), real.reshape(-1).view(block)
@@ -138,7 +138,7 @@ def test_drawn_q8_0_mean_square_matches_the_intended_std(q8_0_pair) -> None:
     within 5 standard errors of a mean of n squared Gaussians (sqrt(2 / n) relative: the drawing
     makes each block's values as dependent as a real block's, i.e. not at all), plus 2^-10 for the
     fp16 rounding of d."""
-    expected = synth.q8_0_drawn_mean_square()
+    expected = synth_draw.q8_0_drawn_mean_square()
     assert abs(expected - 1) < 1e-3
     drawn, _ = q8_0_pair
     raw = drawn.view(np.uint8).reshape(ROWS, -1)
@@ -184,7 +184,7 @@ def test_drawn_amax_quantiles_are_the_analytic_distribution() -> None:
     """The drawer's amax table against the CDF it inverts, (2 Phi(a) - 1)^32 = erf(a / sqrt 2)^32."""
     from math import erf, sqrt
 
-    amax, tables = synth.q8_0_draw_tables()
+    amax, tables = synth_draw.q8_0_draw_tables()
     steps = amax.size
     cdf = np.array([erf(a / sqrt(2)) ** 32 for a in amax])
     assert np.allclose(cdf, (np.arange(steps) + 0.5) / steps, atol=1e-9)
@@ -195,10 +195,10 @@ def test_drawn_amax_quantiles_are_the_analytic_distribution() -> None:
 
 def test_drawn_bytes_do_not_depend_on_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     shape = (1024, 1024)  # 1.1 MB of Q8_0, 2 MiB of BF16: drawn in more than one part
-    for draw in (synth.draw_q8_0, synth.draw_bf16):
+    for draw in (synth_draw.draw_q8_0, synth_draw.draw_bf16):
         got = {}
         for threads in (1, 3):
-            monkeypatch.setattr(synth, "_threads", lambda n=threads: n)
+            monkeypatch.setattr(synth_draw, "_threads", lambda n=threads: n)
             got[threads] = draw(np.random.default_rng(5), shape, 0.1)
         assert np.array_equal(got[1], got[3]), draw.__name__
         assert not np.array_equal(got[1], draw(np.random.default_rng(6), shape, 0.1)), "the seed matters"
@@ -212,10 +212,10 @@ def test_drawn_bf16_matches_the_intended_std() -> None:
     the cut tails (under 1e-3; bf16 rounding is unbiased); the sample meets it within 5 standard
     errors (sqrt(2 / n) relative), and its quartiles sit at +-0.6745 STD within 0.01 (5 standard
     errors of a sample quartile, 0.0034, plus the spacing of bf16 values there, 0.0053)."""
-    raw = synth.draw_bf16(np.random.default_rng(3), (ROWS, COLS), STD)
+    raw = synth_draw.draw_bf16(np.random.default_rng(3), (ROWS, COLS), STD)
     values = dequantize(raw, GGMLType.BF16, COLS).astype(np.float64) / STD
     assert np.isfinite(values).all()
-    codes = synth._normal_quantiles().astype(np.float32) * np.float32(STD)
+    codes = synth_draw._normal_quantiles().astype(np.float32) * np.float32(STD)
     table = dequantize(quantize(codes, GGMLType.BF16), GGMLType.BF16, codes.size).astype(np.float64) / STD
     expected = float(np.mean(np.square(table)))
     assert abs(expected - 1) < 1e-3
@@ -234,11 +234,11 @@ def test_k_scale_packing_reads_back() -> None:
     through its dequantiser on blocks of d = 1 and every level 1 (value = the sub-block's scale)."""
     rng = np.random.default_rng(11)
     sc, mn = (rng.integers(0, 64, (50, 8), dtype=np.uint8) for _ in range(2))
-    got_sc, got_mn = k_scale_min(synth._pack_k_scales(sc, mn))
+    got_sc, got_mn = k_scale_min(synth_draw._pack_k_scales(sc, mn))
     assert np.array_equal(got_sc, sc) and np.array_equal(got_mn, mn)
     stored = rng.integers(0, 64, (50, 16), dtype=np.uint8)
     blocks = np.zeros(50, FORMATS[GGMLType.Q3_K].block)
-    blocks["scales"] = synth._pack_q3_k_scales(stored)
+    blocks["scales"] = synth_draw._pack_q3_k_scales(stored)
     blocks["d"], blocks["hmask"], blocks["qs"] = 1.0, 0xFF, 0x55  # high bit 1 and low bits 01: level 1
     values = dequantize(blocks.view(np.uint8).reshape(50, -1), GGMLType.Q3_K, 256).reshape(50, 16, 16)
     assert np.array_equal(values, np.broadcast_to((stored.astype(np.float32) - 32)[:, :, None], values.shape))
@@ -261,7 +261,7 @@ def test_drawn_k_quant_blocks(gtype: GGMLType) -> None:
     import gguf
 
     std, rows, cols = 0.05, 256, 1024
-    raw = synth.draw_k_quant(gtype, np.random.default_rng(int(gtype)), (rows, cols), std)
+    raw = synth_draw.draw_k_quant(gtype, np.random.default_rng(int(gtype)), (rows, cols), std)
     fmt = FORMATS[gtype]
     assert raw.dtype == np.uint8 and raw.shape == (rows, fmt.row_bytes(cols))
     values = dequantize(raw, gtype, cols)
@@ -270,7 +270,7 @@ def test_drawn_k_quant_blocks(gtype: GGMLType) -> None:
     blocks = raw.reshape(-1, fmt.block_bytes).view(fmt.block).reshape(-1)
     d = blocks["d"].astype(np.float64)
     assert (d == d[0]).all() and d[0] > 0
-    lo, hi, (first, _) = synth.K_DRAWN[gtype]
+    lo, hi, (first, _) = synth_draw.K_DRAWN[gtype]
     if gtype in (GGMLType.Q4_K, GGMLType.Q5_K):
         sc, mn = k_scale_min(blocks["scales"])
         assert np.array_equal(sc, mn) and sc.min() >= lo and sc.max() <= hi

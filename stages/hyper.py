@@ -499,17 +499,18 @@ class HyperStage(Traced):
         self.pre = [cuda.device_array((max_tokens, hc), np.float32) for _ in range(3)]
         self._one_hot = np.zeros((max_tokens, hc), np.float32)
         self._one_hot[:, 0] = 1
-        self.ids = cuda.device_array(max_tokens, np.int32)  # [T]
+        self.ids = cuda.device_array(max_tokens, np.int64)  # [T] the token ids as host.tokens.Tokens holds them
         self.no_output = cuda.device_array((1, 1), np.uint16)  # stands in for `a` of a zero sublayer
 
     def embed(self, token_ids: np.ndarray, h, n_tokens: int) -> None:
         """Write the embedded tokens into every copy of h [>= T, hc, C]."""
-        self.upload_ids(token_ids, n_tokens)
+        self.upload_ids(np.asarray(token_ids, np.int64), n_tokens)
         self.embed_uploaded(h, n_tokens)
 
     def upload_ids(self, token_ids: np.ndarray, n_tokens: int) -> None:
-        """The host's part of `embed`: the token ids into the stage's id buffer."""
-        self.ids[:n_tokens].copy_to_device(np.ascontiguousarray(token_ids, np.int32), stream=self.stream)
+        """The host's part of `embed`: the checked token ids int64 [T] (host.tokens.Tokens.ids)
+        into the stage's id buffer, as they are."""
+        self.ids[:n_tokens].copy_to_device(token_ids, stream=self.stream)
 
     def embed_uploaded(self, h, n_tokens: int) -> None:
         """The device part of `embed`, from the uploaded ids."""

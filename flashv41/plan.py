@@ -126,7 +126,7 @@ class StepObserver(Protocol):
 
 
 class Run:
-    """How the calls of a walk are made. This one, `DIRECT`, makes each as written and ignores the
+    """How a call's stage calls are made. This one, `DIRECT`, makes each as written and ignores the
     layer edges: the plain path, and what a CUDA graph's capture records."""
 
     observed = False  # whether anything watches: a one-token step is then launched eagerly, not replayed

@@ -11,20 +11,24 @@ that runs a chunk of tokens through the layer stack.
     seq.release()                   # frees its device state; the engine stays usable
     engine.close()
 
-Per layer, in the V4.1 order: engram (hash once per call for all engram layers -> rows ->
-projection -> gate) -> attention mixes with hc_pre + attn_norm -> attention -> hc_post -> the FFN
-sublayer as a zero output with its own mixes, whose `pre` is the next layer's pre-mix. Each hc_post
-also forms the next mixes' product where it can (HyperStage.fuses; not before an engram layer).
+A call reads as code, in the V4.1 order (SPEC 2), from `Sequence.decode` / `prefill` to every
+launch: `Engine._forward` runs `_upload` (the host part: the checked token ids uploaded once, the
+engram hash of the same ids, each engram layer's rows; then mask, first mix and positions), then
+`_device` (the embedding, the first engram layer's rows and projection, then `_layer` for each
+layer: engram gate -> attention mixes with hc_pre + attn_norm -> attention -> hc_post -> the FFN
+sublayer as a zero output with its own mixes, whose `pre` is the next layer's pre-mix), then
+`_download` (the highway's rows). Each stage call on the way is `run(step, self.stage.method,
+...)`: `run` makes it, watched or not (flashv41.plan.Run). What one hyper-connection call hands the
+next is a value (stages.hyper.Mixes: a mixes call returns the one its post reads); which posts form
+the next mixes' product was decided once by the hyper stage (HyperStage.plan).
 
-The steps of a call are built once, at construction, into `Engine.plan` (flashv41.plan): which
-stage, which method, which buffers. A call walks it: the host part (token ids, the engram hash,
-each engram layer's rows onto the device; then mask, first mix and positions, `_copy_inputs`), the
-device part (launches only) and the highway's download. A one-token step's device part is
-replayed from a CUDA graph of the sequence (flashv41.graphs), one graph per `graph_key`: what the
-step decides on the host. Profiling and captures watch the walk as observers (`StageTimer`,
-`LayerCapture`, and any in `Engine.observers`); a watched call, like a prefill chunk, launches
-eagerly. `decode_batch` walks a second plan, `batch_plan`, built the same way but for one token
-of each of B sequences (its attention step is AttentionStage.forward_batch, which reads each
+What a call decides the same way every time is built once, at construction, into `Engine.plan`
+(flashv41.plan: per layer its engram, its hyper values, its profile names). A one-token step's
+device part is replayed from a CUDA graph of the sequence (flashv41.graphs), one graph per
+`graph_key`: what the step decides on the host. Profiling and captures watch the calls
+(`StageTimer`, `LayerCapture`, and any observers in `Engine.observers`); a watched call, like a
+prefill chunk, launches eagerly. `decode_batch` runs the same code for one token of each of B
+sequences (`Call.batched`: its attention is AttentionStage.forward_batch, which reads each
 sequence's state through address tables and decides on the device what depends on a sequence's
 position); its device part is replayed from one CUDA graph per batch size (and mask or none),
 whichever sequences, wherever they stand.
@@ -36,7 +40,6 @@ in chunks of `max_tokens`.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -48,31 +51,32 @@ import numpy as np
 from flashv41.graphs import GraphRunner, graphs_available
 from flashv41.host.errors import CapacityError, InputError, SequenceStateError, plural
 from flashv41.host.model import Model
-from flashv41.host.tokens import check_tokens, one_token
+from flashv41.host.tokens import Tokens, check_tokens, one_token
 from flashv41.memory import DEFAULT_MAX_SEQ, DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES, device_free_bytes, estimate_memory
 from flashv41.plan import (
-    HASHER,
-    IDS,
-    MASK,
-    SHARED,
-    START,
-    STATE,
-    TOKEN_MASK,
-    TOKENS,
+    ATTN,
+    DIRECT,
+    ENGRAM,
+    FFN,
     Call,
-    Captured,
-    Head,
+    EngramPlan,
     LayerCapture,
     LayerPlan,
     Plan,
-    Rows,
+    Run,
     StageTimer,
     Step,
     StepObserver,
-    walk,
+    Watched,
 )
 
 ProgressFn = Callable[[str], None]
+
+# the profile's rows (flashv41.plan.Step) of the calls outside the layers and of the engram's
+EMBEDDING = Step("embedding")  # the ids' upload (host part) and the embedding (device part)
+HASH = Step("engram hash (host)")
+DOWNLOAD = Step("highway download")
+ENGRAM_NAME = "engram rows, projection, gate"
 
 
 class Engine:
@@ -139,10 +143,7 @@ class Engine:
         self.h = cuda.device_array((max_tokens, hc, dim), np.float32)  # [T, hc, C] the highway
         self.x = cuda.device_array((max_tokens, dim), np.uint16)  # [T, C] bf16 sublayer input
         self.a = cuda.device_array((max_tokens, dim), np.uint16)  # [T, C] bf16 attention output
-        self.pre = [cuda.device_array((max_tokens, hc), np.float32) for _ in range(3)]  # [T, hc] mixes
         self.mask = cuda.device_array(max_tokens, np.uint8)  # [T] engram token mask
-        self._one_hot = np.zeros((max_tokens, hc), np.float32)
-        self._one_hot[:, 0] = 1
         self.profile = profile
         self.stage_seconds: defaultdict[str, float] = defaultdict(float)
         self._timer = StageTimer(cuda.synchronize, self.stage_seconds)
@@ -150,7 +151,6 @@ class Engine:
         # launches eagerly, as a profiled one does
         self.observers: list[StepObserver] = []
         self.plan = self._build_plan()
-        self.batch_plan = self._build_plan(batched=True)
         self._ratios = sorted({role.ratio for role in cfg.roles if role.ratio > 0})
         self.graphs = graphs and graphs_available() and table_residency != "host"
         self._runner = GraphRunner() if self.graphs else None
@@ -194,8 +194,7 @@ class Engine:
         if self.engram is not None:
             self.engram.free()
         self.h = self.x = self.a = self.mask = None
-        self.pre = []
-        self.plan = self.batch_plan = Plan.empty()
+        self.plan = Plan.empty()
         self.closed = True
 
     def __enter__(self) -> Engine:
@@ -208,100 +207,116 @@ class Engine:
         if self.closed:
             raise SequenceStateError("this engine was closed")
 
-    def _build_plan(self, batched: bool = False) -> Plan:
-        """Every step of a call, once, in the V4.1 order: the host part (token ids, the engram hash,
-        each engram layer's rows), the embedding, each layer's engram -> mixes with hc_pre + attn_norm
-        -> attention -> hc_post -> the FFN sublayer as a zero output, and the highway's download.
-        An hc_post forms the next mixes' product where HyperStage.fuses allows it and no engram runs
-        between them; those mixes then skip their own product launch (after_post). An FFN sublayer
-        between two such posts is one launch (mixes_post: its mixes, post and the next product).
-        batched: the plan of `decode_batch`, one token of each of B sequences (the call's start,
-        state and shared runtime are then lists, its hasher a BatchHasher); only the attention
-        step differs (AttentionStage.forward_batch)."""
-        cfg, hyper, attention, engram = self.cfg, self.hyper, self.attention, self.engram
-        h, x, a = self.h, self.x, self.a
-        upload = [Step("embedding", None, hyper, "upload_ids", (IDS, TOKENS))]
-        if cfg.engram is not None:
-            upload.append(Step("engram hash (host)", None, HASHER, "hash", (IDS, START, TOKEN_MASK), result="hashes"))
-        # the attention sublayer reads the mix the previous layer's FFN mixes wrote (layer 0: the
-        # uploaded one-hot), so two buffers alternate; its own mixes' `pre` goes to the third
-        pre_mix, pre_next, unused = self.pre
-        # which mixes' product the post before them forms (HyperStage.fuses): not the first layer's
-        # attention mixes (after the embedding), nor an engram layer's (the engram runs between)
-        roles = cfg.roles
-        attn_after_post = [n > 0 and not role.engram and hyper.fuses(role.layer, "attn")
-                           for n, role in enumerate(roles)]
-        # each engram layer's rows and projection (EngramStage.prepare) run as early as its shared
-        # workspaces allow: the first after the embedding, each later one after the previous
-        # engram layer's gate; a captured graph runs them beside the layers in between
-        engram_name = "engram rows, projection, gate"
-        engram_layers = [role.layer for role in roles if role.engram]
-        prepare = {i: (Step(engram_name, i, engram, "prepare", (i, TOKENS)),) for i in engram_layers}
-        next_prepare = {i: prepare[j] for i, j in itertools.pairwise(engram_layers)}
+    def _build_plan(self) -> Plan:
+        """What every call decides the same way, once: each engram layer's column of the hash and
+        the engram layer after it, the hyper stage's values for each layer (HyperStage.plan: which
+        buffers, which post forms which product) and the names the profile gives each call."""
+        cfg = self.cfg
+        engram_layers = [role.layer for role in cfg.roles if role.engram]
+        engram: dict[int, EngramPlan] = {}
+        after = None
+        for i in reversed(engram_layers):  # each names the next, so the last is built first
+            assert cfg.engram is not None
+            after = engram[i] = EngramPlan(i, cfg.engram.hash_index(i), Step(ENGRAM_NAME, i), after)
         layers = []
-        for n, role in enumerate(roles):
+        for role, hc in zip(cfg.roles, self.hyper.plan(engram_layers), strict=True):
             i = role.layer
-            rows: Rows | None = None
-            engram_steps: tuple[Step, ...] = ()
-            if role.engram:
-                assert engram is not None and cfg.engram is not None
-                rows = Rows(cfg.engram.hash_index(i))
-                upload.append(Step(engram_name, i, engram, "upload_rows", (i, rows, TOKENS)))
-                engram_steps = (Step(engram_name, i, engram, "finish", (i, h, TOKENS, MASK, Captured(i))),
-                                *next_prepare.get(i, ()))
-            ffn_after_post = hyper.fuses(i, "ffn")
-            then_attn = (roles[n + 1].layer, "attn") if n + 1 < len(roles) and attn_after_post[n + 1] else None
-            attn = (Step("hc mixes + hc_pre + attn_norm", i, hyper, "mixes_norm",
-                         (i, h, pre_mix, unused, x, TOKENS, attn_after_post[n])),
-                    Step(f"attention ({role.block_type})", i, attention, "forward_batch",
-                         (i, x, a, STATE, SHARED, START, TOKENS)) if batched else
-                    Step(f"attention ({role.block_type})", i, attention, "forward",
-                         (i, x, a, STATE, SHARED, START, TOKENS, Captured(i))),
-                    Step(post_name(ffn_after_post), i, hyper, "post_mix",
-                         (h, a, TOKENS, (i, "ffn") if ffn_after_post else None)))
-            if ffn_after_post and then_attn is not None:
-                ffn: tuple[Step, ...] = (Step("hc mixes + hc_post + next mixes' product", i, hyper, "mixes_post",
-                                              (i, h, pre_next, TOKENS, then_attn)),)
-            else:
-                ffn = (Step("hc mixes", i, hyper, "mixes", (i, "ffn", h, pre_next, TOKENS, ffn_after_post)),
-                       Step(post_name(then_attn is not None), i, hyper, "post_mix", (h, None, TOKENS, then_attn)))
-            layers.append(LayerPlan(i, pre_mix, rows, engram_steps, attn, ffn))
-            pre_mix, pre_next = pre_next, pre_mix
-        head = (Step("embedding", None, hyper, "embed_uploaded", (h, TOKENS)),
-                *(prepare[engram_layers[0]] if engram_layers else ()))
-        download = (Step("highway download", None, Head(h), "copy_to_host", result="output"),)
-        return Plan(tuple(upload), head, tuple(layers), download, h)
+            layers.append(LayerPlan(
+                i, engram.get(i), hc,
+                attn_mixes=Step("hc mixes + hc_pre + attn_norm", i),
+                attention=Step(f"attention ({role.block_type})", i),
+                attn_post=Step(post_name(hc.attn_then is not None), i),
+                ffn_mixes=Step("hc mixes + hc_post + next mixes' product" if hc.ffn_in_one else "hc mixes", i),
+                ffn_post=Step(post_name(hc.ffn_then is not None), i)))
+        stages = (self.hyper, self.attention) if self.engram is None else (self.hyper, self.engram, self.attention)
+        return Plan(tuple(layers), tuple(engram[i] for i in engram_layers), stages, self.h)
 
-    def _observers(self, capture: bool) -> tuple[StepObserver, ...]:
-        """Who watches this call's steps; nobody on the plain path. The capture comes first, so its
-        host copies fall outside the timer's window; `observers` come last."""
-        watching: list[StepObserver] = []
-        if capture:
-            watching.append(LayerCapture(self.plan))
-        if self.profile:
-            watching.append(self._timer)
-        return (*watching, *self.observers)
+    def _run(self, call: Call, capture: bool) -> Run:
+        """Who watches this call's stage calls (the profile's timer, then `observers`, and the
+        captures at the layers' edges): DIRECT, the calls as written, when nobody does."""
+        observers = ((self._timer,) if self.profile else ()) + tuple(self.observers)
+        if not observers and not capture:
+            return DIRECT
+        return Watched(call, observers, LayerCapture(self.h) if capture else None)
 
-    def _forward(self, seq: Sequence, ids: np.ndarray, mask: np.ndarray | None, capture: bool) -> np.ndarray:
+    def _forward(self, seq: Sequence, tokens: Tokens, capture: bool) -> np.ndarray:
         """One chunk of T <= max_tokens tokens at the sequence's position; returns h [T, hc, C]."""
-        t = ids.size
-        call = Call(tokens=t, start=seq.position, ids=ids, token_mask=mask, mask=None if mask is None else self.mask,
+        t = tokens.ids.size
+        call = Call(tokens=t, start=seq.position, ids=tokens, mask=None if tokens.mask is None else self.mask,
                     hasher=seq.hasher, state=seq.state, shared=self.attention.new_shared(),
                     captures=[{} for _ in self.cfg.roles] if capture else None)
-        observers = self._observers(capture)
-        walk(self.plan.upload, call, observers)
-        self._copy_inputs(call)
-        # an observer needs the steps one by one, which a graph replay does not give it
-        if t == 1 and self.graphs and not observers:
+        run = self._run(call, capture)
+        self._upload(call, run)
+        # an observer needs the calls one by one, which a graph replay does not give it
+        if t == 1 and self.graphs and not run.observed:
             self._replay(seq, call)
         else:
-            walk(self.plan.device, call, observers)
+            self._device(call, run)
             if call.captures is not None:
                 seq.captures = call.captures
         seq.position += t
-        walk(self.plan.download, call, observers)
-        assert call.output is not None
-        return call.output
+        return self._download(call, run)
+
+    def _upload(self, call: Call, run: Run) -> None:
+        """The host part of a call: what its device part reads that changes from call to call. The
+        checked token ids, uploaded once (the embedding reads them there); the engram hash of the
+        same ids on the host; each engram layer's row ids (or a host table's rows) into its
+        workspace; then the plain copies of `_copy_inputs`."""
+        t = call.tokens
+        run(EMBEDDING, self.hyper.upload_ids, call.ids.ids, t)
+        if self.engram is not None:
+            call.hashes = hashes = run(HASH, call.hasher.hash, call.ids, call.start)
+            for e in self.plan.engram:
+                run(e.step, self.engram.upload_rows, e.layer, hashes[:, e.column], t)
+        self._copy_inputs(call)
+
+    def _device(self, call: Call, run: Run) -> None:
+        """The device part of a call, launches only (what a CUDA graph records): the embedding of
+        the uploaded ids into every copy of the highway, the first engram layer's rows and
+        projection, then every layer."""
+        t = call.tokens
+        run(EMBEDDING, self.hyper.embed_uploaded, self.h, t)
+        if self.plan.engram:
+            first = self.plan.engram[0]
+            assert self.engram is not None
+            run(first.step, self.engram.prepare, first.layer, t)
+        for lp in self.plan.layers:
+            self._layer(lp, call, run)
+
+    def _layer(self, lp: LayerPlan, call: Call, run: Run) -> None:
+        """Layer lp.layer on the highway h [T, hc, C], in the V4.1 order: the engram gate (engram
+        layers), the attention sublayer (its mixes, with hc_pre + attn_norm into x; the attention
+        into a; hc_post), the FFN sublayer as a zero output (its mixes, whose pre is the next
+        layer's pre_in; hc_post). A mixes call returns the Mixes its post reads; `then` is the next
+        mixes', whose product that post forms (stages.hyper)."""
+        i, t, h, x, a = lp.layer, call.tokens, self.h, self.x, self.a
+        hyper, hc = self.hyper, lp.hyper
+        run.layer_begins(lp)
+        if lp.engram is not None:
+            assert self.engram is not None
+            run(lp.engram.step, self.engram.finish, i, h, t, call.mask, call.capture(i))
+            upcoming = lp.engram.next
+            if upcoming is not None:  # the next engram layer's rows and projection, now its workspaces are free
+                run(upcoming.step, self.engram.prepare, upcoming.layer, t)
+            run.sublayer_ends(lp, ENGRAM)
+        attn = run(lp.attn_mixes, hyper.mixes_norm, h, hc.attn, hc.pre_in, x, t)
+        if call.batched:
+            run(lp.attention, self.attention.forward_batch, i, x, a, call.state, call.shared, call.start, t)
+        else:
+            run(lp.attention, self.attention.forward, i, x, a, call.state, call.shared, call.start, t,
+                call.capture(i))
+        run(lp.attn_post, hyper.post_mix, h, a, attn, t, hc.attn_then)
+        run.sublayer_ends(lp, ATTN)
+        if hc.ffn_in_one:  # its mixes, its post and the next mixes' product in one launch
+            run(lp.ffn_mixes, hyper.mixes_post, h, hc.ffn, t, hc.ffn_then)
+        else:
+            ffn = run(lp.ffn_mixes, hyper.mixes, h, hc.ffn, t)
+            run(lp.ffn_post, hyper.post_mix, h, None, ffn, t, hc.ffn_then)
+        run.sublayer_ends(lp, FFN)
+
+    def _download(self, call: Call, run: Run) -> np.ndarray:
+        """The call's rows of the highway, h [T, hc, C] float32, on the host."""
+        return run(DOWNLOAD, self.h[:call.tokens].copy_to_host)
 
     def decode_batch(self, seqs: Sequence_[Sequence], token_ids: Any, token_masks: Any = None) -> np.ndarray:
         """One step of B sequences of this engine, one token each (B <= max_tokens), each at its own
@@ -323,34 +338,31 @@ class Engine:
         the step is walked stage by stage into `stage_seconds` instead of replayed."""
         self._check_open()
         seqs = list(seqs)
-        ids, mask = self._check_batch(seqs, token_ids, token_masks)
+        tokens = self._check_batch(seqs, token_ids, token_masks)
         b = len(seqs)
-        starts = [seq.position for seq in seqs]
-        call = Call(tokens=b, start=starts, ids=ids, token_mask=mask, mask=None if mask is None else self.mask,
+        call = Call(tokens=b, start=[seq.position for seq in seqs], ids=tokens,
+                    mask=None if tokens.mask is None else self.mask,
                     hasher=BatchHasher([seq.hasher for seq in seqs]), state=[seq.state for seq in seqs],
-                    shared=[self.attention.new_shared() for _ in seqs])
-        observers = self._observers(False)  # profile: the steps one by one, timed (no graph)
+                    shared=[self.attention.new_shared() for _ in seqs], batched=True)
+        run = self._run(call, False)  # profile: the calls one by one, timed (no graph)
         try:
-            walk(self.batch_plan.upload, call, observers)
-            self._copy_inputs(call)
-            if self.graphs and not observers:
+            self._upload(call, run)
+            if self.graphs and not run.observed:
                 self._replay_batch(call)
             else:
-                walk(self.batch_plan.device, call, observers)
-            walk(self.batch_plan.download, call, observers)
+                self._device(call, run)
+            out = self._download(call, run)
         except BaseException:
             for seq in seqs:  # validated input failed on the way: every state may be partly written
                 seq.failed = True
             raise
         for seq in seqs:
             seq.position += 1
-        assert call.output is not None
-        return call.output
+        return out
 
-    def _check_batch(self, seqs: list[Sequence], token_ids: Any,
-                     token_masks: Any) -> tuple[np.ndarray, np.ndarray | None]:
-        """decode_batch's (ids int64 [B], mask bool [B] or None), or the error naming the first bad
-        sequence."""
+    def _check_batch(self, seqs: list[Sequence], token_ids: Any, token_masks: Any) -> Tokens:
+        """decode_batch's tokens (ids int64 [B], mask bool [B] or None), each checked once by its
+        sequence, or the error naming the first bad sequence."""
         if not 1 <= len(seqs) <= self.max_tokens:
             raise InputError(f"decode_batch takes 1 to max_tokens ({self.max_tokens}) sequences, got {len(seqs)}")
         ids = np.asarray(token_ids)
@@ -361,6 +373,7 @@ class Engine:
         if len(masks) != len(seqs):
             raise InputError(f"decode_batch: {len(masks)} token masks for {len(seqs)} sequences")
         seen: set[int] = set()
+        checked = []
         for i, (seq, m) in enumerate(zip(seqs, masks, strict=True)):
             if not isinstance(seq, Sequence) or seq.engine is not self:
                 raise InputError(f"decode_batch: sequence {i} is not a sequence of this engine")
@@ -369,21 +382,21 @@ class Engine:
             seen.add(id(seq))
             one = one_token_mask(m, f"decode_batch: token mask {i}")
             try:
-                seq._validate(ids[i:i + 1], one)
+                checked.append(seq._validate(ids[i:i + 1], one))
             except (InputError, CapacityError, SequenceStateError) as e:
                 raise type(e)(f"decode_batch: sequence {i}: {e}") from e
         mask = None if all(m is None for m in masks) else np.array([True if m is None else bool(m) for m in masks])
-        return ids.astype(np.int64), mask
+        return Tokens(np.concatenate([c.ids for c in checked]), mask)
 
     def _copy_inputs(self, call: Call) -> None:
         """The rest of what the device part reads that changes from call to call (mask, first mix,
-        positions): plain copies, not stages of the profile's table."""
+        positions, a batch's address tables): plain copies, not stages of the profile's table."""
         t = call.tokens
-        if call.token_mask is not None:
-            self.mask[:t].copy_to_device(call.token_mask.astype(np.uint8))
-        self.pre[0][:t].copy_to_device(self._one_hot[:t])
+        if call.ids.mask is not None:
+            self.mask[:t].copy_to_device(call.ids.mask.astype(np.uint8))
+        self.hyper.upload_first_mix(t)
         self.attention.upload_positions(call.start, t)
-        if isinstance(call.state, list):
+        if call.batched:
             self.attention.upload_rows(call.state)
 
     def graph_key(self, start: int, masked: bool) -> tuple:
@@ -397,27 +410,25 @@ class Engine:
         """The device part of a one-token step as a CUDA graph: the sequence's graph for this
         step's key."""
         assert isinstance(call.start, int)  # a single sequence's call
-        self._replay_graph(self.plan, seq.graphs, seq.graph_keys_seen,
-                           self.graph_key(call.start, call.mask is not None), call)
+        self._replay_graph(seq.graphs, seq.graph_keys_seen, self.graph_key(call.start, call.mask is not None), call)
 
     def _replay_batch(self, call: Call) -> None:
         """The device part of a decode_batch step as a CUDA graph, one per (B, masked): it reads
         the positions and the sequences' address tables from the device, so it serves any batch
         of B."""
-        self._replay_graph(self.batch_plan, self._batch_graphs, self._batch_keys_seen,
-                           (call.tokens, call.mask is not None), call)
+        self._replay_graph(self._batch_graphs, self._batch_keys_seen, (call.tokens, call.mask is not None), call)
 
-    def _replay_graph(self, plan: Plan, graphs: dict, seen: set, key: tuple, call: Call) -> None:
-        """Launch graphs[key] of the plan's device part, captured the second time the key comes up
+    def _replay_graph(self, graphs: dict, seen: set, key: tuple, call: Call) -> None:
+        """Launch graphs[key] of the call's device part, captured the second time the key comes up
         (the first runs eagerly, which also compiles every kernel the capture will record)."""
         graph = graphs.get(key)
         if graph is None and key not in seen:
             seen.add(key)
-            walk(plan.device, call)
+            self._device(call, DIRECT)
             return
         assert self._runner is not None
         if graph is None:
-            graph = self._runner.capture_stages(plan.device_stages(), lambda: walk(plan.device, call))
+            graph = self._runner.capture_stages(list(self.plan.stages), lambda: self._device(call, DIRECT))
             graphs[key] = graph
         self._cuda.synchronize()  # eager work queued on other streams comes first
         self._runner.launch(graph)
@@ -445,10 +456,8 @@ class BatchHasher:
     def __init__(self, hashers: list[Any]):
         self.hashers = hashers
 
-    def hash(self, token_ids: np.ndarray, starts: list[int], token_mask: np.ndarray | None) -> np.ndarray:
-        return np.concatenate([h.hash(token_ids[b:b + 1], starts[b],
-                                      None if token_mask is None else token_mask[b:b + 1])
-                               for b, h in enumerate(self.hashers)])
+    def hash(self, tokens: Tokens, starts: list[int]) -> np.ndarray:
+        return np.concatenate([h.hash(tokens.part(b, b + 1), starts[b]) for b, h in enumerate(self.hashers)])
 
 
 class Sequence:
@@ -470,20 +479,22 @@ class Sequence:
     def max_seq(self) -> int:
         return self.engine.max_seq
 
-    def _validate(self, token_ids: Any, token_mask: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    def _validate(self, token_ids: Any, token_mask: Any) -> Tokens:
+        """The tokens, checked once (host.tokens.check_tokens) for everything after, or the error
+        that refuses the call: a bad id or mask, too many positions, a released or failed sequence."""
         if self.released:
             raise SequenceStateError("this sequence was released")
         if self.failed:
             raise SequenceStateError("this sequence failed in the middle of a call, so its state may be partly "
                                      "written: release it and start a new one")
         self.engine._check_open()
-        ids, mask = check_tokens(token_ids, token_mask, self.engine.cfg.vocab_size)
-        if self.position + ids.size > self.max_seq:
-            raise CapacityError(f"{plural(ids.size, 'token')} at position {self.position} "
-                                f"{'exceeds' if ids.size == 1 else 'exceed'} max_seq "
-                                f"{self.max_seq} "
+        tokens = check_tokens(token_ids, token_mask, self.engine.cfg.vocab_size)
+        n = tokens.ids.size
+        if self.position + n > self.max_seq:
+            raise CapacityError(f"{plural(n, 'token')} at position {self.position} "
+                                f"{'exceeds' if n == 1 else 'exceed'} max_seq {self.max_seq} "
                                 f"({plural(self.max_seq - self.position, 'position')} left)")
-        return ids, mask
+        return tokens
 
     def prefill(self, token_ids: Any, token_mask: Any = None, capture: bool = False) -> np.ndarray:
         """Run tokens from the current position (chunks of max_tokens); returns h [T, hc, dim] float32.
@@ -491,13 +502,12 @@ class Sequence:
         token_mask: bool [T], False = the token takes no part in any n-gram and gets no engram
         contribution. capture: keep every layer's intermediates of the (last) chunk in `captures`.
         """
-        ids, mask = self._validate(token_ids, token_mask)
+        tokens = self._validate(token_ids, token_mask)
         step = self.engine.max_tokens
         out = []
         try:
-            for s in range(0, ids.size, step):
-                part_mask = None if mask is None else mask[s:s + step]
-                out.append(self.engine._forward(self, ids[s:s + step], part_mask, capture))
+            for s in range(0, tokens.ids.size, step):
+                out.append(self.engine._forward(self, tokens.part(s, s + step), capture))
         except BaseException:
             self.failed = True  # validated input failed on the way: the state may be partly written
             raise

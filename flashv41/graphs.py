@@ -4,7 +4,9 @@ numba-cuda launches kernels into a cuda.core GraphBuilder as into a stream (the 
 is in capture mode), so a stage records into a graph when its `stream` is the builder. Capture
 records launches without running them; what a launch reads from host memory (its scalar
 arguments, the device pointers) is frozen into the graph, and whatever changes from step to step
-must already be in device memory when the graph runs (flashv41.engine uploads it first).
+must already be in device memory when the graph runs (flashv41.engine uploads it first, in
+`Engine._upload`). What the engine records is its device part, `Engine._device`, run once as
+written (flashv41.plan.DIRECT) with its stages' streams switched to the builder (`capture_stages`).
 
 Not available on the CUDA simulator, which has no graphs: `graphs_available()` is False there and
 the engine launches eagerly, with the same results.

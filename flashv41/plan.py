@@ -1,210 +1,177 @@
-"""The engine's call as a plan: steps built once, walked per call, watched by observers.
+"""The engine's plan, built once, and how a call's stage calls are made and watched.
 
-A `Step` is one call of a stage's method with its arguments: the fixed ones (a layer index, a
-sublayer kind, the engine's buffers) stored in the step, the ones that change from call to call
-(the token count, the position, the sequence's state, ...) stored as `PerCall` placeholders that
-the walk fills in from the `Call`. `flashv41.engine.Engine` builds its `Plan` once, at
-construction; a call then walks it:
+`flashv41.engine.Engine` builds its `Plan` once, at construction: what a call decides the same way
+every time, per layer (`LayerPlan`): which engram layer's rows come next (`EngramPlan`), the hyper
+stage's values for the layer (stages.hyper.HyperLayer: which buffers, which post forms which
+product) and the names the profile shows (`Step`). A call then runs as code, Engine methods that
+read in the V4.1 order:
 
-    upload    host part: token ids, the engram hash, each engram layer's rows onto the device
-    device    the embedding, then per layer (`LayerPlan`) engram -> attention sublayer -> FFN
-              sublayer: launches only, so a one-token step can be recorded as a CUDA graph
-    download  the call's rows of the highway back to the host
+    _upload    host part: the token ids once onto the device, the engram hash, each engram layer's
+               rows, then the mask, the first mix and the positions
+    _device    the embedding, then `_layer` per layer: engram gate -> attention sublayer -> FFN
+               sublayer (launches only, so a one-token step can be recorded as a CUDA graph)
+    _download  the call's rows of the highway back to the host
 
-`walk(steps, call)` is a plain loop. Whatever needs to see the steps one by one is an observer
-passed to it (`StepObserver`): `StageTimer` for profiling, `LayerCapture` for the per-layer
-intermediates that `capture=True` keeps. The steps themselves know nothing of either.
+Every stage call on that path is written `run(step, self.stage.method, *args)`. `run` is a `Run`:
+`DIRECT` makes the call as written (the plain path, and a graph's capture); `Watched` brackets each
+call with its observers' `before` and `after` (`StepObserver`: `StageTimer` for profiling, a
+benchmark's events in `Engine.observers`) and keeps, at the layer's edges that the code marks
+(`layer_begins`, `sublayer_ends`), the per-layer intermediates of capture=True (`LayerCapture`).
+The stages know nothing of either.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 import numpy as np
+
+from flashv41.host.tokens import Tokens
+
+if TYPE_CHECKING:
+    from flashv41.stages.hyper import HyperLayer
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# the sublayers whose ends `Run.sublayer_ends` marks
+ENGRAM, ATTN, FFN = "engram", "attn", "ffn"
 
 
 @dataclass
 class Call:
-    """One chunk of T tokens of one sequence as the steps see it, or one token of each of T
-    sequences (Engine.decode_batch: start, state and shared are then lists, one a sequence): what
-    they read that changes from call to call, and what a step hands on to later ones (the hash's
-    row ids, the highway)."""
+    """One chunk of T tokens of one sequence, or one token of each of T sequences (decode_batch:
+    `batched`, and start, state and shared are lists, one a sequence): what changes from call to
+    call, and what the host part hands the device part (the hash's row ids)."""
 
     tokens: int  # T
-    start: int | list[int]  # the sequence position of the first token; a batch's: each sequence's
-    ids: np.ndarray  # int64 [T] token ids
-    token_mask: np.ndarray | None  # bool [T] on the host; None: every token takes part
+    start: Any  # int: the sequence position of the first token; batched: list[int], each sequence's
+    ids: Tokens  # the checked token ids int64 [T] and mask bool [T] or None (host.tokens)
     mask: Any  # uint8 [>= T] the same mask on the device, or None
-    hasher: Any  # the sequence's engram hasher (None without engram layers)
-    state: Any  # the sequence's attention state (a batch: a list of them)
-    shared: Any  # what source layers hand down the stack within this call (a batch: one a sequence)
+    hasher: Any  # the sequence's engram hasher (batched: engine.BatchHasher; None without engram layers)
+    state: Any  # the sequence's AttentionState (batched: a list of them)
+    shared: Any  # what source layers hand down the stack within this call (batched: one a sequence)
+    batched: bool = False
     captures: list[dict] | None = None  # one dict per layer when the call keeps its intermediates
-    hashes: np.ndarray | None = None  # int64 [T, n_engram_layers, cols], written by the hash step
-    output: np.ndarray | None = None  # float32 [T, hc, C], written by the download step
+    hashes: np.ndarray | None = None  # int64 [T, n_engram_layers, cols], the host part's hash
 
-
-class PerCall(ABC):
-    """A step argument (or the object a step calls) that changes from call to call."""
-
-    @abstractmethod
-    def of(self, call: Call) -> Any:
-        """Its value in `call`."""
-
-
-_CALL_FIELDS = frozenset(f.name for f in dataclasses.fields(Call))
+    def capture(self, layer: int) -> dict | None:
+        """The capture dict of `layer` when the call keeps its intermediates, else None."""
+        return None if self.captures is None else self.captures[layer]
 
 
 @dataclass(frozen=True)
-class Field(PerCall):
-    """One of the call's own values, by name."""
+class Step:
+    """What an observer sees of one stage call: the row of the profile's table its time adds to,
+    and the layer it belongs to (None outside the layers)."""
 
     name: str
-
-    def __post_init__(self) -> None:
-        # a misspelt name would otherwise only fail once a call reaches the step
-        if self.name not in _CALL_FIELDS:
-            raise ValueError(f"Call has no field {self.name!r}")
-
-    def of(self, call: Call) -> Any:
-        return getattr(call, self.name)
+    layer: int | None = None
 
 
-TOKENS = Field("tokens")
-START = Field("start")
-IDS = Field("ids")
-TOKEN_MASK = Field("token_mask")
-MASK = Field("mask")
-HASHER = Field("hasher")
-STATE = Field("state")
-SHARED = Field("shared")
-
-
-@dataclass(frozen=True)
-class Rows(PerCall):
-    """One engram layer's row ids int64 [T, cols]: its column of the call's hash."""
-
-    column: int
-
-    def of(self, call: Call) -> np.ndarray:
-        assert call.hashes is not None, "the hash step runs before the steps that read its rows"
-        return call.hashes[:, self.column]
-
-
-@dataclass(frozen=True)
-class Captured(PerCall):
-    """The capture dict of `layer` when the call keeps its intermediates, else None."""
+@dataclass(frozen=True, eq=False)
+class EngramPlan:
+    """One engram layer: its row ids' upload (host part), its rows and projection
+    (EngramStage.prepare: the first engram layer's right after the embedding, each later one's
+    after the gate of the one before, as their shared workspaces allow; a captured graph runs them
+    beside the layers in between) and its gate (EngramStage.finish)."""
 
     layer: int
-
-    def of(self, call: Call) -> dict | None:
-        return None if call.captures is None else call.captures[self.layer]
-
-
-@dataclass(frozen=True, eq=False)
-class Head(PerCall):
-    """The call's first T rows of a device buffer."""
-
-    buffer: Any  # [>= T, ...] device array
-
-    def of(self, call: Call) -> Any:
-        return self.buffer[:call.tokens]
+    column: int  # its column of the call's hash [T, n_engram_layers, cols] (EngramConfig.hash_index)
+    step: Step  # every one of its calls: "engram rows, projection, gate" at its layer
+    next: EngramPlan | None  # the next engram layer, whose prepare follows this one's gate
 
 
 @dataclass(frozen=True, eq=False)
-class Step:
-    """`getattr(stage, method)(*args)`, each PerCall (in `args`, or as the `stage`) replaced by its
-    value in the call being walked. Compared by identity, so observers can key on the step itself."""
-
-    name: str  # the row of the profile's table its time adds to
-    layer: int | None  # the layer it belongs to; None outside the layers
-    stage: Any  # the object called: a stage, or a PerCall (the sequence's hasher, the highway's rows)
-    method: str  # looked up as the step runs, so a method replaced on the stage is the one called
-    args: tuple[Any, ...] = ()  # fixed values and PerCalls, in the method's order
-    result: str | None = None  # the Call field its return value goes into; None: it returns nothing
-
-    def run(self, call: Call) -> None:
-        stage = self.stage.of(call) if isinstance(self.stage, PerCall) else self.stage
-        args = [a.of(call) if isinstance(a, PerCall) else a for a in self.args]
-        value = getattr(stage, self.method)(*args)
-        if self.result is not None:
-            setattr(call, self.result, value)
-
-
-@dataclass(frozen=True)
 class LayerPlan:
-    """One layer's steps by sublayer, and what its captures read besides the highway."""
+    """One layer's fixed decisions: its engram (None without), its hyper-connection values and
+    what the profile calls each of its calls."""
 
     layer: int
-    pre_mix: Any  # [T, hc] fp32 (device): the attention sublayer's mix, written by the layer before
-    rows: Rows | None  # where the layer's engram row ids are in the call's hash; None without engram
-    # the gate, in place on the highway (its rows and projection ran earlier: the first engram
-    # layer's in the head, each later one's here, after the gate of the engram layer before it)
-    engram: tuple[Step, ...]
-    attn: tuple[Step, ...]  # mixes with hc_pre + attn_norm, attention, hc_post (and the FFN mixes' product)
-    ffn: tuple[Step, ...]  # the FFN sublayer as a zero output: its mixes (the next layer's pre), hc_post
-
-    @property
-    def steps(self) -> tuple[Step, ...]:
-        return self.engram + self.attn + self.ffn
+    engram: EngramPlan | None
+    hyper: HyperLayer  # the hyper stage's buffers and fusions for the layer (HyperStage.plan)
+    attn_mixes: Step  # "hc mixes + hc_pre + attn_norm"
+    attention: Step  # "attention (<block type>)"
+    attn_post: Step  # "hc_post", or "hc_post + next mixes' product" where it forms the FFN's
+    ffn_mixes: Step  # "hc mixes", or "hc mixes + hc_post + next mixes' product" where the FFN is one launch
+    ffn_post: Step  # the FFN's hc_post, where it is a launch of its own
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
-    """Every step of a call, in order, built once per engine."""
+    """Every call's fixed decisions, built once per engine."""
 
-    upload: tuple[Step, ...]  # host part: what the device part reads that changes from call to call
-    head: tuple[Step, ...]  # device part before the first layer (the embedding, the first engram prepare)
     layers: tuple[LayerPlan, ...]
-    download: tuple[Step, ...]  # the highway's rows back to the host
+    engram: tuple[EngramPlan, ...]  # the engram layers in order (the first's prepare follows the embedding)
+    stages: tuple[Any, ...]  # the stages the device part launches through (a capture switches their streams)
     highway: Any  # h [T, hc, C] fp32 (device): the buffer every layer updates in place
-    device: tuple[Step, ...] = field(init=False)  # head, then every layer's steps: what a graph records
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "device", self.head + tuple(s for layer in self.layers for s in layer.steps))
 
     @classmethod
     def empty(cls) -> Plan:
-        """No steps and no buffers: what a closed engine keeps, so the freed arrays are unreferenced."""
-        return cls((), (), (), (), None)
-
-    def device_stages(self) -> list[Any]:
-        """The stage objects the device part launches through, each once, in order of first use."""
-        stages: list[Any] = []
-        for step in self.device:
-            if not isinstance(step.stage, PerCall) and all(step.stage is not s for s in stages):
-                stages.append(step.stage)
-        return stages
+        """No layers and no buffers: what a closed engine keeps, so the freed arrays are unreferenced."""
+        return cls((), (), (), None)
 
 
 class StepObserver(Protocol):
-    """Something that watches a walk: `before` a step runs, `after` it returned (not after a step
-    that raised: the call then fails and what was observed of it is incomplete anyway)."""
+    """Something that watches a call's stage calls: `before` one runs, `after` it returned (not
+    after one that raised: the call then fails and what was observed of it is incomplete anyway)."""
 
     def before(self, step: Step, call: Call) -> None: ...
 
     def after(self, step: Step, call: Call) -> None: ...
 
 
-def walk(steps: tuple[Step, ...], call: Call, observers: tuple[StepObserver, ...] = ()) -> None:
-    """Run `steps` in order for `call`. Observers are called `before` in the order given and
-    `after` in the reverse order, so the first one's work brackets the later ones' (the captures'
-    host copies stay outside the timer's synchronised window)."""
-    if not observers:
-        for step in steps:
-            step.run(call)
-        return
-    for step in steps:
-        for observer in observers:
-            observer.before(step, call)
-        step.run(call)
-        for observer in reversed(observers):
-            observer.after(step, call)
+class Run:
+    """How a call's stage calls are made. This one, `DIRECT`, makes each as written and ignores the
+    layer edges: the plain path, and what a CUDA graph's capture records."""
+
+    observed = False  # whether anything watches: a one-token step is then launched eagerly, not replayed
+
+    def __call__(self, step: Step, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """fn(*args, **kwargs), which `step` names for the observers."""
+        return fn(*args, **kwargs)
+
+    def layer_begins(self, layer: LayerPlan) -> None:
+        """`layer`'s first call comes next."""
+
+    def sublayer_ends(self, layer: LayerPlan, sublayer: str) -> None:
+        """`layer`'s sublayer (ENGRAM, ATTN or FFN, the layer's last) made its last call."""
+
+
+DIRECT = Run()
+
+
+class Watched(Run):
+    """A watched call's runs: each stage call between its observers' `before` (in the order given)
+    and `after` (in the reverse order); the layer edges to `capture`, when the call keeps its
+    intermediates (its host copies then fall between calls, outside any observer's bracket)."""
+
+    observed = True
+
+    def __init__(self, call: Call, observers: tuple[StepObserver, ...], capture: LayerCapture | None) -> None:
+        self.call = call
+        self.observers = observers
+        self.capture = capture
+
+    def __call__(self, step: Step, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        for observer in self.observers:
+            observer.before(step, self.call)
+        value = fn(*args, **kwargs)
+        for observer in reversed(self.observers):
+            observer.after(step, self.call)
+        return value
+
+    def layer_begins(self, layer: LayerPlan) -> None:
+        if self.capture is not None:
+            self.capture.layer_begins(layer, self.call)
+
+    def sublayer_ends(self, layer: LayerPlan, sublayer: str) -> None:
+        if self.capture is not None:
+            self.capture.sublayer_ends(layer, sublayer, self.call)
 
 
 class StageTimer:
@@ -228,39 +195,28 @@ class StageTimer:
 
 class LayerCapture:
     """capture=True: host copies of every layer's intermediates in `call.captures[layer]`, beside
-    what the stages put there themselves: h_in and pre_mix before the layer's first step,
-    engram_ids after its engram sublayer, h_attn after its attention sublayer, h_out after the
-    layer. Copies synchronise the device, which is why only a capturing call has this observer."""
+    what the stages put there themselves: h_in and pre_mix as the layer begins, engram_ids after its
+    engram sublayer, h_attn after its attention sublayer, h_out after the layer. Copies synchronise
+    the device, which is why only a capturing call has this."""
 
-    def __init__(self, plan: Plan) -> None:
-        self._highway = plan.highway
-        self._opens: dict[Step, LayerPlan] = {}
-        self._closes: dict[Step, tuple[LayerPlan, str]] = {}
-        for layer in plan.layers:
-            self._opens[layer.steps[0]] = layer
-            if layer.engram:
-                self._closes[layer.engram[-1]] = (layer, "engram_ids")
-            self._closes[layer.attn[-1]] = (layer, "h_attn")
-            self._closes[layer.ffn[-1]] = (layer, "h_out")
+    # what each sublayer's end keeps
+    KEYS = {ENGRAM: "engram_ids", ATTN: "h_attn", FFN: "h_out"}
 
-    def before(self, step: Step, call: Call) -> None:
-        layer = self._opens.get(step)
-        if layer is None:
-            return
+    def __init__(self, highway: Any) -> None:
+        self._highway = highway  # h [>= T, hc, C] fp32 (device)
+
+    def layer_begins(self, layer: LayerPlan, call: Call) -> None:
         t = call.tokens
-        self._dict(call, layer).update(h_in=self._highway[:t].copy_to_host(), pre_mix=layer.pre_mix[:t].copy_to_host())
+        self._dict(call, layer).update(h_in=self._highway[:t].copy_to_host(),
+                                       pre_mix=layer.hyper.pre_in[:t].copy_to_host())
 
-    def after(self, step: Step, call: Call) -> None:
-        found = self._closes.get(step)
-        if found is None:
-            return
-        layer, key = found
-        if key == "engram_ids":
-            assert layer.rows is not None
-            value = np.asarray(layer.rows.of(call), np.int64).copy()
+    def sublayer_ends(self, layer: LayerPlan, sublayer: str, call: Call) -> None:
+        if sublayer == ENGRAM:
+            assert layer.engram is not None and call.hashes is not None
+            value = np.asarray(call.hashes[:, layer.engram.column], np.int64).copy()
         else:
             value = self._highway[:call.tokens].copy_to_host()
-        self._dict(call, layer)[key] = value
+        self._dict(call, layer)[self.KEYS[sublayer]] = value
 
     @staticmethod
     def _dict(call: Call, layer: LayerPlan) -> dict:

@@ -15,14 +15,21 @@ import numpy as np
 
 from flashv41.host.config import EngramConfig
 from flashv41.host.errors import CapacityError
-from flashv41.host.tokens import check_tokens
+from flashv41.host.tokens import Tokens, check_tokens
 
 DEAD = -1
 
 
-def compress_tokens(engram: EngramConfig, token_ids: np.ndarray, token_mask: np.ndarray | None) -> np.ndarray:
-    """Raw ids -> compressed ids (int64), -1 where unmapped or masked out; validates the ids."""
-    ids, mask = check_tokens(token_ids, token_mask, engram.token_map.shape[0], allow_empty=True)
+def compress_tokens(engram: EngramConfig, token_ids: np.ndarray | Tokens,
+                    token_mask: np.ndarray | None = None) -> np.ndarray:
+    """Raw ids -> compressed ids (int64), -1 where unmapped or masked out. Ids as `check_tokens`
+    returned them (`Tokens`, with their mask; the loader pads token_map to the vocabulary, so ids
+    checked against it index the map) are taken as they are; anything else is checked first."""
+    if isinstance(token_ids, Tokens):
+        assert token_mask is None, "checked tokens carry their own mask"
+        ids, mask = token_ids
+    else:
+        ids, mask = check_tokens(token_ids, token_mask, engram.token_map.shape[0], allow_empty=True)
     compressed = engram.token_map[ids]
     return compressed if mask is None else np.where(mask, compressed, DEAD)
 
@@ -58,9 +65,9 @@ class EngramHasher:
     def reset(self) -> None:
         self.history.fill(DEAD)
 
-    def hash(self, token_ids: np.ndarray, start_pos: int, token_mask: np.ndarray | None = None) -> np.ndarray:
-        """Row ids int64 [T, n_engram_layers, cols] for `token_ids` placed at start_pos..; the
-        cache is written only once the input has been validated."""
+    def hash(self, token_ids: np.ndarray | Tokens, start_pos: int, token_mask: np.ndarray | None = None) -> np.ndarray:
+        """Row ids int64 [T, n_engram_layers, cols] for `token_ids` placed at start_pos.. (checked
+        here unless they are `Tokens`); the cache is written only once the input has been validated."""
         compressed = compress_tokens(self.engram, token_ids, token_mask)
         end = start_pos + compressed.shape[0]
         if start_pos < 0 or end > self.max_seq:

@@ -30,6 +30,7 @@ from flashv41.host.config import EngramConfig
 from flashv41.host.engram_hash import DEAD, compress_tokens
 from flashv41.host.engram_tables import MAX_PRIME
 from flashv41.host.errors import CapacityError, UnsupportedError
+from flashv41.host.tokens import Tokens
 
 
 @njit(inline="always", cache=True)
@@ -120,8 +121,9 @@ class FastEngramHasher:
     def reset(self) -> None:
         self.history.fill(DEAD)
 
-    def hash(self, token_ids: np.ndarray, start_pos: int, token_mask: np.ndarray | None = None) -> np.ndarray:
-        """Row ids int64 [T, n_engram_layers, cols] for `token_ids` placed at start_pos.."""
+    def hash(self, token_ids: np.ndarray | Tokens, start_pos: int, token_mask: np.ndarray | None = None) -> np.ndarray:
+        """Row ids int64 [T, n_engram_layers, cols] for `token_ids` placed at start_pos.. (checked
+        here unless they are `Tokens`, as the engine passes them)."""
         compressed = compress_tokens(self.engram, token_ids, token_mask)
         count = compressed.shape[0]
         end = start_pos + count

@@ -2,15 +2,32 @@
 oracle, the engine and the engram hasher, so they refuse the same input with the same words.
 
 The words are the caller's: what was handed in (no token ids, a float, a string, an id past the
-vocabulary), never the NumPy dtype that a conversion happened to produce."""
+vocabulary), never the NumPy dtype that a conversion happened to produce.
+
+What the check returns, `Tokens`, is the one form the ids take from there on: int64 [T] on the
+host, which the engine uploads once (the embedding kernel reads that device copy) and the engram
+hasher reads as it is. A hasher given `Tokens` does not check them again.
+"""
 
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
 from flashv41.host.errors import InputError
+
+
+class Tokens(NamedTuple):
+    """Token ids that passed `check_tokens` (a tuple, so `ids, mask = check_tokens(...)` unpacks)."""
+
+    ids: np.ndarray  # int64 [T], each in [0, vocab); a copy of the caller's, never a view of it
+    mask: np.ndarray | None  # bool [T], False: the token takes no part in any n-gram; None: every token does
+
+    def part(self, start: int, stop: int) -> Tokens:
+        """Tokens start .. stop - 1 (a prefill chunk, a batch's one sequence), still checked."""
+        return Tokens(self.ids[start:stop], None if self.mask is None else self.mask[start:stop])
 
 
 def _what(value: object) -> str:
@@ -51,8 +68,8 @@ def _refuse_ids(token_ids: object, ids: np.ndarray, vocab: int, allow_empty: boo
     return InputError(f"token ids must be integers, got values of type {ids.dtype}")  # not reached in practice
 
 
-def check_tokens(token_ids, token_mask, vocab: int, allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-    """(ids int64 [T], mask bool [T] or None), or InputError naming what is wrong in the caller's
+def check_tokens(token_ids, token_mask, vocab: int, allow_empty: bool = False) -> Tokens:
+    """(ids int64 [T], mask bool [T] or None) as `Tokens`, or InputError naming what is wrong in the caller's
     terms: no ids, ids that are not integers (the first, by index), the first id outside the
     vocabulary and its index, a mask of the wrong kind or length."""
     try:
@@ -62,13 +79,13 @@ def check_tokens(token_ids, token_mask, vocab: int, allow_empty: bool = False) -
                          f"{type(token_ids).__name__}") from None
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (ids.size == 0 and not allow_empty):
         if ids.ndim == 1 and ids.size == 0 and allow_empty:
-            return ids.astype(np.int64), _check_mask(token_mask, (0,))
+            return Tokens(ids.astype(np.int64), _check_mask(token_mask, (0,)))
         raise _refuse_ids(token_ids, ids, vocab, allow_empty)
     bad = np.flatnonzero((ids < 0) | (ids >= vocab))
     if bad.size:
         i = int(bad[0])
         raise InputError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {vocab})")
-    return ids.astype(np.int64), _check_mask(token_mask, ids.shape)
+    return Tokens(ids.astype(np.int64), _check_mask(token_mask, ids.shape))
 
 
 def _check_mask(token_mask, shape: tuple[int, ...]) -> np.ndarray | None:

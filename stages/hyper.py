@@ -19,6 +19,12 @@ Shapes: T tokens, hc copies, C dim, M = (2 + hc) * hc mixes. The highway h is fl
 - `mixes_post`: a zero-output (FFN) sublayer between two such posts in one launch: each post
   block sums the slices and runs the Sinkhorn itself, then the post and the next product.
 
+What one call hands the next is a value, not state left in the stage: a sublayer's `Mixes` names
+where its mixes write pre, post and comb (which its post_mix then reads) and where the post before
+forms its product, if one does; a post is given the next sublayer's `Mixes` (`then`) to form that
+product. `HyperStage.plan` decides once, from the layer list, which posts form which products, and
+returns every layer's values (`HyperLayer`) for the engine's plan.
+
 Oracle: host.oracle.hc (hc_mixes / sinkhorn_split, hc_pre, hc_post), host.numerics.rms_norm,
 host.oracle.Oracle.embed. Sums run in fp32 here (float64 there); transcendentals are CUDA's.
 """
@@ -26,6 +32,8 @@ host.oracle.Oracle.embed. Sums run in fp32 here (float64 there); transcendentals
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
@@ -33,7 +41,17 @@ from numba import cuda, float32, int32
 
 from flashv41.host.errors import UnsupportedError
 from flashv41.host.quants import GGMLType
-from flashv41.stages.device import CHUNK, SIM, WARP, bf16_round, bf16_to_f32, device, f32_to_bf16, warp_sum
+from flashv41.stages.device import (
+    CHUNK,
+    SIM,
+    WARP,
+    DeviceArray,
+    bf16_round,
+    bf16_to_f32,
+    device,
+    f32_to_bf16,
+    warp_sum,
+)
 from flashv41.stages.linear import GEMV_MAX_TOKENS, DeviceWeight, stream_partials
 from flashv41.stages.trace import Traced
 
@@ -412,10 +430,42 @@ def embed_kernel(dequant):
     return embed
 
 
+@dataclass(frozen=True, eq=False)
+class Mixes:
+    """One sublayer's mixes as the calls hand them on: where its `mixes` (or `mixes_norm`) writes
+    pre, post and comb, which its `post_mix` reads; and where the post before it forms its product,
+    if one does (a post forming it is given this value as `then`). The buffers hold up to
+    max_tokens tokens."""
+
+    layer: int
+    kind: str  # "attn" or "ffn": the sublayer, whose hc_{kind}_fn, _scale and _base it reads
+    pre: DeviceArray  # [T, hc] fp32 (an FFN's: the next layer's attention collapse weights)
+    post: DeviceArray  # [T, hc] fp32
+    comb: DeviceArray  # [T, hc(k), hc(c)] fp32
+    # [T, M + 1, S'] fp32: the product's partial sums as the post before forms them, for up to
+    # POST_PRODUCT_MAX_TOKENS tokens (past them the mixes launch stream_partials); None: no post
+    # forms them (the first attention mixes, an engram layer's, an fn type FN_READERS lacks)
+    product: DeviceArray | None
+
+
+@dataclass(frozen=True, eq=False)
+class HyperLayer:
+    """One layer's hyper-connection calls, decided once (HyperStage.plan): the attention sublayer's
+    mixes with its collapse of h by `pre_in`, its post, then the FFN sublayer's mixes and post."""
+
+    pre_in: DeviceArray  # [T, hc] fp32: the mix the layer before's FFN wrote (layer 0: the caller's one-hot)
+    attn: Mixes
+    attn_then: Mixes | None  # `ffn` when the attention's post forms its product, else None
+    ffn: Mixes
+    ffn_then: Mixes | None  # the next layer's attention mixes when the FFN's post forms their product
+    ffn_in_one: bool  # the FFN's mixes, its post and ffn_then's product in one launch (mixes_post)
+
+
 class HyperStage(Traced):
     """The hc weights of every layer and the embedding table on the device, plus the mix buffers
-    for up to `max_tokens` tokens. The highway and the sublayer buffers belong to the caller. Its
-    one part (Traced): "hc mixes product", the mixes' product where it is a launch of its own."""
+    (pre, post, comb, the products' partial sums) and the token ids for up to `max_tokens` tokens.
+    The highway and the sublayer buffers belong to the caller. Its one part (Traced): "hc mixes
+    product", the mixes' product where it is a launch of its own."""
 
     def __init__(self, model, max_tokens: int, stream=0):
         cfg = model.config
@@ -444,17 +494,23 @@ class HyperStage(Traced):
                                                      np.float32) for kind in ("attn", "ffn")}
         self.post = cuda.device_array((max_tokens, hc), np.float32)  # [T, hc]
         self.comb = cuda.device_array((max_tokens, hc, hc), np.float32)  # [T, hc(k), hc(c)]
-        self.ids = cuda.device_array(max_tokens, np.int32)  # [T]
+        # [T, hc] each: the attention sublayer reads the mix the FFN before wrote (layer 0: the
+        # one-hot, upload_first_mix), so two buffers alternate; its own mixes' pre goes to the third
+        self.pre = [cuda.device_array((max_tokens, hc), np.float32) for _ in range(3)]
+        self._one_hot = np.zeros((max_tokens, hc), np.float32)
+        self._one_hot[:, 0] = 1
+        self.ids = cuda.device_array(max_tokens, np.int64)  # [T] the token ids as host.tokens.Tokens holds them
         self.no_output = cuda.device_array((1, 1), np.uint16)  # stands in for `a` of a zero sublayer
 
     def embed(self, token_ids: np.ndarray, h, n_tokens: int) -> None:
         """Write the embedded tokens into every copy of h [>= T, hc, C]."""
-        self.upload_ids(token_ids, n_tokens)
+        self.upload_ids(np.asarray(token_ids, np.int64), n_tokens)
         self.embed_uploaded(h, n_tokens)
 
     def upload_ids(self, token_ids: np.ndarray, n_tokens: int) -> None:
-        """The host's part of `embed`: the token ids into the stage's id buffer."""
-        self.ids[:n_tokens].copy_to_device(np.ascontiguousarray(token_ids, np.int32), stream=self.stream)
+        """The host's part of `embed`: the checked token ids int64 [T] (host.tokens.Tokens.ids)
+        into the stage's id buffer, as they are."""
+        self.ids[:n_tokens].copy_to_device(token_ids, stream=self.stream)
 
     def embed_uploaded(self, h, n_tokens: int) -> None:
         """The device part of `embed`, from the uploaded ids."""
@@ -464,91 +520,127 @@ class HyperStage(Traced):
         embed_kernel(self.embedding.dequant)[grid, threads, self.stream](
             self.ids, self.embedding.data, h, n_tokens, self.cfg.hc, chunks)
 
+    def upload_first_mix(self, n_tokens: int) -> None:
+        """The first layer's attention collapse weights: one-hot on copy 0 (SPEC 2), into the
+        buffer plan()'s first layer reads as pre_in (every call: later layers overwrite it)."""
+        self.pre[0][:n_tokens].copy_to_device(self._one_hot[:n_tokens], stream=self.stream)
+
     def fuses(self, layer: int, kind: str) -> bool:
         """Whether post_mix can form the product of sublayer `kind`'s mixes (its fn type is one the
         post kernel reads: FN_READERS); else `mixes` launches stream_partials for it."""
         return self.layers[layer][kind][0].gtype in FN_READERS
 
-    def _mix_args(self, layer: int, kind: str, h, n_tokens: int, after_post: bool) -> tuple:
-        """The product's partial sums for the mixes of sublayer `kind` (stream_partials' launch unless
-        post_mix formed them: after_post) and the mixes kernels' first arguments."""
-        fn, scale, base = self.layers[layer][kind]
-        cfg = self.cfg
-        width = cfg.hc * cfg.dim
-        if after_post and n_tokens <= POST_PRODUCT_MAX_TOKENS:
-            partial = self.post_partial[kind]
-            n_slices = partial.shape[2]
-        else:
-            partial, n_slices = self.partial, self.n_slices
-            stream_partials(h.reshape(h.shape[0], width), fn, partial, n_tokens, self.stream)
-            self._mark("hc mixes product")
-        return partial, n_slices, scale, base
+    def sublayer(self, layer: int, kind: str, pre, after_post: bool = False) -> Mixes:
+        """The Mixes of sublayer `kind` of `layer` with its pre in the caller's buffer [T, hc] and
+        the stage's post and comb; after_post: the post before forms its product (only where
+        `fuses` says the post kernel can)."""
+        if after_post and not self.fuses(layer, kind):
+            raise UnsupportedError(f"layer {layer} {kind}: the post kernel cannot form the product of "
+                                   f"{self.layers[layer][kind][0].gtype.name} mixes")
+        return Mixes(layer, kind, pre, self.post, self.comb, self.post_partial[kind] if after_post else None)
 
-    def mixes(self, layer: int, kind: str, h, pre, n_tokens: int, after_post: bool = False) -> None:
-        """pre [T, hc] (caller's buffer), self.post and self.comb from h for sublayer `kind`: the
+    def plan(self, engram_layers: Collection[int]) -> tuple[HyperLayer, ...]:
+        """Every layer's hyper-connection calls, in order, decided once. A post forms the next
+        mixes' product where the post kernel reads their fn type (`fuses`) and nothing runs between
+        the two: not for the first layer's attention mixes (the embedding comes before them), nor
+        an engram layer's (its gate does). An FFN sublayer whose mixes were formed by the post
+        before and whose post forms the next is one launch (ffn_in_one)."""
+        n = self.cfg.n_layers
+        pre_in, pre_out, unused = self.pre
+        attn = [self.sublayer(i, "attn", unused, i > 0 and i not in engram_layers and self.fuses(i, "attn"))
+                for i in range(n)]
+        layers = []
+        for i in range(n):
+            ffn = self.sublayer(i, "ffn", pre_out, self.fuses(i, "ffn"))
+            ffn_then = attn[i + 1] if i + 1 < n and attn[i + 1].product is not None else None
+            layers.append(HyperLayer(pre_in, attn[i], ffn if ffn.product is not None else None, ffn, ffn_then,
+                                     ffn.product is not None and ffn_then is not None))
+            pre_in, pre_out = pre_out, pre_in
+        return tuple(layers)
+
+    def _mix_args(self, m: Mixes, h, n_tokens: int) -> tuple:
+        """The product's partial sums for the mixes of `m` (stream_partials' launch unless the post
+        before formed them) and the mixes kernels' first arguments."""
+        _, scale, base = self.layers[m.layer][m.kind]
+        if m.product is not None and n_tokens <= POST_PRODUCT_MAX_TOKENS:
+            return m.product, m.product.shape[2], scale, base
+        fn = self.layers[m.layer][m.kind][0]
+        width = self.cfg.hc * self.cfg.dim
+        stream_partials(h.reshape(h.shape[0], width), fn, self.partial, n_tokens, self.stream)
+        self._mark("hc mixes product")
+        return self.partial, self.n_slices, scale, base
+
+    def mixes(self, h, m: Mixes, n_tokens: int) -> Mixes:
+        """m.pre, m.post and m.comb from h for m's sublayer, returned as `m` for its post: the
         product and the highway's square sum by slices (stream_partials' slices of MIX_SLICE_CHUNKS
-        chunks, many warps for one token; after_post: the slices post_mix wrote), then one block
-        per token adds the slices up and runs the split and Sinkhorn."""
+        chunks, many warps for one token; or the slices the post before wrote), then one block per
+        token adds the slices up and runs the split and Sinkhorn."""
         cfg = self.cfg
-        partial, n_slices, scale, base = self._mix_args(layer, kind, h, n_tokens, after_post)
+        partial, n_slices, scale, base = self._mix_args(m, h, n_tokens)
         mixes_kernel(cfg.hc)[n_tokens, MIXES_THREADS, self.stream](
-            partial, scale, base, pre, self.post, self.comb, n_slices,
+            partial, scale, base, m.pre, m.post, m.comb, n_slices,
             cfg.hc * cfg.dim, cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))
+        return m
 
-    def mixes_norm(self, layer: int, h, pre_in, pre, x, n_tokens: int, after_post: bool = False) -> None:
-        """The attention sublayer's `mixes` (pre into the caller's `pre`) and its input x [T, C]
-        bf16 = attn_norm(hc_pre(h, pre_in)), pre_in the mix the layer before wrote, the sums, the
-        collapse and the Sinkhorn in one block per token."""
+    def mixes_norm(self, h, m: Mixes, pre_in, x, n_tokens: int) -> Mixes:
+        """The attention sublayer's `mixes` (m, returned for its post) and its input x [T, C] bf16 =
+        attn_norm(hc_pre(h, pre_in)), pre_in [T, hc] the mix the sublayer before wrote: the sums,
+        the collapse and the Sinkhorn in one block per token."""
+        assert m.kind == "attn", "attn_norm follows the attention sublayer's collapse"
         cfg = self.cfg
-        partial, n_slices, scale, base = self._mix_args(layer, "attn", h, n_tokens, after_post)
+        partial, n_slices, scale, base = self._mix_args(m, h, n_tokens)
         per_thread = -(-cfg.dim // PRE_NORM_THREADS)
         mixes_norm_kernel(cfg.hc, per_thread)[n_tokens, PRE_NORM_THREADS, self.stream](
-            partial, scale, base, pre, self.post, self.comb, n_slices,
+            partial, scale, base, m.pre, m.post, m.comb, n_slices,
             cfg.hc * cfg.dim, cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps),
-            h, pre_in, self.layers[layer]["attn_norm"], x, cfg.dim)
+            h, pre_in, self.layers[m.layer]["attn_norm"], x, cfg.dim)
+        return m
 
-    def post_mix(self, h, a, n_tokens: int, then: tuple[int, str] | None = None) -> None:
-        """h = hc_post(a, h, self.post, self.comb) in place; a None is a zero sublayer output.
-        then = (layer, kind): also the product of that sublayer's mixes from the new h, into
-        self.post_partial[kind] (post_product_kernel; `fuses` says for which), for its `mixes` with
-        after_post; past POST_PRODUCT_MAX_TOKENS tokens those launch their own product instead."""
+    def post_mix(self, h, a, m: Mixes, n_tokens: int, then: Mixes | None = None) -> None:
+        """h = hc_post(a, h, m.post, m.comb) in place; a None is a zero sublayer output. then: the
+        next sublayer's Mixes, whose product the same launch forms from the new h into
+        then.product (post_product_kernel; `plan` says for which), for its `mixes`; past
+        POST_PRODUCT_MAX_TOKENS tokens those launch their own product instead."""
         cfg = self.cfg
         out = self.no_output if a is None else a
         if then is not None and n_tokens <= POST_PRODUCT_MAX_TOKENS:
-            self._post_product(h, out, n_tokens, then, None)
+            self._post_product(h, out, m, n_tokens, then, own=False)
             return
         threads = 32 if SIM else 128
         grid = ((cfg.dim + threads - 1) // threads, n_tokens)
-        _post_kernel[grid, threads, self.stream](h, out, self.post, self.comb, cfg.hc, cfg.dim, a is not None)
+        _post_kernel[grid, threads, self.stream](h, out, m.post, m.comb, cfg.hc, cfg.dim, a is not None)
 
-    def mixes_post(self, layer: int, h, pre, n_tokens: int, then: tuple[int, str]) -> None:
-        """The FFN sublayer in one launch: its `mixes` from the product the attention's post_mix
-        formed (pre into the caller's buffer; its post and comb stay in the kernel), its post_mix
-        as a zero output, and the product of sublayer `then`'s mixes, as post_mix with `then`. Past
-        POST_PRODUCT_MAX_TOKENS tokens, `mixes` and post_mix (the same bits)."""
+    def mixes_post(self, h, m: Mixes, n_tokens: int, then: Mixes | None) -> None:
+        """A zero-output (FFN) sublayer in one launch: its `mixes` from the product the post before
+        formed (pre into m.pre; its post and comb stay in the kernel), its post_mix, and the product
+        of `then`'s mixes, as post_mix with `then` (which it needs: HyperLayer.ffn_in_one says
+        where both products are formed). Past POST_PRODUCT_MAX_TOKENS tokens, `mixes` and post_mix
+        (the same bits)."""
+        assert then is not None, "mixes_post forms the next mixes' product"
         if n_tokens > POST_PRODUCT_MAX_TOKENS:
-            self.mixes(layer, "ffn", h, pre, n_tokens, after_post=True)
-            self.post_mix(h, None, n_tokens, then)
+            self.post_mix(h, None, self.mixes(h, m, n_tokens), n_tokens, then)
             return
-        self._post_product(h, self.no_output, n_tokens, then, (layer, pre))
+        self._post_product(h, self.no_output, m, n_tokens, then, own=True)
 
-    def _post_product(self, h, a, n_tokens: int, then: tuple[int, str], own: tuple[int, object] | None) -> None:
-        """post_product_kernel's launch: the post of h (a: the sublayer output, or no_output) and the
-        product of `then`'s mixes; own = (layer, pre): the post's own FFN mixes run in it too."""
+    def _post_product(self, h, a, m: Mixes, n_tokens: int, then: Mixes, own: bool) -> None:
+        """post_product_kernel's launch: the post of h by m (a: the sublayer output, or no_output)
+        and the product of `then`'s mixes; own: m's mixes run in it too, from m.product (the
+        kernel's partial_in .. pre are read only then)."""
         cfg = self.cfg
-        fn = self.layers[then[0]][then[1]][0]
-        partial = self.post_partial[then[1]]
-        layer, pre = own if own is not None else (then[0], self.post)  # (not read without own)
-        _, scale, base = self.layers[layer]["ffn"]
-        partial_in = self.post_partial["ffn"]
-        post_product_kernel(cfg.hc, fn.gtype, own is not None)[(partial.shape[2], n_tokens), (LANES, POST_WARPS),
-                                                               self.stream](
-            h, a, self.post, self.comb, fn.data, partial, cfg.dim, a is not self.no_output, partial_in,
-            partial_in.shape[2], scale, base, pre, cfg.sinkhorn_iters, np.float32(cfg.norm_eps),
-            np.float32(cfg.hc_eps))
+        fn = self.layers[then.layer][then.kind][0]
+        assert then.product is not None, "a post forms a product only where plan() gave it somewhere to go"
+        assert not own or m.product is not None, "its own mixes read the product the post before formed"
+        _, scale, base = self.layers[m.layer][m.kind]
+        partial_in = then.product if m.product is None else m.product
+        post_product_kernel(cfg.hc, fn.gtype, own)[(then.product.shape[2], n_tokens), (LANES, POST_WARPS),
+                                                   self.stream](
+            h, a, m.post, m.comb, fn.data, then.product, cfg.dim, a is not self.no_output, partial_in,
+            partial_in.shape[2], scale, base, m.pre if own else m.post, cfg.sinkhorn_iters,
+            np.float32(cfg.norm_eps), np.float32(cfg.hc_eps))
 
     def free(self) -> None:
         self.layers = []
         self.post_partial = {}
+        self.pre = []
         self.embedding = None  # type: ignore[assignment]
         self.partial = self.post = self.comb = self.ids = self.no_output = None

@@ -1,7 +1,7 @@
 """flashv41.bench.prefill_stack without a GPU: the category table against every part a prefill
-marks and every step the engine's plans hold, the FLOP count against a hand count, which rows a
---rows pattern picks, and the rows a timed run makes. No timing is asserted (the simulator's
-events time nothing)."""
+marks and every step a decode step and a batch step show, the FLOP count against a hand count,
+which rows a --rows pattern picks, and the rows a timed run makes. No timing is asserted (the
+simulator's events time nothing)."""
 
 from __future__ import annotations
 
@@ -45,9 +45,35 @@ def marked(tiny_engine) -> dict[str, float]:
     return events.collect()
 
 
-def step_names(engine) -> set[str]:
-    return {step.name for plan in (engine.plan, engine.batch_plan)
-            for step in (*plan.upload, *plan.device, *plan.download)}
+class StepNames:
+    """An observer that keeps the name of every step it sees."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def before(self, step, call) -> None:
+        self.names.add(step.name)
+
+    def after(self, step, call) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def steps(tiny_engine) -> set[str]:
+    """The names of every step of a decode step and a decode_batch step of two sequences (a
+    prefill's are the decode step's: the plan's names do not depend on the token count)."""
+    seen = StepNames()
+    a, b = tiny_engine.new_sequence(), tiny_engine.new_sequence()
+    tiny_engine.observers.append(seen)
+    try:
+        a.decode(1)
+        b.decode(2)
+        tiny_engine.decode_batch([a, b], [3, 4])
+    finally:
+        tiny_engine.observers.remove(seen)
+        a.release()
+        b.release()
+    return seen.names
 
 
 @pytest.mark.slow
@@ -61,13 +87,14 @@ def test_every_part_a_prefill_marks_has_a_category(marked: dict[str, float]) -> 
         assert part in marked, f"{part!r} was not marked ({sorted(marked)})"
 
 
-def test_every_step_of_the_plans_has_a_category(tiny_engine) -> None:
-    for name in step_names(tiny_engine):
+def test_every_step_of_a_decode_and_a_batch_has_a_category(steps: set[str], marked: dict[str, float]) -> None:
+    assert steps <= set(marked), "a prefill's steps are a decode step's"
+    for name in steps:
         assert ps.category_of(name) in ps.CATEGORY_NAMES
 
 
-def test_the_table_holds_no_name_nothing_emits(tiny_engine, marked: dict[str, float]) -> None:
-    seen = set(marked) | step_names(tiny_engine)
+def test_the_table_holds_no_name_nothing_emits(steps: set[str], marked: dict[str, float]) -> None:
+    seen = set(marked) | steps
     stale = [p for p in ps.CATEGORIES if not any(fnmatch.fnmatchcase(name, p) for name in seen)]
     assert not stale, f"CATEGORIES names parts no prefill or plan of the tiny preset emits: {stale}"
 
@@ -79,7 +106,7 @@ def test_an_unknown_part_fails_loudly() -> None:
 
 def test_watching_leaves_the_engine_as_it_found_it(tiny_engine, marked: dict[str, float]) -> None:
     assert tiny_engine.observers == []
-    assert all(stage.trace is None for stage in tiny_engine.plan.device_stages() if isinstance(stage, Traced))
+    assert all(stage.trace is None for stage in tiny_engine.plan.stages if isinstance(stage, Traced))
 
 
 def test_flops_of_a_tiny_prompt(tiny_engine) -> None:

@@ -157,6 +157,37 @@ def test_token_mask(tiny):
     seq.release()
 
 
+def test_token_ids_are_checked_once_in_one_form(tiny, monkeypatch) -> None:
+    """A prefill checks its ids once (host.tokens.check_tokens, in Sequence._validate); the device
+    upload and the engram hasher then read the same int64 array, which the hasher does not check
+    again."""
+    _, engine, _ = tiny
+    import flashv41.engine
+    import flashv41.host.engram_hash
+
+    checks = []
+
+    def counted(module):
+        def check(*args, **kwargs):
+            checks.append(module.__name__)
+            return real(*args, **kwargs)
+        real = module.check_tokens
+        return check
+
+    for module in (flashv41.engine, flashv41.host.engram_hash):
+        monkeypatch.setattr(module, "check_tokens", counted(module))
+    seq = engine.new_sequence()
+    seen = {}
+    upload, hash_ = engine.hyper.upload_ids, seq.hasher.hash
+    monkeypatch.setattr(engine.hyper, "upload_ids", lambda ids, t: seen.update(uploaded=ids) or upload(ids, t))
+    monkeypatch.setattr(seq.hasher, "hash", lambda tokens, start: seen.update(hashed=tokens) or hash_(tokens, start))
+    seq.prefill([5, 6, 7], token_mask=np.array([True, False, True]))
+    assert checks == ["flashv41.engine"]
+    assert seen["uploaded"] is seen["hashed"].ids and seen["uploaded"].dtype == np.int64
+    assert seen["hashed"].mask.tolist() == [True, False, True]
+    seq.release()
+
+
 def test_default_max_seq_fits_the_model(tiny_path) -> None:
     """Engine(model) with no sizes runs on a model whose context is under 4096 positions: its
     max_seq defaults to the shorter of the two (an explicit max_seq past the context is refused)."""

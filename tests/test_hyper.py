@@ -64,7 +64,7 @@ def check_mixes(model, oracle, stage, layer, kind, n_tokens):
     cfg = model.config
     h = highway(cfg, layer, n_tokens)
     pre = cuda.device_array((16, cfg.hc), np.float32)
-    stage.mixes(layer, kind, cuda.to_device(h), pre, n_tokens)
+    stage.mixes(cuda.to_device(h), stage.sublayer(layer, kind, pre), n_tokens)
     # fp32 sums and CUDA's exp vs float64 sums and correctly rounded exp: a few ulp on pre / post;
     # 20 Sinkhorn rounds amplify last-ulp differences (two correct fp32 implementations were seen
     # 7e-6 apart on comb entries, which lie in [0, 1]): assert_mixes
@@ -107,12 +107,12 @@ def check_mixes_norm(model, oracle, stage, n_tokens):
     x = cuda.device_array((16, cfg.dim), np.uint16)
     pre = cuda.device_array((16, cfg.hc), np.float32)
     hd = cuda.to_device(h)
-    stage.mixes_norm(2, hd, cuda.to_device(pre_in), pre, x, n_tokens)
+    stage.mixes_norm(hd, stage.sublayer(2, "attn", pre), cuda.to_device(pre_in), x, n_tokens)
     assert_pre_norm(x, h, pre_in, oracle, cfg, 2, n_tokens)
     assert_mixes(stage, pre, want_mixes(oracle, cfg, h, 2, "attn"), n_tokens)
     got = [pre.copy_to_host()[:n_tokens], stage.post.copy_to_host()[:n_tokens], stage.comb.copy_to_host()[:n_tokens]]
     alone = cuda.device_array((16, cfg.hc), np.float32)
-    stage.mixes(2, "attn", hd, alone, n_tokens)
+    stage.mixes(hd, stage.sublayer(2, "attn", alone), n_tokens)
     for a, b in zip(got, [alone.copy_to_host()[:n_tokens], stage.post.copy_to_host()[:n_tokens],
                           stage.comb.copy_to_host()[:n_tokens]], strict=True):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
@@ -132,9 +132,9 @@ def test_post(setup, with_output):
     rng = np.random.default_rng(10)
     a = bf16(rng.standard_normal((T, cfg.dim)).astype(np.float32))
     hd = cuda.to_device(h)
-    stage.mixes(1, "attn", hd, cuda.device_array((8, cfg.hc), np.float32), T)
-    post, comb = stage.post.copy_to_host()[:T], stage.comb.copy_to_host()[:T]
-    stage.post_mix(hd, cuda.to_device(to_bits(a)) if with_output else None, T)
+    mixes = stage.mixes(hd, stage.sublayer(1, "attn", cuda.device_array((8, cfg.hc), np.float32)), T)
+    post, comb = mixes.post.copy_to_host()[:T], mixes.comb.copy_to_host()[:T]
+    stage.post_mix(hd, cuda.to_device(to_bits(a)) if with_output else None, mixes, T)
     want = hc_post(a if with_output else None, h, post, comb)
     assert_within(hd.copy_to_host()[:T], want, post_bound(h, a if with_output else None, post, comb, want, cfg),
                   "post")
@@ -154,14 +154,16 @@ def check_post_with_next_product(model, oracle, stage, layer, kind, n_tokens, wi
     h = highway(cfg, 11, n_tokens)
     rng = np.random.default_rng(12)
     a = to_bits(bf16(rng.standard_normal((n_tokens, cfg.dim)).astype(np.float32)))
-    stage.mixes(0, "attn", cuda.to_device(h), cuda.device_array((16, cfg.hc), np.float32), n_tokens)
+    mixes = stage.mixes(cuda.to_device(h), stage.sublayer(0, "attn", cuda.device_array((16, cfg.hc), np.float32)),
+                        n_tokens)
+    pre = cuda.device_array((16, cfg.hc), np.float32)
+    then = stage.sublayer(layer, kind, pre, after_post=True)
     alone, fused = cuda.to_device(h), cuda.to_device(h)
-    stage.post_mix(alone, cuda.to_device(a) if with_output else None, n_tokens)
-    stage.post_mix(fused, cuda.to_device(a) if with_output else None, n_tokens, then=(layer, kind))
+    stage.post_mix(alone, cuda.to_device(a) if with_output else None, mixes, n_tokens)
+    stage.post_mix(fused, cuda.to_device(a) if with_output else None, mixes, n_tokens, then=then)
     new_h = fused.copy_to_host()[:n_tokens]
     assert np.array_equal(new_h.view(np.uint32), alone.copy_to_host()[:n_tokens].view(np.uint32))
-    pre = cuda.device_array((16, cfg.hc), np.float32)
-    stage.mixes(layer, kind, fused, pre, n_tokens, after_post=True)
+    stage.mixes(fused, then, n_tokens)
     assert_mixes(stage, pre, want_mixes(oracle, cfg, new_h, layer, kind), n_tokens)
 
 
@@ -178,27 +180,29 @@ def check_mixes_post(model, oracle, stage, layer, n_tokens):
     cfg = model.config
     h = highway(cfg, 15, n_tokens)
     a = to_bits(bf16(np.random.default_rng(16).standard_normal((n_tokens, cfg.dim)).astype(np.float32)))
-    then = (layer + 1, "attn")
-    stage.mixes(layer, "attn", cuda.to_device(h), cuda.device_array((16, cfg.hc), np.float32), n_tokens)
+    attn = stage.mixes(cuda.to_device(h), stage.sublayer(layer, "attn", cuda.device_array((16, cfg.hc), np.float32)),
+                       n_tokens)
+    pre_alone, pre_fused = cuda.device_array((16, cfg.hc), np.float32), cuda.device_array((16, cfg.hc), np.float32)
+    ffn_alone = stage.sublayer(layer, "ffn", pre_alone, after_post=True)
+    ffn_fused = stage.sublayer(layer, "ffn", pre_fused, after_post=True)  # the same product, another pre
+    then = stage.sublayer(layer + 1, "attn", cuda.device_array((16, cfg.hc), np.float32), after_post=True)
     attn_out = cuda.to_device(h)
-    stage.post_mix(attn_out, cuda.to_device(a), n_tokens, then=(layer, "ffn"))
+    stage.post_mix(attn_out, cuda.to_device(a), attn, n_tokens, then=ffn_alone)
     h_attn = attn_out.copy_to_host()[:n_tokens]
     alone, fused = cuda.to_device(h_attn), cuda.to_device(h_attn)
-    pre_alone, pre_fused = cuda.device_array((16, cfg.hc), np.float32), cuda.device_array((16, cfg.hc), np.float32)
-    stage.mixes(layer, "ffn", alone, pre_alone, n_tokens, after_post=True)
-    stage.post_mix(alone, None, n_tokens, then=then)
-    product_alone = stage.post_partial["attn"].copy_to_host()[:n_tokens]
-    stage.mixes_post(layer, fused, pre_fused, n_tokens, then)
+    stage.post_mix(alone, None, stage.mixes(alone, ffn_alone, n_tokens), n_tokens, then=then)
+    product_alone = then.product.copy_to_host()[:n_tokens]
+    stage.mixes_post(fused, ffn_fused, n_tokens, then)
     for got, want in ((fused, alone), (pre_fused, pre_alone)):
         assert got.copy_to_host()[:n_tokens].tobytes() == want.copy_to_host()[:n_tokens].tobytes()
-    assert stage.post_partial["attn"].copy_to_host()[:n_tokens].tobytes() == product_alone.tobytes()
+    assert then.product.copy_to_host()[:n_tokens].tobytes() == product_alone.tobytes()
     assert_within(pre_fused.copy_to_host()[:n_tokens], want_mixes(oracle, cfg, h_attn, layer, "ffn")[0], 1e-6, "pre")
 
 
 @pytest.mark.parametrize("fn_type,fuses", [("F16", True), ("BF16", True), ("Q8_0", False), ("Q2_K", False)])
 def test_fn_types(synth_model, fn_type, fuses):
     """The post kernel reads F32 (the presets'), F16 and BF16 mix weights; the K-quants and Q8_0
-    keep the product launch of `mixes` (the engine's plan asks `fuses`)."""
+    keep the product launch of `mixes` (HyperStage.plan asks `fuses`)."""
     model = flashv41.load_model(synth_model("small", type_map={"hc_attn_fn": fn_type, "hc_ffn_fn": fn_type}))
     oracle, stage = Oracle(model, max_seq=64), HyperStage(model, max_tokens=16)
     try:
@@ -207,6 +211,40 @@ def test_fn_types(synth_model, fn_type, fuses):
             check_post_with_next_product(model, oracle, stage, 1, "ffn", 3, True)
     finally:
         stage.free()
+
+
+@pytest.mark.parametrize("fn_types,attn_formed,ffn_formed,in_one", [
+    (None, [2, 3, 4, 5], [0, 1, 2, 3, 4, 5], [1, 2, 3, 4]),
+    (("Q8_0", "F16"), [], [0, 1, 2, 3, 4, 5], []),
+    (("BF16", "Q8_0"), [2, 3, 4, 5], [], []),
+])
+def test_plan(synth_model, fn_types, attn_formed, ffn_formed, in_one):
+    """HyperStage.plan on the tiny preset's six layers (engram layers 0 and 1; F32 mixes unless
+    the attention's and FFN's fn types are given): a post forms the next mixes' product where the
+    post kernel reads their fn, but not the first layer's attention mixes nor an engram layer's;
+    an FFN sublayer between two such posts is one launch; each FFN's pre is the next layer's
+    pre_in, and layer 0's is the buffer upload_first_mix fills with the one-hot."""
+    kwargs = {} if fn_types is None else {"type_map": {"hc_attn_fn": fn_types[0], "hc_ffn_fn": fn_types[1]}}
+    model = flashv41.load_model(synth_model("tiny", **kwargs))
+    stage = HyperStage(model, max_tokens=4)
+    try:
+        plan = stage.plan([role.layer for role in model.config.roles if role.engram])
+        assert [i for i, hc in enumerate(plan) if hc.attn.product is not None] == attn_formed
+        assert [i for i, hc in enumerate(plan) if hc.ffn.product is not None] == ffn_formed
+        assert [i for i, hc in enumerate(plan) if hc.ffn_in_one] == in_one
+        for i, hc in enumerate(plan):
+            assert (hc.attn.layer, hc.attn.kind, hc.ffn.layer, hc.ffn.kind) == (i, "attn", i, "ffn")
+            assert hc.attn_then is (hc.ffn if i in ffn_formed else None)
+            assert hc.ffn_then is (plan[i + 1].attn if i + 1 in attn_formed else None)
+            if i + 1 < len(plan):
+                assert hc.ffn.pre is plan[i + 1].pre_in and hc.attn.pre is not hc.pre_in
+        stage.upload_first_mix(3)
+        one_hot = np.zeros((3, model.config.hc), np.float32)
+        one_hot[:, 0] = 1
+        assert np.array_equal(plan[0].pre_in.copy_to_host()[:3], one_hot)
+    finally:
+        stage.free()
+        model.close()
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +274,8 @@ def test_flash_glue(flash, n_tokens):
     def run(rows):
         x = cuda.device_array((8, cfg.dim), np.uint16)
         pre = cuda.device_array((8, cfg.hc), np.float32)
-        stage.mixes_norm(1, cuda.to_device(h[rows]), cuda.to_device(pre_in[rows]), pre, x, len(rows))
+        stage.mixes_norm(cuda.to_device(h[rows]), stage.sublayer(1, "attn", pre), cuda.to_device(pre_in[rows]), x,
+                         len(rows))
         got = [x.copy_to_host()[:len(rows)], pre.copy_to_host()[:len(rows)], stage.post.copy_to_host()[:len(rows)],
                stage.comb.copy_to_host()[:len(rows)]]
         return got, x, pre

@@ -28,10 +28,10 @@ highway of the calls into one array on the host: 10.7 GB at 128k). The headline 
 of those calls: tokens/s = N / wall seconds, hash, uploads and downloads included.
 
 The split comes from CUDA events, never a synchronisation (profile=True synchronises around every
-step and slows the prefill down): `PartEvents` watches the engine's walk (Engine.observers) and
-the stages' marks (stages.trace). It records an event on the engine's stream before and after
-every step of the plan (flashv41.plan: host steps too) and at every mark a stage makes inside a
-step; the events are read once the run is over. A part's time runs from the previous event
+step and slows the prefill down): `PartEvents` watches the engine's stage calls (Engine.observers)
+and the stages' marks (stages.trace). It records an event on the engine's stream before and after
+every step of a call (each `run(step, ...)` of flashv41.engine, host steps too) and at every mark a
+stage makes inside a step; the events are read once the run is over. A part's time runs from the previous event
 inside the same step (the step's start for the first mark) to its mark; what comes after a step's
 last mark is the step's own, under the step's name; the time between steps (Python between them,
 `_copy_inputs`) is nobody's, so the wall clock exceeds the events' sum by it. The host steps
@@ -197,7 +197,7 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> PrefillFlops:
 
 
 class PartEvents:
-    """A StepObserver of the engine's walk (flashv41.plan) and the stages' trace (stages.trace) at
+    """A StepObserver of the engine's calls (flashv41.plan) and the stages' trace (stages.trace) at
     once: a CUDA event on `stream` before and after each step and at each mark inside one, none
     waited for until `collect` (see the module docstring for what a part's time is)."""
 
@@ -235,7 +235,7 @@ class PartEvents:
 def watching(engine: Engine, events: PartEvents) -> Iterator[None]:
     """`events` observes every call of `engine` and receives the marks of its traced stages, until
     the block ends."""
-    stages = [s for s in engine.plan.device_stages() if isinstance(s, Traced)]
+    stages = [s for s in engine.plan.stages if isinstance(s, Traced)]
     engine.observers.append(events)
     for stage in stages:
         stage.trace = events.mark

@@ -43,9 +43,8 @@ one, and cap their grids at what fills the GPU, their blocks striding over, or s
 they read off the positions), so that a graph captured at one position serves every later one
 with the same host decisions (flashv41.engine).
 
-One forward call at a time per stage: the selection and candidate mask that a SharedRuntime
-points at are the stage's workspaces.
-"""
+One forward call at a time per stage: the selection and candidate mask of a SharedRuntime are the
+stage's workspaces."""
 
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ from numba import cuda
 
 from flashv41.host import gguf_layout as L
 from flashv41.host.config import LayerRole, ModelConfig
-from flashv41.host.errors import CapacityError, InputError, ModelFormatError, SequenceStateError
+from flashv41.host.errors import CapacityError, InputError, ModelFormatError, SequenceStateError, plural
 from flashv41.host.model import Model
 from flashv41.host.numerics import from_bits, rope_tables
 from flashv41.stages import indexer, kv_sources
@@ -367,7 +366,7 @@ class AttentionStage(Traced):
         if start < 0:
             raise InputError(f"start must be >= 0, got {start}")
         if start + n_tokens > self.max_seq:
-            raise CapacityError(f"{n_tokens} tokens at position {start} exceed max_seq {self.max_seq}")
+            raise CapacityError(f"{plural(n_tokens, 'token')} at position {start} go past max_seq {self.max_seq}")
         for a, what in ((x, "x"), (out, "out")):
             check_array(a, (np.uint16,), 2, f"attention {what}")
             if a.shape[0] < n_tokens or a.shape[1] != self.cfg.dim:

@@ -100,6 +100,12 @@ class LayerPlan:
     ffn_mixes: Step  # "hc mixes", or "hc mixes + hc_post + next mixes' product" where the FFN is one launch
     ffn_post: Step  # the FFN's hc_post, where it is a launch of its own
 
+    @property
+    def last(self) -> Step:
+        """The step of the layer's last call (Engine._layer's ladder), the one an observer sees end
+        the layer."""
+        return self.ffn_mixes if self.hyper.ffn_in_one else self.ffn_post
+
 
 @dataclass(frozen=True, eq=False)
 class Plan:

@@ -239,7 +239,7 @@ class LayerProgress:
     of a call finishes, so a long prefill chunk shows its progress inside the chunk."""
 
     def __init__(self, plan: Any, progress: Progress) -> None:
-        self.last_steps = {id(layer.steps[-1]) for layer in plan.layers if layer.steps}
+        self.last_steps = {id(layer.last) for layer in plan.layers}
         self.progress = progress
 
     def before(self, step: Any, call: Any) -> None:

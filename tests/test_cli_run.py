@@ -277,17 +277,18 @@ def test_prefill_in_the_engines_chunks(tiny_path: Path, capsys: pytest.CaptureFi
 
 
 class WatchedRunner(ChunkedRunner):
-    """A stand-in engine with a plan of three layers of two steps, whose calls walk it before its
-    observers as the engine's do."""
+    """A stand-in engine with a plan of three layers of two steps (the second each layer's `last`),
+    whose calls run them before its observers as the engine's do."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.plan = SimpleNamespace(layers=[SimpleNamespace(steps=(object(), object())) for _ in range(3)])
+        self.steps = [(object(), object()) for _ in range(3)]
+        self.plan = SimpleNamespace(layers=[SimpleNamespace(last=steps[-1]) for steps in self.steps])
         self.observers: list = []
 
     def prefill(self, token_ids: np.ndarray) -> np.ndarray:
-        for layer in self.plan.layers:
-            for step in layer.steps:
+        for steps in self.steps:
+            for step in steps:
                 for observer in self.observers:
                     observer.before(step, None)
                     observer.after(step, None)

@@ -651,8 +651,7 @@ class Sequence:
         start = 0 if checkpoint is None else checkpoint.position or 0
         chunks = self.history.replay(start, n, self.engine.max_tokens)
         try:
-            rewind_to(self.state, checkpoint, position, None if self.hasher is None else self.hasher.history,
-                      self.engine.attention.stream)
+            rewind_to(self.state, checkpoint, position, self.hasher, self.engine.attention.stream)
             self.history.rewind(start)
             self.checkpoints.drop_after(n)
             for chunk in chunks:

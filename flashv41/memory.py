@@ -118,10 +118,10 @@ class MemoryEstimate:
         lines += [
             f"  state per sequence           {format_bytes(self.state_bytes_per_sequence):>10}"
             f"  ({per_gib} sequences per GiB left after the rest)",
-            f"  fork / save move             {format_bytes(self.checkpoint_bytes)} + "
-            f"{self.position_bytes:.0f} B a position ({format_bytes(self.state_bytes_per_sequence)} at max_seq)",
-            f"  truncate checkpoint          {format_bytes(self.checkpoint_bytes):>10}  per sequence (rings, "
-            "partial groups)",
+            f"  fork / save move             {format_bytes(self.checkpoint_bytes):>10}  + {self.position_bytes:.0f} B "
+            f"a position (the used state; {format_bytes(self.state_bytes_per_sequence)} at max_seq)",
+            f"  truncate checkpoint          {format_bytes(self.checkpoint_bytes):>10}  per sequence (rings, partial "
+            "groups)",
             f"  workspaces (estimate)        {format_bytes(self.workspace_bytes):>10}",
             f"  total, one sequence          {format_bytes(self.total_bytes(1)):>10}",
         ]

@@ -36,12 +36,11 @@ verify call cut short, one decode step a token decoded one at a time since c.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from flashv41.host.config import ModelConfig
-from flashv41.host.engram_hash import DEAD
 from flashv41.host.tokens import Tokens
 
 if TYPE_CHECKING:  # imported where used: flashv41.engine imports this module before it picks the backend
@@ -223,11 +222,11 @@ def clear_groups(state: AttentionState, start: int, end: int, stream) -> None:
             fill(src.index_keys[g0:g1], 0, stream)
 
 
-def rewind_to(state: AttentionState, checkpoint: Checkpoint | None, position: int, hash_history: np.ndarray | None,
-              stream) -> int:
+def rewind_to(state: AttentionState, checkpoint: Checkpoint | None, position: int, hasher: Any, stream) -> int:
     """The state of a sequence at `position` back to what it was at the checkpoint's position (0,
-    the empty state, for none): rings and partial groups restored, the cache rows and hash history
-    since then cleared. Returns that position."""
+    the empty state, for none): rings and partial groups restored, the cache rows and the hasher's
+    history (host.engram_hash_fast.FastEngramHasher, or None) since then cleared. Returns that
+    position."""
     from flashv41.stages.device import fill
 
     if checkpoint is None:
@@ -241,8 +240,8 @@ def rewind_to(state: AttentionState, checkpoint: Checkpoint | None, position: in
         start = checkpoint.position or 0
         checkpoint.restore(state, stream)
     clear_groups(state, start, position, stream)
-    if hash_history is not None:
-        hash_history[start:position] = DEAD
+    if hasher is not None:
+        hasher.rewind(start)
     return start
 
 

@@ -42,7 +42,7 @@ def test_estimate_for_tiny(tiny_path: Path) -> None:
         assert est.checkpoint_bytes == cfg.n_layers * ring + sum(2 * r.ratio * cfg.head_dim * 4 for r in sources)
         assert est.position_bytes == 8 + sum((cfg.head_dim + cfg.index_head_dim) * 2 / r.ratio for r in sources)
         assert est.checkpoint_bytes + max_seq * est.position_bytes == state
-        assert f"fork / save move             {format_bytes(est.checkpoint_bytes)} + " in est.table()
+        assert f"fork / save move             {format_bytes(est.checkpoint_bytes):>10}  + " in est.table()
 
         t = max_tokens
         # the sparse attention's decode (and batched decode) scratch: scores, tile maxima, block value sums and

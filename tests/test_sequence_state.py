@@ -24,6 +24,7 @@ import pytest
 
 import flashv41
 from flashv41 import sequence_state
+from flashv41.host.engram_hash_fast import FastEngramHasher
 from flashv41.host.errors import CapacityError, InputError, SequenceFileError, SequenceStateError
 from flashv41.sequence_file import _digest, model_hash
 
@@ -180,7 +181,7 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     "rings not restored": lambda mp: mp.setattr(sequence_state.Checkpoint, "restore", restore_partial_only),
     "partial groups not restored": lambda mp: mp.setattr(sequence_state.Checkpoint, "restore", restore_rings_only),
     "cache rows kept": lambda mp: mp.setattr(sequence_state, "clear_groups", lambda *a: None),
-    "hash history kept": lambda mp: mp.setattr(sequence_state, "DEAD", 0),
+    "hash history kept": lambda mp: mp.setattr(FastEngramHasher, "rewind", lambda self, position: None),
 }
 WHERE = {"rings not restored": "window_ring", "partial groups not restored": "kv_state",
          "cache rows kept": "compressed", "hash history kept": "hash history"}

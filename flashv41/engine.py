@@ -179,12 +179,10 @@ class Engine:
         say("engine ready")
 
     def sequence_bytes(self, position: int | None = None) -> int:
-        """The state of one sequence: its window rings, kv sources' caches and compressor state, as
-        the memory estimate counts them (with its engram hash cache, which lives on the host: a few
-        bytes a position to spare). By default at this engine's max_seq: the device memory one more
-        sequence takes (its checkpoint aside: `checkpoint_bytes`). At a position: the used part a
-        fork copies and a save writes for a sequence standing there (the caches' rows of its
-        completed groups; token ids and calls on the host besides, 9 bytes a position)."""
+        """One sequence's state (window rings, kv sources' caches and compressor state, and the
+        engram hash cache, on the host: a few bytes a position), as the memory estimate counts it.
+        By default at max_seq: the device memory one more sequence takes (its checkpoint aside:
+        `checkpoint_bytes`). At a position: the used part that a fork copies and a save writes."""
         estimate = estimate_memory(self.cfg, self.model.weights, self.max_seq, self.max_tokens, self.table_residency)
         if position is None:
             return estimate.state_bytes_per_sequence
@@ -216,10 +214,9 @@ class Engine:
         return seq
 
     def load_sequence(self, path: str | os.PathLike[str], checkpoints: int = 1) -> Sequence:
-        """A new sequence with the state a `Sequence.save` wrote to `path` (flashv41.sequence_file):
-        it goes on bit for bit as the saved one would have. The whole file is read and checked
-        before anything is allocated: another model's file or another format version or a damaged
-        one is a SequenceFileError, a sequence longer than this engine's max_seq a CapacityError."""
+        """A new sequence with the state `Sequence.save` wrote to `path`, going on bit for bit as the
+        saved one would. Read and checked whole before anything is allocated (flashv41.sequence_file:
+        SequenceFileError, or CapacityError for a sequence longer than max_seq)."""
         self._check_open()
         from flashv41.sequence_file import read_sequence
 
@@ -603,13 +600,10 @@ class Sequence:
                             capture)
 
     def fork(self) -> Sequence:
-        """A new sequence of the same engine whose state is a copy of this one's: the two then go
-        their own ways. Cost: a new sequence's allocation, one device-to-device copy of the used
-        part of the state (`engine.sequence_bytes(position)`: every ring and partial group, the
-        caches' rows of the completed groups) and of its rings and partial groups into the fork's
-        checkpoint, so that it can come back to the fork point; its history on the host. The fork
-        keeps none of this sequence's checkpoints: truncating it below the fork point runs its
-        calls again from position 0."""
+        """A new sequence of this engine with a copy of this one's state; the two then go their own
+        ways. Cost: a new sequence, one device copy of the used state (`engine.sequence_bytes(
+        position)`), one of its rings and partial groups into the fork's checkpoint (none of this
+        one's is kept: a truncate below the fork point runs from 0), the history on the host."""
         self._check_usable()
         new = self.engine.new_sequence(len(self.checkpoints))
         stream = self.engine.attention.stream
@@ -625,18 +619,12 @@ class Sequence:
         return new
 
     def truncate(self, n: int) -> None:
-        """Keep the first n tokens: afterwards the sequence is, in every later output and in every
-        array of its state, bit for bit the sequence that ran only those, in the calls that first
-        brought them (the one that n cuts ending at n).
-
-        How (flashv41.sequence_state): the newest checkpoint at or before n (taken before each call
-        of more than one token; none: the empty sequence) is copied back, the cache rows and hash
-        history past it cleared, and the tokens from it to n run again in their calls. Cost: that
-        copy (every ring and partial group) and a forward of those tokens: nothing to run when n is
-        where a call of several tokens started (a draft rejected whole), one call of the accepted
-        tokens when n cuts a verify call, one decode step a token decoded alone since. n past the
-        position is an InputError, and like a released or failed sequence leaves it untouched; an
-        error while the kept tokens run again leaves it failed, as a failed call does."""
+        """Keep the first n tokens: afterwards the sequence is, in every later output and array of
+        its state, bit for bit the one that ran only those in the calls that first brought them
+        (the one n cuts ending at n). The newest checkpoint at or before n (taken before each call
+        of several tokens; none: the empty state) is copied back, and the tokens from it to n run
+        again in their calls (flashv41.sequence_state, which states the cost). n past the position
+        is an InputError that changes nothing; an error while the tokens run leaves it failed."""
         self._check_usable()
         if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)):
             raise InputError(f"truncate takes a token count, an integer, got {type(n).__name__} {n!r}")

@@ -30,7 +30,11 @@ again: the calls that first brought them, the one that n cuts ending at n, which
 as it ran them. So the sequence is the one that made those calls, bit for bit, on any device.
 Cost: the restore (one checkpoint copy and a few rows of zeros) plus a forward of n - c tokens in
 those chunks: nothing for n = c (a draft rejected whole), one call of the accepted tokens for a
-verify call cut short, one decode step a token decoded one at a time since c.
+verify call cut short, one decode step a token decoded one at a time since c, the whole history
+where no checkpoint lies at or before n (a sequence keeps the newest `Checkpoints` it was given, one
+by default; a fork or a load has one at its starting point). One exception to bit for bit: a token
+decoded in a decode_batch of more than 8 sequences (narrow tensor-core products) runs again alone,
+within the products' bound of its batched result.
 """
 
 from __future__ import annotations

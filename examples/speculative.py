@@ -23,7 +23,7 @@ on it: the same tokens come out of both runs, and the states are equal, array fo
 Bit for bit needs like with like: on a GPU a product's sums depend on the call's token count
 (the stream kernel for up to 8 tokens, tensor cores past that), so a verify call of K + 1 <= 8
 tokens computes each position as a decode step does (K is at most 7 here). On the simulator, with
-the defaults on the tiny model: 30-60 s on two cores.
+the defaults on the tiny model: 40-80 s on two cores.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="a DeepSeek-V4.1 GGUF (default: the built-in tiny model)")
     parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens, a random run of half of them "
                         "said twice (default 8)")
-    parser.add_argument("--tokens", type=int, default=8, help="tokens to generate (default 8)")
+    parser.add_argument("--tokens", type=int, default=6, help="tokens to generate (default 6)")
     parser.add_argument("--draft", type=int, default=3, help=f"drafted tokens a verify call, 1..{MAX_DRAFT} "
                         "(default 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt (default 0)")

@@ -26,6 +26,7 @@ _HOMES = {
     "FlashError": "flashv41.host.errors",
     "InputError": "flashv41.host.errors",
     "ModelFormatError": "flashv41.host.errors",
+    "SequenceFileError": "flashv41.host.errors",
     "SequenceStateError": "flashv41.host.errors",
     "UnsupportedError": "flashv41.host.errors",
     "Model": "flashv41.host.model",
@@ -44,6 +45,7 @@ __all__ = [
     "ModelConfig",
     "ModelFormatError",
     "Sequence",
+    "SequenceFileError",
     "SequenceStateError",
     "UnsupportedError",
     "builtin_model",
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
         FlashError,
         InputError,
         ModelFormatError,
+        SequenceFileError,
         SequenceStateError,
         UnsupportedError,
     )

@@ -8,6 +8,9 @@ that runs a chunk of tokens through the layer stack.
     h = seq.prefill(token_ids)      # final highway [T, hc, dim] float32 (NumPy)
     h = seq.decode(token_id)        # [1, hc, dim]
     h = engine.decode_batch([seq, other], [tok, tok2])  # one step of several sequences [B, hc, dim]
+    branch = seq.fork()             # a copy of the state that goes its own way
+    seq.truncate(n)                 # as if only the first n tokens had been run
+    seq.save("seq.npz"); again = engine.load_sequence("seq.npz")
     seq.release()                   # frees its device state; the engine stays usable
     engine.close()
 
@@ -33,6 +36,11 @@ sequence's state through address tables and decides on the device what depends o
 position); its device part is replayed from one CUDA graph per batch size (and mask or none),
 whichever sequences, wherever they stand.
 
+A sequence's state moves as a whole (flashv41.sequence_state says what it holds and how a rewind
+gets it back; flashv41.sequence_file how it is kept in a file): `fork` copies its used part on the
+device, `truncate` restores a checkpoint and runs again the calls that brought the kept tokens,
+`save` / `load_sequence` write and read it with a header naming the model.
+
 The engine's workspaces are shared by its sequences, so calls on one engine must not run
 concurrently (one Python thread drives an engine). A prompt longer than `max_tokens` is prefilled
 in chunks of `max_tokens`.
@@ -40,6 +48,7 @@ in chunks of `max_tokens`.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -52,7 +61,14 @@ from flashv41.graphs import GraphRunner, graphs_available
 from flashv41.host.errors import CapacityError, InputError, SequenceStateError, plural
 from flashv41.host.model import Model
 from flashv41.host.tokens import Tokens, check_tokens, one_token
-from flashv41.memory import DEFAULT_MAX_SEQ, DEFAULT_MAX_TOKENS, TABLE_RESIDENCIES, device_free_bytes, estimate_memory
+from flashv41.memory import (
+    DEFAULT_MAX_SEQ,
+    DEFAULT_MAX_TOKENS,
+    TABLE_RESIDENCIES,
+    device_free_bytes,
+    estimate_memory,
+    sequence_state_bytes,
+)
 from flashv41.plan import (
     ATTN,
     DIRECT,
@@ -69,6 +85,7 @@ from flashv41.plan import (
     StepObserver,
     Watched,
 )
+from flashv41.sequence_state import Checkpoints, History, copy_used, oracle_form, rewind_to
 
 ProgressFn = Callable[[str], None]
 
@@ -157,28 +174,69 @@ class Engine:
         self._batch_graphs: dict[tuple[int, bool], Any] = {}  # decode_batch graphs by (B, masked)
         self._batch_keys_seen: set[tuple[int, bool]] = set()
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()
+        self._model_hash: str | None = None
         self.closed = False
         say("engine ready")
 
-    def sequence_bytes(self) -> int:
-        """The device memory one more sequence takes: its window rings, kv sources' caches and
-        compressor state at this engine's max_seq, as the memory estimate counts them (with its
-        engram hash cache, which lives on the host: a few bytes a position to spare)."""
+    def sequence_bytes(self, position: int | None = None) -> int:
+        """One sequence's state (window rings, kv sources' caches and compressor state, and the
+        engram hash cache, on the host: a few bytes a position), as the memory estimate counts it.
+        By default at max_seq: the device memory one more sequence takes (its checkpoint aside:
+        `checkpoint_bytes`). At a position: the used part that a fork copies and a save writes."""
+        estimate = estimate_memory(self.cfg, self.model.weights, self.max_seq, self.max_tokens, self.table_residency)
+        if position is None:
+            return estimate.state_bytes_per_sequence
+        if not 0 <= position <= self.max_seq:
+            raise InputError(f"position {position} is outside 0..max_seq ({self.max_seq})")
+        return sequence_state_bytes(self.cfg, position)
+
+    def checkpoint_bytes(self) -> int:
+        """The device memory of one truncate checkpoint (flashv41.sequence_state): every layer's
+        window ring and the compressor's partial groups. A sequence holds one by default."""
         return estimate_memory(self.cfg, self.model.weights, self.max_seq, self.max_tokens,
-                               self.table_residency).state_bytes_per_sequence
+                               self.table_residency).checkpoint_bytes
 
     def max_batch(self) -> int:
         """How many more sequences fit in the device memory free now (the driver's figure, after
-        the queued work and numba's deferred frees), `sequence_bytes()` each."""
+        the queued work and numba's deferred frees), each `sequence_bytes()` and one checkpoint."""
         self._check_open()
-        return device_free_bytes() // self.sequence_bytes()
+        return device_free_bytes() // (self.sequence_bytes() + self.checkpoint_bytes())
 
-    def new_sequence(self) -> Sequence:
-        """A new, empty sequence with its own device state."""
+    def new_sequence(self, checkpoints: int = 1) -> Sequence:
+        """A new, empty sequence with its own device state. checkpoints: how many truncate
+        checkpoints it keeps (`Sequence.truncate`; 0 makes every truncate run from position 0)."""
         self._check_open()
-        seq = Sequence(self)
+        if not isinstance(checkpoints, (int, np.integer)) or isinstance(checkpoints, (bool, np.bool_)) \
+                or checkpoints < 0:
+            raise InputError(f"checkpoints must be an integer of at least 0, got {checkpoints!r}")
+        seq = Sequence(self, int(checkpoints))
         self._sequences.add(seq)
         return seq
+
+    def load_sequence(self, path: str | os.PathLike[str], checkpoints: int = 1) -> Sequence:
+        """A new sequence with the state `Sequence.save` wrote to `path`, going on bit for bit as the
+        saved one would. Read and checked whole before anything is allocated (flashv41.sequence_file:
+        SequenceFileError, or CapacityError for a sequence longer than max_seq)."""
+        self._check_open()
+        from flashv41.sequence_file import read_sequence
+
+        saved = read_sequence(self, path)
+        seq = self.new_sequence(checkpoints)
+        try:
+            saved.into(seq)
+        except BaseException:
+            seq.release()
+            raise
+        return seq
+
+    def model_hash(self) -> str:
+        """The content hash of the engine's model that a saved sequence names (computed once;
+        flashv41.sequence_file.model_hash says what it covers)."""
+        if self._model_hash is None:
+            from flashv41.sequence_file import model_hash
+
+            self._model_hash = model_hash(self.model)
+        return self._model_hash
 
     def close(self) -> None:
         """Release every sequence and free the engine's device memory (idempotent)."""
@@ -254,7 +312,7 @@ class Engine:
             self._device(call, run)
             if call.captures is not None:
                 seq.captures = call.captures
-        seq.position += t
+        seq.history.record(tokens)
         return self._download(call, run)
 
     def _upload(self, call: Call, run: Run) -> None:
@@ -356,8 +414,8 @@ class Engine:
             for seq in seqs:  # validated input failed on the way: every state may be partly written
                 seq.failed = True
             raise
-        for seq in seqs:
-            seq.position += 1
+        for b, seq in enumerate(seqs):
+            seq.history.record(tokens.part(b, b + 1))
         return out
 
     def _check_batch(self, seqs: list[Sequence], token_ids: Any, token_masks: Any) -> Tokens:
@@ -461,13 +519,15 @@ class BatchHasher:
 
 
 class Sequence:
-    """One sequence on an engine: its position, its hash history and its device state."""
+    """One sequence on an engine: its tokens and calls (`history`), its hash history, its device
+    state and its truncate checkpoints (flashv41.sequence_state)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, checkpoints: int = 1):
         self.engine = engine
-        self.position = 0
+        self.history = History(engine.max_seq)
         self.captures: list[dict] = []
         self.state = engine.attention.new_state()
+        self.checkpoints = Checkpoints(self.state, checkpoints)
         engram = engine.cfg.engram
         self.hasher = engine._hasher_cls(engram, engine.max_seq) if engram is not None else None
         self.graphs: dict[tuple, Any] = {}  # decode graphs by Engine.graph_key
@@ -479,15 +539,31 @@ class Sequence:
     def max_seq(self) -> int:
         return self.engine.max_seq
 
-    def _validate(self, token_ids: Any, token_mask: Any) -> Tokens:
-        """The tokens, checked once (host.tokens.check_tokens) for everything after, or the error
-        that refuses the call: a bad id or mask, too many positions, a released or failed sequence."""
+    @property
+    def position(self) -> int:
+        """The tokens run so far (the next token's position)."""
+        return self.history.position
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The token ids run so far, int64 [position] (a read-only copy)."""
+        out = self.history.ids[:self.position].copy()
+        out.flags.writeable = False
+        return out
+
+    def _check_usable(self) -> None:
+        """The error that refuses any call on a released or failed sequence, or a closed engine."""
         if self.released:
             raise SequenceStateError("this sequence was released")
         if self.failed:
             raise SequenceStateError("this sequence failed in the middle of a call, so its state may be partly "
                                      "written: release it and start a new one")
         self.engine._check_open()
+
+    def _validate(self, token_ids: Any, token_mask: Any) -> Tokens:
+        """The tokens, checked once (host.tokens.check_tokens) for everything after, or the error
+        that refuses the call: a bad id or mask, too many positions, a released or failed sequence."""
+        self._check_usable()
         tokens = check_tokens(token_ids, token_mask, self.engine.cfg.vocab_size)
         n = tokens.ids.size
         if self.position + n > self.max_seq:
@@ -504,19 +580,82 @@ class Sequence:
         """
         tokens = self._validate(token_ids, token_mask)
         step = self.engine.max_tokens
-        out = []
         try:
-            for s in range(0, tokens.ids.size, step):
-                out.append(self.engine._forward(self, tokens.part(s, s + step), capture))
+            out = [self._chunk(tokens.part(s, s + step), capture) for s in range(0, tokens.ids.size, step)]
         except BaseException:
             self.failed = True  # validated input failed on the way: the state may be partly written
             raise
         return np.concatenate(out) if len(out) > 1 else out[0]
 
+    def _chunk(self, tokens: Tokens, capture: bool) -> np.ndarray:
+        """One call of at most max_tokens checked tokens; a call of several first leaves a
+        checkpoint of the state it is about to overwrite (what `truncate` comes back to)."""
+        if tokens.ids.size > 1:
+            self.checkpoints.take(self.state, self.position, self.engine.attention.stream)
+        return self.engine._forward(self, tokens, capture)
+
     def decode(self, token_id: int, token_mask: bool | None = None, capture: bool = False) -> np.ndarray:
         """One token at the current position; returns h [1, hc, dim]."""
         return self.prefill(one_token(token_id), one_token_mask(token_mask, "decode's token_mask"),
                             capture)
+
+    def fork(self) -> Sequence:
+        """A new sequence of this engine with a copy of this one's state; the two then go their own
+        ways. Cost: a new sequence, one device copy of the used state (`engine.sequence_bytes(
+        position)`), one of its rings and partial groups into the fork's checkpoint (none of this
+        one's is kept: a truncate below the fork point runs from 0), the history on the host."""
+        self._check_usable()
+        new = self.engine.new_sequence(len(self.checkpoints))
+        stream = self.engine.attention.stream
+        try:
+            copy_used(self.state, new.state, self.position, stream)
+            new.history = self.history.copy()
+            if self.hasher is not None and new.hasher is not None:
+                new.hasher.history[:] = self.hasher.history
+            new.checkpoints.take(new.state, new.position, stream)
+        except BaseException:
+            new.release()
+            raise
+        return new
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens: afterwards the sequence is, in every later output and array of
+        its state, bit for bit the one that ran only those in the calls that first brought them
+        (the one n cuts ending at n). The newest checkpoint at or before n (taken before each call
+        of several tokens; none: the empty state) is copied back, and the tokens from it to n run
+        again in their calls (flashv41.sequence_state, which states the cost). n past the position
+        is an InputError that changes nothing; an error while the tokens run leaves it failed."""
+        self._check_usable()
+        if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)):
+            raise InputError(f"truncate takes a token count, an integer, got {type(n).__name__} {n!r}")
+        if not 0 <= n <= self.position:
+            raise InputError(f"cannot truncate to {n} tokens: the sequence holds {plural(self.position, 'token')} "
+                             f"(0..{self.position})")
+        n = int(n)
+        position = self.position
+        if n == position:
+            return
+        checkpoint = self.checkpoints.newest(n)
+        start = 0 if checkpoint is None else checkpoint.position or 0
+        chunks = self.history.replay(start, n, self.engine.max_tokens)
+        try:
+            rewind_to(self.state, checkpoint, position, self.hasher, self.engine.attention.stream)
+            self.history.rewind(start)
+            self.checkpoints.drop_after(n)
+            for chunk in chunks:
+                self._chunk(chunk, False)
+        except BaseException:
+            self.failed = True
+            raise
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the state to `path` (flashv41.sequence_file: a header naming the model by its content
+        hash, the sizes and the format version, then the used part of the state and the token
+        history); `Engine.load_sequence` reads it back. The file appears whole or not at all."""
+        self._check_usable()
+        from flashv41.sequence_file import write_sequence
+
+        write_sequence(self, path)
 
     def attention_state(self) -> list[dict[str, np.ndarray]]:
         """Every layer's attention state copied to the host, in the oracle's form (bf16 values as
@@ -524,18 +663,7 @@ class Sequence:
         `host.oracle.OracleSequence.load_attention_state` takes it (for layer-by-layer checks)."""
         if self.released:
             raise SequenceStateError("this sequence was released")
-        from flashv41.host.numerics import from_bits
-
-        out = []
-        for layer in self.state.layers:
-            entry = {"window_ring": from_bits(layer.ring.copy_to_host())}
-            if layer.source is not None:
-                src = layer.source
-                entry.update(kv_state=src.kv_state.copy_to_host(), score_state=src.score_state.copy_to_host(),
-                             compressed=from_bits(src.compressed.copy_to_host()),
-                             index_keys=from_bits(src.index_keys.copy_to_host()))
-            out.append(entry)
-        return out
+        return oracle_form(self.state)
 
     def release(self) -> None:
         """Free this sequence's device state (idempotent); the engine stays usable."""
@@ -545,5 +673,6 @@ class Sequence:
             graph.close()
         self.graphs = {}
         self.state.free()
+        self.checkpoints.free()
         self.hasher = None
         self.released = True

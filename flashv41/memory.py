@@ -6,7 +6,11 @@
 - per-sequence state, for sequences of up to `max_seq` positions: each layer's window ring, each
   kv source's compressed cache, index-key cache and compressor partial-group state, and the
   engram hash cache of compressed ids;
-- workspaces, per engine, for chunks of up to `max_tokens` tokens.
+- workspaces, per engine, for chunks of up to `max_tokens` tokens;
+- what moves with a sequence: a fork copies and a save writes the used part of its state (every
+  ring and partial group, the caches' rows of the groups completed so far, the hash history so
+  far: `sequence_state_bytes` at its position), and a truncate checkpoint holds every ring and
+  partial group (flashv41.sequence_state).
 
 The workspace figure is a rough estimate from the largest buffers a forward pass needs, not the
 engine's allocation: it is to be replaced by the engine's own allocation report once the engine
@@ -59,6 +63,8 @@ class MemoryEstimate:
     layers: tuple[LayerMemory, ...]
     embedding_bytes: int  # token_embd as stored
     hash_cache_bytes: int  # per sequence: int64 [max_seq] compressed ids (0 without engram)
+    checkpoint_bytes: int  # one truncate checkpoint: every window ring and compressor partial group
+    position_bytes: float  # what a position adds to a fork's copy or a save: cache rows, hash history
     workspaces: tuple[tuple[str, int], ...]  # (what, bytes), per engine; an estimate
 
     @property
@@ -112,6 +118,10 @@ class MemoryEstimate:
         lines += [
             f"  state per sequence           {format_bytes(self.state_bytes_per_sequence):>10}"
             f"  ({per_gib} sequences per GiB left after the rest)",
+            f"  fork / save move             {format_bytes(self.checkpoint_bytes):>10}  + {self.position_bytes:.0f} B "
+            f"a position (the used state; {format_bytes(self.state_bytes_per_sequence)} at max_seq)",
+            f"  truncate checkpoint          {format_bytes(self.checkpoint_bytes):>10}  per sequence (rings, partial "
+            "groups)",
             f"  workspaces (estimate)        {format_bytes(self.workspace_bytes):>10}",
             f"  total, one sequence          {format_bytes(self.total_bytes(1)):>10}",
         ]
@@ -138,6 +148,14 @@ def _layer_state_bytes(config: ModelConfig, role: LayerRole, max_seq: int) -> in
     # a ratio-r compressor keeps the kv and the gate score of an incomplete group, fp32
     partial_group = 2 * role.ratio * config.head_dim * FP32_BYTES
     return window_ring + compressed + index_keys + partial_group
+
+
+def sequence_state_bytes(config: ModelConfig, positions: int) -> int:
+    """The state of a sequence of `positions` positions (its used part at that position): every
+    window ring and compressor partial group, the caches' rows of positions // ratio groups, and the
+    engram hash history's int64 a position."""
+    hashes = positions * INT64_BYTES if config.engram is not None else 0
+    return hashes + sum(_layer_state_bytes(config, role, positions) for role in config.roles)
 
 
 def _workspaces(config: ModelConfig, max_seq: int, max_tokens: int) -> tuple[tuple[str, int], ...]:
@@ -195,6 +213,8 @@ def estimate_memory(config: ModelConfig, weights: WeightStore, max_seq: int, max
         layers=tuple(layers),
         embedding_bytes=weights.get(None, L.TOKEN_EMBD).nbytes,
         hash_cache_bytes=max_seq * INT64_BYTES if config.engram is not None else 0,
+        checkpoint_bytes=sequence_state_bytes(config, 0),
+        position_bytes=(sequence_state_bytes(config, max_seq) - sequence_state_bytes(config, 0)) / max_seq,
         workspaces=_workspaces(config, max_seq, max_tokens),
     )
 

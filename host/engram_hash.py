@@ -65,6 +65,11 @@ class EngramHasher:
     def reset(self) -> None:
         self.history.fill(DEAD)
 
+    def rewind(self, position: int) -> None:
+        """Forget the positions from `position` on, as a sequence that never reached them holds them
+        (a truncated sequence's: flashv41.sequence_state)."""
+        self.history[position:] = DEAD
+
     def hash(self, token_ids: np.ndarray | Tokens, start_pos: int, token_mask: np.ndarray | None = None) -> np.ndarray:
         """Row ids int64 [T, n_engram_layers, cols] for `token_ids` placed at start_pos.. (checked
         here unless they are `Tokens`); the cache is written only once the input has been validated."""

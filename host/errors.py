@@ -27,6 +27,11 @@ class CapacityError(FlashError):
     """A request past what was allocated: positions past max_seq, more tokens than max_tokens."""
 
 
+class SequenceFileError(FlashError):
+    """A saved sequence that cannot be loaded: not a flashv41 sequence file, damaged or cut short,
+    another format version, or saved from another model."""
+
+
 class SequenceStateError(FlashError):
     """A call on something that can no longer take it: a released sequence, a closed engine, a
     closed model."""

@@ -98,6 +98,11 @@ class WeightStore:
     def names(self) -> list[str]:
         return list(self._tensors)
 
+    @property
+    def readers(self) -> list[GGUFReader]:
+        """The open readers, one a file (shard), in shard order: their metadata fields as stored."""
+        return list(self._readers)
+
     def file_of(self, name: str) -> Path:
         """The file (shard) whose table lists tensor `name`."""
         return self._where.get(name, self.path)

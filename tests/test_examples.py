@@ -128,7 +128,33 @@ def test_decode_loop(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert out.splitlines()[-1] == "released the sequence (released=True) and closed the engine (closed=True)"
 
 
-@pytest.mark.parametrize("name", ["decode_loop", "compare_oracle", "inspect_layers"])
+@pytest.mark.slow
+def test_speculative(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Drafts verified in one call each, the rejected tails truncated away: the same tokens as plain
+    greedy decoding, and the same state, bit for bit (exit 0 says both)."""
+    module = load_example("speculative")
+    assert module.main(["--model", tiny, "--prompt-len", "6", "--tokens", "4", "--draft", "3"]) == 0
+    out = capsys.readouterr().out
+    kernels_first(out)
+    match = re.search(r"speculative: 4 tokens in (\d+) verify calls .*, (\d+) of (\d+) drafted tokens accepted", out)
+    assert match is not None, out
+    calls, accepted, drafted = (int(g) for g in match.groups())
+    assert 1 <= calls <= 4 and drafted == 3 * calls and accepted == 4 - calls
+    assert "plain decoding: 4 tokens in 4 decode steps" in out and "same tokens: yes" in out
+    assert out.splitlines()[-1].startswith("kept state equals plain decoding: bit for bit (positions 0..9")
+
+
+def test_lookup_draft() -> None:
+    """The draft: what followed the latest earlier occurrence of the last two tokens, else the last
+    one, padded with its last token; the last token repeated when neither occurs."""
+    draft = load_example("speculative").lookup_draft
+    assert draft([1, 2, 3, 1, 2], 2) == [3, 1]
+    assert draft([1, 2, 3, 9, 2], 3) == [3, 9, 2]
+    assert draft([5, 6, 5], 3) == [6, 5, 5]
+    assert draft([4, 7], 2) == [7, 7]
+
+
+@pytest.mark.parametrize("name", ["decode_loop", "compare_oracle", "inspect_layers", "speculative"])
 def test_a_missing_model_is_one_line(name: str, tmp_path: Path) -> None:
     """Run as a script, an example answers a missing model as the flashv41 command does: its name
     and the error on one line (exit 2), no traceback."""

@@ -36,6 +36,13 @@ def test_estimate_for_tiny(tiny_path: Path) -> None:
             assert layer.block_type == role.block_type
             state += expected
         assert est.state_bytes_per_sequence == state
+        # what moves with a sequence: a checkpoint holds every ring and partial group; a fork or a
+        # save adds, a position, its hash and each kv source's cache rows over the group's r positions
+        sources = [role for role in cfg.roles if role.kv_source]
+        assert est.checkpoint_bytes == cfg.n_layers * ring + sum(2 * r.ratio * cfg.head_dim * 4 for r in sources)
+        assert est.position_bytes == 8 + sum((cfg.head_dim + cfg.index_head_dim) * 2 / r.ratio for r in sources)
+        assert est.checkpoint_bytes + max_seq * est.position_bytes == state
+        assert f"fork / save move             {format_bytes(est.checkpoint_bytes):>10}  + " in est.table()
 
         t = max_tokens
         # the sparse attention's decode (and batched decode) scratch: scores, tile maxima, block value sums and
@@ -80,7 +87,9 @@ def test_format_bytes() -> None:
 
 def test_engine_sequence_bytes_and_max_batch(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine's sequence_bytes is what a new sequence allocates on the device (its attention
-    state) plus the estimate's hash cache; max_batch divides the free device memory by it."""
+    state) plus the estimate's hash cache, checkpoint_bytes what its truncate checkpoint holds;
+    max_batch divides the free device memory by the two. At a position, sequence_bytes is the used
+    part that a fork copies and a save writes."""
     import flashv41.engine
 
     model = flashv41.load_model(tiny_path)
@@ -88,7 +97,11 @@ def test_engine_sequence_bytes_and_max_batch(tiny_path: Path, monkeypatch: pytes
         with flashv41.Engine(model, max_seq=64, max_tokens=8) as engine:
             seq = engine.new_sequence()
             assert engine.sequence_bytes() == seq.state.nbytes() + 64 * 8  # int64 compressed ids a position
-            monkeypatch.setattr(flashv41.engine, "device_free_bytes", lambda: 10 * engine.sequence_bytes() + 1)
+            assert engine.checkpoint_bytes() == seq.checkpoints.nbytes()
+            assert engine.sequence_bytes(64) == engine.sequence_bytes()
+            assert engine.sequence_bytes(0) == engine.checkpoint_bytes()  # every ring and partial group
+            per_sequence = engine.sequence_bytes() + engine.checkpoint_bytes()
+            monkeypatch.setattr(flashv41.engine, "device_free_bytes", lambda: 10 * per_sequence + 1)
             assert engine.max_batch() == 10
             seq.release()
     finally:

@@ -17,6 +17,7 @@ import flashv41
 from flashv41.host.errors import CapacityError, FlashError, InputError, SequenceStateError
 from flashv41.memory import estimate_memory
 from flashv41.stages.backend import using_simulator
+from flashv41.stages.norm_rope_quant import _placeholders
 from tests.reliability import TWO_LAYER_TINY, free_device_bytes, live_device_bytes
 
 MAX_SEQ, MAX_TOKENS = 16, 3
@@ -39,19 +40,36 @@ def failing_forward(engine, after: int):
 @pytest.mark.slow
 @pytest.mark.skipif(not using_simulator(), reason="counts the simulator's device arrays; test_gpu_memory_comes_back "
                     "is the GPU's")
-def test_sequences_and_engines_give_their_memory_back(synth_model, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sequences_and_engines_give_their_memory_back(synth_model, monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path) -> None:
     model = flashv41.load_model(synth_model("tiny", **TWO_LAYER_TINY))
     estimate = estimate_memory(model.config, model.weights, MAX_SEQ, MAX_TOKENS)
+    _placeholders()  # allocated once a process, by its first call: not a sequence's (run alone, this test's)
     start = live_device_bytes()
     engine = flashv41.Engine(model, max_seq=MAX_SEQ, max_tokens=MAX_TOKENS)
     with_engine = live_device_bytes()
     assert with_engine - start >= estimate.weight_bytes + estimate.workspace_bytes
 
-    # one sequence holds what the estimate says (less the hash history, which lives on the host)
+    # one sequence holds what the estimate says (less the hash history, which lives on the host) and
+    # its truncate checkpoint
+    per_sequence = estimate.state_bytes_per_sequence - MAX_SEQ * 8 + estimate.checkpoint_bytes
     seq = engine.new_sequence()
-    assert live_device_bytes() - with_engine == estimate.state_bytes_per_sequence - MAX_SEQ * 8
+    assert live_device_bytes() - with_engine == per_sequence
     seq.prefill(np.array([3, 126, 7]))
     seq.decode(9)
+    # a fork, rewound, and a sequence saved and loaded: each holds one sequence's memory, and gives it
+    # back
+    base = live_device_bytes()
+    fork = seq.fork()
+    fork.prefill(np.array([5, 6]))
+    fork.truncate(4)
+    saved = tmp_path / "seq.npz"
+    fork.save(saved)
+    loaded = engine.load_sequence(saved)
+    assert live_device_bytes() - base == 2 * per_sequence
+    fork.release()
+    del loaded
+    assert live_device_bytes() == base, "a fork or a loaded sequence kept device memory"
     for bad in (lambda: seq.prefill(np.array([1, 128])), lambda: seq.prefill(np.zeros(MAX_SEQ, np.int64)),
                 lambda: seq.decode(2.0)):  # type: ignore[arg-type]
         with pytest.raises(FlashError):
@@ -72,7 +90,7 @@ def test_sequences_and_engines_give_their_memory_back(synth_model, monkeypatch: 
         elif i % 3 == 1:
             kept.append(s)
         del s  # dropped: its state goes with the last reference
-    assert live_device_bytes() - with_engine == len(kept) * (estimate.state_bytes_per_sequence - MAX_SEQ * 8)
+    assert live_device_bytes() - with_engine == len(kept) * per_sequence
     engine.close()
     assert all(s.released for s in kept)
     assert live_device_bytes() == start, "a closed engine kept device memory"

@@ -30,7 +30,7 @@ from flashv41.host import gguf_layout as L
 from flashv41.host.gguf_moe import DS4_MOE_KEYS, MOE_KEYS
 from flashv41.host.numerics import bf16
 from flashv41.host.quants import FORMATS, GGMLType
-from flashv41.host.synth_draw import DRAWN_ONLY, _gaussian, _stored, draw_k_quant
+from flashv41.host.synth_draw import DRAWERS, DRAWN_ONLY, _gaussian, _stored, draw_k_quant
 from flashv41.host.synth_presets import Preset
 
 NORM_MEAN = {L.FFN_NORM: 0.2, L.OUTPUT_NORM: 1.0}
@@ -82,8 +82,10 @@ def draw_iq2_xxs(rng: np.random.Generator, shape: tuple[int, ...], std: float) -
     return raw.reshape(rows, -1)
 
 
-def _make(role: str, gtype: StoredType, std: float) -> MakeFn:
-    """The stored form of a matrix of `role` (any shape: its rows are all but the last axis)."""
+def _make(role: str, gtype: StoredType, std: float, stored_draw: bool) -> MakeFn:
+    """The stored form of a matrix of `role` (any shape: its rows are all but the last axis);
+    stored_draw: Q8_0 and BF16 drawn in the stored format (host.synth_draw.DRAWERS), as the
+    preset's other matrices are."""
 
     def make(rng: np.random.Generator, s: tuple[int, ...]) -> np.ndarray:
         flat = (int(np.prod(s[:-1])), s[-1])
@@ -93,6 +95,8 @@ def _make(role: str, gtype: StoredType, std: float) -> MakeFn:
             out = draw_k_quant(gtype, rng, flat, std)  # type: ignore[arg-type]
         elif role == ROUTER:
             out = _stored(bf16(_gaussian(flat, std, rng)), gtype)  # type: ignore[arg-type]
+        elif stored_draw and gtype in DRAWERS:
+            out = DRAWERS[gtype](rng, flat, std)  # type: ignore[index]
         else:
             out = _stored(_gaussian(flat, std, rng), gtype)  # type: ignore[arg-type]
         return out.reshape(*s[:-1], -1) if gtype not in (GGMLType.F32, GGMLType.F16) else out.reshape(s)
@@ -131,7 +135,7 @@ def plan_moe(p: Preset, weight_type: GGMLType, layout: str, type_map: dict, fit:
             gtype = GGMLType.F32
         else:
             gtype = fit(weight_type, shape[-1])
-        out.append((name, shape, gtype, _make(spec.role, gtype, GAIN[spec.role] / np.sqrt(shape[-1]))))
+        out.append((name, shape, gtype, _make(spec.role, gtype, GAIN[spec.role] / np.sqrt(shape[-1]), p.stored_draw)))
 
     for layer in range(p.n_layers):
         for spec in (L.FFN_NORM_TENSOR, *L.MOE_TENSORS):

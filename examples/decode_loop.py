@@ -7,9 +7,9 @@ where a step's time goes, stage by stage. Then the sequence is released and the 
 
 Without a GPU the kernels run on Numba's CUDA simulator: with the defaults on the tiny model, a
 prefill of 8-15 s and 1.5-3 s a step, about 20-40 s in all on two cores (the more the machine is
-shared, the longer); simulator times say nothing about a GPU's. Progress shows on stderr. This engine
-stops at the last layer's highway (no MoE, no LM head), so there is nothing to sample: each step
-feeds the next of a seeded random token stream, the same as `flashv41 run`.
+shared, the longer); simulator times say nothing about a GPU's. Progress shows on stderr. This example
+times the layers with a zero FFN output and reads no logits: each step feeds the next of a seeded
+random token stream, the same as `flashv41 run` (examples/generate.py samples greedy tokens).
 
 The prefill, the engine's first call, includes compiling the kernels on a GPU (tens of seconds),
 and the first decode step compiles the one-token ones, so that step is timed on its own; the steps

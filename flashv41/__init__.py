@@ -1,7 +1,9 @@
 """flashv41: DeepSeek-V4.1-Flash engram and attention layers on the GPU, from GGUF files.
 
 Public API: `load_model`, `builtin_model` (the built-in tiny model's path), `Model`, `Engine` /
-`Sequence`, `ModelConfig`, `LayerRole`, `EngramConfig` and the errors.
+`Sequence`, the FFN callback's helpers (`host_ffn`, `capturable`, `FfnStream`: flashv41.ffn),
+`HostMoE` (the model's MoE on the host), `sample` and `generate`, `ModelConfig`, `LayerRole`,
+`EngramConfig`, `MoEConfig` and the errors.
 
 The names are imported when first used (`flashv41.Engine`, `from flashv41 import Engine`), not
 when the package is: the command line imports `flashv41.cli`, and so this package, before it
@@ -17,6 +19,14 @@ __version__ = "0.1.0"
 
 # each public name and the module that defines it
 _HOMES = {
+    "CallbackError": "flashv41.host.errors",
+    "FfnStream": "flashv41.ffn",
+    "HostMoE": "flashv41.host.moe",
+    "MoEConfig": "flashv41.host.config",
+    "capturable": "flashv41.ffn",
+    "generate": "flashv41.sampling",
+    "host_ffn": "flashv41.ffn",
+    "sample": "flashv41.sampling",
     "Engine": "flashv41.engine",
     "Sequence": "flashv41.engine",
     "EngramConfig": "flashv41.host.config",
@@ -35,12 +45,16 @@ _HOMES = {
 }
 
 __all__ = [
+    "CallbackError",
     "CapacityError",
     "Engine",
     "EngramConfig",
+    "FfnStream",
     "FlashError",
+    "HostMoE",
     "InputError",
     "LayerRole",
+    "MoEConfig",
     "Model",
     "ModelConfig",
     "ModelFormatError",
@@ -49,14 +63,20 @@ __all__ = [
     "SequenceStateError",
     "UnsupportedError",
     "builtin_model",
+    "capturable",
+    "generate",
+    "host_ffn",
     "load_model",
+    "sample",
 ]
 assert sorted(_HOMES) == __all__
 
 if TYPE_CHECKING:
     from flashv41.engine import Engine, Sequence
-    from flashv41.host.config import EngramConfig, LayerRole, ModelConfig
+    from flashv41.ffn import FfnStream, capturable, host_ffn
+    from flashv41.host.config import EngramConfig, LayerRole, ModelConfig, MoEConfig
     from flashv41.host.errors import (
+        CallbackError,
         CapacityError,
         FlashError,
         InputError,
@@ -66,8 +86,10 @@ if TYPE_CHECKING:
         UnsupportedError,
     )
     from flashv41.host.model import Model
+    from flashv41.host.moe import HostMoE
     from flashv41.model import load_model
     from flashv41.runner import builtin_model
+    from flashv41.sampling import generate, sample
 
 
 def __getattr__(name: str) -> Any:

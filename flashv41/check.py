@@ -50,6 +50,26 @@ its bound is derived from what is left:
 - some of its choices differ: drift, <= max(CHAIN_DRIFT, n_layers * REL_RMS).
 With flips counted, the chained numbers are reported and not held (SPEC section 3: a flip chained
 through the stack is amplified beyond any bound that would still reject a wrong engine).
+
+The head (`head_agreement`) is held where both sides computed it from highways that differ only by
+rounding (a per-call comparison, or a run whose oracle adopted every choice of the engine's:
+`follow_adopting`). Its input x = bf16(w r y), y = bf16(sum_c pre_c h_c) and r the RMS norm's scale,
+rounds twice: the two sides' fp32 sums differ by rounding only, so y_e and y_o are equal but where
+a rounding boundary lies between them, one bf16 ulp of y apart, which the norm passes on as at
+most |w r| ulp(y) <= 2^-7 |x| <= 2 ulp(x), and the final rounding adds up to one ulp more: the
+inputs are at least BIT_EQUAL_MIN bit-equal and none more than INPUT_ULPS = 3 bf16 ulps apart (of
+the larger of the two values). The logits, engine l_e = fp32 sum of x_e w, oracle l_o = x_o w
+(float64, rounded once), then obey, per position and vocabulary row v (K = dim, u = 2^-24):
+
+    |l_e - l_o| <= LAMBDA sqrt(n) u sum_k |x_e,k| a_vk      the engine's fp32 sum (tests/bounds.py)
+                 + sum_k |w_vk| min(|x_e,k - x_o,k|, 3 ulp_k)   the inputs' difference, passed on
+                 + u |l_o|                                  the oracle's one rounding
+
+with a = |w|, n = K (or, for the types the products add as two parts, Q2_K / Q4_K / Q5_K, the
+parts' magnitudes and n = 2K: tests/bounds.py's SPLIT_KERNELS). An input difference counts at most
+INPUT_ULPS, so a head that misreads its input (its norm weight ignored, a copy dropped) fails the
+bound even where it also fails the input rule. The argmax must agree wherever the oracle's top two
+logits are further apart than the bound allows the two to move (a closer pair is a tie, reported).
 """
 
 from __future__ import annotations
@@ -61,11 +81,17 @@ import numpy as np
 
 from flashv41.host.errors import InputError
 from flashv41.host.oracle.attention import CHOICES
+from flashv41.host.quants import GGMLType, q2_k_terms, q4_k_terms, q5_k_terms
 
 COSINE = 0.99999
 REL_RMS = 5e-3
 MAX_FLIP_SHARE = 0.01
 CHAIN_DRIFT = 0.15  # relative RMS two correct implementations' chained runs may part by (SPEC section 3)
+BIT_EQUAL_MIN = 0.99  # the head's inputs: the share of values bit-equal to the oracle's (tests/bounds.py)
+INPUT_ULPS = 3  # a normed bf16 input's largest honest difference, in bf16 ulps (module docstring)
+LAMBDA = 8.0  # the probabilistic fp32 sum bound's factor (tests/bounds.py derives it)
+U = 2.0**-24
+PART_TERMS = {GGMLType.Q2_K: q2_k_terms, GGMLType.Q4_K: q4_k_terms, GGMLType.Q5_K: q5_k_terms}
 
 
 @dataclass
@@ -362,3 +388,84 @@ def synced_oracle(seq, oracle):
     if ref.hasher is not None:
         ref.hasher.history[:] = seq.hasher.history
     return ref
+
+
+def bf16_ulp(x: np.ndarray) -> np.ndarray:
+    """The spacing of bf16 values at |x| (never below the smallest normal's)."""
+    mag = np.maximum(np.abs(np.asarray(x, np.float64)), 2.0**-126)
+    return 2.0 ** (np.floor(np.log2(mag)) - 7)
+
+
+@dataclass(frozen=True)
+class HeadAgreement:
+    """The engine's head against the oracle's, over T positions (module docstring: the bound)."""
+
+    positions: int
+    input_equal: float  # share of the head inputs bit-equal
+    input_ulps: float  # the largest input difference, in bf16 ulps of the larger value
+    worst: float  # the largest logit error as a fraction of its bound
+    max_error: float
+    argmax_equal: int  # positions whose argmax agree
+    ties: int  # positions whose argmax differ within the bound (the oracle's top two closer than it)
+
+    @property
+    def ok(self) -> bool:
+        return (self.input_equal >= BIT_EQUAL_MIN and self.input_ulps <= INPUT_ULPS and self.worst <= 1
+                and self.argmax_equal + self.ties == self.positions)
+
+    def describe(self) -> str:
+        return (f"head over {self.positions} positions: inputs {self.input_equal:.2%} bit-equal, at most "
+                f"{self.input_ulps:g} bf16 ulp apart; logits max |err| {self.max_error:.3e}, {self.worst:.3f} of "
+                f"the bound; argmax equal at {self.argmax_equal}" + (f", {self.ties} ties within the bound"
+                                                                      if self.ties else ""))
+
+
+def output_magnitudes(output) -> tuple[np.ndarray, np.ndarray, int]:
+    """(w [V, C], a [V, C], n) of the head's output matrix (a TensorRef): its values, the
+    magnitudes the fp32 bound weighs (the two parts' for Q2_K / Q4_K / Q5_K) and the terms' count."""
+    w = output.dequantize()
+    terms = PART_TERMS.get(output.ggml_type)
+    if terms is None:
+        return w, np.abs(w), w.shape[1]
+    scaled, minimum = terms(output.raw())
+    return w, (np.abs(scaled) + np.abs(minimum)).reshape(w.shape), 2 * w.shape[1]
+
+
+def head_agreement(x_e: np.ndarray, x_o: np.ndarray, l_e: np.ndarray, l_o: np.ndarray, output) -> HeadAgreement:
+    """The engine's head inputs x_e [T, C] (bf16 values) and logits l_e [T, V] against the oracle's
+    (module docstring); `output` the model's output TensorRef."""
+    x_e, x_o = np.asarray(x_e, np.float64), np.asarray(x_o, np.float64)
+    l_e, l_o = np.asarray(l_e, np.float64), np.asarray(l_o, np.float64)
+    w, a, n = output_magnitudes(output)
+    ulp = np.maximum(bf16_ulp(x_o), bf16_ulp(x_e))
+    dx = np.minimum(np.abs(x_e - x_o), INPUT_ULPS * ulp)
+    bound = LAMBDA * np.sqrt(n) * U * (np.abs(x_e) @ a.T) + dx @ np.abs(w.astype(np.float64)).T + U * np.abs(l_o)
+    err = np.abs(l_e - l_o)
+    top2 = np.sort(l_o, axis=-1)[:, -2:] if l_o.shape[1] > 1 else np.concatenate([l_o, l_o - np.inf], axis=1)
+    same = np.argmax(l_e, axis=-1) == np.argmax(l_o, axis=-1)
+    rows = np.arange(l_o.shape[0])
+    allowed = bound[rows, np.argmax(l_o, -1)] + bound[rows, np.argmax(l_e, -1)]
+    ties = int((~same & (top2[:, 1] - top2[:, 0] <= allowed)).sum())
+    return HeadAgreement(l_o.shape[0], float((x_e == x_o).mean()), float((np.abs(x_e - x_o) / ulp).max()),
+                         float((err / np.maximum(bound, 2.0**-149)).max()), float(err.max()), int(same.sum()), ties)
+
+
+def engine_head_input(seq) -> np.ndarray:
+    """The head's input the engine sequence's last call left, bf16 values [T, C] (float32)."""
+    from flashv41.host.numerics import from_bits
+
+    return from_bits(seq.head_x[:seq.head_rows].copy_to_host())
+
+
+def follow_adopting(seq, ref, token_ids) -> Flips:
+    """One call on an engine sequence (captured) and the same call on an oracle sequence that goes
+    on from its own state and inputs but takes every attention choice the engine took
+    (EngineChoices): the two then differ by rounding only, whatever the run's length. Returns the
+    call's flips (where the oracle's own choice differed and it took the engine's)."""
+    seq.prefill(token_ids, capture=True)
+    hooks = [EngineChoices(cap, state) for cap, state in zip(seq.captures, seq.attention_state(), strict=True)]
+    ref.prefill(token_ids, choices=hooks)
+    flips = Flips()
+    for hook in hooks:
+        flips.add(hook.flips)
+    return flips

@@ -145,7 +145,16 @@ def add_synth_command(p: Parser) -> None:
                         "the layout names it, TYPE one of "
                         f"{', '.join(SYNTH_TYPES)}; every tensor of the role takes it, and one whose rows do "
                         "not hold whole blocks of it is an error (e.g. attn_q_b=Q4_K,engram_embd=Q8_0; "
-                        "may be given more than once)")
+                        "may be given more than once; the routed experts, ffn_*_exps, may also be IQ2_XXS)")
+    p.add_argument("--moe", action="store_true",
+                   help="also write the FFN sublayer's and the head's tensors (every layer's ffn_norm, router, "
+                        "routed and shared experts; output_norm, output), after the others, which keep their "
+                        "bytes: a model flashv41.HostMoE and the head run on (`run --generate`)")
+    p.add_argument("--experts", type=at_least(1), default=None, metavar="N",
+                   help="with --moe: routed experts a layer (default: the preset's, 4, or 8 for the flash "
+                        "presets; V4.1 has 384)")
+    p.add_argument("--experts-used", type=at_least(1), default=None, metavar="K",
+                   help="with --moe: experts a token takes (default: the preset's, 2, or 6 for the flash presets)")
     p.add_argument("--seed", type=at_least(0), default=0, help="random seed of the weights (default 0)")
     p.add_argument("--layout", choices=LAYOUTS, default=LAYOUTS[0],
                    help="the GGUF layout's keys and tensor names: llama.cpp (default), mxxm-t (explicit source "
@@ -168,7 +177,16 @@ def synth_command(args: argparse.Namespace) -> int:
     from flashv41.host.synth import PRESETS, progress_bar, resolve_type_map, shard_paths, write_synthetic
     from flashv41.memory import format_bytes
 
-    overrides = {} if args.engram_rows is None else {"engram_rows": args.engram_rows}
+    overrides: dict = {} if args.engram_rows is None else {"engram_rows": args.engram_rows}
+    if (args.experts is not None or args.experts_used is not None) and not args.moe:
+        raise InputError("--experts and --experts-used size the MoE that --moe writes: give --moe too")
+    if args.moe:
+        overrides["moe"] = True
+        p = PRESETS[args.preset]
+        overrides["n_experts"] = args.experts or p.n_experts
+        overrides["n_active"] = args.experts_used or p.n_active
+        if overrides["n_active"] > overrides["n_experts"]:
+            raise InputError(f"--experts-used {overrides['n_active']} exceeds the {overrides['n_experts']} experts")
     type_map: dict[str, str] = {}
     for items in args.type_map or ():
         for role, type_name in items.items():
@@ -195,8 +213,10 @@ def synth_command(args: argparse.Namespace) -> int:
     mapped = resolve_type_map(type_map, args.layout)
     tables = mapped[ENGRAM_TABLE].name if ENGRAM_TABLE in mapped else table_type
     by_role = "".join(f", {role} {t.name}" for role, t in mapped.items() if role != ENGRAM_TABLE)
+    moe = (f", MoE of {overrides['n_experts']} experts (top-{overrides['n_active']}) and the head" if args.moe
+           else "")
     print(f"wrote {written} ({format_bytes(size)}) in {elapsed:.2f} s: preset {args.preset}, "
-          f"weights {args.weight_type}{by_role}, engram tables {tables}, seed {args.seed}, layout {args.layout}")
+          f"weights {args.weight_type}{by_role}, engram tables {tables}, seed {args.seed}, layout {args.layout}{moe}")
     return 0
 
 
@@ -269,7 +289,7 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
     "rope": ("rope_theta", "compress_rope_theta", "rope_factor", "rope_original_ctx", "beta_fast",
              "beta_slow"),
 }
-CONFIG_SHOWN_ELSEWHERE = ("roles", "engram", "name", "layout")
+CONFIG_SHOWN_ELSEWHERE = ("roles", "engram", "name", "layout", "ffn_norm", "moe", "head")
 
 
 def _value(v: object) -> str:
@@ -310,6 +330,9 @@ def describe_config(model: Model) -> str:
         groups["other"] = other
     for topic, fields in groups.items():
         lines.append(f"  {topic + ':':<12} " + ", ".join(f"{n} {_value(getattr(cfg, n))}" for n in fields))
+    ffn = "ffn_norm (an FFN callback can run)" if cfg.ffn_norm else "no ffn_norm (the FFN is a zero output)"
+    moe = f"MoE: {cfg.moe.describe()}" if cfg.moe is not None else "no MoE tensors"
+    lines.append(f"  {'ffn:':<12} {ffn}; {moe}; {'a head (logits)' if cfg.head else 'no head (no logits)'}")
     e = cfg.engram
     if e is None:
         lines.append(f"  {'engram:':<12} none")
@@ -371,21 +394,28 @@ def describe_tensors(model: Model) -> str:
 
     cfg = model.config
     name_of = model.weights.name_of  # the role's name in the file's layout
-    used = {name_of(None, L.TOKEN_EMBD)}
+    used = {name_of(None, L.TOKEN_EMBD)} | ({name_of(None, s.role) for s in L.HEAD_TENSORS} if cfg.head else set())
+    host: set[str] = set()
     for r in cfg.roles:
         used.update(name_of(r.layer, s.role)
                     for s in L.layer_tensor_specs(r.ratio, r.kv_source, r.index_source, r.engram))
         if r.engram:
             used.add(name_of(r.layer, L.ENGRAM_TABLE))
-    by_layer: dict[int | None, list[tuple[str, str, str, int, bool]]] = {}
+        if cfg.ffn_norm:
+            used.add(name_of(r.layer, L.FFN_NORM))
+        if cfg.moe is not None:
+            host.update(name_of(r.layer, s.role) for s in L.MOE_TENSORS)
+    by_layer: dict[int | None, list[tuple[str, str, str, int, str]]] = {}
     for t in model.weights:
         layer, role = _split_name(t.name)
         shape = "[" + ", ".join(str(n) for n in t.shape) + "]"
-        row = (role, _type_name(t.ggml_type), shape, t.nbytes, t.name in used)
+        row = (role, _type_name(t.ggml_type), shape, t.nbytes, "" if t.name in used else "  h" if t.name in host
+               else "  *")
         by_layer.setdefault(layer, []).append(row)
     role_width = max((len(row[0]) for rows in by_layer.values() for row in rows), default=10)
     shape_width = max((len(row[2]) for rows in by_layer.values() for row in rows), default=10)
-    lines = ["tensors (shape in NumPy order [out, in]; bytes as stored; * = not used by flashv41)"]
+    lines = ["tensors (shape in NumPy order [out, in]; bytes as stored; * = not used by flashv41; h = read on the "
+             "host only, by flashv41.HostMoE)"]
     order = sorted(by_layer, key=lambda k: -1 if k is None else k)
     for layer in order:
         rows = by_layer[layer]
@@ -397,9 +427,9 @@ def describe_tensors(model: Model) -> str:
             if layer < cfg.n_layers:
                 title += f" ({cfg.roles[layer].block_type}{', engram' if cfg.roles[layer].engram else ''})"
         lines.append(f"  {title}: {len(rows)} tensor{'s' if len(rows) != 1 else ''}, {total}")
-        for role, type_name, shape, nbytes, is_used in rows:
+        for role, type_name, shape, nbytes, mark in rows:
             lines.append(f"    {role:<{role_width}}  {type_name:<5} {shape:<{shape_width}} "
-                         f"{format_bytes(nbytes):>10}{'' if is_used else '  *'}")
+                         f"{format_bytes(nbytes):>10}{mark}")
     return "\n".join(lines)
 
 
@@ -445,8 +475,16 @@ def add_run_command(p: Parser) -> None:
                         help="the prompt's token ids")
     prompt.add_argument("--prompt-len", type=at_least(1), default=8, metavar="N",
                         help="a random prompt of N tokens from --seed (default 8)")
-    p.add_argument("--decode", type=at_least(0), default=4, metavar="N",
-                   help="decode steps after the prompt (default 4)")
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--decode", type=at_least(0), default=4, metavar="N",
+                       help="decode steps of random tokens after the prompt (default 4)")
+    steps.add_argument("--generate", type=at_least(1), default=None, metavar="N",
+                       help="decode N tokens greedily after the prompt (each the argmax of the head's logits, fed "
+                            "back) and print their ids; the model needs its head (without MODEL: the built-in "
+                            "tiny model with its MoE and head)")
+    p.add_argument("--ffn", choices=("zero", "host-moe"), default="zero",
+                   help="the FFN sublayer: zero (its output zero, default) or host-moe (the model's MoE computed "
+                        "on the CPU by flashv41.HostMoE: exact, slow on a real model)")
     p.add_argument("--seed", type=at_least(0), default=0,
                    help="seed of the random prompt and decode tokens (default 0)")
     p.add_argument("--check", action="store_true",
@@ -464,14 +502,16 @@ def run_command(args: argparse.Namespace) -> int:
     from flashv41.runner import run_model
 
     return run_model(args.model, args.oracle, args.tokens, args.prompt_len, args.decode, args.seed,
-                     check=args.check, table_residency=args.table_residency, max_seq=args.max_seq)
+                     check=args.check, table_residency=args.table_residency, max_seq=args.max_seq,
+                     generate=args.generate, ffn=args.ffn)
 
 
 # name, the line `flashv41 --help` shows, and the declarer of its arguments
 SUBCOMMANDS: tuple[tuple[str, str, Callable[[Parser], None]], ...] = (
     ("synth", "write a synthetic V4.1 model (random weights, real layout) to a GGUF file", add_synth_command),
     ("info", "show a GGUF model's configuration, layer roles, tensors and memory estimate", add_info_command),
-    ("run", "run one sequence (prefill, then decode steps) and summarise the final highway", add_run_command),
+    ("run", "run one sequence (prefill, then decode or greedy generation) and summarise the final highway",
+     add_run_command),
     ("bench", "time the stages on the GPU against their bounds (copy bandwidth, GEMVs, engram steps, hash; "
               "docs/performance.md)", add_bench_command),
 )
@@ -482,7 +522,8 @@ def build_parser() -> Parser:
     parser = Parser(
         prog="flashv41",
         description="DeepSeek-V4.1-Flash engram and attention layers on the GPU (Numba-CUDA), from GGUF files. "
-                    "No tokenizer, no MoE, no LM head: token ids in, the last layer's hidden state out. "
+                    "Token ids in; the last layer's hidden state, the head's logits and greedy tokens out; the MoE "
+                    "is the caller's (an FFN callback), or computed on the CPU (--ffn host-moe). "
                     "Without a GPU the kernels run on Numba's CUDA simulator.",
     )
     parser.add_argument("--version", action="version", version=f"flashv41 {__version__}")

@@ -11,19 +11,25 @@ that runs a chunk of tokens through the layer stack.
     branch = seq.fork()             # a copy of the state that goes its own way
     seq.truncate(n)                 # as if only the first n tokens had been run
     seq.save("seq.npz"); again = engine.load_sequence("seq.npz")
+    logits = seq.logits()           # the head's fp32 logits [vocab] of the last position processed
     seq.release()                   # frees its device state; the engine stays usable
     engine.close()
+
+    engine = flashv41.Engine(model, ffn=fn)  # the caller's FFN (MoE) between the layers (flashv41.ffn)
 
 A call reads as code, in the V4.1 order (SPEC 2), from `Sequence.decode` / `prefill` to every
 launch: `Engine._forward` runs `_upload` (the host part: the checked token ids uploaded once, the
 engram hash of the same ids, each engram layer's rows; then mask, first mix and positions), then
 `_device` (the embedding, the first engram layer's rows and projection, then `_layer` for each
 layer: engram gate -> attention mixes with hc_pre + attn_norm -> attention -> hc_post -> the FFN
-sublayer as a zero output with its own mixes, whose `pre` is the next layer's pre-mix), then
-`_download` (the highway's rows). Each stage call on the way is `run(step, self.stage.method,
-...)`: `run` makes it, watched or not (flashv41.plan.Run). What one hyper-connection call hands the
-next is a value (stages.hyper.Mixes: a mixes call returns the one its post reads); which posts form
-the next mixes' product was decided once by the hyper stage (HyperStage.plan).
+sublayer with its own mixes, whose `pre` is the next layer's pre-mix: a zero output, or with an FFN
+callback (flashv41.ffn) its input normed into x, the callback, and its hc_post; after the last
+layer the head's input into the sequence's buffer, where the model has a head), then `_download`
+(the highway's rows). `Sequence.logits` runs the head's product on what the last call left there.
+Each stage call on the way is `run(step, self.stage.method, ...)`: `run` makes it, watched or not
+(flashv41.plan.Run). What one hyper-connection call hands the next is a value (stages.hyper.Mixes:
+a mixes call returns the one its post reads); which posts form the next mixes' product was decided
+once by the hyper stage (HyperStage.plan).
 
 What a call decides the same way every time is built once, at construction, into `Engine.plan`
 (flashv41.plan: per layer its engram, its hyper values, its profile names). A one-token step's
@@ -49,6 +55,7 @@ in chunks of `max_tokens`.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -57,10 +64,18 @@ from typing import Any
 
 import numpy as np
 
+from flashv41.ffn import FfnCallback, FfnStream, callback_name, is_capturable, stream_handle
 from flashv41.graphs import GraphRunner, graphs_available
-from flashv41.host.errors import CapacityError, InputError, SequenceStateError, plural
+from flashv41.host.errors import (
+    CallbackError,
+    CapacityError,
+    InputError,
+    SequenceStateError,
+    UnsupportedError,
+    plural,
+)
 from flashv41.host.model import Model
-from flashv41.host.tokens import Tokens, check_tokens, one_token
+from flashv41.host.tokens import Tokens
 from flashv41.memory import (
     DEFAULT_MAX_SEQ,
     DEFAULT_MAX_TOKENS,
@@ -85,7 +100,7 @@ from flashv41.plan import (
     StepObserver,
     Watched,
 )
-from flashv41.sequence_state import Checkpoints, History, copy_used, oracle_form, rewind_to
+from flashv41.sequence import Sequence, one_token_mask
 
 ProgressFn = Callable[[str], None]
 
@@ -93,6 +108,7 @@ ProgressFn = Callable[[str], None]
 EMBEDDING = Step("embedding")  # the ids' upload (host part) and the embedding (device part)
 HASH = Step("engram hash (host)")
 DOWNLOAD = Step("highway download")
+HEAD_INPUT = Step("head input (hc_pre + output_norm)")
 ENGRAM_NAME = "engram rows, projection, gate"
 
 
@@ -111,11 +127,14 @@ class Engine:
     kind (`graph_key`); ignored on the simulator and with "host" tables, whose rows are uploaded
     data rather than ids. Results are the same either way.
     progress: called with a line of text at each step of the (possibly long) set-up.
+    ffn: the FFN sublayer's callback, `ffn(layer, x, out, stream)` (flashv41.ffn says what it gets
+    and what it may do inside a captured step); None: a zero FFN output. It needs the model's
+    ffn_norm tensors.
     """
 
     def __init__(self, model: Model, max_seq: int | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
                  table_residency: str = "device", profile: bool = False, progress: ProgressFn | None = None,
-                 graphs: bool = True):
+                 graphs: bool = True, ffn: FfnCallback | None = None):
         cfg = model.config
         if max_seq is None:
             max_seq = min(DEFAULT_MAX_SEQ, cfg.context_length)
@@ -129,6 +148,11 @@ class Engine:
         if table_residency not in TABLE_RESIDENCIES:
             raise InputError(f"table_residency must be one of {', '.join(TABLE_RESIDENCIES)}, "
                              f"got {table_residency!r}")
+        if ffn is not None and not callable(ffn):
+            raise InputError(f"ffn must be a callable ffn(layer, x, out, stream) or None, got {type(ffn).__name__}")
+        if ffn is not None and not cfg.ffn_norm:
+            raise UnsupportedError(f"{model.path.name}: an FFN callback's input is normed with each layer's "
+                                   f"ffn_norm, and the file has none (a file written without its FFN tensors)")
         # importing flashv41.stages chooses the backend, before numba.cuda is first imported
         from flashv41.stages.backend import select_backend
 
@@ -138,6 +162,7 @@ class Engine:
         from flashv41.host.engram_hash_fast import FastEngramHasher
         from flashv41.stages.attention import AttentionStage
         from flashv41.stages.engram import EngramStage
+        from flashv41.stages.head import HeadStage
         from flashv41.stages.hyper import HyperStage
 
         self._cuda = cuda
@@ -156,11 +181,20 @@ class Engine:
         if cfg.engram is not None:
             say(f"uploading engram weights (tables: {table_residency})")
             self.engram = EngramStage(model, max_tokens, table_residency)
+        self.head: HeadStage | None = None
+        if cfg.head:
+            say("uploading the head (output_norm, output)")
+            self.head = HeadStage(model, max_tokens)
+        self.ffn = ffn
         hc, dim = cfg.hc, cfg.dim
         self.h = cuda.device_array((max_tokens, hc, dim), np.float32)  # [T, hc, C] the highway
         self.x = cuda.device_array((max_tokens, dim), np.uint16)  # [T, C] bf16 sublayer input
         self.a = cuda.device_array((max_tokens, dim), np.uint16)  # [T, C] bf16 attention output
         self.mask = cuda.device_array(max_tokens, np.uint8)  # [T] engram token mask
+        # [T, C] bf16: the FFN callback's output; the head's input of a decode_batch step (a sequence's
+        # own call writes the sequence's buffer)
+        self.ffn_out = cuda.device_array((max_tokens, dim), np.uint16) if ffn is not None else None
+        self.head_x = cuda.device_array((max_tokens, dim), np.uint16) if self.head is not None else None
         self.profile = profile
         self.stage_seconds: defaultdict[str, float] = defaultdict(float)
         self._timer = StageTimer(cuda.synchronize, self.stage_seconds)
@@ -170,6 +204,11 @@ class Engine:
         self.plan = self._build_plan()
         self._ratios = sorted({role.ratio for role in cfg.roles if role.ratio > 0})
         self.graphs = graphs and graphs_available() and table_residency != "host"
+        if self.graphs and ffn is not None and not is_capturable(ffn):
+            self.graphs = False
+            warnings.warn(f"flashv41.Engine: the FFN callback {callback_name(ffn)} is not marked capturable "
+                          "(flashv41.capturable), so this engine's decode steps launch eagerly, without CUDA "
+                          "graphs", stacklevel=2)
         self._runner = GraphRunner() if self.graphs else None
         self._batch_graphs: dict[tuple[int, bool], Any] = {}  # decode_batch graphs by (B, masked)
         self._batch_keys_seen: set[tuple[int, bool]] = set()
@@ -251,7 +290,9 @@ class Engine:
         self.attention.free()
         if self.engram is not None:
             self.engram.free()
-        self.h = self.x = self.a = self.mask = None
+        if self.head is not None:
+            self.head.free()
+        self.h = self.x = self.a = self.mask = self.ffn_out = self.head_x = None
         self.plan = Plan.empty()
         self.closed = True
 
@@ -277,16 +318,19 @@ class Engine:
             assert cfg.engram is not None
             after = engram[i] = EngramPlan(i, cfg.engram.hash_index(i), Step(ENGRAM_NAME, i), after)
         layers = []
-        for role, hc in zip(cfg.roles, self.hyper.plan(engram_layers), strict=True):
+        hook = self.ffn is not None
+        for role, hc in zip(cfg.roles, self.hyper.plan(engram_layers, zero_ffn=not hook), strict=True):
             i = role.layer
+            ffn_mixes = "hc mixes + hc_post + next mixes' product" if hc.ffn_in_one else "hc mixes"
             layers.append(LayerPlan(
                 i, engram.get(i), hc,
                 attn_mixes=Step("hc mixes + hc_pre + attn_norm", i),
                 attention=Step(f"attention ({role.block_type})", i),
                 attn_post=Step(post_name(hc.attn_then is not None), i),
-                ffn_mixes=Step("hc mixes + hc_post + next mixes' product" if hc.ffn_in_one else "hc mixes", i),
-                ffn_post=Step(post_name(hc.ffn_then is not None), i)))
-        stages = (self.hyper, self.attention) if self.engram is None else (self.hyper, self.engram, self.attention)
+                ffn_mixes=Step("hc mixes + hc_pre + ffn_norm" if hook else ffn_mixes, i),
+                ffn_post=Step(post_name(hc.ffn_then is not None), i),
+                ffn=Step(FFN_CALLBACK, i) if hook else None))
+        stages = tuple(s for s in (self.hyper, self.engram, self.attention, self.head) if s is not None)
         return Plan(tuple(layers), tuple(engram[i] for i in engram_layers), stages, self.h)
 
     def _run(self, call: Call, capture: bool) -> Run:
@@ -302,7 +346,7 @@ class Engine:
         t = tokens.ids.size
         call = Call(tokens=t, start=seq.position, ids=tokens, mask=None if tokens.mask is None else self.mask,
                     hasher=seq.hasher, state=seq.state, shared=self.attention.new_shared(),
-                    captures=[{} for _ in self.cfg.roles] if capture else None)
+                    captures=[{} for _ in self.cfg.roles] if capture else None, head_x=seq.head_x)
         run = self._run(call, capture)
         self._upload(call, run)
         # an observer needs the calls one by one, which a graph replay does not give it
@@ -313,6 +357,7 @@ class Engine:
             if call.captures is not None:
                 seq.captures = call.captures
         seq.history.record(tokens)
+        seq.head_rows = t
         return self._download(call, run)
 
     def _upload(self, call: Call, run: Run) -> None:
@@ -340,13 +385,16 @@ class Engine:
             run(first.step, self.engram.prepare, first.layer, t)
         for lp in self.plan.layers:
             self._layer(lp, call, run)
+        if self.head is not None:  # the last layer's FFN pre collapses the copies (V4.1's head has no mixes)
+            run(HEAD_INPUT, self.head.input, self.h, self.plan.layers[-1].hyper.ffn.pre, call.head_x, t)
 
     def _layer(self, lp: LayerPlan, call: Call, run: Run) -> None:
         """Layer lp.layer on the highway h [T, hc, C], in the V4.1 order: the engram gate (engram
         layers), the attention sublayer (its mixes, with hc_pre + attn_norm into x; the attention
-        into a; hc_post), the FFN sublayer as a zero output (its mixes, whose pre is the next
-        layer's pre_in; hc_post). A mixes call returns the Mixes its post reads; `then` is the next
-        mixes', whose product that post forms (stages.hyper)."""
+        into a; hc_post), the FFN sublayer (its mixes, whose pre is the next layer's pre_in; a zero
+        output, or the callback's on x = ffn_norm(hc_pre(h, the attention's pre)); hc_post). A mixes
+        call returns the Mixes its post reads; `then` is the next mixes', whose product that post
+        forms (stages.hyper)."""
         i, t, h, x, a = lp.layer, call.tokens, self.h, self.x, self.a
         hyper, hc = self.hyper, lp.hyper
         run.layer_begins(lp)
@@ -367,10 +415,24 @@ class Engine:
         run.sublayer_ends(lp, ATTN)
         if hc.ffn_in_one:  # its mixes, its post and the next mixes' product in one launch
             run(lp.ffn_mixes, hyper.mixes_post, h, hc.ffn, t, hc.ffn_then)
-        else:
+        elif lp.ffn is None:
             ffn = run(lp.ffn_mixes, hyper.mixes, h, hc.ffn, t)
             run(lp.ffn_post, hyper.post_mix, h, None, ffn, t, hc.ffn_then)
+        else:  # the caller's FFN, on x collapsed by this layer's attention pre
+            ffn = run(lp.ffn_mixes, hyper.mixes_norm, h, hc.ffn, attn.pre, x, t)
+            run(lp.ffn, self._ffn_call, i, x, self.ffn_out, t)
+            run(lp.ffn_post, hyper.post_mix, h, self.ffn_out, ffn, t, hc.ffn_then)
         run.sublayer_ends(lp, FFN)
+
+    def _ffn_call(self, layer: int, x: Any, out: Any, n_tokens: int) -> None:
+        """The FFN callback on x[:T] into out[:T], with the stream the stages launch on now (a
+        graph's builder while one is recorded); what it raises, as a CallbackError naming it."""
+        stream = self.hyper.stream
+        try:
+            self.ffn(layer, x[:n_tokens], out[:n_tokens], FfnStream(stream, stream_handle(stream)))  # type: ignore[misc]
+        except Exception as exc:
+            raise CallbackError(f"the FFN callback {callback_name(self.ffn)} raised {type(exc).__name__} at layer "
+                                f"{layer} ({plural(n_tokens, 'token')}): {exc}") from exc
 
     def _download(self, call: Call, run: Run) -> np.ndarray:
         """The call's rows of the highway, h [T, hc, C] float32, on the host."""
@@ -401,7 +463,7 @@ class Engine:
         call = Call(tokens=b, start=[seq.position for seq in seqs], ids=tokens,
                     mask=None if tokens.mask is None else self.mask,
                     hasher=BatchHasher([seq.hasher for seq in seqs]), state=[seq.state for seq in seqs],
-                    shared=[self.attention.new_shared() for _ in seqs], batched=True)
+                    shared=[self.attention.new_shared() for _ in seqs], batched=True, head_x=self.head_x)
         run = self._run(call, False)  # profile: the calls one by one, timed (no graph)
         try:
             self._upload(call, run)
@@ -410,12 +472,16 @@ class Engine:
             else:
                 self._device(call, run)
             out = self._download(call, run)
+            if self.head_x is not None:  # each sequence's row of the head's input, into its own buffer
+                for b, seq in enumerate(seqs):
+                    seq.head_x[:1].copy_to_device(self.head_x[b:b + 1])
         except BaseException:
             for seq in seqs:  # validated input failed on the way: every state may be partly written
                 seq.failed = True
             raise
         for b, seq in enumerate(seqs):
             seq.history.record(tokens.part(b, b + 1))
+            seq.head_rows = 1
         return out
 
     def _check_batch(self, seqs: list[Sequence], token_ids: Any, token_masks: Any) -> Tokens:
@@ -492,19 +558,12 @@ class Engine:
         self._runner.launch(graph)
 
 
+FFN_CALLBACK = "ffn (callback)"  # the step name of an FFN callback's call
+
+
 def post_name(with_product: bool) -> str:
     """The step name of an hc_post: the profile shows where it also forms the next mixes' product."""
     return "hc_post + next mixes' product" if with_product else "hc_post"
-
-
-def one_token_mask(mask: Any, what: str) -> np.ndarray | None:
-    """A one-token step's mask (decode's, each of decode_batch's) as prefill takes it: None, or
-    bool [1]; anything but one bool or None is an InputError naming `what`."""
-    if mask is None:
-        return None
-    if not isinstance(mask, (bool, np.bool_)):
-        raise InputError(f"{what} is one bool or None, got {type(mask).__name__}")
-    return np.array([bool(mask)])
 
 
 class BatchHasher:
@@ -516,163 +575,3 @@ class BatchHasher:
 
     def hash(self, tokens: Tokens, starts: list[int]) -> np.ndarray:
         return np.concatenate([h.hash(tokens.part(b, b + 1), starts[b]) for b, h in enumerate(self.hashers)])
-
-
-class Sequence:
-    """One sequence on an engine: its tokens and calls (`history`), its hash history, its device
-    state and its truncate checkpoints (flashv41.sequence_state)."""
-
-    def __init__(self, engine: Engine, checkpoints: int = 1):
-        self.engine = engine
-        self.history = History(engine.max_seq)
-        self.captures: list[dict] = []
-        self.state = engine.attention.new_state()
-        self.checkpoints = Checkpoints(self.state, checkpoints)
-        engram = engine.cfg.engram
-        self.hasher = engine._hasher_cls(engram, engine.max_seq) if engram is not None else None
-        self.graphs: dict[tuple, Any] = {}  # decode graphs by Engine.graph_key
-        self.graph_keys_seen: set[tuple] = set()
-        self.failed = False  # a call failed after its input was accepted (see prefill)
-        self.released = False
-
-    @property
-    def max_seq(self) -> int:
-        return self.engine.max_seq
-
-    @property
-    def position(self) -> int:
-        """The tokens run so far (the next token's position)."""
-        return self.history.position
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """The token ids run so far, int64 [position] (a read-only copy)."""
-        out = self.history.ids[:self.position].copy()
-        out.flags.writeable = False
-        return out
-
-    def _check_usable(self) -> None:
-        """The error that refuses any call on a released or failed sequence, or a closed engine."""
-        if self.released:
-            raise SequenceStateError("this sequence was released")
-        if self.failed:
-            raise SequenceStateError("this sequence failed in the middle of a call, so its state may be partly "
-                                     "written: release it and start a new one")
-        self.engine._check_open()
-
-    def _validate(self, token_ids: Any, token_mask: Any) -> Tokens:
-        """The tokens, checked once (host.tokens.check_tokens) for everything after, or the error
-        that refuses the call: a bad id or mask, too many positions, a released or failed sequence."""
-        self._check_usable()
-        tokens = check_tokens(token_ids, token_mask, self.engine.cfg.vocab_size)
-        n = tokens.ids.size
-        if self.position + n > self.max_seq:
-            raise CapacityError(f"{plural(n, 'token')} at position {self.position} "
-                                f"{'exceeds' if n == 1 else 'exceed'} max_seq {self.max_seq} "
-                                f"({plural(self.max_seq - self.position, 'position')} left)")
-        return tokens
-
-    def prefill(self, token_ids: Any, token_mask: Any = None, capture: bool = False) -> np.ndarray:
-        """Run tokens from the current position (chunks of max_tokens); returns h [T, hc, dim] float32.
-
-        token_mask: bool [T], False = the token takes no part in any n-gram and gets no engram
-        contribution. capture: keep every layer's intermediates of the (last) chunk in `captures`.
-        """
-        tokens = self._validate(token_ids, token_mask)
-        step = self.engine.max_tokens
-        try:
-            out = [self._chunk(tokens.part(s, s + step), capture) for s in range(0, tokens.ids.size, step)]
-        except BaseException:
-            self.failed = True  # validated input failed on the way: the state may be partly written
-            raise
-        return np.concatenate(out) if len(out) > 1 else out[0]
-
-    def _chunk(self, tokens: Tokens, capture: bool) -> np.ndarray:
-        """One call of at most max_tokens checked tokens; a call of several first leaves a
-        checkpoint of the state it is about to overwrite (what `truncate` comes back to)."""
-        if tokens.ids.size > 1:
-            self.checkpoints.take(self.state, self.position, self.engine.attention.stream)
-        return self.engine._forward(self, tokens, capture)
-
-    def decode(self, token_id: int, token_mask: bool | None = None, capture: bool = False) -> np.ndarray:
-        """One token at the current position; returns h [1, hc, dim]."""
-        return self.prefill(one_token(token_id), one_token_mask(token_mask, "decode's token_mask"),
-                            capture)
-
-    def fork(self) -> Sequence:
-        """A new sequence of this engine with a copy of this one's state; the two then go their own
-        ways. Cost: a new sequence, one device copy of the used state (`engine.sequence_bytes(
-        position)`), one of its rings and partial groups into the fork's checkpoint (none of this
-        one's is kept: a truncate below the fork point runs from 0), the history on the host."""
-        self._check_usable()
-        new = self.engine.new_sequence(len(self.checkpoints))
-        stream = self.engine.attention.stream
-        try:
-            copy_used(self.state, new.state, self.position, stream)
-            new.history = self.history.copy()
-            if self.hasher is not None and new.hasher is not None:
-                new.hasher.history[:] = self.hasher.history
-            new.checkpoints.take(new.state, new.position, stream)
-        except BaseException:
-            new.release()
-            raise
-        return new
-
-    def truncate(self, n: int) -> None:
-        """Keep the first n tokens: afterwards the sequence is, in every later output and array of
-        its state, bit for bit the one that ran only those in the calls that first brought them
-        (the one n cuts ending at n). The newest checkpoint at or before n (taken before each call
-        of several tokens; none: the empty state) is copied back, and the tokens from it to n run
-        again in their calls (flashv41.sequence_state, which states the cost). n past the position
-        is an InputError that changes nothing; an error while the tokens run leaves it failed."""
-        self._check_usable()
-        if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)):
-            raise InputError(f"truncate takes a token count, an integer, got {type(n).__name__} {n!r}")
-        if not 0 <= n <= self.position:
-            raise InputError(f"cannot truncate to {n} tokens: the sequence holds {plural(self.position, 'token')} "
-                             f"(0..{self.position})")
-        n = int(n)
-        position = self.position
-        if n == position:
-            return
-        checkpoint = self.checkpoints.newest(n)
-        start = 0 if checkpoint is None else checkpoint.position or 0
-        chunks = self.history.replay(start, n, self.engine.max_tokens)
-        try:
-            rewind_to(self.state, checkpoint, position, self.hasher, self.engine.attention.stream)
-            self.history.rewind(start)
-            self.checkpoints.drop_after(n)
-            for chunk in chunks:
-                self._chunk(chunk, False)
-        except BaseException:
-            self.failed = True
-            raise
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the state to `path` (flashv41.sequence_file: a header naming the model by its content
-        hash, the sizes and the format version, then the used part of the state and the token
-        history); `Engine.load_sequence` reads it back. The file appears whole or not at all."""
-        self._check_usable()
-        from flashv41.sequence_file import write_sequence
-
-        write_sequence(self, path)
-
-    def attention_state(self) -> list[dict[str, np.ndarray]]:
-        """Every layer's attention state copied to the host, in the oracle's form (bf16 values as
-        float32): window_ring, and for kv sources kv_state, score_state, compressed, index_keys.
-        `host.oracle.OracleSequence.load_attention_state` takes it (for layer-by-layer checks)."""
-        if self.released:
-            raise SequenceStateError("this sequence was released")
-        return oracle_form(self.state)
-
-    def release(self) -> None:
-        """Free this sequence's device state (idempotent); the engine stays usable."""
-        if self.released:
-            return
-        for graph in self.graphs.values():
-            graph.close()
-        self.graphs = {}
-        self.state.free()
-        self.checkpoints.free()
-        self.hasher = None
-        self.released = True

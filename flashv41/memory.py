@@ -3,9 +3,12 @@
 - weights: the stored bytes of every tensor the engine uses (the engine uploads them as stored,
   quantised); the engram tables count on the device, or on the host with
   `table_residency="pinned"` (page-locked host memory) or `"host"` (the file's pages);
+- the head (output_norm, output) where the model has one, and each layer's ffn_norm (an FFN
+  callback's input); the MoE tensors stay in the file (the caller's FFN, or flashv41.HostMoE on the
+  host, reads them): counted apart, as host bytes;
 - per-sequence state, for sequences of up to `max_seq` positions: each layer's window ring, each
-  kv source's compressed cache, index-key cache and compressor partial-group state, and the
-  engram hash cache of compressed ids;
+  kv source's compressed cache, index-key cache and compressor partial-group state, the engram
+  hash cache of compressed ids, and the head's input of the last call (bf16 [max_tokens, dim]);
 - workspaces, per engine, for chunks of up to `max_tokens` tokens;
 - what moves with a sequence: a fork copies and a save writes the used part of its state (every
   ring and partial group, the caches' rows of the groups completed so far, the hash history so
@@ -66,11 +69,14 @@ class MemoryEstimate:
     checkpoint_bytes: int  # one truncate checkpoint: every window ring and compressor partial group
     position_bytes: float  # what a position adds to a fork's copy or a save: cache rows, hash history
     workspaces: tuple[tuple[str, int], ...]  # (what, bytes), per engine; an estimate
+    head_bytes: int = 0  # output_norm and output as stored (0 without a head)
+    head_input_bytes: int = 0  # per sequence: the head's input of the last call, bf16 [max_tokens, dim]
+    moe_host_bytes: int = 0  # the MoE tensors, which stay on the host (the file's pages)
 
     @property
     def weight_bytes(self) -> int:
         """Weights on the device (tables included only when they live there)."""
-        return self.embedding_bytes + sum(layer.device_weight_bytes for layer in self.layers)
+        return self.embedding_bytes + self.head_bytes + sum(layer.device_weight_bytes for layer in self.layers)
 
     @property
     def host_table_bytes(self) -> int:
@@ -78,7 +84,7 @@ class MemoryEstimate:
 
     @property
     def state_bytes_per_sequence(self) -> int:
-        return self.hash_cache_bytes + sum(layer.state_bytes for layer in self.layers)
+        return self.hash_cache_bytes + self.head_input_bytes + sum(layer.state_bytes for layer in self.layers)
 
     @property
     def workspace_bytes(self) -> int:
@@ -105,6 +111,9 @@ class MemoryEstimate:
         if self.hash_cache_bytes:
             lines.append(f"  {'':>5}  {'engram hash cache':<28} {'':>10} {'':>16} "
                          f"{format_bytes(self.hash_cache_bytes):>10}")
+        if self.head_bytes:
+            lines.append(f"  {'':>5}  {'head (output_norm, output)':<28} {format_bytes(self.head_bytes):>10} "
+                         f"{'':>16} {format_bytes(self.head_input_bytes):>10}")
         lines.append("  workspaces (estimate, per engine):")
         for what, nbytes in self.workspaces:
             lines.append(f"    {what:<52} {format_bytes(nbytes):>10}")
@@ -114,6 +123,9 @@ class MemoryEstimate:
         if self.host_table_bytes:
             label = "engram tables, pinned host" if self.table_residency == "pinned" else "engram tables on the host"
             lines.append(f"  {label:<29}{format_bytes(self.host_table_bytes):>10}")
+        if self.moe_host_bytes:
+            lines.append(f"  {'MoE tensors (host, the file)':<29}{format_bytes(self.moe_host_bytes):>10}"
+                         "  (the caller's FFN reads them, or HostMoE: not on the device)")
         per_gib = (1 << 30) // max(1, self.state_bytes_per_sequence)
         lines += [
             f"  state per sequence           {format_bytes(self.state_bytes_per_sequence):>10}"
@@ -158,6 +170,9 @@ def sequence_state_bytes(config: ModelConfig, positions: int) -> int:
     return hashes + sum(_layer_state_bytes(config, role, positions) for role in config.roles)
 
 
+HEAD_ROWS = 64  # stages.head.HEAD_ROWS (the logits workspace's rows), without importing the stages
+
+
 def _workspaces(config: ModelConfig, max_seq: int, max_tokens: int) -> tuple[tuple[str, int], ...]:
     t = max_tokens
     items = [
@@ -177,6 +192,10 @@ def _workspaces(config: ModelConfig, max_seq: int, max_tokens: int) -> tuple[tup
         items.append((f"engram rows bf16 [{t * e.cols}, {e.head_dim}]", t * e.cols * e.head_dim * BF16_BYTES))
         kv_width = config.dim * (config.hc + 1)
         items.append((f"engram kv bf16 [{t}, {kv_width}]", t * kv_width * BF16_BYTES))
+    if config.head:
+        rows = min(t, HEAD_ROWS)
+        items.append((f"logits fp32 [{rows}, {config.vocab_size}]", rows * config.vocab_size * FP32_BYTES))
+        items.append((f"head input of a batch step bf16 [{t}, {config.dim}]", t * config.dim * BF16_BYTES))
     return tuple(items)
 
 
@@ -196,6 +215,8 @@ def estimate_memory(config: ModelConfig, weights: WeightStore, max_seq: int, max
     layers = []
     for role in config.roles:
         specs = L.layer_tensor_specs(role.ratio, role.kv_source, role.index_source, role.engram)
+        if config.ffn_norm:
+            specs.append(L.FFN_NORM_TENSOR)
         weight_bytes = sum(weights.get(role.layer, spec.role).nbytes for spec in specs)
         table_bytes = weights.get(role.layer, L.ENGRAM_TABLE).nbytes if role.engram else 0
         layers.append(LayerMemory(
@@ -216,6 +237,10 @@ def estimate_memory(config: ModelConfig, weights: WeightStore, max_seq: int, max
         checkpoint_bytes=sequence_state_bytes(config, 0),
         position_bytes=(sequence_state_bytes(config, max_seq) - sequence_state_bytes(config, 0)) / max_seq,
         workspaces=_workspaces(config, max_seq, max_tokens),
+        head_bytes=sum(weights.get(None, spec.role).nbytes for spec in L.HEAD_TENSORS) if config.head else 0,
+        head_input_bytes=max_tokens * config.dim * BF16_BYTES if config.head else 0,
+        moe_host_bytes=sum(weights.get(role.layer, spec.role).nbytes for role in config.roles
+                           for spec in L.MOE_TENSORS) if config.moe is not None else 0,
     )
 
 

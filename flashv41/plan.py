@@ -58,6 +58,7 @@ class Call:
     batched: bool = False
     captures: list[dict] | None = None  # one dict per layer when the call keeps its intermediates
     hashes: np.ndarray | None = None  # int64 [T, n_engram_layers, cols], the host part's hash
+    head_x: Any = None  # uint16 [>= T, C] where the head's input goes (the sequence's; batched: the engine's)
 
     def capture(self, layer: int) -> dict | None:
         """The capture dict of `layer` when the call keeps its intermediates, else None."""
@@ -97,8 +98,21 @@ class LayerPlan:
     attn_mixes: Step  # "hc mixes + hc_pre + attn_norm"
     attention: Step  # "attention (<block type>)"
     attn_post: Step  # "hc_post", or "hc_post + next mixes' product" where it forms the FFN's
-    ffn_mixes: Step  # "hc mixes", or "hc mixes + hc_post + next mixes' product" where the FFN is one launch
+    ffn_mixes: Step  # "hc mixes", or "hc mixes + hc_post + next mixes' product" where the FFN is one launch,
+    # or "hc mixes + hc_pre + ffn_norm" where an FFN callback runs
     ffn_post: Step  # the FFN's hc_post, where it is a launch of its own
+    ffn: Step | None = None  # "ffn (callback)": the engine's FFN callback, where it has one
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """The layer's steps in the order its calls make them (its engram's first, where it has
+        one; the next engram layer's prepare, which an engram layer also runs, aside)."""
+        first = (self.engram.step,) if self.engram is not None else ()
+        if self.hyper.ffn_in_one:
+            last: tuple[Step, ...] = (self.ffn_mixes,)
+        else:
+            last = (self.ffn_mixes, *(() if self.ffn is None else (self.ffn,)), self.ffn_post)
+        return (*first, self.attn_mixes, self.attention, self.attn_post, *last)
 
     @property
     def last(self) -> Step:

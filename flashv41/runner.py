@@ -36,6 +36,8 @@ from flashv41.model import load_model
 
 CACHE_ENV = "FLASHV41_CACHE"
 BUILTIN_NAME = "tiny.gguf"
+BUILTIN_MOE_NAME = "tiny-moe.gguf"  # the built-in tiny model with its FFN and head tensors (`run --generate`)
+FFN_CHOICES = ("zero", "host-moe")  # `run --ffn`: the zero FFN output, or flashv41.HostMoE through host_ffn
 
 
 class RunnerSequence(Protocol):
@@ -64,12 +66,15 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def builtin_model(cache: Path | None = None, log: Callable[[str], None] = _stderr) -> Path:
-    """The built-in tiny model's path, writing it first (atomically) if it is missing or unreadable."""
+def builtin_model(cache: Path | None = None, log: Callable[[str], None] = _stderr, moe: bool = False) -> Path:
+    """The built-in tiny model's path, writing it first (atomically) if it is missing or unreadable.
+    moe: the same model with its MoE and head tensors (tiny-moe.gguf: the same attention and engram
+    tensors, byte for byte), which `run --generate` takes."""
     from flashv41.host.synth import progress_bar, write_synthetic
 
     folder = cache if cache is not None else cache_dir()
-    path = folder / BUILTIN_NAME
+    name = BUILTIN_MOE_NAME if moe else BUILTIN_NAME
+    path = folder / name
     if path.is_file():
         try:
             load_model(path).close()
@@ -77,14 +82,15 @@ def builtin_model(cache: Path | None = None, log: Callable[[str], None] = _stder
         except FlashError as exc:
             log(f"rewriting the built-in model: {path} is unreadable ({exc})")
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"{BUILTIN_NAME}.{os.getpid()}.tmp"
+    tmp = folder / f"{name}.{os.getpid()}.tmp"
+    what = "the built-in tiny model" + (" with its MoE and head" if moe else "")
     try:
-        with progress_bar("writing the built-in tiny model") as progress:
-            write_synthetic(tmp, "tiny", progress=progress)
+        with progress_bar(f"writing {what}") as progress:
+            write_synthetic(tmp, "tiny", progress=progress, moe=moe)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    log(f"wrote the built-in tiny model to {path}")
+    log(f"wrote {what} to {path}")
     return path
 
 
@@ -95,18 +101,37 @@ def backend_description() -> str:
     return backend_name() + (", no GPU found" if using_simulator() else "")
 
 
+def host_moe(model: Model, ffn: str) -> Any:
+    """`run --ffn`'s FFN as a host function: flashv41.HostMoE of the model for "host-moe", None for
+    "zero" (InputError for another name, or a model without MoE tensors)."""
+    if ffn not in FFN_CHOICES:
+        raise InputError(f"--ffn {ffn!r}: one of {', '.join(FFN_CHOICES)}")
+    if ffn == "zero":
+        return None
+    if model.config.moe is None:
+        raise InputError(f"--ffn host-moe: {model.path.name} has no MoE tensors (write a model with them: "
+                         "flashv41 synth --moe)")
+    from flashv41.host.moe import HostMoE
+
+    return HostMoE(model)
+
+
 def make_runner(model: Model, oracle: bool, max_seq: int, max_tokens: int = DEFAULT_MAX_TOKENS,
-                table_residency: str = "device") -> Runner:
+                table_residency: str = "device", ffn: str = "zero") -> Runner:
     """The NumPy oracle, or the engine (on the GPU, or on the CUDA simulator without one) with
-    per-stage timing on and its engram tables in `table_residency`."""
+    per-stage timing on and its engram tables in `table_residency`; ffn: FFN_CHOICES (host-moe:
+    the oracle's FFN, and the engine's through flashv41.host_ffn)."""
+    moe = host_moe(model, ffn)
     if oracle:
         from flashv41.host.oracle import Oracle
 
-        return Oracle(model, max_seq=max_seq)
+        return Oracle(model, max_seq=max_seq, ffn=moe)
     from flashv41.engine import Engine
+    from flashv41.ffn import host_ffn
 
     return Engine(model, max_seq=max_seq, max_tokens=min(max_tokens, max_seq), profile=True,
-                  table_residency=table_residency, progress=lambda line: _stderr(f"engine: {line}"))
+                  table_residency=table_residency, progress=lambda line: _stderr(f"engine: {line}"),
+                  ffn=None if moe is None else host_ffn(moe))
 
 
 def table_line(runner: Runner) -> str | None:
@@ -130,15 +155,20 @@ def stage_table(seconds: dict[str, float]) -> list[str]:
     return lines
 
 
-def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded: np.ndarray) -> tuple[list[str], bool]:
+def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded: np.ndarray, ffn: str = "zero",
+                         generated: np.ndarray | None = None) -> tuple[list[str], bool]:
     """Every layer of every call against the oracle from identical starting points
     (flashv41.check): the prompt (its last max_tokens tokens in one call), then each decode step;
     and the whole run against an oracle sequence run from position 0 on its own (flashv41.check.Chain:
-    the prompt's earlier chunks too). Returns the report lines and whether everything agreed."""
+    the prompt's earlier chunks too). ffn: the oracle's FFN (FFN_CHOICES), the engine's. generated:
+    the engine's greedy tokens (`decoded` being all but the last): then the head too, every call's
+    (flashv41.check.head_agreement), and the oracle's greedy token after each call, which must be
+    the engine's. Returns the report lines and whether everything agreed."""
     from flashv41.check import COSINE, MAX_FLIP_SHARE, REL_RMS, Chain, Flips, compare_call
     from flashv41.host.oracle import Oracle
 
-    oracle = Oracle(model, max_seq=engine.max_seq)
+    oracle = Oracle(model, max_seq=engine.max_seq, ffn=host_moe(model, ffn))
+    heads = HeadCheck(model, oracle) if generated is not None else None
     seq, ref = engine.new_sequence(), oracle.new_sequence()
     n = model.config.n_layers
     chain = Chain(oracle.new_sequence(), n)
@@ -155,6 +185,8 @@ def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded:
         with Progress("check against the oracle", len(calls), "call", "calls") as progress:
             for k, ids in enumerate(calls):
                 _, call = compare_call(seq, ref, ids, chain=chain)
+                if heads is not None:
+                    heads.compare(seq, ref)
                 progress.update()
                 for a in call.layers:
                     worst_cos[a.layer] = min(worst_cos[a.layer], a.cosine)
@@ -180,9 +212,47 @@ def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded:
                      + (f"  ({flip} flipped values adopted from the engine)" if flip else ""))
     lines.append(f"  flips (the engine's choices the oracle went on with): {run.describe()}")
     lines.append(f"  {chained.describe()}")
+    if heads is not None:
+        assert generated is not None
+        head_lines, head_ok = heads.report(generated)
+        lines += head_lines
+        ok = ok and head_ok
     lines += failures
     lines.append("check: " + ("every layer agrees" if ok else "DISAGREEMENT beyond the bounds"))
     return lines, ok
+
+
+class HeadCheck:
+    """The head of each checked call: the engine's inputs and logits against the oracle's (from the
+    oracle's call that started from the engine's state and inputs), and the oracle's greedy token."""
+
+    def __init__(self, model: Model, oracle: Any) -> None:
+        from flashv41.host import gguf_layout as L
+
+        self.output = model.tensor(None, L.OUTPUT)
+        self.norm = oracle.weight(None, L.OUTPUT_NORM)
+        self.eps = model.config.norm_eps
+        self.agreements: list[Any] = []
+        self.tokens: list[int] = []
+
+    def compare(self, seq: Any, ref: Any) -> None:
+        from flashv41.check import engine_head_input, head_agreement
+        from flashv41.host.oracle.head import head_input
+
+        want = ref.logits(all_positions=True)
+        h, pre = ref.last
+        self.agreements.append(head_agreement(engine_head_input(seq), head_input(h, pre, self.norm, self.eps),
+                                              seq.logits(all_positions=True), want, self.output))
+        self.tokens.append(int(np.argmax(want[-1])))
+
+    def report(self, generated: np.ndarray) -> tuple[list[str], bool]:
+        worst = max(self.agreements, key=lambda a: a.worst)
+        ok = all(a.ok for a in self.agreements) and self.tokens == [int(t) for t in generated]
+        same = "equal" if self.tokens == [int(t) for t in generated] else "DIFFERENT"
+        return [f"  the head, every call (the worst): {worst.describe()}; "
+                + ("ok" if all(a.ok for a in self.agreements) else "BEYOND THE BOUND"),
+                f"  greedy tokens, the oracle's after each call from the engine's state: {_ids(np.array(self.tokens))}"
+                f" ({same} to the engine's)"], ok
 
 
 INT64_MAX = int(np.iinfo(np.int64).max)
@@ -226,6 +296,7 @@ class RunResult:
     prefill_s: float
     decode_s: float
     prefill_calls: int = 1
+    generated: np.ndarray | None = None  # `run --generate`: the greedy tokens (decoded: all but the last)
 
 
 def prefill_chunk(runner: Runner, prompt: np.ndarray) -> int:
@@ -300,6 +371,36 @@ def run_sequence(runner: Runner, prompt: np.ndarray, decoded: np.ndarray) -> Run
     return RunResult(prompt, decoded, np.concatenate(outs, axis=0), prefill_s, decode_s, n_chunks)
 
 
+def generate_sequence(runner: Runner, prompt: np.ndarray, n: int) -> RunResult:
+    """Prefill `prompt` as run_sequence does, then n greedy tokens (flashv41.sample at temperature
+    0 of the last position's logits), each but the last decoded in turn."""
+    from flashv41.sampling import sample
+
+    chunk = prefill_chunk(runner, prompt)
+    n_chunks = -(-prompt.size // chunk)
+    seq: Any = runner.new_sequence()
+    tokens = np.zeros(n, np.int64)
+    try:
+        outs = []
+        start = time.perf_counter()
+        with prefill_progress(runner, prompt.size, n_chunks) as chunk_done:
+            for s in range(0, prompt.size, chunk):
+                outs.append(np.asarray(seq.prefill(prompt[s:s + chunk])))
+                chunk_done()
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        with Progress("generate", n, "token", "tokens") as progress:
+            for k in range(n):
+                tokens[k] = sample(seq.logits())
+                if k + 1 < n:
+                    outs.append(np.asarray(seq.decode(int(tokens[k]))))
+                progress.update()
+        decode_s = time.perf_counter() - start
+    finally:
+        seq.release()
+    return RunResult(prompt, tokens[:-1], np.concatenate(outs, axis=0), prefill_s, decode_s, n_chunks, tokens)
+
+
 def highway_stats(h: np.ndarray) -> str:
     """mean, std, min, max, sum (float64) and the sha256 of the float32 bytes (first 16 hex digits)."""
     a = np.ascontiguousarray(h, np.float32)
@@ -335,7 +436,9 @@ def report(model: Model, runner_name: str, result: RunResult, seed: int) -> list
     roles = ", ".join(f"{r.layer} {r.block_type}{'+engram' if r.engram else ''}" for r in cfg.roles)
     h = result.highway
     calls = "one call" if result.prefill_calls == 1 else f"{result.prefill_calls} calls"
-    return [
+    generated = [] if result.generated is None else [
+        f"generated: {plural(result.generated.size, 'token')} (greedy) {_ids(result.generated, 32)}"]
+    return generated + [
         f"model: {model.path} ({cfg.describe()})",
         f"roles: {roles}",
         f"runner: {runner_name}",
@@ -351,18 +454,28 @@ def report(model: Model, runner_name: str, result: RunResult, seed: int) -> list
 
 def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, prompt_len: int, n_decode: int,
               seed: int, out: Callable[[str], None] = print, check: bool = False,
-              table_residency: str = "device", max_seq: int | None = None) -> int:
+              table_residency: str = "device", max_seq: int | None = None, generate: int | None = None,
+              ffn: str = "zero") -> int:
     """The whole `flashv41 run`; returns the exit status. Everything is checked before any work
     starts, so a bad argument costs no time and prints nothing but its error. `max_seq`: the
-    positions the sequence may hold (default: the prompt and the decode steps, exactly)."""
-    if prompt_len < 1 or n_decode < 0 or seed < 0:
-        raise InputError(f"--prompt-len must be >= 1, --decode >= 0 and --seed >= 0, got {prompt_len}, "
-                         f"{n_decode} and {seed}")
+    positions the sequence may hold (default: the prompt and the decode steps, exactly).
+    generate: N greedy tokens after the prompt instead of n_decode random ones (N - 1 decode steps;
+    without a model, the built-in tiny model with its MoE and head). ffn: FFN_CHOICES."""
+    if prompt_len < 1 or n_decode < 0 or seed < 0 or (generate is not None and generate < 1):
+        raise InputError(f"--prompt-len must be >= 1, --decode >= 0, --generate >= 1 and --seed >= 0, got "
+                         f"{prompt_len}, {n_decode}, {generate} and {seed}")
     if check and oracle:
         raise InputError("--check compares the engine with the oracle; it cannot be combined with --oracle")
-    model = open_model(model_path)
+    if ffn not in FFN_CHOICES:
+        raise InputError(f"--ffn {ffn!r}: one of {', '.join(FFN_CHOICES)}")
+    if generate is not None:
+        n_decode = generate - 1
+    model = load_model(model_path) if model_path is not None else load_model(builtin_model(moe=generate is not None))
     try:
         cfg = model.config
+        if generate is not None and not cfg.head:
+            raise InputError(f"--generate: {model.path.name} has no head (output_norm, output) to give logits "
+                             "(write a model with one: flashv41 synth --moe)")
         n_prompt = tokens.size if tokens is not None else prompt_len
         needed = f"{plural(n_prompt, 'prompt token')} and {plural(n_decode, 'decode step')}"
         if n_prompt + n_decode > cfg.context_length:
@@ -379,10 +492,13 @@ def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, 
         name = "NumPy oracle" if oracle else f"engine on {backend_description()}"
         _stderr(f"runner: {name}")
         positions = max_seq if max_seq is not None else prompt.size + n_decode
-        runner = make_runner(model, oracle, positions, table_residency=table_residency)
+        runner = make_runner(model, oracle, positions, table_residency=table_residency, ffn=ffn)
         status = 0
         try:
-            result = run_sequence(runner, prompt, decoded)
+            if generate is not None:
+                result = generate_sequence(runner, prompt, generate)
+            else:
+                result = run_sequence(runner, prompt, decoded)
             for line in report(model, name, result, seed):
                 out(line)
             tables = table_line(runner)
@@ -394,7 +510,7 @@ def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, 
                 for line in stage_table(seconds):
                     out(line)
             if check:
-                lines, ok = check_against_oracle(model, runner, prompt, decoded)
+                lines, ok = check_against_oracle(model, runner, prompt, result.decoded, ffn, result.generated)
                 for line in lines:
                     out(line)
                 status = 0 if ok else 1

@@ -78,6 +78,44 @@ class EngramConfig:
         return self.layer_ids.index(layer)
 
 
+# V4.1's own MoE values (the official config.json): what a file that does not say takes
+V41_SCORE_FUNC = "sqrtsoftplus"
+V41_ROUTE_SCALE = 1.5
+V41_SWIGLU_LIMIT = 10.0
+SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The routed experts of the FFN sublayer (the reference's MoE, Gate and Expert), as
+    flashv41.HostMoE computes them: every layer the same.
+
+    n_experts: routed experts [384]; n_active: experts a token goes through [6]; inter_dim: an
+    expert's hidden width [2304]; shared_inter_dim: the shared expert's [2304].
+    score_func: "sqrtsoftplus" (V4.1), "sigmoid" or "softmax", of the gate's fp32 scores; the
+    correction bias `exp_probs_b` only chooses the experts. norm_topk: the chosen scores divided by
+    their sum (+ 1e-20) when n_active > 1. route_scale [1.5] multiplies them. swiglu_limit [10]:
+    the up branch clamped to [-limit, limit], the gate branch from above (0: no clamp).
+    defaults: the fields the file does not record, which take V4.1's values.
+    """
+
+    n_experts: int
+    n_active: int
+    inter_dim: int
+    shared_inter_dim: int
+    score_func: str = V41_SCORE_FUNC
+    route_scale: float = V41_ROUTE_SCALE
+    norm_topk: bool = True
+    swiglu_limit: float = V41_SWIGLU_LIMIT
+    defaults: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        said = f" (V4.1's {', '.join(self.defaults)}: the file does not record them)" if self.defaults else ""
+        return (f"{self.n_experts} experts, top-{self.n_active}, hidden {self.inter_dim} (shared expert "
+                f"{self.shared_inter_dim}), {self.score_func} scores{', normalised' if self.norm_topk else ''}, "
+                f"route scale {self.route_scale:g}, swiglu limit {self.swiglu_limit:g}{said}")
+
+
 @dataclass(frozen=True, eq=False)
 class ModelConfig:
     """Every number the engine needs, read from the GGUF (names follow ModelArgs where they can)."""
@@ -112,6 +150,12 @@ class ModelConfig:
     candidate_topk_blocks: int
     roles: tuple[LayerRole, ...]
     engram: EngramConfig | None = None
+    # the FFN sublayer and the head, where the file carries them (host.gguf_moe reads them): every
+    # layer's ffn_norm (what an FFN callback's input is normed with), the routed experts (MoEConfig:
+    # flashv41.HostMoE), output_norm and output (the head: Sequence.logits)
+    ffn_norm: bool = False
+    moe: MoEConfig | None = None
+    head: bool = False
     name: str = field(default="deepseek41")
     layout: str = field(default="llama.cpp")  # the GGUF layout it was read from: "llama.cpp", "mxxm-t" or "ds4"
 

@@ -37,6 +37,12 @@ class SequenceStateError(FlashError):
     closed model."""
 
 
+class CallbackError(FlashError):
+    """A caller's callback (an Engine's FFN) raised inside a call: the message names it, the layer and
+    the token count, its exception is the cause. The call's sequence is marked failed (its state may be
+    half written); the engine and its other sequences stay usable."""
+
+
 def plural(count: int, noun: str) -> str:
     """`count` and `noun` as a message says them: 1 token, 2 tokens, 0 decode steps (the plural is
     the noun with an s)."""

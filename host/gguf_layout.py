@@ -190,6 +190,9 @@ class Dims:
     index_head_dim: int
     engram_head_dim: int = 0
     engram_cols: int = 0
+    n_experts: int = 0
+    expert_inter: int = 0
+    shared_inter: int = 0
 
     @property
     def mix(self) -> int:
@@ -243,6 +246,27 @@ ENGRAM_TENSORS = (
 ENGRAM_TABLE = "engram_embd"
 TOKEN_EMBD = "token_embd"
 
+# The FFN sublayer (its norm, the router, the routed and the shared experts: llama.cpp's deepseek2
+# names, which ds4 writes too) and the head. The engine reads ffn_norm (an FFN callback's input),
+# output_norm and output (the head); flashv41.HostMoE the rest. A file carries every one or none.
+FFN_NORM = "ffn_norm"
+FFN_NORM_TENSOR = TensorSpec(FFN_NORM, lambda d: (d.dim,), False)
+MOE_TENSORS = (
+    TensorSpec("ffn_gate_inp", lambda d: (d.n_experts, d.dim)),
+    TensorSpec("exp_probs_b", lambda d: (d.n_experts,), False),
+    TensorSpec("ffn_gate_exps", lambda d: (d.n_experts, d.expert_inter, d.dim)),
+    TensorSpec("ffn_up_exps", lambda d: (d.n_experts, d.expert_inter, d.dim)),
+    TensorSpec("ffn_down_exps", lambda d: (d.n_experts, d.dim, d.expert_inter)),
+    TensorSpec("ffn_gate_shexp", lambda d: (d.shared_inter, d.dim)),
+    TensorSpec("ffn_up_shexp", lambda d: (d.shared_inter, d.dim)),
+    TensorSpec("ffn_down_shexp", lambda d: (d.dim, d.shared_inter)),
+)
+OUTPUT_NORM = "output_norm"
+OUTPUT = "output"
+HEAD_TENSORS = (TensorSpec(OUTPUT_NORM, lambda d: (d.dim,), False), TensorSpec(OUTPUT, lambda d: (d.vocab, d.dim)))
+# a role whose file name ends otherwise than `.weight` (the router's correction bias)
+TENSOR_SUFFIX = {"exp_probs_b": "bias"}
+
 # The attention tensors by the names the oracle's AttentionWeights and the attention stage give
 # them: every layer's, then those of kv sources (compressor, index keys) and index sources.
 ATTENTION_ROLES = {
@@ -257,12 +281,11 @@ OPTIONAL_ATTENTION_ROLES = {
 
 
 # What each layout calls a role in the file (between `blk.{i}.` and `.weight`): one table per
-# layout, complete over the roles the engine reads. Tensors the engine ignores (FFN, MoE, output)
-# keep their names in both.
+# layout, complete over the roles flashv41 reads (the FFN's and the head's keep their names in all).
 ALL_ROLES = tuple(dict.fromkeys(
     [TOKEN_EMBD, ENGRAM_TABLE]
     + [s.role for s in (*ATTENTION_TENSORS, *KV_SOURCE_TENSORS, COMPRESSOR_GATE, *INDEX_SOURCE_TENSORS,
-                        *ENGRAM_TENSORS)]
+                        *ENGRAM_TENSORS, FFN_NORM_TENSOR, *MOE_TENSORS, *HEAD_TENSORS)]
 ))
 TENSOR_NAMES: dict[str, dict[str, str]] = {
     LLAMA_CPP: {role: role for role in ALL_ROLES},
@@ -283,9 +306,9 @@ TENSOR_NAMES: dict[str, dict[str, str]] = {
 
 def tensor_name(layer: int | None, role: str, layout: str = LLAMA_CPP) -> str:
     """The file name of a role in a layout: `blk.{layer}.{name}.weight`, or `{name}.weight` for a
-    model-level tensor (a role outside the table keeps its own name)."""
-    name = TENSOR_NAMES[layout].get(role, role)
-    return f"{name}.weight" if layer is None else f"blk.{layer}.{name}.weight"
+    model-level tensor (a role outside the table keeps its own name; `.bias` for TENSOR_SUFFIX's)."""
+    name = f"{TENSOR_NAMES[layout].get(role, role)}.{TENSOR_SUFFIX.get(role, 'weight')}"
+    return name if layer is None else f"blk.{layer}.{name}"
 
 
 def layer_tensor_specs(ratio: int, kv_source: bool, index_source: bool, engram: bool) -> list[TensorSpec]:

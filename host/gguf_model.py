@@ -38,6 +38,7 @@ from flashv41.host.config import EngramConfig, LayerRole, ModelConfig
 from flashv41.host.engram_tables import engram_offsets
 from flashv41.host.errors import ModelFormatError, SequenceStateError, UnsupportedError
 from flashv41.host.gguf_file import _Fields, open_gguf_set
+from flashv41.host.gguf_moe import read_ffn_head
 from flashv41.host.quants import FORMATS, GGML_I8, GGMLType, RowType, check_e4m3_row264, dequantize
 
 
@@ -570,6 +571,7 @@ def read_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, WeightStore]:
     engram = _engram_config(fields, store, n, values["vocab_size"], layout)
     kv, idx = _source_layers(fields, store, n)
     values["roles"] = _roles(values, store, engram.layer_ids if engram else (), p.name, kv, idx)
+    values.update(read_ffn_head(fields, store, values, layout))
     cfg = ModelConfig(engram=engram, layout=layout, **values)
     validate_tensors(cfg, store)
     return cfg, store

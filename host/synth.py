@@ -61,6 +61,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from flashv41.host import gguf_layout as L
+from flashv41.host import synth_moe
 from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
 from flashv41.host.errors import InputError, UnsupportedError
 from flashv41.host.gguf_file import shard_name
@@ -71,6 +72,7 @@ from flashv41.host.synth_draw import DRAWERS, _gaussian, _q2k_table, _stored, dr
 
 # re-exported (`X as X`): callers take the presets and DRAWN_ONLY from host.synth
 from flashv41.host.synth_draw import DRAWN_ONLY as DRAWN_ONLY
+from flashv41.host.synth_moe import HOST_ONLY_TYPES, block_values, plan_moe, stored_row_bytes, write_moe_metadata
 from flashv41.host.synth_presets import FLASH40_SCHEDULE as FLASH40_SCHEDULE
 from flashv41.host.synth_presets import HOLES, Preset, preset
 from flashv41.host.synth_presets import PRESETS as PRESETS
@@ -105,14 +107,13 @@ MakeFn = Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]  # (rng, s
 class PlannedTensor:
     name: str
     shape: tuple[int, ...]  # NumPy order
-    gtype: GGMLType | RowType
+    gtype: GGMLType | RowType  # (or a type only the host reads: host.synth_moe.HOST_ONLY_TYPES)
     make: MakeFn
 
     @property
     def nbytes(self) -> int:
-        fmt = FORMATS[self.gtype]
         rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
-        return rows * fmt.row_bytes(self.shape[-1])
+        return rows * stored_row_bytes(self.gtype, self.shape[-1])
 
 
 def _fit_type(want: GGMLType | RowType, inner: int) -> GGMLType | RowType:
@@ -125,7 +126,7 @@ def _fit_type(want: GGMLType | RowType, inner: int) -> GGMLType | RowType:
 
 def _typed(role: str, name: str, shape: tuple[int, ...], gtype: GGMLType | RowType) -> GGMLType | RowType:
     """A type map's type for tensor `name` of `role`, once its rows are known to hold whole blocks."""
-    values = FORMATS[gtype].block_values
+    values = block_values(gtype)
     if shape[-1] % values:
         raise UnsupportedError(
             f"type map {role}={gtype.name}: tensor {name} {list(shape)} has rows of {shape[-1]} values, which do "
@@ -226,6 +227,9 @@ def plan_tensors(p: Preset, weight_type: GGMLType, table_type: GGMLType | RowTyp
                     return _stored(_gaussian(s, 1.0, rng), tt)
                 make_table = make_stored
             out.append(PlannedTensor(name, shape, t, make_table))
+    if p.moe:  # after every layer's tensors, so those are the bytes of the file without them
+        out += [PlannedTensor(name, shape, gtype, make)  # type: ignore[arg-type]
+                for name, shape, gtype, make in plan_moe(p, weight_type, layout, dict(type_map), _fit_type, _typed)]
     return out
 
 
@@ -256,6 +260,8 @@ def _write_metadata(w: GGUFWriter, p: Preset, primes: np.ndarray, offsets: np.nd
             "candidate_topk_blocks": p.candidate_topk_blocks}
     for name, (k, _default) in L.OPTIONAL_U32_KEYS.items():
         w.add_uint32(L.key(k), int(cand[name]))
+    if p.moe:
+        write_moe_metadata(w, p, layout)
     if layout == L.MXXM_T:
         _write_mxxm_metadata(w, p, primes, offsets, multipliers, token_map, table_rows)
     elif p.engram_layers:
@@ -331,6 +337,8 @@ def _write_ds4_metadata(w: GGUFWriter, p: Preset, primes: np.ndarray, multiplier
     array(L.DS4_KV_SOURCES, p.kv_sources)
     array(L.DS4_INDEX_SOURCES, p.index_sources)
     config[L.DS4_KEY_COMPRESS_RATIOS] = [*p.compress_ratios, 0]
+    if p.moe:
+        write_moe_metadata(w, p, L.DS4, config)
     w.add_string(L.key(L.DS4_KEY_CONFIG), json.dumps(config))
     if not p.engram_layers:
         return
@@ -350,7 +358,8 @@ def _write_ds4_metadata(w: GGUFWriter, p: Preset, primes: np.ndarray, multiplier
 # The roles a type map may set: the embedding, every matrix of a layer, the engram table (named as
 # llama.cpp names them; a layout's own name of a role is taken too). The 1-D tensors (norms, sinks,
 # hc bases and scales) stay F32, as in published files.
-_SPECS = (*L.ATTENTION_TENSORS, *L.KV_SOURCE_TENSORS, L.COMPRESSOR_GATE, *L.INDEX_SOURCE_TENSORS, *L.ENGRAM_TENSORS)
+_SPECS = (*L.ATTENTION_TENSORS, *L.KV_SOURCE_TENSORS, L.COMPRESSOR_GATE, *L.INDEX_SOURCE_TENSORS, *L.ENGRAM_TENSORS,
+          L.FFN_NORM_TENSOR, *L.MOE_TENSORS, *L.HEAD_TENSORS)
 TYPE_MAP_ROLES = (L.TOKEN_EMBD, *(s.role for s in _SPECS if s.matrix), L.ENGRAM_TABLE)
 VECTOR_ROLES = tuple(s.role for s in _SPECS if not s.matrix)
 ROLE_ALIASES = {name: role for names in L.TENSOR_NAMES.values() for role, name in names.items() if name != role}
@@ -398,6 +407,12 @@ def resolve_type_map(type_map: Mapping[str, str | GGMLType | RowType], layout: s
                                  f"{RowType.E4M3_ROW264.name} ({L.DS4_ENCODING}) only")
             out[role] = RowType.E4M3_ROW264
             continue
+        if name in HOST_ONLY_TYPES:
+            if role not in synth_moe.EXPERT_ROLES:
+                raise UnsupportedError(f"type map {given}={value}: {name} is read by the host only, so only the "
+                                       f"routed experts ({', '.join(synth_moe.EXPERT_ROLES)}) may take it")
+            out[role] = HOST_ONLY_TYPES[name]  # type: ignore[assignment]
+            continue
         if name == RowType.E4M3_ROW264.name:
             raise UnsupportedError(f"type map {given}={value}: {name} is the ds4 layout's engram table format "
                                    f"(--layout ds4 writes its tables so); types here: {', '.join(WRITABLE_TYPES)}")
@@ -423,7 +438,7 @@ def _byte_shape(t: PlannedTensor) -> tuple[tuple[int, ...], np.dtype]:
     if t.gtype == GGMLType.F16:
         return t.shape, np.dtype(np.float16)
     rows = t.shape[:-1] if len(t.shape) > 1 else (1,)
-    return (*rows, FORMATS[t.gtype].row_bytes(t.shape[-1])), np.dtype(np.uint8)
+    return (*rows, stored_row_bytes(t.gtype, t.shape[-1])), np.dtype(np.uint8)
 
 
 def _chunks(t: PlannedTensor, rng: np.random.Generator, max_values: int) -> Iterator[np.ndarray]:
@@ -445,6 +460,8 @@ def _roles_of(p: Preset) -> set[str]:
         roles.update(spec.role for spec in specs)
         if engram:
             roles.add(L.ENGRAM_TABLE)
+    if p.moe:
+        roles.update(s.role for s in (L.FFN_NORM_TENSOR, *L.MOE_TENSORS, *L.HEAD_TENSORS))
     return roles
 
 

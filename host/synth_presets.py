@@ -84,6 +84,17 @@ class Preset:
     # type flashv41 reads decodes to zeros): "" none, "tables" the engram tables, "matrices" the tables
     # and every other tensor of two or more dimensions (only the 1-D norms, sinks and hc bases stay drawn)
     holes: str = ""
+    # the FFN sublayer's and the head's tensors (host.synth_moe): every layer's ffn_norm, router,
+    # routed and shared experts, then output_norm and output; off, a file's bytes are those of a
+    # file written before they existed. Small expert counts (the flash presets keep V4.1's widths:
+    # dim 5120, hidden 2304; n_experts=384, n_active=6 give its real shapes)
+    moe: bool = False
+    n_experts: int = 4
+    n_active: int = 2
+    expert_inter: int = 64
+    score_func: str = "sqrtsoftplus"
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
 
     @property
     def n_layers(self) -> int:
@@ -101,19 +112,21 @@ PRESETS: dict[str, Preset] = {
         vocab=512, dim=256, n_heads=4, head_dim=64, rope_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=64,
         window=16, index_heads=4, index_head_dim=64, index_topk=8, candidate_block_size=4,
         candidate_topk_blocks=3, max_ngram=4, engram_heads=2, engram_head_dim=32, engram_vocab_size=100,
-        default_table_type="Q8_0",
+        default_table_type="Q8_0", expert_inter=128,
     ),
     "flash": Preset(
         vocab=129280, dim=5120, n_heads=64, head_dim=512, rope_dim=64, q_lora_rank=1280, o_groups=8,
         o_lora_rank=1024, window=128, index_heads=32, index_head_dim=128, index_topk=512, candidate_block_size=8,
         candidate_topk_blocks=2048, max_ngram=4, engram_heads=8, engram_head_dim=256,
         engram_vocab_size=125_000, rope_factor=16.0, rope_original_ctx=65536, context_length=65536,
+        n_experts=8, n_active=6, expert_inter=2304,
     ),
 }
 # tiny with every streamed matrix's rows 256 values wide (dim, q_lora_rank, the heads' values per output
 # group, the output lora): the smallest model whose matrices all hold K-quant super-blocks but the
 # index keys' (indexer.attn_k, rows of head_dim 64)
-PRESETS["tiny256"] = replace(PRESETS["tiny"], dim=256, q_lora_rank=256, n_heads=4, o_groups=1, o_lora_rank=256)
+PRESETS["tiny256"] = replace(PRESETS["tiny"], dim=256, q_lora_rank=256, n_heads=4, o_groups=1, o_lora_rank=256,
+                             expert_inter=256)
 # V4.1-Flash's own 40-layer schedule (docs/performance.md): 2 window-only layers, ratio 2 for
 # layers 2-19 and ratio 1 for 20-39, kv sources 2, 8, 14, 20, index sources 2, 8, ..., 36 (every
 # kv source, then every fourth layer), candidate source 20, engram before layers 1 and 14

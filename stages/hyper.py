@@ -10,14 +10,17 @@ Shapes: T tokens, hc copies, C dim, M = (2 + hc) * hc mixes. The highway h is fl
   T; or the post kernel's, below), then per token r = rsqrt(mean(h^2) + eps),
   pre = sigmoid(raw * r * s0 + b) + hc_eps, post = 2 sigmoid(raw * r * s1 + b), comb = Sinkhorn
   (one warp, shuffles, no barrier).
-- `mixes_norm`: the attention sublayer's mixes and x = attn_norm(bf16(sum_c pre[c] h[c])) in bf16
-  (pre: the layer before's mix) in one block per token.
+- `mixes_norm`: a sublayer's mixes and its input x = norm(bf16(sum_c pre[c] h[c])) in bf16 in one
+  block per token: the attention's (attn_norm; pre the layer before's FFN mix), or, where an FFN
+  callback runs (flashv41.ffn), the FFN's (ffn_norm; pre this layer's attention mix, as the
+  reference's Block.forward collapses it).
 - `post_mix`: h[c] = post[c] * a + sum_k comb[k, c] h[k], in place; a = None is a zero sublayer.
   With the next sublayer's mixes named (F32 / F16 / BF16 fn: `fuses`) and T <= POST_PRODUCT_MAX_TOKENS,
   the same launch also forms their product from the new h, [T, M + 1, S'] by d-ranges of
   POST_SLICE over as many blocks (past that T the mixes launch stream_partials as without it).
 - `mixes_post`: a zero-output (FFN) sublayer between two such posts in one launch: each post
-  block sums the slices and runs the Sinkhorn itself, then the post and the next product.
+  block sums the slices and runs the Sinkhorn itself, then the post and the next product (not
+  where an FFN callback gives the sublayer an output: `plan(zero_ffn=False)`).
 
 What one call hands the next is a value, not state left in the stage: a sublayer's `Mixes` names
 where its mixes write pre, post and comb (which its post_mix then reads) and where the post before
@@ -287,6 +290,21 @@ def mixes_norm_kernel(hc: int, per_thread: int):
     return kernel
 
 
+@cache
+def pre_norm_kernel(hc: int, per_thread: int):
+    """x[t] = norm(bf16(sum_c pre[t, c] h[t, c])) alone (collapse_norm), one block of PRE_NORM_THREADS
+    per token: the head's input (stages.head), which has no mixes of its own. (Here, beside the
+    device function it runs, because the simulator gives a kernel's own module its CUDA names.)"""
+    norm = collapse_norm(hc, per_thread)
+
+    @cuda.jit
+    def kernel(h, pre, weight, x, dim, eps):
+        scratch = cuda.shared.array(PRE_NORM_THREADS, float32)
+        norm(h, pre, weight, x, cuda.blockIdx.x, dim, eps, scratch)
+
+    return kernel
+
+
 @device
 def _post_values(h, a, post, comb, t, m, d, hc, has_output, out, o):
     """out[o + c] = post[m, c] * a[t, d] + sum_k comb[m, k, c] h[t, k, d] for every copy c (h's
@@ -485,6 +503,8 @@ class HyperStage(Traced):
                     cuda.to_device(model.tensor(i, f"hc_{kind}_base").dequantize(), stream=stream),
                 )
             per["attn_norm"] = cuda.to_device(model.tensor(i, "attn_norm").dequantize(), stream=stream)
+            if cfg.ffn_norm:  # an FFN callback's input is normed with it
+                per["ffn_norm"] = cuda.to_device(model.tensor(i, "ffn_norm").dequantize(), stream=stream)
             self.layers.append(per)
         hc = cfg.hc
         self.n_slices = -(-cfg.hc * cfg.dim // (MIX_SLICE_CHUNKS * CHUNK))
@@ -539,12 +559,13 @@ class HyperStage(Traced):
                                    f"{self.layers[layer][kind][0].gtype.name} mixes")
         return Mixes(layer, kind, pre, self.post, self.comb, self.post_partial[kind] if after_post else None)
 
-    def plan(self, engram_layers: Collection[int]) -> tuple[HyperLayer, ...]:
+    def plan(self, engram_layers: Collection[int], zero_ffn: bool = True) -> tuple[HyperLayer, ...]:
         """Every layer's hyper-connection calls, in order, decided once. A post forms the next
         mixes' product where the post kernel reads their fn type (`fuses`) and nothing runs between
         the two: not for the first layer's attention mixes (the embedding comes before them), nor
         an engram layer's (its gate does). An FFN sublayer whose mixes were formed by the post
-        before and whose post forms the next is one launch (ffn_in_one)."""
+        before and whose post forms the next is one launch (ffn_in_one), where its output is zero
+        (zero_ffn; an FFN callback's sublayer runs mixes_norm, the callback and post_mix)."""
         n = self.cfg.n_layers
         pre_in, pre_out, unused = self.pre
         attn = [self.sublayer(i, "attn", unused, i > 0 and i not in engram_layers and self.fuses(i, "attn"))
@@ -554,7 +575,7 @@ class HyperStage(Traced):
             ffn = self.sublayer(i, "ffn", pre_out, self.fuses(i, "ffn"))
             ffn_then = attn[i + 1] if i + 1 < n and attn[i + 1].product is not None else None
             layers.append(HyperLayer(pre_in, attn[i], ffn if ffn.product is not None else None, ffn, ffn_then,
-                                     ffn.product is not None and ffn_then is not None))
+                                     zero_ffn and ffn.product is not None and ffn_then is not None))
             pre_in, pre_out = pre_out, pre_in
         return tuple(layers)
 
@@ -583,17 +604,18 @@ class HyperStage(Traced):
         return m
 
     def mixes_norm(self, h, m: Mixes, pre_in, x, n_tokens: int) -> Mixes:
-        """The attention sublayer's `mixes` (m, returned for its post) and its input x [T, C] bf16 =
-        attn_norm(hc_pre(h, pre_in)), pre_in [T, hc] the mix the sublayer before wrote: the sums,
-        the collapse and the Sinkhorn in one block per token."""
-        assert m.kind == "attn", "attn_norm follows the attention sublayer's collapse"
+        """Sublayer m's `mixes` (m, returned for its post) and its input x [T, C] bf16 =
+        norm(hc_pre(h, pre_in)), the sublayer's norm (attn_norm or ffn_norm) and pre_in [T, hc] the
+        mix the sublayer before wrote: the sums, the collapse and the Sinkhorn in one block per token."""
+        norm = self.layers[m.layer].get(f"{m.kind}_norm")
+        assert norm is not None, f"the {m.kind} sublayer's collapse needs {m.kind}_norm (ModelConfig.ffn_norm)"
         cfg = self.cfg
         partial, n_slices, scale, base = self._mix_args(m, h, n_tokens)
         per_thread = -(-cfg.dim // PRE_NORM_THREADS)
         mixes_norm_kernel(cfg.hc, per_thread)[n_tokens, PRE_NORM_THREADS, self.stream](
             partial, scale, base, m.pre, m.post, m.comb, n_slices,
             cfg.hc * cfg.dim, cfg.sinkhorn_iters, np.float32(cfg.norm_eps), np.float32(cfg.hc_eps),
-            h, pre_in, self.layers[m.layer]["attn_norm"], x, cfg.dim)
+            h, pre_in, norm, x, cfg.dim)
         return m
 
     def post_mix(self, h, a, m: Mixes, n_tokens: int, then: Mixes | None = None) -> None:

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.gguf_reader import ReaderField
 
 ARCH_KEY = "general.architecture"
+ALIGNMENT_KEY = "general.alignment"
 # the keys GGUFReader reports for the file header itself; GGUFWriter writes those on its own
 HEADER_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
 
@@ -58,6 +59,9 @@ def rewrite_gguf(
         if skipped or field.name in drop_keys or field.name in set_keys:
             continue
         value, vtype, sub_type = field_value(field)
+        if field.name == ALIGNMENT_KEY:  # (the writer must lay the data out by it, as the reader will read it)
+            writer.add_custom_alignment(int(value))
+            continue
         writer.add_key_value(field.name, value, vtype, sub_type=sub_type)
     for name, (value, vtype, sub_type) in set_keys.items():
         writer.add_key_value(name, value, vtype, sub_type=sub_type)

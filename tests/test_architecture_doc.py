@@ -19,12 +19,13 @@ from flashv41.host.tokens import Tokens
 from flashv41.plan import Call, EngramPlan, LayerCapture, LayerPlan, Plan, Run, StageTimer, Step, Watched
 from flashv41.stages.attention import AttentionStage
 from flashv41.stages.engram import EngramStage
+from flashv41.stages.head import HeadStage
 from flashv41.stages.hyper import HyperLayer, HyperStage, Mixes
 
 DOC = Path(__file__).resolve().parents[1] / "docs/architecture.md"
 CLASSES = {c.__name__: c for c in (Engine, Sequence, BatchHasher, FastEngramHasher, Tokens, Call, Plan, LayerPlan,
                                    EngramPlan, Step, Run, Watched, StageTimer, LayerCapture, HyperStage, Mixes,
-                                   HyperLayer, AttentionStage, EngramStage, PartEvents)}
+                                   HyperLayer, AttentionStage, EngramStage, HeadStage, PartEvents)}
 
 
 def quoted_ladder() -> str:

@@ -110,6 +110,7 @@ def test_every_case_still_listed() -> None:
     names = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q8_0",)))]
     assert "gemv.attn.wq_a.Q8_0" in names and "attention.decode.Q8_0" in names and "stack.decode" in names
     assert "prefill.gemm.engram.wkv.Q8_0" in names and "engram.hash.64k" in names
+    assert "head.decode.Q8_0" in names
     assert "gemv.imma.attn.wq_a.Q8_0" in names and "gemv.imma.engram.wkv.Q8_0" in names
     assert "prefill.gemm.pipe.attn.wo_a.Q8_0" in names and "prefill.gemm.attn.wo_a.Q8_0" in names
     q2 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q2_K",)))]

@@ -76,6 +76,24 @@ def steps(tiny_engine) -> set[str]:
     return seen.names
 
 
+@pytest.fixture(scope="module")
+def callback_steps(synth_model) -> set[str]:
+    """The names of the steps a decode step adds with an FFN callback and a head (the tiny preset
+    with its MoE and head tensors, a callback writing zeros)."""
+    import flashv41
+
+    def zero(layer, x, out, stream) -> None:
+        out.copy_to_device(np.zeros(out.shape, np.uint16))
+
+    seen = StepNames()
+    with flashv41.load_model(synth_model("tiny", moe=True)) as model:
+        engine = flashv41.Engine(model, max_seq=8, max_tokens=2, ffn=zero)
+        engine.observers.append(seen)
+        engine.new_sequence().decode(1)
+        engine.close()
+    return seen.names
+
+
 @pytest.mark.slow
 def test_every_part_a_prefill_marks_has_a_category(marked: dict[str, float]) -> None:
     split = ps.split_by_category(marked)  # a KeyError names any part CATEGORIES does not know
@@ -87,14 +105,16 @@ def test_every_part_a_prefill_marks_has_a_category(marked: dict[str, float]) -> 
         assert part in marked, f"{part!r} was not marked ({sorted(marked)})"
 
 
-def test_every_step_of_a_decode_and_a_batch_has_a_category(steps: set[str], marked: dict[str, float]) -> None:
+def test_every_step_of_a_decode_and_a_batch_has_a_category(steps: set[str], marked: dict[str, float],
+                                                          callback_steps: set[str]) -> None:
     assert steps <= set(marked), "a prefill's steps are a decode step's"
-    for name in steps:
+    for name in steps | callback_steps:
         assert ps.category_of(name) in ps.CATEGORY_NAMES
 
 
-def test_the_table_holds_no_name_nothing_emits(steps: set[str], marked: dict[str, float]) -> None:
-    seen = set(marked) | steps
+def test_the_table_holds_no_name_nothing_emits(steps: set[str], marked: dict[str, float],
+                                               callback_steps: set[str]) -> None:
+    seen = set(marked) | steps | callback_steps
     stale = [p for p in ps.CATEGORIES if not any(fnmatch.fnmatchcase(name, p) for name in seen)]
     assert not stale, f"CATEGORIES names parts no prefill or plan of the tiny preset emits: {stale}"
 

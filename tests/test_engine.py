@@ -162,8 +162,8 @@ def test_token_ids_are_checked_once_in_one_form(tiny, monkeypatch) -> None:
     upload and the engram hasher then read the same int64 array, which the hasher does not check
     again."""
     _, engine, _ = tiny
-    import flashv41.engine
     import flashv41.host.engram_hash
+    import flashv41.sequence
 
     checks = []
 
@@ -174,7 +174,7 @@ def test_token_ids_are_checked_once_in_one_form(tiny, monkeypatch) -> None:
         real = module.check_tokens
         return check
 
-    for module in (flashv41.engine, flashv41.host.engram_hash):
+    for module in (flashv41.sequence, flashv41.host.engram_hash):
         monkeypatch.setattr(module, "check_tokens", counted(module))
     seq = engine.new_sequence()
     seen = {}
@@ -182,7 +182,7 @@ def test_token_ids_are_checked_once_in_one_form(tiny, monkeypatch) -> None:
     monkeypatch.setattr(engine.hyper, "upload_ids", lambda ids, t: seen.update(uploaded=ids) or upload(ids, t))
     monkeypatch.setattr(seq.hasher, "hash", lambda tokens, start: seen.update(hashed=tokens) or hash_(tokens, start))
     seq.prefill([5, 6, 7], token_mask=np.array([True, False, True]))
-    assert checks == ["flashv41.engine"]
+    assert checks == ["flashv41.sequence"]
     assert seen["uploaded"] is seen["hashed"].ids and seen["uploaded"].dtype == np.int64
     assert seen["hashed"].mask.tolist() == [True, False, True]
     seq.release()

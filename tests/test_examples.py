@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 from flashv41 import check
@@ -154,7 +155,7 @@ def test_lookup_draft() -> None:
     assert draft([4, 7], 2) == [7, 7]
 
 
-@pytest.mark.parametrize("name", ["decode_loop", "compare_oracle", "inspect_layers", "speculative"])
+@pytest.mark.parametrize("name", ["decode_loop", "compare_oracle", "inspect_layers", "speculative", "generate"])
 def test_a_missing_model_is_one_line(name: str, tmp_path: Path) -> None:
     """Run as a script, an example answers a missing model as the flashv41 command does: its name
     and the error on one line (exit 2), no traceback."""
@@ -164,3 +165,40 @@ def test_a_missing_model_is_one_line(name: str, tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [f"{name}.py: error: {absent}: no such file"], done.stderr
     kernels_first(done.stdout)
+
+
+def test_generate(synth_model, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/generate.py: greedy tokens through the API with HostMoE as the FFN callback, the same
+    as flashv41.generate on the oracle."""
+    import flashv41
+    from flashv41.host.moe import HostMoE
+    from flashv41.host.oracle import Oracle
+    from flashv41.runner import random_tokens
+
+    path = synth_model("tiny", moe=True)
+    assert load_example("generate").main(["--model", str(path), "-n", "3", "--prompt-len", "5"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("generated (host FFN, greedy):"))
+    with flashv41.load_model(path) as model:
+        want = flashv41.generate(Oracle(model, ffn=HostMoE(model)).new_sequence(),
+                                 random_tokens(model.config.vocab_size, 5, 0, 0), 3)
+    assert line.endswith(str(want.tolist()))
+    assert "the last step's top logits:" in out
+
+
+def test_generate_device_moe_math(synth_model) -> None:
+    """The device callbacks' MoE (examples/generate.py moe_math, fp32 where the reference rounds to
+    bf16), run with NumPy as its array library: HostMoE's to bf16 precision."""
+    import flashv41
+    from flashv41.host.moe import HostMoE
+    from flashv41.host.numerics import bf16
+
+    example = load_example("generate")
+    with flashv41.load_model(synth_model("tiny", moe=True)) as model:
+        moe = HostMoE(model)
+        x = bf16(np.random.default_rng(4).standard_normal((7, 32)).astype(np.float32))
+        for layer in (0, 3):
+            w = example.dense_weights(moe, layer)
+            got = example.moe_math(np, moe.cfg, w, x, np.minimum, lambda a, i: np.take_along_axis(a, i, -1))
+            want = moe(layer, x)
+            assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()

@@ -129,6 +129,11 @@ CATEGORIES: dict[str, str] = {
     "hc mixes + hc_post + next mixes' product": "rest",
     "hc mixes": "rest",
     "highway download": "rest",
+    # an FFN callback's sublayer (Engine(ffn=...)): its input's collapse and norm, and the callback
+    # itself (the caller's MoE, whatever it launches: no category of this split fits it)
+    "hc mixes + hc_pre + ffn_norm": "rest",
+    "ffn (callback)": "rest",
+    "head input (hc_pre + output_norm)": "rest",
 }
 
 

@@ -12,8 +12,12 @@ says how each operation is rounded.
     h = seq.decode(token_id)               # [1, hc, dim]
 
 Per layer i: engram (engram layers) -> attention sublayer between hc_pre and hc_post, using the
-pre-mix the previous layer's FFN mixes produced -> the FFN sublayer with zero output but its own
-mixes, whose `pre` becomes the next layer's pre-mix (the first layer's is one-hot on copy 0).
+pre-mix the previous layer's FFN mixes produced -> the FFN sublayer between its own mixes and
+hc_post: its input ffn_norm(hc_pre(h, pre)) with the pre of this layer's attention mixes (the
+reference's Block.forward: a sublayer's mixes feed the next sublayer), its output `ffn(layer, x)`
+(Oracle's `ffn`: a host function such as host.moe.HostMoE, rounded to bf16), or zero without one;
+its mixes' `pre` becomes the next layer's pre-mix (the first layer's is one-hot on copy 0). After
+the last layer, `logits()` is the head (host.oracle.head) of the last call.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 
 from flashv41.host import gguf_layout as L
 from flashv41.host.engram_hash import EngramHasher
-from flashv41.host.errors import CapacityError, InputError, SequenceStateError, plural
+from flashv41.host.errors import CapacityError, InputError, SequenceStateError, UnsupportedError, plural
 from flashv41.host.model import Model
 from flashv41.host.numerics import F32, bf16, rms_norm, rope_tables
 from flashv41.host.oracle.attention import (
@@ -35,6 +39,7 @@ from flashv41.host.oracle.attention import (
 )
 from flashv41.host.oracle.engram import engram_layer
 from flashv41.host.oracle.hc import hc_mixes, hc_post, hc_pre
+from flashv41.host.oracle.head import head_input, head_logits
 from flashv41.host.quants import dequantize
 from flashv41.host.tokens import check_tokens, one_token
 
@@ -42,9 +47,14 @@ __all__ = ["Oracle", "OracleSequence"]
 
 
 class Oracle:
-    """The oracle for one model: dequantised weights (cached on first use) and the RoPE tables."""
+    """The oracle for one model: dequantised weights (cached on first use) and the RoPE tables.
+    ffn: the FFN sublayer's output, `ffn(layer, x) -> y` on float32 [T, C] (x bf16 values; y rounded
+    to bf16), e.g. host.moe.HostMoE(model); None: a zero FFN output."""
 
-    def __init__(self, model: Model, max_seq: int | None = None):
+    def __init__(self, model: Model, max_seq: int | None = None, ffn=None):
+        if ffn is not None and not model.config.ffn_norm:
+            raise UnsupportedError(f"{model.path.name}: an FFN needs every layer's ffn_norm, and the file has none")
+        self.ffn = ffn
         self.model = model
         self.cfg = model.config
         self.max_seq = max_seq or self.cfg.context_length
@@ -98,6 +108,7 @@ class OracleSequence:
         self.position = 0
         self.hasher = EngramHasher(cfg.engram, self.max_seq) if cfg.engram else None
         self.states = [LayerState.create(cfg, role, self.max_seq) for role in cfg.roles]
+        self.last: tuple[np.ndarray, np.ndarray] | None = None  # the last call's final (h, pre_mix)
 
     def _check(self, token_ids, token_mask) -> tuple[np.ndarray, np.ndarray | None]:
         if self.released:
@@ -143,7 +154,7 @@ class OracleSequence:
                 h = engram_layer(h, hashes[:, e], o.model.tensor(i, L.ENGRAM_TABLE), o.weight(i, "engram_wkv"),
                                  o.engram_qk(i), cfg.norm_eps, mask, cap)
             mix_args = (cfg.hc, cfg.sinkhorn_iters, cfg.norm_eps, cfg.hc_eps)
-            _, post, comb = hc_mixes(h, o.weight(i, "hc_attn_fn"), o.weight(i, "hc_attn_scale"),
+            attn_pre, post, comb = hc_mixes(h, o.weight(i, "hc_attn_fn"), o.weight(i, "hc_attn_scale"),
                                      o.weight(i, "hc_attn_base"), *mix_args)
             x = rms_norm(hc_pre(h, pre_mix), o.weight(i, "attn_norm"), cfg.norm_eps)
             adopt = choices[i] if choices is not None else own_choice
@@ -154,11 +165,18 @@ class OracleSequence:
                 cap["h_attn"] = h
             pre_mix, post_f, comb_f = hc_mixes(h, o.weight(i, "hc_ffn_fn"), o.weight(i, "hc_ffn_scale"),
                                                o.weight(i, "hc_ffn_base"), *mix_args)
-            h = hc_post(None, h, post_f, comb_f)
+            y = None
+            if o.ffn is not None:
+                xf = rms_norm(hc_pre(h, attn_pre), o.weight(i, "ffn_norm"), cfg.norm_eps)
+                y = ffn_output(o.ffn, i, xf)
+                if cap is not None:
+                    cap.update(ffn_in=xf, ffn_out=y)
+            h = hc_post(y, h, post_f, comb_f)
             if cap is not None:
                 cap["h_out"] = h
                 self.captures.append(cap)
         self.position += t
+        self.last = (h, pre_mix)
         return h
 
     def decode(self, token_id: int, token_mask: bool | None = None, capture: bool = False) -> np.ndarray:
@@ -166,6 +184,19 @@ class OracleSequence:
         ids = one_token(token_id)
         mask = None if token_mask is None else np.array([bool(token_mask)])
         return self.prefill(ids, mask, capture)
+
+    def logits(self, all_positions: bool = False) -> np.ndarray:
+        """The head's fp32 logits of the last call: [vocab] of its last position, or [T, vocab]
+        (host.oracle.head, from the call's final highway and the last layer's pre-mix)."""
+        cfg, o = self.cfg, self.oracle
+        if not cfg.head:
+            raise UnsupportedError(f"{o.model.path.name}: the file has no head (output_norm, output), so no logits")
+        if self.last is None:
+            raise SequenceStateError("no call yet: logits are the last call's (prefill or decode first)")
+        h, pre = self.last if all_positions else (self.last[0][-1:], self.last[1][-1:])
+        x = head_input(h, pre, o.weight(None, L.OUTPUT_NORM), cfg.norm_eps)
+        out = head_logits(x, o.weight(None, L.OUTPUT))
+        return out if all_positions else out[0]
 
     def load_attention_state(self, layers: list[dict[str, np.ndarray]]) -> None:
         """Overwrite every layer's attention state (window ring, compressor partial group, caches)
@@ -184,5 +215,16 @@ class OracleSequence:
     def release(self) -> None:
         """Drop the sequence's state; further calls raise SequenceStateError."""
         self.states = []
+        self.last = None
         self.hasher = None
         self.released = True
+
+
+def ffn_output(ffn, layer: int, x: np.ndarray) -> np.ndarray:
+    """An FFN function's output for layer `layer` of x [T, C]: float32 [T, C], rounded to bf16 (the
+    sublayer's output dtype); InputError naming the function when it gives anything else."""
+    y = np.asarray(ffn(layer, x))
+    if y.shape != x.shape or not np.issubdtype(y.dtype, np.floating):
+        raise InputError(f"the FFN function {getattr(ffn, '__name__', type(ffn).__name__)} returned {y.dtype} "
+                         f"{y.shape} for layer {layer}, expected float {x.shape}")
+    return bf16(y.astype(F32))

@@ -168,7 +168,7 @@ def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded:
     from flashv41.host.oracle import Oracle
 
     oracle = Oracle(model, max_seq=engine.max_seq, ffn=host_moe(model, ffn))
-    heads = HeadCheck(model, oracle) if generated is not None else None
+    heads = HeadCheck(model) if generated is not None else None
     seq, ref = engine.new_sequence(), oracle.new_sequence()
     n = model.config.n_layers
     chain = Chain(oracle.new_sequence(), n)
@@ -223,26 +223,22 @@ def check_against_oracle(model: Model, engine: Any, prompt: np.ndarray, decoded:
 
 
 class HeadCheck:
-    """The head of each checked call: the engine's inputs and logits against the oracle's (from the
-    oracle's call that started from the engine's state and inputs), and the oracle's greedy token."""
+    """The head of each checked call: the engine's inputs and logits against the oracle's (its head
+    run from the engine's last layer: flashv41.check.oracle_head), and the oracle's greedy token."""
 
-    def __init__(self, model: Model, oracle: Any) -> None:
+    def __init__(self, model: Model) -> None:
         from flashv41.host import gguf_layout as L
 
         self.output = model.tensor(None, L.OUTPUT)
-        self.norm = oracle.weight(None, L.OUTPUT_NORM)
-        self.eps = model.config.norm_eps
         self.agreements: list[Any] = []
         self.tokens: list[int] = []
 
     def compare(self, seq: Any, ref: Any) -> None:
-        from flashv41.check import engine_head_input, head_agreement
-        from flashv41.host.oracle.head import head_input
+        from flashv41.check import engine_head_input, head_agreement, oracle_head
 
-        want = ref.logits(all_positions=True)
-        h, pre = ref.last
-        self.agreements.append(head_agreement(engine_head_input(seq), head_input(h, pre, self.norm, self.eps),
-                                              seq.logits(all_positions=True), want, self.output))
+        x_o, want = oracle_head(seq, ref)
+        self.agreements.append(head_agreement(engine_head_input(seq), x_o, seq.logits(all_positions=True), want,
+                                              self.output))
         self.tokens.append(int(np.argmax(want[-1])))
 
     def report(self, generated: np.ndarray) -> tuple[list[str], bool]:

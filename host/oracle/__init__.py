@@ -194,9 +194,25 @@ class OracleSequence:
         if self.last is None:
             raise SequenceStateError("no call yet: logits are the last call's (prefill or decode first)")
         h, pre = self.last if all_positions else (self.last[0][-1:], self.last[1][-1:])
-        x = head_input(h, pre, o.weight(None, L.OUTPUT_NORM), cfg.norm_eps)
-        out = head_logits(x, o.weight(None, L.OUTPUT))
+        out = self._head(h, pre)[1]
         return out if all_positions else out[0]
+
+    def head_from(self, h_attn: np.ndarray, h_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The head from another implementation's last layer, its highway after the attention
+        sublayer (whence the collapse weights: the FFN mixes' pre) and its final highway (e.g. an
+        engine sequence's last `captures`), so that the head is compared from the same starting
+        point as every layer: (input x [T, C] bf16 values, logits [T, vocab] fp32)."""
+        cfg, o = self.cfg, self.oracle
+        if not cfg.head:
+            raise UnsupportedError(f"{o.model.path.name}: the file has no head (output_norm, output), so no logits")
+        i = cfg.n_layers - 1
+        pre, _, _ = hc_mixes(np.asarray(h_attn, F32), o.weight(i, "hc_ffn_fn"), o.weight(i, "hc_ffn_scale"),
+                             o.weight(i, "hc_ffn_base"), cfg.hc, cfg.sinkhorn_iters, cfg.norm_eps, cfg.hc_eps)
+        return self._head(np.asarray(h_out, F32), pre)
+
+    def _head(self, h: np.ndarray, pre: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = head_input(h, pre, self.oracle.weight(None, L.OUTPUT_NORM), self.cfg.norm_eps)
+        return x, head_logits(x, self.oracle.weight(None, L.OUTPUT))
 
     def load_attention_state(self, layers: list[dict[str, np.ndarray]]) -> None:
         """Overwrite every layer's attention state (window ring, compressor partial group, caches)

@@ -199,3 +199,31 @@ def test_window_ring_wiped_between_calls(two_layer_mxfp4, layer: int, drift: boo
     assert chained.flips == 0 and (chained.diverged.total > 0) == drift, chained.describe()
     print(f"\n{chained.describe()}")
     assert not chained.ok and chained.worst_call > 0, chained.describe()
+
+
+def run_check(model) -> tuple[list[str], bool]:
+    """`flashv41 run --check`'s own comparison (flashv41.runner.check_against_oracle) over the
+    checked_run calls, on a fresh engine (built under whatever mutant is in force)."""
+    from flashv41.runner import check_against_oracle
+
+    ids = np.random.default_rng(3).integers(0, 126, PROMPT + 2)
+    with flashv41.Engine(model, max_seq=32, max_tokens=PROMPT) as engine:
+        return check_against_oracle(model, engine, ids[:PROMPT], ids[PROMPT:])
+
+
+def test_run_check_passes_the_engine_and_fails_the_mxfp4_mutants(two_layer_mxfp4):
+    """What a user runs: `run --check` says every layer agrees on the engine as it is, and reports a
+    disagreement (returns False, the command's exit 1) under each engram-row mutant above."""
+    model, _ = two_layer_mxfp4
+    lines, ok = run_check(model)
+    assert ok and lines[-1] == "check: every layer agrees", "\n".join(lines)
+    qt = stages.engram_rows.DEVICE_TYPES[GGMLType.MXFP4]
+    high = edited(stages.quants.mxfp4, "dequant_mxfp4", "uint32(w[row, base + MXFP4_E])",
+                  "uint32(w[row, base + MXFP4_E]) + 1")
+    late = edited(stages.engram_rows, "rows_kernel", "row = ids[t, c] if gathered else r",
+                  "row = (ids[t, c] + 1) % source.shape[0] if gathered else r")
+    for swap in ({"DEVICE_TYPES": {**stages.engram_rows.DEVICE_TYPES, GGMLType.MXFP4: replace(qt, dequant=high)}},
+                 {"rows_kernel": late}):
+        with mutant(stages.engram_rows, **swap):
+            lines, ok = run_check(model)
+        assert not ok and lines[-1] == "check: DISAGREEMENT beyond the bounds", "\n".join(lines)

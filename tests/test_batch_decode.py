@@ -37,15 +37,17 @@ def test_batch_equals_each_alone(model) -> None:
     nexts = [tokens(model, 10 + i, STEPS) for i in range(len(PROMPTS))]
     masks = [None, False, True]  # the last step: a masked token, an explicit True, no mask
     with flashv41.Engine(model, max_seq=64, max_tokens=8) as engine:
-        alone, seqs = [], []
+        alone = []
         for prompt, nxt, mask in zip(prompts, nexts, masks, strict=True):
             seq = engine.new_sequence()
             seq.prefill(prompt)
-            seqs.append(seq.fork())  # the prefilled state, copied (tests/test_sequence_state.py)
             out = [seq.decode(int(t)) for t in nxt[:-1]]
             out.append(seq.decode(int(nxt[-1]), token_mask=mask))
             alone.append(out)
             seq.release()
+        seqs = [engine.new_sequence() for _ in prompts]
+        for seq, prompt in zip(seqs, prompts, strict=True):
+            seq.prefill(prompt)
         for step in range(STEPS):
             last = step == STEPS - 1
             got = engine.decode_batch(seqs, [int(n[step]) for n in nexts], masks if last else None)

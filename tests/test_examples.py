@@ -134,15 +134,15 @@ def test_speculative(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Drafts verified in one call each, the rejected tails truncated away: the same tokens as plain
     greedy decoding, and the same state, bit for bit (exit 0 says both)."""
     module = load_example("speculative")
-    assert module.main(["--model", tiny, "--prompt-len", "6", "--tokens", "3", "--draft", "2"]) == 0
+    assert module.main(["--model", tiny, "--prompt-len", "6", "--tokens", "4", "--draft", "3"]) == 0
     out = capsys.readouterr().out
     kernels_first(out)
-    match = re.search(r"speculative: 3 tokens in (\d+) verify calls .*, (\d+) of (\d+) drafted tokens accepted", out)
+    match = re.search(r"speculative: 4 tokens in (\d+) verify calls .*, (\d+) of (\d+) drafted tokens accepted", out)
     assert match is not None, out
     calls, accepted, drafted = (int(g) for g in match.groups())
-    assert 1 <= calls <= 3 and drafted == 2 * calls and accepted == 3 - calls
-    assert "plain decoding: 3 tokens in 3 decode steps" in out and "same tokens: yes" in out
-    assert out.splitlines()[-1].startswith("kept state equals plain decoding: bit for bit (positions 0..8")
+    assert 1 <= calls <= 4 and drafted == 3 * calls and accepted == 4 - calls
+    assert "plain decoding: 4 tokens in 4 decode steps" in out and "same tokens: yes" in out
+    assert out.splitlines()[-1].startswith("kept state equals plain decoding: bit for bit (positions 0..9")
 
 
 def test_lookup_draft() -> None:

@@ -46,12 +46,12 @@ def test_run_generate_with_the_oracle(cache: Path, capsys: pytest.CaptureFixture
 
 
 @pytest.mark.slow
-def test_run_generate_checked(synth_model, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("layout", ["llama.cpp", "ds4"])
+def test_run_generate_checked(synth_model, layout: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The engine's greedy tokens with the host MoE equal the oracle's from each call's state, the
-    head agreeing within its bound, every layer within the check's. (One layout: the command is the
-    same in all; tests/test_forward.py runs the MoE and the head in each.)"""
-    path = synth_model("tiny", moe=True)
-    assert main(["run", str(path), "--generate", "3", "--ffn", "host-moe", "--check", "--prompt-len", "9"]) == 0
+    head agreeing within its bound, every layer within the check's."""
+    path = synth_model("tiny", moe=True, layout=layout)
+    assert main(["run", str(path), "--generate", "4", "--ffn", "host-moe", "--check", "--prompt-len", "9"]) == 0
     out = capsys.readouterr().out
     assert "(equal to the engine's)" in out and "check: every layer agrees" in out
     head = next(x for x in out.splitlines() if "the head, every call" in x)

@@ -3,7 +3,7 @@
 For each table type, on the tiny preset in a layout that carries it (MXFP4 in both llama.cpp and
 mxxm-t, whose block layouts for it differ in name only; ds4's tables are E4M3 rows), a prompt of six
 tokens (a chunk of four compared from the engine's state after one chunk of two run chained only)
-and a decode step run as `flashv41 run --check` runs them (flashv41.check): every layer of every
+and two decode steps run as `flashv41 run --check` runs them (flashv41.check): every layer of every
 compared call from identical starting points, the engram row ids and the dequantised rows bit for
 bit, and the whole run against an oracle sequence run from position 0 on its own
 (`flashv41.check.Chain`). The tiny preset's rows are 256 values wide, so every table type's blocks
@@ -57,7 +57,7 @@ def test_table_type_chained(synth_model, table_type: str, layout: str) -> None:
         assert model.tensor(engram.layer_ids[0], L.ENGRAM_TABLE).ggml_type.name == table_type
         vocab = model.config.vocab_size
         prompt = (np.arange(1, 7) * 37) % vocab
-        decoded = (np.arange(7, 8) * 37) % vocab
+        decoded = (np.arange(7, 9) * 37) % vocab
         engine = flashv41.Engine(model, max_seq=32, max_tokens=4)
         oracle = Oracle(model, max_seq=32)
         seq, ref = engine.new_sequence(), oracle.new_sequence()

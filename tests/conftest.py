@@ -24,6 +24,10 @@ from flashv41.host.synth import write_synthetic  # noqa: E402  (after compile-ch
 from flashv41.stages.backend import select_backend, using_simulator  # noqa: E402
 
 select_backend()
+if using_simulator() and not compile_check.enabled():
+    from tests import simulator_threads
+
+    SIMULATOR_THREADS = simulator_threads.install()  # the simulator's manager waits without spinning
 
 GPU_SKIP_REASON = "needs a real CUDA GPU (running on the CUDA simulator)"
 

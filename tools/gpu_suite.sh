@@ -8,6 +8,8 @@
 # suite's time; every worker holds its own CUDA context on the one GPU). The log goes to LOG_DIR/gpu_suite.log, the slowest tests and the
 # skips with their reasons included; the exit status is pytest's. SUITE_TIMEOUT (seconds, default 3000)
 # interrupts pytest, which then still prints what ran, so a device call's limit never loses the log.
+# Idle workers take tests queued on busy ones (--dist worksteal): a few tests take minutes each (on an
+# H100, 2026-12-07: 310 s, 244 s, 234 s), and one left at the end of a worker's queue held the run.
 #
 # Prepare once, on a machine with a package index, in the project root:
 #   echo /.whl/ >> .git/info/exclude
@@ -39,7 +41,7 @@ cd "$here" || exit 2
 } 2>&1 | tee "$log"
 
 start=$(date +%s)
-timeout --signal=INT "${SUITE_TIMEOUT:-3000}" python3 -m pytest -m gpu -n "$workers" -p no:cacheprovider -q -rs --durations=25 "$@" 2>&1 | tee -a "$log"
+timeout --signal=INT "${SUITE_TIMEOUT:-3000}" python3 -m pytest -m gpu -n "$workers" --dist worksteal -p no:cacheprovider -q -rs --durations=25 "$@" 2>&1 | tee -a "$log"
 status=${PIPESTATUS[0]}
 echo "== gpu suite: exit $status, $(( $(date +%s) - start )) s wall" | tee -a "$log"
 exit "$status"

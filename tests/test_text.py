@@ -14,7 +14,9 @@ from gguf import GGUFValueType, Keys, TokenType
 
 from flashv41 import load_model
 from flashv41.cli import main
+from flashv41.host import synth
 from flashv41.host.errors import InputError, ModelFormatError, UnsupportedError
+from flashv41.host.synth import write_synthetic
 from flashv41.host.vocab import BOS_TEXT, EOS_TEXT, byte_tokens, has_vocab, synthetic_vocab
 from flashv41.text import Text
 from tests.gguf_edit import rewrite_gguf
@@ -186,3 +188,18 @@ def test_run_prompt_errors(text_path: Path, tiny_path: Path, tmp_path: Path,
     assert capsys.readouterr().err.splitlines()[-1] == "flashv41: error: --prompt is empty: it encodes to no tokens"
     assert main(["run", "--oracle", str(text_path), "--prompt", "a", "--tokens", "1"]) == 2  # mutually exclusive
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["llama.cpp", "mxxm-t", "ds4"])
+def test_every_layout_carries_it(tmp_path: Path, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same keys in every layout, and the tensors those of the same file written without them."""
+    with_text = write_synthetic(tmp_path / "text.gguf", "tiny", layout=layout, vocab=VOCAB)
+    monkeypatch.setattr(synth, "synthetic_vocab", lambda size: None)
+    without = write_synthetic(tmp_path / "plain.gguf", "tiny", layout=layout, vocab=VOCAB)
+    with load_model(with_text) as model, load_model(without) as plain:
+        text = Text.from_model(model)
+        assert text.decode(text.encode("a b")[1:]) == "a b" and not has_vocab(plain.weights.readers[0])
+        assert model.weights.names() == plain.weights.names()
+        stored = {t.name: t for t in model.weights}
+        for ref in plain.weights:
+            assert np.array_equal(stored[ref.name].raw(), ref.raw()), ref.name

@@ -16,6 +16,7 @@ terminal, a line now and then elsewhere).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import sys
 import time
@@ -456,11 +457,7 @@ def report(model: Model, runner_name: str, result: RunResult, seed: int, text: T
 def generated_text(model: Model) -> Text | None:
     """The tokenizer that spells out `run --generate`'s tokens: the file's, when it has one and the
     tokenizers package is installed (without it the ids alone are printed, as for a file without one)."""
-    if not has_vocab(model.weights.readers[0]):
-        return None
-    try:
-        import tokenizers  # noqa: F401
-    except ImportError:
+    if not has_vocab(model.weights.readers[0]) or importlib.util.find_spec("tokenizers") is None:
         return None
     return Text.from_model(model)
 

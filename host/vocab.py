@@ -120,17 +120,16 @@ def synthetic_vocab(vocab_size: int) -> Vocab | None:
     bytes_ = byte_tokens()
     n_merges = vocab_size - 256 - 2
     merges: list[str] = []
+    merged: list[str] = []
     level = [bytes_[ord(" ")], *SYNTH_LETTERS]
     while len(merges) < n_merges:
-        grown = []
+        start = len(merged)
         for left in level:
-            for letter in SYNTH_LETTERS:
-                if len(merges) == n_merges:
-                    break
+            for letter in SYNTH_LETTERS[: n_merges - len(merges)]:
                 merges.append(f"{left} {letter}")
-                grown.append(left + letter)
-        level = grown
-    tokens = [*bytes_, *(m.replace(" ", "") for m in merges), BOS_TEXT, EOS_TEXT]
+                merged.append(left + letter)
+        level = merged[start:]
+    tokens = [*bytes_, *merged, BOS_TEXT, EOS_TEXT]
     types = np.full(vocab_size, TokenType.NORMAL, dtype=np.int32)
     types[-2:] = TokenType.CONTROL
     return Vocab(tokens, types, merges, SYNTH_PRE, vocab_size - 2, vocab_size - 1, True)

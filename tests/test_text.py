@@ -18,6 +18,7 @@ from flashv41.host import synth
 from flashv41.host.errors import InputError, ModelFormatError, UnsupportedError
 from flashv41.host.synth import write_synthetic
 from flashv41.host.vocab import BOS_TEXT, EOS_TEXT, byte_tokens, has_vocab, synthetic_vocab
+from flashv41.runner import run_model
 from flashv41.text import Text
 from tests.gguf_edit import rewrite_gguf
 
@@ -188,6 +189,8 @@ def test_run_prompt_errors(text_path: Path, tiny_path: Path, tmp_path: Path,
     assert capsys.readouterr().err.splitlines()[-1] == "flashv41: error: --prompt is empty: it encodes to no tokens"
     assert main(["run", "--oracle", str(text_path), "--prompt", "a", "--tokens", "1"]) == 2  # mutually exclusive
     assert "not allowed with argument" in capsys.readouterr().err
+    with pytest.raises(InputError, match=r"either token ids \(--tokens\) or text \(--prompt\), not both"):
+        run_model(text_path, True, np.array([1]), 8, 1, 0, prompt_text="a")
 
 
 @pytest.mark.parametrize("layout", ["llama.cpp", "mxxm-t", "ds4"])

@@ -2,8 +2,8 @@
 
 Public API: `load_model`, `builtin_model` (the built-in tiny model's path), `Model`, `Engine` /
 `Sequence`, the FFN callback's helpers (`host_ffn`, `capturable`, `FfnStream`: flashv41.ffn),
-`HostMoE` (the model's MoE on the host), `sample` and `generate`, `ModelConfig`, `LayerRole`,
-`EngramConfig`, `MoEConfig` and the errors.
+`HostMoE` (the model's MoE on the host), `sample` and `generate`, `Text` (the file's tokenizer),
+`ModelConfig`, `LayerRole`, `EngramConfig`, `MoEConfig` and the errors.
 
 The names are imported when first used (`flashv41.Engine`, `from flashv41 import Engine`), not
 when the package is: the command line imports `flashv41.cli`, and so this package, before it
@@ -38,6 +38,7 @@ _HOMES = {
     "ModelFormatError": "flashv41.host.errors",
     "SequenceFileError": "flashv41.host.errors",
     "SequenceStateError": "flashv41.host.errors",
+    "Text": "flashv41.text",
     "UnsupportedError": "flashv41.host.errors",
     "Model": "flashv41.host.model",
     "load_model": "flashv41.model",
@@ -61,6 +62,7 @@ __all__ = [
     "Sequence",
     "SequenceFileError",
     "SequenceStateError",
+    "Text",
     "UnsupportedError",
     "builtin_model",
     "capturable",
@@ -90,6 +92,7 @@ if TYPE_CHECKING:
     from flashv41.model import load_model
     from flashv41.runner import builtin_model
     from flashv41.sampling import generate, sample
+    from flashv41.text import Text
 
 
 def __getattr__(name: str) -> Any:

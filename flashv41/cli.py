@@ -475,13 +475,16 @@ def add_run_command(p: Parser) -> None:
                         help="the prompt's token ids")
     prompt.add_argument("--prompt-len", type=at_least(1), default=8, metavar="N",
                         help="a random prompt of N tokens from --seed (default 8)")
+    prompt.add_argument("--prompt", default=None, metavar="TEXT",
+                        help="the prompt as text, encoded with the file's tokenizer (tokenizer.ggml.*; needs the "
+                             "tokenizers package: the text extra)")
     steps = p.add_mutually_exclusive_group()
     steps.add_argument("--decode", type=at_least(0), default=4, metavar="N",
                        help="decode steps of random tokens after the prompt (default 4)")
     steps.add_argument("--generate", type=at_least(1), default=None, metavar="N",
                        help="decode N tokens greedily after the prompt (each the argmax of the head's logits, fed "
-                            "back) and print their ids; the model needs its head (without MODEL: the built-in "
-                            "tiny model with its MoE and head)")
+                            "back) and print their ids, and their text where the file has a tokenizer; the model "
+                            "needs its head (without MODEL: the built-in tiny model with its MoE and head)")
     p.add_argument("--ffn", choices=("zero", "host-moe"), default="zero",
                    help="the FFN sublayer: zero (its output zero, default) or host-moe (the model's MoE computed "
                         "on the CPU by flashv41.HostMoE: exact, slow on a real model)")
@@ -503,7 +506,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     return run_model(args.model, args.oracle, args.tokens, args.prompt_len, args.decode, args.seed,
                      check=args.check, table_residency=args.table_residency, max_seq=args.max_seq,
-                     generate=args.generate, ffn=args.ffn)
+                     generate=args.generate, ffn=args.ffn, prompt_text=args.prompt)
 
 
 # name, the line `flashv41 --help` shows, and the declarer of its arguments

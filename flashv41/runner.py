@@ -16,6 +16,7 @@ terminal, a line now and then elsewhere).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import sys
 import time
@@ -27,12 +28,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flashv41.host.errors import CapacityError, FlashError, InputError, plural
+from flashv41.host.errors import CapacityError, FlashError, InputError, UnsupportedError, plural
 from flashv41.host.model import Model
 from flashv41.host.progress import Progress
 from flashv41.host.tokens import check_tokens
+from flashv41.host.vocab import NO_TOKENIZER, has_vocab
 from flashv41.memory import DEFAULT_MAX_TOKENS, TABLE_PLACES, format_bytes
 from flashv41.model import load_model
+from flashv41.text import Text
 
 CACHE_ENV = "FLASHV41_CACHE"
 BUILTIN_NAME = "tiny.gguf"
@@ -426,14 +429,17 @@ def _rate(count: int, seconds: float, unit: str) -> str:
     return f"{count} {unit}{'s' if count != 1 else ''} in {seconds:.3f} s ({per:.2f} ms each)"
 
 
-def report(model: Model, runner_name: str, result: RunResult, seed: int) -> list[str]:
-    """The summary lines `flashv41 run` prints."""
+def report(model: Model, runner_name: str, result: RunResult, seed: int, text: Text | None = None) -> list[str]:
+    """The summary lines `flashv41 run` prints; text: the file's tokenizer, which spells out the
+    generated tokens (as a Python string literal, so that the line stays one line)."""
     cfg = model.config
     roles = ", ".join(f"{r.layer} {r.block_type}{'+engram' if r.engram else ''}" for r in cfg.roles)
     h = result.highway
     calls = "one call" if result.prefill_calls == 1 else f"{result.prefill_calls} calls"
     generated = [] if result.generated is None else [
         f"generated: {plural(result.generated.size, 'token')} (greedy) {_ids(result.generated, 32)}"]
+    if result.generated is not None and text is not None:
+        generated.append(f"generated text: {text.decode(result.generated)!r}")
     return generated + [
         f"model: {model.path} ({cfg.describe()})",
         f"roles: {roles}",
@@ -448,15 +454,27 @@ def report(model: Model, runner_name: str, result: RunResult, seed: int) -> list
     ]
 
 
+def generated_text(model: Model) -> Text | None:
+    """The tokenizer that spells out `run --generate`'s tokens: the file's, when it has one and the
+    tokenizers package is installed (without it the ids alone are printed, as for a file without one)."""
+    if not has_vocab(model.weights.readers[0]) or importlib.util.find_spec("tokenizers") is None:
+        return None
+    return Text.from_model(model)
+
+
 def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, prompt_len: int, n_decode: int,
               seed: int, out: Callable[[str], None] = print, check: bool = False,
               table_residency: str = "device", max_seq: int | None = None, generate: int | None = None,
-              ffn: str = "zero") -> int:
+              ffn: str = "zero", prompt_text: str | None = None) -> int:
     """The whole `flashv41 run`; returns the exit status. Everything is checked before any work
     starts, so a bad argument costs no time and prints nothing but its error. `max_seq`: the
     positions the sequence may hold (default: the prompt and the decode steps, exactly).
     generate: N greedy tokens after the prompt instead of n_decode random ones (N - 1 decode steps;
-    without a model, the built-in tiny model with its MoE and head). ffn: FFN_CHOICES."""
+    without a model, the built-in tiny model with its MoE and head), spelled out too when the file has
+    a tokenizer. ffn: FFN_CHOICES. prompt_text: the prompt as text, encoded with the file's tokenizer
+    (flashv41.Text; instead of tokens)."""
+    if tokens is not None and prompt_text is not None:
+        raise InputError("a prompt is either token ids (--tokens) or text (--prompt), not both")
     if prompt_len < 1 or n_decode < 0 or seed < 0 or (generate is not None and generate < 1):
         raise InputError(f"--prompt-len must be >= 1, --decode >= 0, --generate >= 1 and --seed >= 0, got "
                          f"{prompt_len}, {n_decode}, {generate} and {seed}")
@@ -472,6 +490,17 @@ def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, 
         if generate is not None and not cfg.head:
             raise InputError(f"--generate: {model.path.name} has no head (output_norm, output) to give logits "
                              "(write a model with one: flashv41 synth --moe)")
+        text = None
+        if prompt_text is not None:
+            if not has_vocab(model.weights.readers[0]):
+                raise UnsupportedError(f"--prompt: {model.path.name}: {NO_TOKENIZER}; give the prompt's ids with "
+                                       "--tokens")
+            text = Text.from_model(model)
+            tokens = text.encode(prompt_text)
+            if tokens.size == 0:
+                raise InputError("--prompt is empty: it encodes to no tokens")
+        if generate is not None and text is None:
+            text = generated_text(model)
         n_prompt = tokens.size if tokens is not None else prompt_len
         needed = f"{plural(n_prompt, 'prompt token')} and {plural(n_decode, 'decode step')}"
         if n_prompt + n_decode > cfg.context_length:
@@ -495,7 +524,7 @@ def run_model(model_path: Path | None, oracle: bool, tokens: np.ndarray | None, 
                 result = generate_sequence(runner, prompt, generate)
             else:
                 result = run_sequence(runner, prompt, decoded)
-            for line in report(model, name, result, seed):
+            for line in report(model, name, result, seed, text):
                 out(line)
             tables = table_line(runner)
             if tables is not None:

@@ -313,6 +313,21 @@ class _Fields:
     def string(self, name: str) -> str:
         return str(self.scalar(name, (GGUFValueType.STRING,)))
 
+    def boolean(self, name: str) -> bool:
+        return bool(self.scalar(name, (GGUFValueType.BOOL,)))
+
+    def strings(self, name: str) -> list[str]:
+        """A string array (a tokenizer's token list, its merges)."""
+        field = self._field(name)
+        if field.types[:2] != [GGUFValueType.ARRAY, GGUFValueType.STRING]:
+            found = " of ".join(t.name for t in field.types) if field.types else "nothing"
+            raise ModelFormatError(f"{self.fname}: metadata key {name} should be a string array, found {found}")
+        try:
+            return [str(bytes(field.parts[i]), encoding="utf-8") for i in field.data]
+        except UnicodeDecodeError as exc:
+            raise ModelFormatError(f"{self.fname}: metadata key {name} holds a string that is not valid UTF-8 "
+                                   f"({exc})") from None
+
     def array(self, name: str, unsigned_max_unmapped: bool = False) -> np.ndarray:
         """An integer array, of any integer element type, as int64 (parts concatenated: fast even for
         a 129k-entry token map). unsigned_max_unmapped: an unsigned type's largest value reads as -1

@@ -78,6 +78,7 @@ from flashv41.host.synth_presets import HOLES, Preset, preset
 from flashv41.host.synth_presets import PRESETS as PRESETS
 from flashv41.host.synth_presets import REAL_ENGRAM_VOCAB as REAL_ENGRAM_VOCAB
 from flashv41.host.synth_presets import REAL_TABLE_ROWS as REAL_TABLE_ROWS
+from flashv41.host.vocab import synthetic_vocab, write_vocab
 
 # Per-norm mean of the weights, and per-projection gain over fan_in^-0.5 (the reference's testing.py).
 NORM_MEAN = {
@@ -578,6 +579,9 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     try:
         writer.add_name(f"flashv41 synthetic {preset_name}")
         _write_metadata(writer, p, primes, offsets, multipliers, token_map, pad_id, table_rows, layout)
+        vocab = synthetic_vocab(p.vocab)
+        if vocab is not None:  # a vocabulary of 258 tokens or more (the tiny preset's 128 carries none)
+            write_vocab(writer, vocab)
         placed = split_plan([planned.nbytes for planned in plan], shards)
         for planned, shard in zip(plan, placed, strict=True):
             if shard == len(writer.tensors):

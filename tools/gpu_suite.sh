@@ -10,6 +10,8 @@
 # interrupts pytest, which then still prints what ran, so a device call's limit never loses the log.
 # Idle workers take tests queued on busy ones (--dist worksteal): a few tests take minutes each (on an
 # H100, 2026-12-07: 310 s, 244 s, 234 s), and one left at the end of a worker's queue held the run.
+# Each test's result is its own line (-v), so a run the limit interrupts still says which tests ran;
+# the failures and skips are listed at the end (-rfEs), without Numba's occupancy warnings.
 #
 # Prepare once, on a machine with a package index, in the project root:
 #   echo /.whl/ >> .git/info/exclude
@@ -41,7 +43,8 @@ cd "$here" || exit 2
 } 2>&1 | tee "$log"
 
 start=$(date +%s)
-timeout --signal=INT "${SUITE_TIMEOUT:-3000}" python3 -m pytest -m gpu -n "$workers" --dist worksteal -p no:cacheprovider -q -rs --durations=25 "$@" 2>&1 | tee -a "$log"
+timeout --signal=INT "${SUITE_TIMEOUT:-3000}" python3 -m pytest -m gpu -n "$workers" --dist worksteal -p no:cacheprovider -v -rfEs --durations=25 -W ignore::numba.core.errors.NumbaPerformanceWarning "$@" 2>&1 \
+    | tee -a "$log"
 status=${PIPESTATUS[0]}
 echo "== gpu suite: exit $status, $(( $(date +%s) - start )) s wall" | tee -a "$log"
 exit "$status"

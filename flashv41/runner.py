@@ -343,21 +343,27 @@ def prefill_progress(runner: Any, tokens: int, chunks: int = 1) -> Iterator[Call
             observers.remove(watcher)
 
 
+def prefill_in_chunks(runner: Runner, seq: Any, prompt: np.ndarray) -> tuple[list[np.ndarray], float, int]:
+    """Prefill `prompt` into seq in chunks of `prefill_chunk` tokens, the engine's progress shown
+    layer by layer inside each chunk: (the chunks' outputs, seconds, chunks)."""
+    chunk = prefill_chunk(runner, prompt)
+    n_chunks = -(-prompt.size // chunk)
+    outs = []
+    start = time.perf_counter()
+    with prefill_progress(runner, prompt.size, n_chunks) as chunk_done:
+        for s in range(0, prompt.size, chunk):
+            outs.append(np.asarray(seq.prefill(prompt[s:s + chunk])))
+            chunk_done()
+    return outs, time.perf_counter() - start, n_chunks
+
+
 def run_sequence(runner: Runner, prompt: np.ndarray, decoded: np.ndarray) -> RunResult:
     """Prefill `prompt` in chunks of `prefill_chunk` tokens, then decode `decoded` one token at a
     time, the progress of each shown on stderr (host.progress): the engine's prefill layer by
     layer, inside each chunk, as an observer of its calls."""
-    chunk = prefill_chunk(runner, prompt)
-    n_chunks = -(-prompt.size // chunk)
     seq = runner.new_sequence()
     try:
-        outs = []
-        start = time.perf_counter()
-        with prefill_progress(runner, prompt.size, n_chunks) as chunk_done:
-            for s in range(0, prompt.size, chunk):
-                outs.append(np.asarray(seq.prefill(prompt[s:s + chunk])))
-                chunk_done()
-        prefill_s = time.perf_counter() - start
+        outs, prefill_s, n_chunks = prefill_in_chunks(runner, seq, prompt)
         start = time.perf_counter()
         if decoded.size:
             with Progress("decode", decoded.size, "step", "steps") as progress:
@@ -375,18 +381,10 @@ def generate_sequence(runner: Runner, prompt: np.ndarray, n: int) -> RunResult:
     0 of the last position's logits), each but the last decoded in turn."""
     from flashv41.sampling import sample
 
-    chunk = prefill_chunk(runner, prompt)
-    n_chunks = -(-prompt.size // chunk)
     seq: Any = runner.new_sequence()
     tokens = np.zeros(n, np.int64)
     try:
-        outs = []
-        start = time.perf_counter()
-        with prefill_progress(runner, prompt.size, n_chunks) as chunk_done:
-            for s in range(0, prompt.size, chunk):
-                outs.append(np.asarray(seq.prefill(prompt[s:s + chunk])))
-                chunk_done()
-        prefill_s = time.perf_counter() - start
+        outs, prefill_s, n_chunks = prefill_in_chunks(runner, seq, prompt)
         start = time.perf_counter()
         with Progress("generate", n, "token", "tokens") as progress:
             for k in range(n):

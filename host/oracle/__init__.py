@@ -153,9 +153,7 @@ class OracleSequence:
                 e = cfg.engram.hash_index(i)
                 h = engram_layer(h, hashes[:, e], o.model.tensor(i, L.ENGRAM_TABLE), o.weight(i, "engram_wkv"),
                                  o.engram_qk(i), cfg.norm_eps, mask, cap)
-            mix_args = (cfg.hc, cfg.sinkhorn_iters, cfg.norm_eps, cfg.hc_eps)
-            attn_pre, post, comb = hc_mixes(h, o.weight(i, "hc_attn_fn"), o.weight(i, "hc_attn_scale"),
-                                     o.weight(i, "hc_attn_base"), *mix_args)
+            attn_pre, post, comb = self._mixes(i, "attn", h)
             x = rms_norm(hc_pre(h, pre_mix), o.weight(i, "attn_norm"), cfg.norm_eps)
             adopt = choices[i] if choices is not None else own_choice
             a = attention_layer(cfg, role, o.attention_weights(i), o.tables, self.states[i], shared, x, start, cap,
@@ -163,8 +161,7 @@ class OracleSequence:
             h = hc_post(a, h, post, comb)
             if cap is not None:
                 cap["h_attn"] = h
-            pre_mix, post_f, comb_f = hc_mixes(h, o.weight(i, "hc_ffn_fn"), o.weight(i, "hc_ffn_scale"),
-                                               o.weight(i, "hc_ffn_base"), *mix_args)
+            pre_mix, post_f, comb_f = self._mixes(i, "ffn", h)
             y = None
             if o.ffn is not None:
                 xf = rms_norm(hc_pre(h, attn_pre), o.weight(i, "ffn_norm"), cfg.norm_eps)
@@ -188,9 +185,7 @@ class OracleSequence:
     def logits(self, all_positions: bool = False) -> np.ndarray:
         """The head's fp32 logits of the last call: [vocab] of its last position, or [T, vocab]
         (host.oracle.head, from the call's final highway and the last layer's pre-mix)."""
-        cfg, o = self.cfg, self.oracle
-        if not cfg.head:
-            raise UnsupportedError(f"{o.model.path.name}: the file has no head (output_norm, output), so no logits")
+        self._require_head()
         if self.last is None:
             raise SequenceStateError("no call yet: logits are the last call's (prefill or decode first)")
         h, pre = self.last if all_positions else (self.last[0][-1:], self.last[1][-1:])
@@ -202,15 +197,23 @@ class OracleSequence:
         sublayer (whence the collapse weights: the FFN mixes' pre) and its final highway (e.g. an
         engine sequence's last `captures`), so that the head is compared from the same starting
         point as every layer: (input x [T, C] bf16 values, logits [T, vocab] fp32)."""
-        cfg, o = self.cfg, self.oracle
-        if not cfg.head:
-            raise UnsupportedError(f"{o.model.path.name}: the file has no head (output_norm, output), so no logits")
-        i = cfg.n_layers - 1
-        pre, _, _ = hc_mixes(np.asarray(h_attn, F32), o.weight(i, "hc_ffn_fn"), o.weight(i, "hc_ffn_scale"),
-                             o.weight(i, "hc_ffn_base"), cfg.hc, cfg.sinkhorn_iters, cfg.norm_eps, cfg.hc_eps)
+        self._require_head()
+        pre, _, _ = self._mixes(self.cfg.n_layers - 1, "ffn", np.asarray(h_attn, F32))
         return self._head(np.asarray(h_out, F32), pre)
 
+    def _require_head(self) -> None:
+        if not self.cfg.head:
+            raise UnsupportedError(f"{self.oracle.model.path.name}: the file has no head (output_norm, output), so "
+                                   "no logits")
+
+    def _mixes(self, i: int, sublayer: str, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Layer i's hc mixes (pre, post, comb) of its "attn" or "ffn" sublayer from the highway h."""
+        cfg, o = self.cfg, self.oracle
+        return hc_mixes(h, o.weight(i, f"hc_{sublayer}_fn"), o.weight(i, f"hc_{sublayer}_scale"),
+                        o.weight(i, f"hc_{sublayer}_base"), cfg.hc, cfg.sinkhorn_iters, cfg.norm_eps, cfg.hc_eps)
+
     def _head(self, h: np.ndarray, pre: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(input x, logits) of the head from the final highway h and the collapse weights pre."""
         x = head_input(h, pre, self.oracle.weight(None, L.OUTPUT_NORM), self.cfg.norm_eps)
         return x, head_logits(x, self.oracle.weight(None, L.OUTPUT))
 

@@ -28,18 +28,20 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
 - `narrow` (more tokens, up to NARROW_MAX_TOKENS: a batch of decode steps; bf16 x; BF16 and Q8_0
   weights; GPU only): stages.linear_narrow, the tensor cores with the weights as the mma's rows and
   the tokens its columns, each weight byte read once for the whole batch, no shared-memory tiles.
-- `tc` (more tokens, bf16 x; BF16, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 weights; GPU
-  only): stages.linear_tc, bf16 tensor cores with exact integer weights and fp32 scales.
+- `tc` (more tokens, bf16 x; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 weights, and BF16 and Q8_0
+  when forced, where pipe is faster; GPU only): stages.linear_tc, bf16 tensor cores with exact
+  integer weights and fp32 scales.
 - on a GPU, a batch of up to NARROW_MAX_TOKENS tokens that neither narrow nor tc takes (fp32 x,
   F16 / F32 weights: the indexer's head weights) runs `stream` in launches of GEMV_MAX_TOKENS: gemm
   would cover such a short matrix with one tile block.
-- `imma` (never picked: forced with kernel="imma"; bf16 x, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K and MXFP4 weights,
-  any T in launches of GEMV_MAX_TOKENS): stages.linear_imma, the decode GEMV on the integer tensor
-  cores, the stored levels as the mma's A operand and each input split into four int8 digits as its
-  B columns.
-- `pipe` (never picked: forced with kernel="pipe"; bf16 x, BF16 and Q8_0 weights, T >= 64 in
-  mind): stages.gemm_pipe, the prefill GEMM on the tensor cores with its tiles streamed into
-  shared memory by cp.async several K steps ahead and read with ldmatrix.
+- `imma` (up to GEMV_MAX_TOKENS tokens, in place of stream, on a GPU: bf16 x and the large Q2_K,
+  Q4_K, Q5_K and MXFP4 weights of linear_imma.decode_pick, measured faster there; it also takes Q8_0
+  and Q6_K, where it lost, when forced with kernel="imma"): stages.linear_imma, the decode GEMV on
+  the integer tensor cores, the stored levels as the mma's A operand and each input split into four
+  int8 digits as its B columns.
+- `pipe` (past NARROW_MAX_TOKENS tokens, in place of tc, on a GPU: bf16 x, BF16 and Q8_0 weights):
+  stages.gemm_pipe, the prefill GEMM on the tensor cores with its tiles streamed into shared memory
+  by cp.async several K steps ahead and read with ldmatrix.
 - `gemm` (more tokens, what tc does not take: every product on the simulator, where tc's inline
   PTX does not run; on a GPU fp32 x and F16 / F32 weights past NARROW_MAX_TOKENS tokens): a
   shared-memory tile of tokens x outputs, K in steps of 32, the weight chunk dequantised once per
@@ -462,16 +464,23 @@ def gemm_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool):
 
 
 def pick_kernel(w: DeviceWeight, x_bf16: bool, n_tokens: int, group_rows: int = 0) -> str:
-    """The default kernel for a product: stream for up to GEMV_MAX_TOKENS tokens; for more, up to
-    NARROW_MAX_TOKENS, the narrow tensor-core product (stages.linear_narrow) where it applies (GPU,
-    bf16 x, BF16 and Q8_0 weights); past that the tensor cores (stages.linear_tc) where they apply
-    (GPU, bf16 x); else, on a GPU and up to NARROW_MAX_TOKENS tokens, stream in launches of
-    GEMV_MAX_TOKENS tokens; else gemm."""
+    """The default kernel for a product (docs/performance.md, "Which product kernel runs"). Up to
+    GEMV_MAX_TOKENS tokens: imma where linear_imma.decode_pick measured it faster (GPU, bf16 x, large
+    Q2_K, Q4_K, Q5_K and MXFP4 weights), else stream; the same kernel for every count up to there, so
+    a batch of decode steps gives each sequence its single step's bits. More, up to NARROW_MAX_TOKENS:
+    the narrow tensor-core product (stages.linear_narrow) where it applies (GPU, bf16 x, BF16 and Q8_0
+    weights). Past that, on a GPU with bf16 x: the pipelined GEMM (stages.gemm_pipe) for BF16 and
+    Q8_0, the tensor cores (stages.linear_tc) for the other types it takes. Else, on a GPU and up to
+    NARROW_MAX_TOKENS tokens, stream in launches of GEMV_MAX_TOKENS tokens; else gemm."""
     x_dtype = np.uint16 if x_bf16 else np.float32
     if n_tokens <= GEMV_MAX_TOKENS:
-        return "stream"
+        imma = (not SIM and linear_imma.takes(w, x_dtype, group_rows)
+                and linear_imma.decode_pick(w.gtype, w.n, w.k))
+        return "imma" if imma else "stream"
     if n_tokens <= NARROW_MAX_TOKENS and linear_narrow.supports(w, x_dtype, group_rows):
         return "narrow"
+    if gemm_pipe.supports(w, x_dtype):
+        return "pipe"
     if linear_tc.supports(w, x_dtype):
         return "tc"
     return "stream" if not SIM and n_tokens <= NARROW_MAX_TOKENS else "gemm"
@@ -487,8 +496,7 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
 
     group_rows > 0: grouped product, output row n reads x[:, (n // group_rows) * K : ... + K].
     kernel: "stream", "narrow", "gemm", "tc", "imma" or "pipe" to force one (tests, benchmarks); by
-    default `pick_kernel` decides (never "imma" or "pipe"). ValueError where a forced imma or pipe
-    does not take the product.
+    default `pick_kernel` decides. ValueError where a forced imma or pipe does not take the product.
     """
     x_bf16 = x.dtype == np.uint16
     out_bf16 = y.dtype == np.uint16

@@ -111,18 +111,21 @@ def test_every_case_still_listed() -> None:
     assert "gemv.attn.wq_a.Q8_0" in names and "attention.decode.Q8_0" in names and "stack.decode" in names
     assert "prefill.gemm.engram.wkv.Q8_0" in names and "engram.hash.64k" in names
     assert "head.decode.Q8_0" in names
-    assert "gemv.imma.attn.wq_a.Q8_0" in names and "gemv.imma.engram.wkv.Q8_0" in names
-    assert "prefill.gemm.pipe.attn.wo_a.Q8_0" in names and "prefill.gemm.attn.wo_a.Q8_0" in names
+    # beside each picked decode row, the kernel not picked for it (stages.linear_imma.decode_pick)
+    assert "gemv.imma.attn.wq_a.Q8_0" in names and "gemv.imma.t8.engram.wkv.Q8_0" in names
+    assert not [name for name in names if name.startswith("gemv.stream.")]  # (Q8_0 streams everywhere)
+    assert "prefill.gemm.tc.attn.wo_a.Q8_0" in names and "prefill.gemm.attn.wo_a.Q8_0" in names
     q2 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q2_K",)))]
-    assert "gemv.imma.engram.wkv.Q2_K" in q2 and "gemv.imma.attn.wq_a.Q2_K" in q2
-    assert not [name for name in q2 if name.startswith("prefill.gemm.pipe.")]  # (BF16's and Q8_0's)
+    assert "gemv.stream.engram.wkv.Q2_K" in q2 and "gemv.imma.attn.wq_a.Q2_K" in q2
+    assert "gemv.imma.attn.wo_b.Q2_K" in q2 and "gemv.stream.t8.attn.wq_b.Q2_K" in q2
+    assert not [name for name in q2 if name.startswith("prefill.gemm.tc.")]  # (BF16's and Q8_0's)
     q3 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q3_K", "Q6_K")))]
     assert "gemv.imma.engram.wkv.Q6_K" in q3
-    assert not [name for name in q3 if name.startswith("gemv.imma.") and name.endswith("Q3_K")]  # (not taken)
+    assert not [name for name in q3 if name.startswith(("gemv.imma.", "gemv.stream.")) and name.endswith("Q3_K")]
     q4 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q4_K", "MXFP4")))]
-    assert "gemv.imma.attn.wq_a.Q4_K" in q4 and "gemv.imma.attn.wo_a.Q4_K" in q4
-    assert "gemv.imma.engram.wkv.MXFP4" in q4
-
+    assert "gemv.imma.attn.wq_a.Q4_K" in q4 and "gemv.stream.attn.wo_a.Q4_K" in q4
+    assert "gemv.stream.attn.wo_b.Q4_K" in q4 and "gemv.imma.attn.wo_b.MXFP4" in q4
+    assert "gemv.stream.engram.wkv.MXFP4" in q4
 
 def test_the_40_layer_stack_is_a_row_of_its_own() -> None:
     """`--rows stack.decode.40` picks the real 40-layer schedule alone, `stack.decode` the six-layer

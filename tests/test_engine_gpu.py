@@ -15,6 +15,19 @@ from tests.test_engine import assert_flips_rare, compare_call
 
 pytestmark = pytest.mark.gpu
 
+FLASH3 = dict(vocab=2048, compress_ratios=(0, 2, 2), kv_sources=(1,), index_sources=(1,), candidate_source=99,
+              engram_layers=(0, 1), engram_rows=120_000, context_length=4096)
+# every branch a captured step forks (stages.branches): kv + index sources of both ratios, the
+# candidate source, an index source without a kv source after it, and an engram layer whose
+# rows and projection run beside three layers
+FLASH4 = dict(vocab=2048, compress_ratios=(0, 2, 1, 1), kv_sources=(1, 2), index_sources=(1, 2, 3),
+              candidate_source=2, engram_layers=(0, 3), engram_rows=120_000, context_length=4096)
+
+
+def flash3(wtype: str) -> dict:
+    """FLASH3's arguments with attention and engram weights of type wtype (Q8_0: FLASH3's file)."""
+    return FLASH3 if wtype == "Q8_0" else dict(FLASH3, weight_type=wtype)
+
 
 def run_and_check(engine, oracle, ids, prompt, chunked, what):
     """Prefill `prompt` tokens in calls of `chunked`, then decode the rest one by one, comparing
@@ -37,18 +50,24 @@ def test_small_prefill_chunks_and_decode(synth_model):
         run_and_check(engine, oracle, ids, 40, chunked=16, what="small")
 
 
-def test_flash_dimension_layers(synth_model):
+# (weight type, prefill call): the products each default path picks (stages.linear.pick_kernel)
+# at flash sizes: Q8_0 in calls of 64 (narrow) and of 200 (pipe), Q4_K in calls of 200 (tc) with
+# its decode steps' wq_b, wo_a, wo_b and engram wkv on imma
+PICKED_PATHS = [("Q8_0", 64), ("Q8_0", 200), ("Q4_K", 200)]
+
+
+@pytest.mark.parametrize("wtype,chunked", PICKED_PATHS, ids=[f"{t}-{c}" for t, c in PICKED_PATHS])
+def test_flash_dimension_layers(synth_model, wtype, chunked):
     """Three layers at V4.1-Flash sizes (window only + engram, ratio-2 kv/index source + engram,
-    ratio-2 consumer), Q8_0 weights, a Q2_K engram table: 200 tokens in chunks of 64, then decode."""
-    path = synth_model("flash", vocab=2048, compress_ratios=(0, 2, 2), kv_sources=(1,), index_sources=(1,),
-                       candidate_source=99, engram_layers=(0, 1), engram_rows=120_000, context_length=4096)
-    model = flashv41.load_model(path)
-    with flashv41.Engine(model, max_seq=512, max_tokens=64) as engine:
+    ratio-2 consumer), a Q2_K engram table: 200 tokens in calls of `chunked`, then decode."""
+    model = flashv41.load_model(synth_model("flash", **flash3(wtype)))
+    with flashv41.Engine(model, max_seq=512, max_tokens=max(64, chunked)) as engine:
         oracle = Oracle(model, max_seq=512)
         ids = np.random.default_rng(1).integers(0, 2048, 204)
-        run_and_check(engine, oracle, ids, 200, chunked=64, what="flash layers")
+        run_and_check(engine, oracle, ids, 200, chunked=chunked, what=f"flash layers, {wtype}")
 
 
+@pytest.mark.device_memory
 def test_release_and_close_return_device_memory(synth_model):
     model = flashv41.load_model(synth_model("small"))
     before = device_free_bytes()
@@ -84,22 +103,15 @@ def test_bitwise_deterministic(synth_model):
     assert all(np.array_equal(runs[0].view(np.uint32), r.view(np.uint32)) for r in runs[1:])
 
 
-FLASH3 = dict(vocab=2048, compress_ratios=(0, 2, 2), kv_sources=(1,), index_sources=(1,), candidate_source=99,
-              engram_layers=(0, 1), engram_rows=120_000, context_length=4096)
-# every branch a captured step forks (stages.branches): kv + index sources of both ratios, the
-# candidate source, an index source without a kv source after it, and an engram layer whose
-# rows and projection run beside three layers
-FLASH4 = dict(vocab=2048, compress_ratios=(0, 2, 1, 1), kv_sources=(1, 2), index_sources=(1, 2, 3),
-              candidate_source=2, engram_layers=(0, 3), engram_rows=120_000, context_length=4096)
-
-
-@pytest.mark.parametrize("preset", ["small", "flash3", "flash4"])
+@pytest.mark.parametrize("preset", [pytest.param("small", marks=pytest.mark.device_memory), "flash3", "flash4",
+                                    "flash3-Q4_K"])
 def test_graph_decode_is_eager_decode(synth_model, preset):
     """Decode replayed from CUDA graphs gives the eager launches' results bit for bit, over steps of
     every graph key (a first step with nothing to score, group completions or not, masked tokens
-    or not), and once every key has its graph a step allocates no device memory (docs/performance.md M1)."""
-    path = synth_model("small") if preset == "small" else synth_model("flash", **(FLASH3 if preset == "flash3"
-                                                                                    else FLASH4))
+    or not), and (small, run with the GPU to itself) once every key has its graph a step allocates
+    no device memory (docs/performance.md M1)."""
+    flash = {"flash3": FLASH3, "flash4": FLASH4, "flash3-Q4_K": flash3("Q4_K")}
+    path = synth_model("small") if preset == "small" else synth_model("flash", **flash[preset])
     model = flashv41.load_model(path)
     steps = 48
     ids = np.random.default_rng(5).integers(0, model.config.vocab_size, steps)
@@ -111,11 +123,12 @@ def test_graph_decode_is_eager_decode(synth_model, preset):
             seq = engine.new_sequence()
             got = []
             for i in range(steps):
-                if i == steps // 2:
+                if i == steps // 2 and preset == "small":
                     settled = device_free_bytes()
                 got.append(seq.decode(int(ids[i]), masks[i]))
             if graphs:
-                assert device_free_bytes() == settled, "graph decode steps allocated device memory"
+                if preset == "small":
+                    assert device_free_bytes() == settled, "graph decode steps allocated device memory"
                 assert len(seq.graphs) >= 4, f"only {len(seq.graphs)} graphs were captured"
             outs[graphs] = np.concatenate(got)
     assert np.array_equal(outs[False].view(np.uint32), outs[True].view(np.uint32)), \
@@ -155,11 +168,13 @@ def test_small_batch_decode_equals_each_alone(synth_model):
     check_batch_equals_each_alone(model, (3, 14, 15, 16, 17, 30, 33, 40), 6)
 
 
-def test_flash_batch_decode_equals_each_alone(synth_model):
-    """decode_batch at V4.1-Flash sizes (the three layers above, Q8_0): three sequences at
-    positions 9, 127 and 130 (before the window's first wrap, across it and past it; odd and even,
-    so the ratio-2 groups complete in some and not others), five steps together."""
-    model = flashv41.load_model(synth_model("flash", **FLASH3))
+@pytest.mark.parametrize("wtype", ["Q8_0", "Q4_K", "Q2_K"])
+def test_flash_batch_decode_equals_each_alone(synth_model, wtype):
+    """decode_batch at V4.1-Flash sizes (the three layers above): three sequences at positions 9,
+    127 and 130 (before the window's first wrap, across it and past it; odd and even, so the
+    ratio-2 groups complete in some and not others), five steps together. Q8_0 weights stream, Q4_K
+    and Q2_K ones take imma for their large matrices (linear_imma.decode_pick)."""
+    model = flashv41.load_model(synth_model("flash", **flash3(wtype)))
     check_batch_equals_each_alone(model, (9, 127, 130), 5)
 
 

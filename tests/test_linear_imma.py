@@ -21,7 +21,7 @@ from flashv41.host.quants import GGMLType
 from flashv41.stages import linear_imma
 from flashv41.stages.imma_digits import COLUMN_WORDS, FIELD_MIN, SLICE_STEPS_MAX, TARGET_WARPS, X_BITS, octet_digits
 from flashv41.stages.linear import DeviceWeight, linear, pick_kernel
-from flashv41.stages.linear_imma import MAX_TOKENS, plan
+from flashv41.stages.linear_imma import IMMA_TYPES, MAX_TOKENS, plan
 from tests.bounds import weight_terms
 from tests.test_linear import check_groups, check_linear, weight
 from tests.test_linear_tc import FLASH
@@ -193,9 +193,24 @@ def test_imma_types_wide_range_inside_a_block(gtype):
     assert (got[1] == 0).all()
 
 
+# The flash decode shapes [N, K] and the types imma is picked for on each (measured on an H100,
+# docs/performance-log.md "imma, pipe and the picks"): Q4_K and Q5_K on every shape of 16M values
+# or more, Q2_K and MXFP4 on those with N >= K too (not the wide wo_b); Q8_0 and Q6_K on none.
+PICKED = {"wq_a": (1280, 5120, ""), "wkv": (512, 5120, ""), "index_wq_b": (4096, 1280, ""),
+          "wq_b": (32768, 1280, "Q2_K Q4_K Q5_K MXFP4"), "wo_a": (8192, 4096, "Q2_K Q4_K Q5_K MXFP4"),
+          "wo_b": (5120, 8192, "Q4_K Q5_K"), "engram_wkv": (25600, 6144, "Q2_K Q4_K Q5_K MXFP4")}
+
+
+@pytest.mark.parametrize("name", list(PICKED))
+def test_decode_pick_is_the_measured_table(name):
+    n, k, types = PICKED[name]
+    for gtype in list(IMMA_TYPES) + [GGMLType.Q3_K, GGMLType.BF16]:
+        assert linear_imma.decode_pick(gtype, n, k) == (gtype.name in types.split()), (name, gtype.name)
+
+
 def test_refuses_what_it_does_not_take():
     w, _ = weight(np.random.default_rng(1), 32, 64, GGMLType.Q8_0)
-    assert pick_kernel(w, True, 1) == "stream"  # never picked: forced only
+    assert pick_kernel(w, True, 1) == "stream"  # a small Q8_0 weight: imma is not picked for it
     q3, _, _ = tc_weight(8, 256, GGMLType.Q3_K)
     y = cuda.device_array((2, 32), np.uint16)
     with pytest.raises(ValueError, match="linear_imma w: Q3_K"):

@@ -81,7 +81,7 @@ def test_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="at most 64"):
         linear_narrow(cuda.to_device(np.zeros((65, 64), np.uint16)), w, cuda.device_array((65, 32), np.uint16), 65)
     assert pick_kernel(w, True, NARROW_MAX_TOKENS) == ("gemm" if SIM else "narrow")
-    assert pick_kernel(w, True, NARROW_MAX_TOKENS + 1) == ("gemm" if SIM else "tc")
+    assert pick_kernel(w, True, NARROW_MAX_TOKENS + 1) == ("gemm" if SIM else "pipe")
 
 
 # ------------------------------------------------------------------------ flash sizes (GPU)

@@ -56,6 +56,7 @@ def table_names(model) -> list[str]:
     return [model.tensor(layer, L.ENGRAM_TABLE).name for layer in model.config.engram.layer_ids]
 
 
+@pytest.mark.device_memory
 def test_real_preset_pinned(big_dir: Path) -> None:
     path = big_dir / "flash-realtables.gguf"
     if not path.exists():

@@ -116,6 +116,7 @@ def test_sequences_and_engines_give_their_memory_back(synth_model, monkeypatch: 
 
 
 @pytest.mark.gpu
+@pytest.mark.device_memory
 def test_gpu_memory_comes_back(synth_model, monkeypatch: pytest.MonkeyPatch) -> None:
     """The small preset: 100 sequences that prefill, decode (CUDA graphs captured per sequence) and
     see bad calls and an injected failure, released or dropped; then engines built and closed.

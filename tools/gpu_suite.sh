@@ -3,7 +3,8 @@
 #
 #   tools/gpu_suite.sh LOG_DIR [WORKERS] [-- extra pytest arguments]
 #
-# Installs the carried wheels and flashv41 (tools/device_setup.sh), then runs every `gpu` test over
+# Installs the carried wheels and flashv41 (tools/device_setup.sh), then runs the `gpu` tests that
+# read the GPU's free memory (marker device_memory) in one process, alone, and every other `gpu` test over
 # WORKERS pytest-xdist processes (14 by default: Numba's compiles, one CPU core each, are most of the
 # suite's time; every worker holds its own CUDA context on the one GPU). The log goes to LOG_DIR/gpu_suite.log, the slowest tests and the
 # skips with their reasons included; the exit status is pytest's. SUITE_TIMEOUT (seconds, default 3000)
@@ -11,7 +12,9 @@
 # Idle workers take tests queued on busy ones (--dist worksteal): a few tests take minutes each (on an
 # H100, 2026-12-07: 310 s, 244 s, 234 s), and one left at the end of a worker's queue held the run.
 # Each test's result is its own line (-v), so a run the limit interrupts still says which tests ran;
-# the failures and skips are listed at the end (-rfEs), without Numba's occupancy warnings.
+# the failures and skips are listed at the end (-rfEs), without Numba's occupancy warnings. What the
+# tests print (the speculative example's accepted-token rate, the timing script's rows) is kept per
+# test in LOG_DIR/gpu_suite.xml (JUnit XML, each test's system-out).
 #
 # Prepare once, on a machine with a package index, in the project root:
 #   echo /.whl/ >> .git/info/exclude
@@ -43,8 +46,19 @@ cd "$here" || exit 2
 } 2>&1 | tee "$log"
 
 start=$(date +%s)
-timeout --signal=INT "${SUITE_TIMEOUT:-3000}" python3 -m pytest -m gpu -n "$workers" --dist worksteal -p no:cacheprovider -v -rfEs --durations=25 -W ignore::numba.core.errors.NumbaPerformanceWarning "$@" 2>&1 \
+deadline=$(( start + ${SUITE_TIMEOUT:-3000} ))
+# first, alone on the GPU, the tests that read its free memory (marker device_memory: another
+# worker's allocations would show in their figures); then every other gpu test over the workers
+timeout --signal=INT "${SUITE_TIMEOUT:-3000}" python3 -m pytest -m "gpu and device_memory" -p no:cacheprovider -v -rfEs \
+    -W "ignore:Grid size" "$@" 2>&1 | tee -a "$log"
+alone=${PIPESTATUS[0]}
+echo "== gpu suite, the device_memory tests alone: exit $alone, $(( $(date +%s) - start )) s wall" | tee -a "$log"
+left=$(( deadline - $(date +%s) ))
+[ "$left" -lt 1 ] && left=1
+timeout --signal=INT "$left" python3 -m pytest -m "gpu and not device_memory" -n "$workers" --dist worksteal -p no:cacheprovider -v -rfEs --durations=25 -W "ignore:Grid size" \
+    --junitxml "$log_dir/gpu_suite.xml" -o junit_logging=system-out "$@" 2>&1 \
     | tee -a "$log"
 status=${PIPESTATUS[0]}
+[ "$status" -eq 0 ] && status=$alone
 echo "== gpu suite: exit $status, $(( $(date +%s) - start )) s wall" | tee -a "$log"
 exit "$status"

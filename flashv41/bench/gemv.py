@@ -20,10 +20,10 @@ copies", or for a weight >= 4x L2 "read from HBM" (timed back to back on the one
 `gemv.t8.<matrix>.<type>`: the same product for eight tokens (a batched decode step of eight
 sequences, the most tokens a decode GEMV takes), its weight rotated as a single token's.
 
-`gemv.imma.<matrix>.<type>` and `gemv.imma.t8.<matrix>.<type>` (Q8_0, Q2_K, Q4_K, Q5_K, Q6_K,
-MXFP4: the types stages.linear_imma takes, among those
---weight-type selects): the same product forced onto the integer tensor-core kernel (never picked
-by default yet), timed and bounded as its `gemv.<matrix>.<type>` row beside it, so that one run
+`gemv.<other>.<matrix>.<type>` and `gemv.<other>.t8.<matrix>.<type>` (Q8_0, Q2_K, Q4_K, Q5_K,
+Q6_K, MXFP4: the types stages.linear_imma takes, among those --weight-type selects): the same
+product forced onto the decode kernel stages.linear does not pick for it, `imma` or `stream`
+(stages.linear_imma.decode_pick), timed and bounded as the picked row beside it, so that one run
 compares the two.
 
 `gemv.floor.read_<MB>MB`: the read-only copy-bandwidth kernel alone over a buffer of that size
@@ -53,9 +53,10 @@ def time_product(ctx: BenchContext, matrix: str, n: int, k: int, groups: int, wt
     (`groups` groups reading their own input slices), with `kernel` (stages.linear's names) or the
     kernel stages.linear picks; the kernel's name; and what was done about the L2. One token (a
     decode GEMV reads its weight once): copies of the weight rotated (each run once before the
-    timing where the kernel is forced), as for up to DECODE_TOKENS tokens (a batched decode step's
-    product, which reads its weight once too). More (a prefill GEMM, which reuses its tiles from the L2
-    by design): the L2 evicted between repetitions if weight, input and output fit."""
+    timing: imma's first launch on a weight allocates its workspace), as for up to DECODE_TOKENS
+    tokens (a batched decode step's product, which reads its weight once too). More (a prefill
+    GEMM, which reuses its tiles from the L2 by design): the L2 evicted between repetitions if
+    weight, input and output fit."""
     from numba import cuda
 
     from flashv41.stages.linear import DeviceWeight, linear, pick_kernel
@@ -74,7 +75,7 @@ def time_product(ctx: BenchContext, matrix: str, n: int, k: int, groups: int, wt
     queued = 4 if tokens > 1 else 8
     if tokens <= DECODE_TOKENS:
         median, plan = ctx.rotated_time(w, lambda v: copy_weight(v, stream), product, w.nbytes, stream, n=queued,
-                                        hold_s=hold_s, prepare=product if kernel else None)
+                                        hold_s=hold_s, prepare=product)
     else:
         median, plan = ctx.stage_time(lambda: product(w), w.nbytes + x.nbytes + y.nbytes, stream, n=queued,
                                       hold_s=hold_s)
@@ -124,10 +125,11 @@ def floor_case(mb: int) -> BenchCase:
 
 
 def cases(options: BenchOptions) -> list[BenchCase]:
-    from flashv41.stages.linear_imma import IMMA_TYPES
+    from flashv41.stages.linear_imma import IMMA_TYPES, decode_pick
 
     picked = [gemv_case(m, n, k, g, wtype, tokens=t) for t in (1, DECODE_TOKENS) for wtype in options.weight_types
               for m, n, k, g in SHAPES]
-    imma = [gemv_case(m, n, k, g, wtype, "imma", t) for t in (1, DECODE_TOKENS) for wtype in options.weight_types
-            if GGMLType[wtype] in IMMA_TYPES for m, n, k, g in SHAPES]
-    return [floor_case(mb) for mb in FLOOR_MB] + picked + imma
+    others = [gemv_case(m, n, k, g, wtype, "stream" if decode_pick(GGMLType[wtype], n, k) else "imma", t)
+              for t in (1, DECODE_TOKENS) for wtype in options.weight_types if GGMLType[wtype] in IMMA_TYPES
+              for m, n, k, g in SHAPES]
+    return [floor_case(mb) for mb in FLOOR_MB] + picked + others

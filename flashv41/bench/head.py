@@ -3,7 +3,7 @@
 `head.decode.<type>`: one position's logits, what `Sequence.logits()` and the step before it add to
 a decode step: the head's input (stages.hyper.pre_norm_kernel: the last layer's copies collapsed
 by its pre-mix, output_norm; inside the step) and the output product [129280, 5120] at one token
-with fp32 logits (stages.linear's stream kernel, as HeadStage.logits runs it), device time (launch
+with fp32 logits (the kernel stages.linear picks, as HeadStage.logits runs it), device time (launch
 cost excluded, as in a replayed graph; the copy of the 517 KB of logits to the host not counted).
 Bound: the output matrix's stored bytes plus the highway row read once, over the copy bandwidth
 (H1: <= 1.2x). The matrix is 0.7-1.3 GB, far past 4x L2: read from HBM, timed back to back on the
@@ -28,7 +28,7 @@ def head_case(wtype: str) -> BenchCase:
         from numba import cuda
 
         from flashv41.stages.hyper import PRE_NORM_THREADS, pre_norm_kernel
-        from flashv41.stages.linear import DeviceWeight, linear
+        from flashv41.stages.linear import DeviceWeight, linear, pick_kernel
 
         gtype = GGMLType[wtype]
         stream = cuda.stream()
@@ -49,8 +49,8 @@ def head_case(wtype: str) -> BenchCase:
         median, plan = ctx.stage_time(head, nbytes, stream)
         share = nbytes / median / ctx.copy_bandwidth
         return [BenchRow(name, median, ctx.memory_bound(nbytes), bytes=nbytes,
-                         note=f"input norm + output [{VOCAB}, {DIM}] fp32 logits, stream kernel: {share:.0%} of "
-                              "copy bandwidth", l2=plan)]
+                         note=f"input norm + output [{VOCAB}, {DIM}] fp32 logits, {pick_kernel(w, True, 1)} kernel: "
+                              f"{share:.0%} of copy bandwidth", l2=plan)]
 
     return BenchCase(name, run)
 

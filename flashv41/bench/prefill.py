@@ -2,14 +2,15 @@
 
 `prefill.gemm.<matrix>.<type>`: PREFILL_TOKENS tokens through one weight matrix of a layer (every
 shape of flashv41.bench.gemv's SHAPES; the grouped wo_a in one call), our kernel (stages.linear's
-choice: the tensor cores where they apply) against cuBLAS on the same shape through CuPy, fp16
-in, fp32 accumulate (the rate of bf16: CuPy has no bf16 type), timed in the same run. Bound =
-cuBLAS's time, so ratio <= 2 meets P5 (>= 0.5x cuBLAS). Without CuPy the bound is the time at
-the tensor cores' bf16 peak (PEAK_TFLOPS) and the note says so.
+choice: the pipelined GEMM for BF16 and Q8_0, the tensor cores for the other types) against
+cuBLAS on the same shape through CuPy, fp16 in, fp32 accumulate (the rate of bf16: CuPy has no
+bf16 type), timed in the same run. Bound = cuBLAS's time, so ratio <= 2 meets P5 (>= 0.5x
+cuBLAS). Without CuPy the bound is the time at the tensor cores' bf16 peak (PEAK_TFLOPS) and the
+note says so.
 
-`prefill.gemm.pipe.<matrix>.<type>` (BF16 and Q8_0): the same product and method with
-stages.gemm_pipe forced (kernel="pipe", not yet the default), its own cuBLAS timing beside it, so
-one run compares the two kernels at every shape.
+`prefill.gemm.tc.<matrix>.<type>` (BF16 and Q8_0, where stages.linear picks stages.gemm_pipe):
+the same product and method with stages.linear_tc forced (kernel="tc", the kernel pipe displaced),
+its own cuBLAS timing beside it, so one run compares the two kernels at every shape.
 
 L2: a GEMM reuses its input tiles from the L2 by design, so nothing is rotated; what must not
 happen is a repetition finding the previous one's weight, input and output still in the L2.
@@ -92,5 +93,5 @@ def prefill_case(matrix: str, n: int, k: int, groups: int, wtype: str, forced: s
 
 def cases(options: BenchOptions) -> list[BenchCase]:
     return ([prefill_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES]
-            + [prefill_case(m, n, k, g, wtype, "pipe") for wtype in options.weight_types if wtype in PIPE_TYPES
+            + [prefill_case(m, n, k, g, wtype, "tc") for wtype in options.weight_types if wtype in PIPE_TYPES
                for m, n, k, g in SHAPES])

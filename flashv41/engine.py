@@ -341,8 +341,9 @@ class Engine:
             return DIRECT
         return Watched(call, observers, LayerCapture(self.h) if capture else None)
 
-    def _forward(self, seq: Sequence, tokens: Tokens, capture: bool) -> np.ndarray:
-        """One chunk of T <= max_tokens tokens at the sequence's position; returns h [T, hc, C]."""
+    def _forward(self, seq: Sequence, tokens: Tokens, capture: bool, rows: int) -> np.ndarray:
+        """One chunk of T <= max_tokens tokens at the sequence's position; returns h [rows, hc, C],
+        its last `rows` tokens' final highway (none: the call still ends when the device does)."""
         t = tokens.ids.size
         call = Call(tokens=t, start=seq.position, ids=tokens, mask=None if tokens.mask is None else self.mask,
                     hasher=seq.hasher, state=seq.state, shared=self.attention.new_shared(),
@@ -358,7 +359,7 @@ class Engine:
                 seq.captures = call.captures
         seq.history.record(tokens)
         seq.head_rows = t
-        return self._download(call, run)
+        return self._download(call, run, rows)
 
     def _upload(self, call: Call, run: Run) -> None:
         """The host part of a call: what its device part reads that changes from call to call. The
@@ -434,9 +435,15 @@ class Engine:
             raise CallbackError(f"the FFN callback {callback_name(self.ffn)} raised {type(exc).__name__} at layer "
                                 f"{layer} ({plural(n_tokens, 'token')}): {exc}") from exc
 
-    def _download(self, call: Call, run: Run) -> np.ndarray:
-        """The call's rows of the highway, h [T, hc, C] float32, on the host."""
-        return run(DOWNLOAD, self.h[:call.tokens].copy_to_host)
+    def _download(self, call: Call, run: Run, rows: int) -> np.ndarray:
+        """The call's last `rows` rows of the highway, h [rows, hc, C] float32, on the host. With
+        none it waits for the device all the same: the next call's uploads reuse pinned host
+        buffers that this call's copies may still read."""
+        t = call.tokens
+        if rows == 0:
+            run(DOWNLOAD, self._cuda.synchronize)
+            return np.empty((0, *self.h.shape[1:]), np.float32)
+        return run(DOWNLOAD, self.h[t - rows:t].copy_to_host)
 
     def decode_batch(self, seqs: Sequence_[Sequence], token_ids: Any, token_masks: Any = None) -> np.ndarray:
         """One step of B sequences of this engine, one token each (B <= max_tokens), each at its own
@@ -471,7 +478,7 @@ class Engine:
                 self._replay_batch(call)
             else:
                 self._device(call, run)
-            out = self._download(call, run)
+            out = self._download(call, run, call.tokens)
             if self.head_x is not None:  # each sequence's row of the head's input, into its own buffer
                 for b, seq in enumerate(seqs):
                     seq.head_x[:1].copy_to_device(self.head_x[b:b + 1])

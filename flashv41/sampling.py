@@ -56,7 +56,7 @@ def generate(seq: Any, prompt: Any, n: int) -> np.ndarray:
     out = np.empty(n, np.int64)
     if n == 0:
         return out
-    seq.prefill(prompt)
+    seq.prefill(prompt, output="last")
     for k in range(n):
         out[k] = sample(seq.logits())
         if k + 1 < n:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from flashv41.host.errors import CapacityError, InputError, SequenceStateError, UnsupportedError, plural
-from flashv41.host.tokens import Tokens, check_tokens, one_token
+from flashv41.host.tokens import Tokens, check_output, check_tokens, one_token
 from flashv41.sequence_state import Checkpoints, History, copy_used, oracle_form, rewind_to
 
 if TYPE_CHECKING:
@@ -98,27 +98,36 @@ class Sequence:
                                 f"({plural(self.max_seq - self.position, 'position')} left)")
         return tokens
 
-    def prefill(self, token_ids: Any, token_mask: Any = None, capture: bool = False) -> np.ndarray:
+    def prefill(self, token_ids: Any, token_mask: Any = None, capture: bool = False,
+                output: str = "all") -> np.ndarray:
         """Run tokens from the current position (chunks of max_tokens); returns h [T, hc, dim] float32.
 
         token_mask: bool [T], False = the token takes no part in any n-gram and gets no engram
         contribution. capture: keep every layer's intermediates of the (last) chunk in `captures`.
+        output: "all" (every token's final highway) or "last" (the last token's, [1, hc, dim]: a long
+        prompt's T x hc x dim floats, 80 KiB a token at flash sizes, stay on the device;
+        `logits()` reads the last position there either way).
         """
+        check_output(output)
         tokens = self._validate(token_ids, token_mask)
         step = self.engine.max_tokens
+        size = tokens.ids.size
         try:
-            out = [self._chunk(tokens.part(s, s + step), capture) for s in range(0, tokens.ids.size, step)]
+            out = [self._chunk(tokens.part(s, s + step), capture,
+                               min(step, size - s) if output == "all" else int(s + step >= size))
+                   for s in range(0, size, step)]
         except BaseException:
             self.failed = True  # validated input failed on the way: the state may be partly written
             raise
         return np.concatenate(out) if len(out) > 1 else out[0]
 
-    def _chunk(self, tokens: Tokens, capture: bool) -> np.ndarray:
-        """One call of at most max_tokens checked tokens; a call of several first leaves a
-        checkpoint of the state it is about to overwrite (what `truncate` comes back to)."""
+    def _chunk(self, tokens: Tokens, capture: bool, rows: int) -> np.ndarray:
+        """One call of at most max_tokens checked tokens, returning its last `rows` tokens' highway;
+        a call of several first leaves a checkpoint of the state it is about to overwrite (what
+        `truncate` comes back to)."""
         if tokens.ids.size > 1:
             self.checkpoints.take(self.state, self.position, self.engine.attention.stream)
-        return self.engine._forward(self, tokens, capture)
+        return self.engine._forward(self, tokens, capture, rows)
 
     def decode(self, token_id: int, token_mask: bool | None = None, capture: bool = False) -> np.ndarray:
         """One token at the current position; returns h [1, hc, dim]."""
@@ -173,7 +182,7 @@ class Sequence:
             self.history.rewind(start)
             self.checkpoints.drop_after(n)
             for chunk in chunks:
-                self._chunk(chunk, False)
+                self._chunk(chunk, False, 0)
         except BaseException:
             self.failed = True
             raise

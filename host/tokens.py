@@ -105,3 +105,15 @@ def one_token(token_id) -> np.ndarray:
     if not isinstance(token_id, (int, np.integer)) or isinstance(token_id, (bool, np.bool_)):
         raise InputError(f"decode takes one integer token id, got {_what(token_id)}")
     return np.array([token_id]) if abs(int(token_id)) < 2**63 else np.array([token_id], object)
+
+
+PREFILL_OUTPUTS = ("all", "last")  # what a prefill returns: every token's highway, or the last one's
+
+
+def check_output(output) -> str:
+    """A prefill's `output` argument: "all" (h [T, hc, dim], every token's final highway) or "last"
+    (h [1, hc, dim], the last token's: what a server needs before its logits, without bringing
+    T x hc x dim floats to the host); InputError for anything else."""
+    if not isinstance(output, str) or output not in PREFILL_OUTPUTS:
+        raise InputError(f"prefill's output must be one of {', '.join(map(repr, PREFILL_OUTPUTS))}, got {output!r}")
+    return output

@@ -26,6 +26,7 @@ import flashv41
 from flashv41 import sequence_state
 from flashv41.host.engram_hash_fast import FastEngramHasher
 from flashv41.host.errors import CapacityError, InputError, SequenceFileError, SequenceStateError
+from flashv41.host.oracle import Oracle
 from flashv41.sequence_file import _digest, model_hash
 
 MAX_SEQ, MAX_TOKENS = 32, 6
@@ -275,6 +276,39 @@ def test_refused_calls_leave_the_sequence_untouched(tiny, at_p) -> None:
             call()
     with pytest.raises(InputError, match="checkpoints must be an integer of at least 0"):
         engine.new_sequence(checkpoints=-1)
+
+
+@pytest.mark.slow
+def test_prefill_of_the_last_row_only(tiny) -> None:
+    """output="last": a call of 11 tokens over chunks of 6 returns the last token's highway, bit for
+    bit the last row of what output="all" returns, and leaves the same state (the decode after it
+    agrees too); any other output is refused by name, with the sequence untouched."""
+    _, engine = tiny
+    a, b = engine.new_sequence(), engine.new_sequence()
+    full = a.prefill(P, token_mask=P_MASK)
+    last = b.prefill(P, token_mask=P_MASK, output="last")
+    assert full.shape[0] == P.size and last.shape == (1, *full.shape[1:]) and bits_equal(last, full[-1:])
+    assert_same(snapshot(b), snapshot(a), "after output='last'")
+    before = full_snapshot(b)
+    for bad in ("first", None, 1):
+        with pytest.raises(InputError, match="prefill's output must be one of 'all', 'last', got"):
+            b.prefill(X, output=bad)  # type: ignore[arg-type]
+    assert not differences(full_snapshot(b), before)
+    assert bits_equal(b.decode(int(X[0])), a.decode(int(X[0])))
+    a.release()
+    b.release()
+
+
+def test_oracle_prefill_of_the_last_row_only(tiny) -> None:
+    model, _ = tiny
+    oracle = Oracle(model, max_seq=MAX_SEQ)
+    a, b = oracle.new_sequence(), oracle.new_sequence()
+    full = a.prefill(P[:4])
+    last = b.prefill(P[:4], output="last")
+    assert last.shape == (1, *full.shape[1:]) and bits_equal(last, full[-1:]) and b.position == 4
+    with pytest.raises(InputError, match="prefill's output must be one of"):
+        b.prefill(P[4:6], output="every")
+    assert b.position == 4
 
 
 def live_sequences(engine: flashv41.Engine) -> int:

@@ -41,7 +41,7 @@ from flashv41.host.oracle.engram import engram_layer
 from flashv41.host.oracle.hc import hc_mixes, hc_post, hc_pre
 from flashv41.host.oracle.head import head_input, head_logits
 from flashv41.host.quants import dequantize
-from flashv41.host.tokens import check_tokens, one_token
+from flashv41.host.tokens import check_output, check_tokens, one_token
 
 __all__ = ["Oracle", "OracleSequence"]
 
@@ -122,8 +122,9 @@ class OracleSequence:
 
     def prefill(self, token_ids, token_mask=None, capture: bool = False,
                 layer_inputs: list[tuple[np.ndarray, np.ndarray]] | None = None,
-                choices: list[Adopt] | None = None) -> np.ndarray:
-        """Run a chunk of tokens from the current position; returns the final highway [T, hc, C] fp32.
+                choices: list[Adopt] | None = None, output: str = "all") -> np.ndarray:
+        """Run a chunk of tokens from the current position; returns the final highway [T, hc, C] fp32
+        (output "last": the last token's, [1, hc, C]; host.tokens.check_output).
 
         layer_inputs: per layer, (h [T, hc, C], pre_mix [T, hc]) to start that layer from instead
         of the previous layer's result (e.g. another implementation's `h_in` / `pre_mix` captures),
@@ -131,6 +132,7 @@ class OracleSequence:
         choices: per layer, the hook its attention's discrete choices go through
         (host.oracle.attention.Adopt; by default the oracle keeps its own).
         """
+        check_output(output)
         ids, mask = self._check(token_ids, token_mask)
         cfg, o = self.cfg, self.oracle
         start = self.position
@@ -174,7 +176,7 @@ class OracleSequence:
                 self.captures.append(cap)
         self.position += t
         self.last = (h, pre_mix)
-        return h
+        return h if output == "all" else h[-1:]
 
     def decode(self, token_id: int, token_mask: bool | None = None, capture: bool = False) -> np.ndarray:
         """One token at the current position; returns [1, hc, C]."""

@@ -16,14 +16,15 @@
   the note gives its share of the parts' sum. The events add about a microsecond a part, so the
   parts sum to a little more than the graph row.
 
-The rows run an AttentionStage sized for max_seq 131072 (MAX_SEQ: nothing in a step may cost what
-max_seq sizes) on the six-layer flash-dimension model (no engram, context 131072) written once
-into the options' work directory in Q8_0. At position 1023 (the plain `attention.decode.<type>`
-rows) the stage is prefilled to it in chunks; at 16383 and 65535 (`attention.decode.<type>.16k`,
-`.64k`, Q8_0 and BF16) its rings, compressor states and caches are filled with random rows
-instead (`synthetic_state`: prefilling 64k tokens takes a minute and the step's cost does not
-depend on the values). The positions are odd, so the ratio-2 kv source completes a group and does
-its whole work: pooling, index keys, compressed row. The bound counts the layer's weights plus
+The rows run an AttentionStage sized for max_seq 1,048,576 (MAX_SEQ, V4.1's context: nothing in a
+step may cost what max_seq sizes) on the six-layer flash-dimension model (no engram, context
+1,048,576) written once into the options' work directory in Q8_0. At position 1023 (the plain
+`attention.decode.<type>` rows) the stage is prefilled to it in chunks; at 16383, 65535 and
+1,048,575 (`attention.decode.<type>.16k`, `.64k`, `.1m`, Q8_0 and BF16) its rings, compressor
+states and caches are filled with random rows instead (`synthetic_state`: prefilling 64k tokens
+takes a minute, 1M far longer, and the step's cost does not depend on the values). The positions
+are odd, so the ratio-2 kv source completes a group and does its whole work: pooling, index keys,
+compressed row. The bound counts the layer's weights plus
 the cache bytes the step must read (`cache_bytes`: the window and selected rows it attends, and on
 an index source every index key it scores). For another weight type the layer's dense
 projections (wq_a, wq_b, wkv, wo_a, wo_b, the indexer's wq_b) are swapped for random stored
@@ -54,15 +55,16 @@ from flashv41.graphs import GraphRunner
 from flashv41.host.quants import GGMLType, ggml_type
 
 DECODE_POSITION = 1023
-POSITION_LABELS = {DECODE_POSITION: "1k", 16383: "16k", 65535: "64k"}  # odd: the ratio-2 source completes a group
-MAX_SEQ = 131072  # every row's stage is sized for it: a step's cost must follow the position, not this
-LONG_TYPES = ("Q8_0", "BF16")  # the weight types measured at 16k and 64k too
+# odd positions: the ratio-2 source completes a group; the last one is V4.1's 1M context's last position
+POSITION_LABELS = {DECODE_POSITION: "1k", 16383: "16k", 65535: "64k", (1 << 20) - 1: "1m"}
+MAX_SEQ = 1 << 20  # every row's stage is sized for it: a step's cost must follow the position, not this
+LONG_TYPES = ("Q8_0", "BF16")  # the weight types measured at 16k, 64k and 1m too
 PREFILL_CHUNK = 256
 X_STD = 0.025  # the normed sublayer input's scale
-MODEL: dict[str, Any] = dict(vocab=1024, engram_layers=(), context_length=131072)  # Preset overrides
+MODEL: dict[str, Any] = dict(vocab=1024, engram_layers=(), context_length=MAX_SEQ)  # Preset overrides
 HOLD_S = 0.02  # the sleeping kernel outlasts the queued steps' Python launch time
 QUEUED = 4
-BREAKDOWNS = {("Q8_0", "1k"), ("BF16", "1k"), ("Q8_0", "64k")}  # the steps broken down per part
+BREAKDOWNS = {("Q8_0", "1k"), ("BF16", "1k"), ("Q8_0", "64k"), ("Q8_0", "1m")}  # the steps broken down per part
 
 
 def attention_model(options: BenchOptions):

@@ -52,7 +52,7 @@ from flashv41.bench.core import BenchCase, BenchContext, BenchOptions, BenchRow
 from flashv41.memory import device_free_bytes
 
 PROMPT = 512  # prefill tokens before the steps: two chunks of 256, quick on 40 layers too
-BATCHES = (1, 8, 32, 64)  # stack.decode.batch's batch sizes
+BATCHES = (1, 8, 32, 64, 128)  # stack.decode.batch's batch sizes
 BATCH_PROMPT = 64  # each batched sequence's prompt, plus its index modulo BATCH_SPREAD
 BATCH_SPREAD = 8
 DECODE_STEPS = 32

@@ -47,8 +47,9 @@ from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engr
 from flashv41.host.errors import ModelFormatError, UnsupportedError
 from flashv41.host.vocab import Vocab, byte_tokens, read_vocab
 
-# the official config.json (SPEC.md section 1): the raw token id whose compressed id pads blocked
-# n-gram slots, V4.1-Flash's table sizes, and the compressed vocabulary those tables were trained with
+# the official config.json (deepseek-ai/DeepSeek-V4.1-Flash, inference/): the raw token id whose
+# compressed id pads blocked n-gram slots (engram_pad_id), V4.1-Flash's table sizes
+# (engram_num_embeddings), and the compressed vocabulary those tables were trained with
 V41_ENGRAM_PAD_ID = 2
 V41_NUM_EMBEDDINGS = (384_006_168, 384_016_682)
 V41_COMPRESSED_VOCAB = 99_092

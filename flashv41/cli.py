@@ -306,6 +306,7 @@ def describe_config(model: Model) -> str:
     import dataclasses
 
     from flashv41.host.config import ModelConfig
+    from flashv41.host.gguf_layout import OLD_ENGRAM_PREFIX
     from flashv41.memory import format_bytes
 
     cfg = model.config
@@ -344,6 +345,9 @@ def describe_config(model: Model) -> str:
             f"  {'':<12} token map {e.token_map.size} entries ({unmapped} unmapped, compressed vocab "
             f"{int(e.token_map.max()) + 1}), table rows {_value(e.table_rows)}",
         ]
+        if e.rebuilt:
+            lines.append(f"  {'':<12} engram tables: rebuilt from the file's tokenizer (old {OLD_ENGRAM_PREFIX}* "
+                         "keys): token map, pad_id, primes, offsets, multipliers")
     return "\n".join(lines)
 
 

@@ -55,6 +55,9 @@ class EngramConfig:
     token_map: int64 [vocab], raw id -> compressed id, -1 = unmapped.
     pad_id: the compressed id that fills blocked n-gram slots.
     table_rows: rows of each layer's `engram_embd`.
+    rebuilt: the token map, pad id, primes, offsets and multipliers were rebuilt from the file's
+    tokenizer and table sizes (a file with the old `deepseek4.engram.*` keys; host.engram_rebuild),
+    not read from it.
     """
 
     layer_ids: tuple[int, ...]
@@ -67,6 +70,7 @@ class EngramConfig:
     token_map: np.ndarray
     pad_id: int
     table_rows: tuple[int, ...]
+    rebuilt: bool = False
 
     @property
     def cols(self) -> int:

@@ -153,9 +153,14 @@ DS4_ALIGNMENT = 16384  # ds4 files' general.alignment
 MXXM_MARKERS = (KEY_KV_SOURCES, KEY_INDEX_SOURCES, "engram.pad_token_id", "engram.compressed_vocab_size",
                 "engram.num_embeddings")
 DS4_MARKERS = ("hidden_size", "engram.encoding", "num_hidden_layers")
-# Files converted before 2026-09-11 carry their engram keys under this prefix, not `deepseek41.`.
+# Files converted before 2026-09-11 carry their engram keys under this prefix, not `deepseek41.`, and
+# only the geometry: the rest is rebuilt from the file's tokenizer (host.engram_rebuild), or, without
+# one, added by the vcruz305 recipe's repair script.
 OLD_ENGRAM_PREFIX = "deepseek4.engram."
 OLD_ENGRAM_REPAIR = "fix_gguf_engram_kv.py"
+# their full key names (not arch-relative)
+OLD_ENGRAM_KEYS = {name: OLD_ENGRAM_PREFIX + ENGRAM_KEYS[name].removeprefix("engram.")
+                   for name in ("layer_ids", "n_heads", "head_dim", "max_ngram")}
 
 
 def engram_keys(layout: str) -> dict[str, str]:

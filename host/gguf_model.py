@@ -4,7 +4,9 @@ The layout is told by the keys (`_detect_layout`): mxxm-t files carry explicit k
 lists and their own engram key names; ds4 files HF-named keys, source lists, engram keys without
 offsets or geometry (computed from the primes) and I8 engram tables, served as the E4M3_ROW264
 table format (host.quants). All map to the same `ModelConfig` (its `layout` says which was read),
-and the store serves each tensor by its role whatever the layout calls it.
+and the store serves each tensor by its role whatever the layout calls it. llama.cpp files converted
+before 2026-09-11 carry only the engram geometry, under `deepseek4.engram.*`: the rest is rebuilt
+from their tokenizer (host.engram_rebuild; `EngramConfig.rebuilt`).
 
 ds4 tables hold E4M3 codes and E8M0 scales that ds4 refuses when NaN. Every row is checked at load
 when a table is at most `E4M3_FULL_CHECK_BYTES`; a larger one (384M rows at flash size) only on a
@@ -35,11 +37,13 @@ from gguf import GGUFReader, GGUFValueType
 
 from flashv41.host import gguf_layout as L
 from flashv41.host.config import EngramConfig, LayerRole, ModelConfig
+from flashv41.host.engram_rebuild import rebuild_for_old_keys
 from flashv41.host.engram_tables import engram_offsets
 from flashv41.host.errors import ModelFormatError, SequenceStateError, UnsupportedError
 from flashv41.host.gguf_file import _Fields, open_gguf_set
 from flashv41.host.gguf_moe import read_ffn_head
 from flashv41.host.quants import FORMATS, GGML_I8, GGMLType, RowType, check_e4m3_row264, dequantize
+from flashv41.host.vocab import NO_TOKENIZER, has_vocab
 
 
 @dataclass(frozen=True)
@@ -139,8 +143,8 @@ class WeightStore:
 
 def _detect_layout(fields: _Fields) -> str:
     """The layout of a V4.1 file, told by its keys: "llama.cpp", "mxxm-t" or "ds4". Other architectures,
-    the DSpark draft and files with the pre-2026-09-11 engram keys are refused, each with a message
-    saying what the file is and what to do."""
+    the DSpark draft and files with the pre-2026-09-11 engram keys and no tokenizer to rebuild the rest
+    from are refused, each with a message saying what the file is and what to do."""
     if not fields.has("general.architecture"):
         raise ModelFormatError(f"{fields.fname}: metadata key general.architecture is missing")
     arch = fields.string("general.architecture")
@@ -160,11 +164,12 @@ def _detect_layout(fields: _Fields) -> str:
         fields.note = f" (the file is read as the {L.DS4} layout: it has {ds4[0]})"
         return L.DS4
     old = sorted(name for name in fields.reader.fields if name.startswith(L.OLD_ENGRAM_PREFIX))
-    if old and not fields.has(L.key(L.ENGRAM_KEYS["layer_ids"])):
+    if old and not fields.has(L.key(L.ENGRAM_KEYS["layer_ids"])) and not has_vocab(fields.reader):
         raise UnsupportedError(
             f"{fields.fname}: metadata key {old[0]} marks a file converted before 2026-09-11, whose engram "
-            f"keys are incomplete and under the old {L.OLD_ENGRAM_PREFIX}* prefix; add the "
-            f"{L.key('engram.*')} keys with {L.OLD_ENGRAM_REPAIR} (the vcruz305 recipe) and load the repaired file"
+            f"keys are incomplete and under the old {L.OLD_ENGRAM_PREFIX}* prefix; flashv41 rebuilds the missing "
+            f"token map, primes, offsets, multipliers and pad id from the file's tokenizer, but {NO_TOKENIZER}; add "
+            f"the {L.key('engram.*')} keys with {L.OLD_ENGRAM_REPAIR} (the vcruz305 recipe) and load the repaired file"
         )
     mxxm = [L.key(m) for m in L.MXXM_MARKERS if fields.has(L.key(m))]
     if mxxm:
@@ -229,6 +234,11 @@ def _check_tensor(store: WeightStore, layer: int | None, role: str, shape: tuple
 def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: int,
                    layout: str = L.LLAMA_CPP) -> EngramConfig | None:
     k = {name: L.key(v) for name, v in L.engram_keys(layout).items()}
+    # a file with only the old geometry keys: the rest is rebuilt from its tokenizer (host.engram_rebuild)
+    old = layout == L.LLAMA_CPP and not fields.has(k["layer_ids"]) and fields.has(L.OLD_ENGRAM_KEYS["layer_ids"])
+    if old:
+        k = L.OLD_ENGRAM_KEYS | {name: f"the rebuilt {name}" for name in ("multipliers", "primes", "offsets",
+                                                                             "token_map")}
     if not fields.has(k["layer_ids"]):
         return None
     fname = fields.fname
@@ -242,6 +252,7 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
         )
     n = len(layer_ids)
     ds4_rows = None
+    rebuilt = None
     if layout == L.DS4:
         heads, head_dim, max_ngram, multipliers, primes, offsets, ds4_rows = _ds4_engram_geometry(
             fields, k, store, layer_ids)
@@ -255,6 +266,11 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
                 "max_ngram_size >= 2)"
             )
         cols = (max_ngram - 1) * heads
+    if old:
+        rows = tuple(int(store.get(layer, L.ENGRAM_TABLE).shape[0]) for layer in layer_ids)
+        rebuilt = rebuild_for_old_keys(fields.reader, fname, layer_ids, max_ngram, heads, rows)
+        multipliers, primes, offsets = rebuilt.multipliers, rebuilt.primes, rebuilt.offsets
+    elif layout != L.DS4:
         multipliers = fields.array(k["multipliers"])
         primes = fields.array(k["primes"])
         offsets = fields.array(k["offsets"])
@@ -263,7 +279,7 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
             if arr.size != want:
                 raise ModelFormatError(f"{fname}: {name} has {arr.size} entries, expected {want} "
                                        f"({n} layers x {want // n})")
-    token_map = fields.array(k["token_map"], unsigned_max_unmapped=True)
+    token_map = rebuilt.token_map if rebuilt else fields.array(k["token_map"], unsigned_max_unmapped=True)
     primes2 = primes.reshape(n, cols)
     offsets2 = offsets.reshape(n, cols)
     if (primes2 < 2).any():
@@ -282,6 +298,8 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
         token_map = np.concatenate([token_map, np.full(vocab - token_map.size, -1, np.int64)])
     if layout == L.MXXM_T:
         pad_id = _mxxm_pad_id(fields, k, token_map)
+    elif rebuilt:
+        pad_id = rebuilt.pad_id
     else:
         pad_id = fields.u32(k["pad_id"])
     max_id = max(int(token_map.max()), pad_id)
@@ -327,6 +345,7 @@ def _engram_config(fields: _Fields, store: WeightStore, n_layers: int, vocab: in
         token_map=token_map,
         pad_id=pad_id,
         table_rows=tuple(table_rows),
+        rebuilt=rebuilt is not None,
     )
 
 

@@ -62,6 +62,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from flashv41.host import gguf_layout as L
 from flashv41.host import synth_moe
+from flashv41.host.engram_rebuild import compressed_token_map
 from flashv41.host.engram_tables import engram_multipliers, engram_offsets, engram_primes, stub_token_map
 from flashv41.host.errors import InputError, UnsupportedError
 from flashv41.host.gguf_file import shard_name
@@ -545,7 +546,11 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     n_e = len(p.engram_layers)
     primes = engram_primes(n_e, p.max_ngram, p.engram_heads, p.engram_vocab_size)
     offsets = engram_offsets(primes)
-    token_map, compressed = stub_token_map(p.vocab, p.unmapped_tail)
+    vocab = synthetic_vocab(p.vocab)
+    if p.engram_map == "tokenizer" and vocab is not None:  # preset() checked that there is a vocabulary
+        token_map, compressed = compressed_token_map(vocab)
+    else:
+        token_map, compressed = stub_token_map(p.vocab, p.unmapped_tail)
     multipliers = engram_multipliers(p.engram_layers, p.max_ngram, compressed)
     pad_id = int(token_map[p.engram_pad_token])
     table_rows = [int(primes[i].sum()) for i in range(n_e)]
@@ -579,7 +584,6 @@ def write_synthetic(path: str | os.PathLike[str], preset_name: str = "tiny", wei
     try:
         writer.add_name(f"flashv41 synthetic {preset_name}")
         _write_metadata(writer, p, primes, offsets, multipliers, token_map, pad_id, table_rows, layout)
-        vocab = synthetic_vocab(p.vocab)
         if vocab is not None:  # a vocabulary of 258 tokens or more (the tiny preset's 128 carries none)
             write_vocab(writer, vocab)
         placed = split_plan([planned.nbytes for planned in plan], shards)

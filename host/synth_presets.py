@@ -65,6 +65,10 @@ class Preset:
     engram_vocab_size: int = 100
     engram_pad_token: int = 2
     unmapped_tail: int = 2
+    # the engram token map: "stub" (raw ids 2k, 2k+1 -> k, the last unmapped_tail ids unmapped) or
+    # "tokenizer": the reference's normalised map of the file's tokenizer (host.engram_rebuild), for
+    # presets whose vocabulary carries one (258 tokens or more); the multipliers follow its size
+    engram_map: str = "stub"
     hc: int = 4
     sinkhorn_iters: int = 20
     context_length: int = 4096
@@ -148,6 +152,8 @@ PRESETS["flash40"] = replace(PRESETS["flash"], **FLASH40_SCHEDULE, stored_draw=T
 REAL_ENGRAM_VOCAB = 16_000_000
 REAL_TABLE_ROWS = (384_006_168, 384_016_682)
 HOLES = ("", "tables", "matrices")
+ENGRAM_MAPS = ("stub", "tokenizer")
+MIN_TOKENIZER_VOCAB = 258  # host.vocab.synthetic_vocab: the 256 byte tokens and two markers
 # flash40 with those tables, Q2_K (60 GiB), every table and matrix a hole: a 71 GB sparse file written
 # in 0.2 s that takes a few MiB of disk, for table residency, pinning, the hash's full range, gathers
 # and `flashv41 info`'s memory plan at the real sizes; not for numerics (its matrices are zeros)
@@ -175,4 +181,10 @@ def preset(name: str, **overrides) -> Preset:
             raise InputError(f"engram rows {rows}: the engram hash takes tables of fewer than 2^51 rows per "
                              f"n-gram order and head ({(max_ngram - 1) * heads} of them in preset {name!r})")
         overrides["engram_vocab_size"] = per_column
-    return replace(p, **overrides)
+    out = replace(p, **overrides)
+    if out.engram_map not in ENGRAM_MAPS:
+        raise InputError(f"engram_map {out.engram_map!r}: one of {', '.join(repr(m) for m in ENGRAM_MAPS)}")
+    if out.engram_map == "tokenizer" and out.vocab < MIN_TOKENIZER_VOCAB:
+        raise InputError(f"engram_map 'tokenizer': preset {name!r} has {out.vocab} tokens, too few for a tokenizer "
+                         f"(a byte-level BPE needs {MIN_TOKENIZER_VOCAB})")
+    return out

@@ -50,7 +50,9 @@ def test_estimate_for_tiny(tiny_path: Path) -> None:
         st, entries = min(t, sa.SPLIT_BATCH_TOKENS), cfg.window + cfg.index_topk
         blocks = -(-entries // sa.SPARSE_BLOCK)
         sparse = 4 * st * cfg.n_heads * (entries + -(-entries // sa.SCORE_TILE) + blocks * cfg.head_dim + 3 * blocks)
-        workspace = (2 * t * cfg.hc * cfg.dim * 4 + t * cfg.n_heads * cfg.head_dim * 2 + sparse + t * max_seq * 4
+        # the index scores: bf16, a column a group of the finest compression ratio
+        groups = max_seq // min(role.ratio for role in cfg.roles if role.ratio > 0)
+        workspace = (2 * t * cfg.hc * cfg.dim * 4 + t * cfg.n_heads * cfg.head_dim * 2 + sparse + t * groups * 2
                      + t * cfg.engram.cols * cfg.engram.head_dim * 2 + t * cfg.dim * (cfg.hc + 1) * 2)
         assert est.workspace_bytes == workspace
         assert est.total_bytes(3) == est.weight_bytes + 3 * state + workspace

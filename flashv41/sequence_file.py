@@ -78,7 +78,7 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
         h.update(f"{name}|{a.dtype.str}|{a.shape}".encode())
-        h.update(a.reshape(-1).view(np.uint8))  # the same bytes as a.tobytes(), without copying them
+        h.update(a.reshape(-1).view(np.uint8).data)  # the same bytes as a.tobytes(), without copying them
     return h.hexdigest()
 
 

@@ -315,7 +315,7 @@ def test_model_without_engram_layers(synth_model):
 
 def test_bench_cases():
     """The attention bench rows (flashv41 bench, GPU only): one case per weight type at 1k, Q8_0 and
-    BF16 at 16k and 64k too; the bound adds the caches a step reads; clear refusal of a type
+    BF16 at 16k, 64k and 1M too; the bound adds the caches a step reads; clear refusal of a type
     without random stored blocks."""
     from flashv41.bench.attention import cache_bytes, cases
     from flashv41.bench.core import BenchOptions
@@ -323,7 +323,8 @@ def test_bench_cases():
 
     assert [c.name for c in cases(BenchOptions(weight_types=("Q8_0", "Q2_K", "BF16")))] == [
         "attention.decode.Q8_0", "attention.decode.Q2_K", "attention.decode.BF16", "attention.decode.Q8_0.16k",
-        "attention.decode.BF16.16k", "attention.decode.Q8_0.64k", "attention.decode.BF16.64k"]
+        "attention.decode.BF16.16k", "attention.decode.Q8_0.64k", "attention.decode.BF16.64k",
+        "attention.decode.Q8_0.1m", "attention.decode.BF16.1m"]
     flash = SimpleNamespace(window=128, index_topk=512, head_dim=512, index_head_dim=128)
     swa = LayerRole(0, 0, False, False, False, False, False)
     index_r1 = LayerRole(3, 1, True, True, True, False, False)

@@ -285,37 +285,65 @@ def test_plan_type_is_frozen() -> None:
         plan.mode = "hbm"  # type: ignore[misc]
 
 
-def test_run_walks_the_rows_with_progress(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
-    """bench.run's own loop (the GPU named first, the rows' progress, each row's line, the table,
-    the JSON) with the GPU parts stood in for: the loop itself is host code and must not wait for a
-    GPU run to be exercised."""
+class NoEvictor:
+    freed = False
+
+    def __init__(self, nbytes: int) -> None:
+        pass
+
+    def free(self) -> None:
+        NoEvictor.freed = True
+
+
+def fake_gpu(monkeypatch: pytest.MonkeyPatch, cases: list) -> None:
+    """bench.run's GPU parts stood in for (the GPU's name, its L2, the copy rows, the evictor), with
+    `cases` as the selected rows."""
     import flashv41.stages.bandwidth as bandwidth
 
-    class NoEvictor:
-        freed = False
-
-        def __init__(self, nbytes: int) -> None:
-            pass
-
-        def free(self) -> None:
-            NoEvictor.freed = True
-
     copies = [BenchRow(f"copy.{name}", 1e-4, 1e-4, bytes=int(4e8)) for name in ("memcpy", "copy_kernel", "read_kernel")]
-    cases = [bench.BenchCase(f"fake.{i}", lambda ctx, i=i: [BenchRow(f"fake.{i}", 2e-6, 1e-6, bytes=MB)])
-             for i in range(3)]
+    NoEvictor.freed = False
     monkeypatch.setattr(bench, "require_gpu", lambda: None)
     monkeypatch.setattr(bench, "backend_name", lambda: "Fake GPU")
     monkeypatch.setattr(bench, "device_l2_bytes", lambda: (L2, "driver"))
     monkeypatch.setattr(bench, "measure_copy_bandwidths", lambda reps, warmup, l2: copies)
     monkeypatch.setattr(bench, "all_cases", lambda options: cases)
     monkeypatch.setattr(bandwidth, "L2Evictor", NoEvictor)
+
+
+def fake_case(i: int) -> bench.BenchCase:
+    return bench.BenchCase(f"fake.{i}", lambda ctx: [BenchRow(f"fake.{i}", 2e-6, 1e-6, bytes=MB)])
+
+
+def test_run_walks_the_rows_with_progress(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
+    """bench.run's own loop (the GPU named first, the rows' progress, each row's line, the table,
+    the JSON) with the GPU parts stood in for: the loop itself is host code and must not wait for a
+    GPU run to be exercised."""
+    fake_gpu(monkeypatch, [fake_case(i) for i in range(3)])
     lines: list[str] = []
     ctx = bench.run(BenchOptions(workdir=tmp_path / "work"), tmp_path / "bench.json", lines.append)
     names = ["copy.memcpy", "copy.copy_kernel", "copy.read_kernel", "fake.0", "fake.1", "fake.2"]
     assert [r.name for r in ctx.rows] == names and NoEvictor.freed
     assert any(line.startswith("  fake.2: 2.0 us (bound 1.0 us, ratio 2.00") for line in lines)
     assert "Fake GPU" in capsys.readouterr().err.splitlines()[0]
-    assert [r["name"] for r in json.loads((tmp_path / "bench.json").read_text())["rows"]] == names
+    got = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["name"] for r in got["rows"]] == names and got["complete"] and got["interrupted_at"] is None
+
+
+def test_an_interrupted_run_keeps_its_rows(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
+    """Ctrl-C (or a time limit's SIGINT) in the second row: the table and the JSON of the rows before
+    it, the JSON saying where the run stopped, the evictor freed, then the interrupt goes on."""
+    def stopped(ctx) -> list[BenchRow]:
+        raise KeyboardInterrupt
+
+    fake_gpu(monkeypatch, [fake_case(0), bench.BenchCase("fake.stopped", stopped), fake_case(2)])
+    lines: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(BenchOptions(workdir=tmp_path / "work"), tmp_path / "bench.json", lines.append)
+    got = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["name"] for r in got["rows"]][3:] == ["fake.0"]
+    assert not got["complete"] and got["interrupted_at"] == "fake.stopped" and NoEvictor.freed
+    assert "fake.0" in lines[-1] and "fake.2" not in lines[-1]  # the table, last
+    assert "bench: interrupted in fake.stopped" in capsys.readouterr().err
 
 
 def test_real_table_rows_have_the_official_table() -> None:

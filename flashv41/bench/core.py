@@ -570,9 +570,11 @@ def format_table(gpu: str, copy_bandwidth: float, rows: Sequence[BenchRow],
     return "\n".join(lines)
 
 
-def report(ctx: BenchContext) -> dict:
-    """The JSON report of a finished run."""
-    return {"gpu": ctx.gpu, "copy_bandwidth_bytes_per_s": ctx.copy_bandwidth,
+def report(ctx: BenchContext, interrupted: str | None = None) -> dict:
+    """The JSON report of a run: finished, or interrupted (Ctrl-C, a time limit's SIGINT) while it
+    ran the case named `interrupted`, with the rows before it."""
+    return {"gpu": ctx.gpu, "complete": interrupted is None, "interrupted_at": interrupted,
+            "copy_bandwidth_bytes_per_s": ctx.copy_bandwidth,
             "copy_bandwidths": dict(ctx.copy_bandwidths), "l2_bytes": ctx.l2_bytes, "l2_source": ctx.l2_source,
             "l2_policy": f"data under {HBM_FACTOR}x L2: weight copies rotated (single products) or the L2 evicted "
                          f"by reading {EVICT_FACTOR}x L2 between repetitions (stages, steps, graphs)",
@@ -581,7 +583,9 @@ def report(ctx: BenchContext) -> dict:
 
 def run(options: BenchOptions, json_path: Path | None = None, print_fn: Callable[[str], None] = print) -> BenchContext:
     """Measure the copy bandwidths and the L2, run the selected cases, print the table, write JSON
-    if asked. The rows' progress goes to stderr (host.progress), each row's line through `print_fn`."""
+    if asked. The rows' progress goes to stderr (host.progress), each row's line through `print_fn`.
+    Interrupted (KeyboardInterrupt: Ctrl-C, or `timeout --signal=INT`), it still prints the table and
+    writes the JSON of the rows it finished, the JSON saying where it stopped, then re-raises."""
     require_gpu()
     if options.reps < MIN_REPS:
         raise InputError(f"bench: --reps must be at least {MIN_REPS}, got {options.reps}")
@@ -600,9 +604,11 @@ def run(options: BenchOptions, json_path: Path | None = None, print_fn: Callable
                        l2_source, L2Evictor(EVICT_FACTOR * l2_bytes))
     print_fn(f"  L2 {l2_bytes / 2**20:.0f} MiB ({l2_source}); copy bandwidth "
              + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in bandwidths.items()))
+    interrupted: str | None = None
     try:
         with Progress(f"bench on {ctx.gpu}", len(cases), "row", "rows") as progress:
             for case in cases:
+                interrupted = case.name
                 rows = case.run(ctx)
                 release_device_memory()
                 ctx.rows += rows
@@ -612,9 +618,15 @@ def run(options: BenchOptions, json_path: Path | None = None, print_fn: Callable
                         print_fn(f"  {r.name}: {r.median_s * 1e6:.1f} us (bound {r.bound_s * 1e6:.1f} us, "
                                  f"ratio {r.ratio:.2f}; "
                                  f"{r.l2.describe() if r.l2 is not None else 'not a timing'})")
+        interrupted = None
+    except KeyboardInterrupt:
+        interrupted = interrupted or "the first row"
+        print(f"bench: interrupted in {interrupted}; the rows before it follow", file=sys.stderr, flush=True)
     finally:
         ctx.evictor.free()
     print_fn(format_table(ctx.gpu, ctx.copy_bandwidth, ctx.rows, ctx.copy_bandwidths, ctx.l2_bytes))
     if json_path is not None:
-        json_path.write_text(json.dumps(report(ctx), indent=2) + "\n")
+        json_path.write_text(json.dumps(report(ctx, interrupted), indent=2) + "\n")
+    if interrupted is not None:
+        raise KeyboardInterrupt
     return ctx

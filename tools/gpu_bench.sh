@@ -10,7 +10,8 @@
 # and the JSON (whose "complete" is then false and "interrupted_at" names the row).
 # The groups, each one process (the rows of one decision share its copy bandwidth and L2 figures):
 #   decode     every decode product, picked kernel and the displaced one beside it (gemv.*), for the
-#              types stages.linear_imma takes and BF16: the imma / stream picks
+#              types imma is picked for (Q2_K, Q4_K, Q5_K, MXFP4): about 112 rows, 6 minutes
+#   decode-rest the same for Q8_0 and Q6_K (imma beside stream: whether imma stays for them) and BF16
 #   prefill    the prefill GEMMs (prefill.gemm.*) for BF16 and Q8_0 (pipe, tc beside it, cuBLAS) and
 #              Q4_K (tc): the pipe pick
 #   stacks     the head (head.decode.*), the 40-layer step (stack.decode.40), the batched steps
@@ -22,11 +23,12 @@ log_dir=${1:?usage: tools/gpu_bench.sh LOG_DIR GROUP [SECONDS]}
 group=${2:?usage: tools/gpu_bench.sh LOG_DIR GROUP [SECONDS]}
 seconds=${3:-540}
 case "$group" in
-    decode) rows=('gemv.*'); types=(Q8_0 Q2_K Q4_K Q5_K Q6_K MXFP4 BF16) ;;
+    decode) rows=('gemv.*'); types=(Q2_K Q4_K Q5_K MXFP4) ;;
+    decode-rest) rows=('gemv.*'); types=(Q8_0 Q6_K BF16) ;;
     prefill) rows=('prefill.gemm.*'); types=(BF16 Q8_0 Q4_K) ;;
     stacks) rows=('head.decode.*' 'stack.decode.40' 'stack.decode.batch' 'prefill.stack.32k'); types=(Q8_0 Q4_K) ;;
     attention) rows=('attention.decode.*'); types=(Q8_0 BF16 Q4_K) ;;
-    *) echo "tools/gpu_bench.sh: unknown group '$group' (decode, prefill, stacks, attention)" >&2; exit 2 ;;
+    *) echo "tools/gpu_bench.sh: unknown group '$group' (decode, decode-rest, prefill, stacks, attention)" >&2; exit 2 ;;
 esac
 mkdir -p "$log_dir"
 

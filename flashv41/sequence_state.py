@@ -145,6 +145,8 @@ class Checkpoint:
 
         first = state.layers[0].ring
         self.rings = cuda.device_array((len(state.layers), *first.shape), first.dtype)  # bf16 [L, W, D]
+        # each layer's ring in it, sliced once: numba builds a new device array object for every slice
+        self.ring_views = [self.rings[i] for i in range(len(state.layers))]
         self.partial: dict[int, tuple[DeviceArray, DeviceArray]] = {}  # layer -> kv, score fp32 [r, D]
         for i in kv_sources(state):
             src = state.layers[i].source
@@ -153,8 +155,8 @@ class Checkpoint:
         self.position: int | None = None
 
     def take(self, state: AttentionState, position: int, stream) -> None:
-        for i, layer in enumerate(state.layers):
-            _copy(self.rings[i], layer.ring, stream)
+        for view, layer in zip(self.ring_views, state.layers, strict=True):
+            _copy(view, layer.ring, stream)
         for i, (kv, score) in self.partial.items():
             src = state.layers[i].source
             assert src is not None
@@ -164,8 +166,8 @@ class Checkpoint:
 
     def restore(self, state: AttentionState, stream) -> None:
         """Rings and partial groups back as they were at `position` (the caches: `clear_groups`)."""
-        for i, layer in enumerate(state.layers):
-            _copy(layer.ring, self.rings[i], stream)
+        for view, layer in zip(self.ring_views, state.layers, strict=True):
+            _copy(layer.ring, view, stream)
         for i, (kv, score) in self.partial.items():
             src = state.layers[i].source
             assert src is not None

@@ -402,7 +402,7 @@ DECODE_MIN_VALUES = 1 << 24  # the weights (N x K values) imma is picked for: no
 # - Q4_K, Q5_K: every product of 16M values or more (wq_b 24.3 -> 15.1 / 110 -> 23; wo_a 22.7 ->
 #   15.3 / 85 -> 24; wo_b 24.0 -> 21.5 / 103 -> 34; the engram wkv 69 -> 52 / 381 -> 85; Q5_K alike);
 # - Q2_K, MXFP4: those with N >= K too (wq_b, wo_a, the engram wkv: at T = 1 1.06-1.36x faster or
-#   within 3%, at T = 8 2.3-3.3x; MXFP4's engram wkv was timed at T = 8 only, 250 -> 101 us); on the
+#   within 3%, at T = 8 2.3-3.9x; MXFP4's engram wkv was timed at T = 8 only, 250 -> 101 us); on the
 #   wide wo_b (K = 8192) imma lost 21-23% at T = 1;
 # - Q8_0, Q6_K: never (their stream units are short already: imma lost at T = 1 but on wq_b, by 4%).
 # Below 16M values (wq_a, wkv, the index wq_b) the digits' prologue costs imma 2-60% at T = 1.

@@ -186,8 +186,7 @@ def _workspaces(config: ModelConfig, max_seq: int, max_tokens: int) -> tuple[tup
     items.append((f"sparse attention decode scratch fp32 ({entries} entries, {min(t, SPLIT_BATCH_TOKENS)} tokens)",
                   split_workspace_bytes(t, config.n_heads, config.head_dim, entries, SPLIT_BATCH_TOKENS)))
     if any(role.index_source for role in config.roles):
-        # bf16, a column a compressed group of the finest ratio (stages.attention's score workspace)
-        groups = max(1, max_seq // min(role.ratio for role in config.roles if role.ratio > 0))
+        groups = max(1, config.max_groups(max_seq))  # bf16, as stages.attention's score workspace
         items.append((f"index scores bf16 [{t}, {groups}]", t * groups * BF16_BYTES))
     e = config.engram
     if e is not None:

@@ -176,6 +176,12 @@ class ModelConfig:
     def role(self, layer: int) -> LayerRole:
         return self.roles[layer]
 
+    def max_groups(self, max_seq: int) -> int:
+        """The most compressed groups a layer holds for max_seq positions: those of the finest
+        compression ratio (0 without compressed layers); the width of the index scores."""
+        ratios = [r.ratio for r in self.roles if r.ratio > 0]
+        return max_seq // min(ratios) if ratios else 0
+
     def describe(self) -> str:
         """A short one-line summary (sizes only)."""
         return (

@@ -298,7 +298,7 @@ class AttentionStage(Traced):
         self.o_rows = self.o.reshape(t, cfg.n_heads * cfg.head_dim)
         self.oa = bf16(cfg.o_groups * cfg.o_lora_rank)
         ratios = [r.ratio for r in cfg.roles if r.ratio > 0]
-        self.max_groups = self.max_seq // min(ratios) if ratios else 0
+        self.max_groups = cfg.max_groups(self.max_seq)
         self.selection = self.score = self.candidates = self.iq = self.hw = None
         self.select_ws: SelectWorkspace | None = None
         if ratios:

@@ -34,6 +34,7 @@ from typing import Any
 
 from flashv41.host.engram_tables import MAX_PRIME, engram_primes
 from flashv41.host.errors import InputError
+from flashv41.host.vocab import MIN_SYNTHETIC_VOCAB
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,6 @@ REAL_ENGRAM_VOCAB = 16_000_000
 REAL_TABLE_ROWS = (384_006_168, 384_016_682)
 HOLES = ("", "tables", "matrices")
 ENGRAM_MAPS = ("stub", "tokenizer")
-MIN_TOKENIZER_VOCAB = 258  # host.vocab.synthetic_vocab: the 256 byte tokens and two markers
 # flash40 with those tables, Q2_K (60 GiB), every table and matrix a hole: a 71 GB sparse file written
 # in 0.2 s that takes a few MiB of disk, for table residency, pinning, the hash's full range, gathers
 # and `flashv41 info`'s memory plan at the real sizes; not for numerics (its matrices are zeros)
@@ -184,7 +184,7 @@ def preset(name: str, **overrides) -> Preset:
     out = replace(p, **overrides)
     if out.engram_map not in ENGRAM_MAPS:
         raise InputError(f"engram_map {out.engram_map!r}: one of {', '.join(repr(m) for m in ENGRAM_MAPS)}")
-    if out.engram_map == "tokenizer" and out.vocab < MIN_TOKENIZER_VOCAB:
+    if out.engram_map == "tokenizer" and out.vocab < MIN_SYNTHETIC_VOCAB:
         raise InputError(f"engram_map 'tokenizer': preset {name!r} has {out.vocab} tokens, too few for a tokenizer "
-                         f"(a byte-level BPE needs {MIN_TOKENIZER_VOCAB})")
+                         f"(a byte-level BPE needs {MIN_SYNTHETIC_VOCAB})")
     return out

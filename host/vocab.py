@@ -105,6 +105,9 @@ def byte_tokens() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
+MIN_SYNTHETIC_VOCAB = 256 + 2  # a byte-level BPE's 256 byte tokens and the two markers
+
+
 def synthetic_vocab(vocab_size: int) -> Vocab | None:
     """The byte-level BPE a synthetic model of `vocab_size` tokens carries, or None when it has
     fewer than 258 (a byte-level BPE needs all 256 bytes, and the two markers).
@@ -115,7 +118,7 @@ def synthetic_vocab(vocab_size: int) -> Vocab | None:
     that order until the vocabulary is full. Plain text then encodes into merged tokens, which is
     all a synthetic model needs: its weights are random, so no token means anything.
     """
-    if vocab_size < 256 + 2:
+    if vocab_size < MIN_SYNTHETIC_VOCAB:
         return None
     bytes_ = byte_tokens()
     n_merges = vocab_size - 256 - 2

@@ -152,7 +152,8 @@ def test_flops_of_a_tiny_prompt(tiny_engine) -> None:
 
 def test_the_stack_rows_run_only_when_named() -> None:
     names = [s.name for s in ps.PREFILL_STACKS]
-    assert names == ["prefill.stack.4k.40", "prefill.stack.32k.40", "prefill.stack.32k", "prefill.stack.128k"]
+    assert names == ["prefill.stack.4k.40", "prefill.stack.32k.40", "prefill.stack.32k", "prefill.stack.128k",
+                     "prefill.stack.1m"]
     cases = bench.all_cases(BenchOptions(weight_types=("Q8_0",)))
     assert [c.name for c in bench.select_cases(cases, ["prefill.stack*"])] == names
     assert [c.name for c in bench.select_cases(cases, ["prefill.stack.32k"])] == ["prefill.stack.32k"]

@@ -4,8 +4,9 @@ One prompt of N random tokens prefilled from position 0 through an Engine, timed
 device time split between the products, the indexer, the sparse attention and the rest:
 - `prefill.stack.4k.40`, `prefill.stack.32k.40`: the flash40 preset, V4.1-Flash's real 40-layer
   schedule with two engram layers (the model file `stack.decode.40` writes, shared with it);
-- `prefill.stack.32k`, `prefill.stack.128k`: the flash preset's six layers (every block type) with
-  two engram layers, written once with a context of 131072 (CONTEXT_6).
+- `prefill.stack.32k`, `prefill.stack.128k`, `prefill.stack.1m`: the flash preset's six layers
+  (every block type) with two engram layers, written once with a context of 1,048,576 (CONTEXT_6:
+  V4.1's context; the length only sizes the engine, RoPE's scaling reads the original context).
 The names follow `stack.decode` / `stack.decode.40`: the length, then `.40` for the 40-layer
 schedule. P5L's must-reach (>= 8,000 tokens/s) and goal (>= 50,000) are for `prefill.stack.32k`.
 Each row also has one `<row>.part.<part>` row per part of the split (below), its seconds summed
@@ -13,7 +14,7 @@ over the prefill (no bound).
 
 These cases take minutes (a 32k prefill took 33.3 s on six layers and several minutes on 40 when
 issue 16 was opened), so a plain `flashv41 bench` leaves them out (BenchCase.default): a --rows
-pattern must name them, `--rows 'prefill.stack*'` all four. They run in Q8_0 whatever
+pattern must name them, `--rows 'prefill.stack*'` all five. They run in Q8_0 whatever
 --weight-type says, as the stack rows do, and time one run each, not the median of --reps.
 
 How a row runs (`measure`): an Engine with max_tokens = CHUNK (512 tokens a chunk, as issue 16
@@ -91,7 +92,7 @@ if TYPE_CHECKING:
 
 CHUNK = 512  # tokens a prefill chunk (the engine's max_tokens), as issue 16 measured
 WARMUP_CHUNKS = 2  # the warm-up prefill's chunks: the second runs with a filled window and earlier groups
-CONTEXT_6 = 131072  # the six-layer model's context: the 128k row's max_seq
+CONTEXT_6 = 1 << 20  # the six-layer model's context: the 1m row's max_seq
 TARGET_TOKENS_S = 8000  # P5L's must-reach, for prefill.stack.32k
 GOAL_TOKENS_S = 50000  # P5L's goal
 CATEGORY_NAMES = ("gemm", "indexer", "sparse_attention", "rest")
@@ -299,13 +300,14 @@ PREFILL_STACKS = (
     PrefillStack("prefill.stack.32k.40", "flash40", 32768, STACKS[1].filename),
     PrefillStack("prefill.stack.32k", "flash", 32768, SIX_LAYER_FILE, SIX_LAYER, TARGET_TOKENS_S),
     PrefillStack("prefill.stack.128k", "flash", 131072, SIX_LAYER_FILE, SIX_LAYER),
+    PrefillStack("prefill.stack.1m", "flash", 1 << 20, SIX_LAYER_FILE, SIX_LAYER),
 )
 
 
-def stack_rows(stack: PrefillStack, cfg: ModelConfig, wall_s: float, parts: dict[str, float], l2: L2Plan
-               ) -> list[BenchRow]:
+def stack_rows(stack: PrefillStack, cfg: ModelConfig, wall_s: float, parts: dict[str, float], l2: L2Plan,
+               held_bytes: int | None = None) -> list[BenchRow]:
     """The row of a timed prefill (wall clock `wall_s`, device seconds by part `parts`) and its
-    parts' rows."""
+    parts' rows; `held_bytes`, where known, the device memory the engine held at the run's end."""
     flops = prefill_flops(cfg, stack.tokens)
     bound = flops.total / (PEAK_TFLOPS * 1e12)
     split = split_by_category(parts)
@@ -325,6 +327,9 @@ def stack_rows(stack: PrefillStack, cfg: ModelConfig, wall_s: float, parts: dict
             f"{PEAK_TFLOPS:.0f} TFLOP/s, {flops.total / wall_s / 1e12:.1f} achieved; split of the events' "
             f"{total:.2f} s: " + ", ".join(f"{name} {seconds:.2f} s ({share(seconds)})"
                                            for name, seconds in split.items()))
+    if held_bytes is not None:
+        note += (f"; device memory held at the run's end {format_bytes(held_bytes)} (the free memory before "
+                 f"the engine less after the run: the engine allocates its buffers up front)")
     rows = [BenchRow(stack.name, wall_s, bound, flops=flops.total, note=note, l2=l2, split=split)]
     for part, seconds in parts.items():
         rows.append(BenchRow(f"{stack.name}.part.{part}", seconds, 0.0,
@@ -359,15 +364,17 @@ def prefill_case(stack: PrefillStack) -> BenchCase:
         try:
             estimate = require_memory(model, stack.tokens, CHUNK, device_free_bytes(), stack.name)
             tokens = np.random.default_rng(16).integers(0, cfg.vocab_size, stack.tokens)
+            free_before = device_free_bytes()
             with flashv41.Engine(model, max_seq=stack.tokens, max_tokens=CHUNK) as engine:
                 wall, parts = measure(engine, tokens)
+                held = free_before - device_free_bytes()
         finally:
             model.close()
-        return stack_rows(stack, cfg, wall, parts, ctx.plan(estimate.weight_bytes))
+        return stack_rows(stack, cfg, wall, parts, ctx.plan(estimate.weight_bytes), held)
 
     return BenchCase(stack.name, run, default=False)
 
 
 def cases(options: BenchOptions) -> list[BenchCase]:
-    """The four prefill.stack cases, each run only when a --rows pattern names it."""
+    """The five prefill.stack cases, each run only when a --rows pattern names it."""
     return [prefill_case(stack) for stack in PREFILL_STACKS]

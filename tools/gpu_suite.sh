@@ -55,6 +55,10 @@ alone=${PIPESTATUS[0]}
 echo "== gpu suite, the device_memory tests alone: exit $alone, $(( $(date +%s) - start )) s wall" | tee -a "$log"
 left=$(( deadline - $(date +%s) ))
 [ "$left" -lt 1 ] && left=1
+# one BLAS thread a worker: NumPy's OpenBLAS starts a thread per core in every process, and 14 workers'
+# oracle products (the flash-sized references, the long runs' 3000 oracle steps) would otherwise run
+# 14 x 16 threads on 16 cores
+OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
 timeout --signal=INT "$left" python3 -m pytest -m "gpu and not device_memory" -n "$workers" --dist worksteal -p no:cacheprovider -v -rfEs --durations=25 -W "ignore:Grid size" \
     --junitxml "$log_dir/gpu_suite.xml" -o junit_logging=system-out "$@" 2>&1 \
     | tee -a "$log"

@@ -355,7 +355,9 @@ class AttentionStage(Traced):
             raise SequenceStateError("this attention stage was freed")
 
     def _check_call(self, layer: int, x: DeviceArray, out: DeviceArray, state: AttentionState, start: int,
-                    n_tokens: int) -> None:
+                    n_tokens: int, span: int = 0) -> None:
+        """n_tokens rows taking `span` consecutive positions from `start` (n_tokens where 0)."""
+        span = span or n_tokens
         self._check_live()
         if not 0 <= layer < self.cfg.n_layers:
             raise InputError(f"layer {layer} is outside 0..{self.cfg.n_layers - 1}")
@@ -365,8 +367,8 @@ class AttentionStage(Traced):
             raise CapacityError(f"{n_tokens} tokens exceed max_tokens {self.max_tokens} of this stage")
         if start < 0:
             raise InputError(f"start must be >= 0, got {start}")
-        if start + n_tokens > self.max_seq:
-            raise CapacityError(f"{plural(n_tokens, 'token')} at position {start} go past max_seq {self.max_seq}")
+        if start + span > self.max_seq:
+            raise CapacityError(f"{plural(span, 'token')} at position {start} go past max_seq {self.max_seq}")
         for a, what in ((x, "x"), (out, "out")):
             check_array(a, (np.uint16,), 2, f"attention {what}")
             if a.shape[0] < n_tokens or a.shape[1] != self.cfg.dim:
@@ -461,8 +463,7 @@ class AttentionStage(Traced):
         self._project_out(w, out, t)
         if not early_ring:
             n_ring = min(t, cfg.window) * cfg.head_dim
-            _ring_write_kernel[grid_1d(n_ring, COPY_THREADS), COPY_THREADS, s](self.kv, st.ring, pos, t,
-                                                                                cfg.head_dim)
+            _ring_write_kernel[grid_1d(n_ring, COPY_THREADS), COPY_THREADS, s](self.kv, st.ring, pos, t, cfg.head_dim)
             self._mark("ring_write")
         if capture is not None:
             capture.update(attn_x=self._host(x, t), qr=self._host(self.qr, t), kv=self._host(self.kv, t),
@@ -492,8 +493,7 @@ class AttentionStage(Traced):
         mark("wq_a + wkv")
         norm_rope_quant_pair(Chain(self.qa, w.q_norm, self.eps, None, None, None, False, "none", out=self.qr),
                              Chain(self.kv_raw, w.kv_norm, self.eps, cos, sin, pos, False, "act", out=self.kv,
-                                   ring=ring, ring_table=ring_table), t,
-                             stream=s)
+                                   ring=ring, ring_table=ring_table), t, stream=s)
         mark("q_norm + kv_norm_rope_quant")
 
     def _project_q(self, w: LayerWeights, t: int) -> None:
@@ -606,7 +606,7 @@ class AttentionStage(Traced):
                              f"and {len(starts)} positions must agree")
         if len({id(st) for st in states}) != len(states):
             raise InputError("forward_batch: a sequence appears twice in the batch (one token a sequence)")
-        self._check_call(layer, x, out, states[0], 0, n_tokens)
+        self._check_call(layer, x, out, states[0], 0, n_tokens, span=1)  # a position a row: B may pass max_seq
         role = self.layers[layer].role
         for b, (state, shared, start) in enumerate(zip(states, shareds, starts, strict=True)):
             if state.freed or state.stage is not self:

@@ -100,3 +100,24 @@ def test_closed_engine(model) -> None:
     engine.close()
     with pytest.raises(SequenceStateError, match="closed"):
         engine.decode_batch([seq], [1])
+
+
+@pytest.mark.slow
+def test_a_batch_wider_than_max_seq(model) -> None:
+    """B sequences take one position each, so a batch may hold more sequences than max_seq has
+    positions (found by the bench's B = 128 row on an engine of max_seq 104): six sequences on an
+    engine of four positions step together, each as it decodes alone."""
+    prompts = [tokens(model, 20 + i, 1 + i % 3) for i in range(6)]
+    with flashv41.Engine(model, max_seq=4, max_tokens=6) as engine:
+        alone = []
+        for i, prompt in enumerate(prompts):
+            seq = engine.new_sequence()
+            seq.prefill(prompt)
+            alone.append(seq.decode(30 + i)[0])
+            seq.release()
+        seqs = [engine.new_sequence() for _ in prompts]
+        for seq, prompt in zip(seqs, prompts, strict=True):
+            seq.prefill(prompt)
+        got = engine.decode_batch(seqs, [30 + i for i in range(len(seqs))])
+        for b in range(len(seqs)):
+            assert np.array_equal(got[b], alone[b]), f"sequence {b} differs from its own decode"

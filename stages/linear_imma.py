@@ -397,23 +397,29 @@ def workspace(w, p: Plan) -> Workspace:
 
 
 DECODE_MIN_VALUES = 1 << 24  # the weights (N x K values) imma is picked for: none of 6.5M or less won
-# The weight types imma is picked for at up to MAX_TOKENS tokens, and whether only where N >= K there
-# (measured on an H100, 2026-12-07, docs/performance-log.md, us at T = 1 / T = 8, stream -> imma):
+# The weight types imma is picked for at up to MAX_TOKENS tokens, each with the least N / K (the
+# weight's aspect) it is picked for (measured on an H100, 2026-12-07, docs/performance-log.md, us at
+# T = 1 / T = 8, stream -> imma):
 # - Q4_K, Q5_K: every product of 16M values or more (wq_b 24.3 -> 15.1 / 110 -> 23; wo_a 22.7 ->
 #   15.3 / 85 -> 24; wo_b 24.0 -> 21.5 / 103 -> 34; the engram wkv 69 -> 52 / 381 -> 85; Q5_K alike);
-# - Q2_K, MXFP4: those with N >= K too (wq_b, wo_a, the engram wkv: at T = 1 1.06-1.36x faster or
+# - Q2_K, MXFP4: those with N >= K (wq_b, wo_a, the engram wkv: at T = 1 1.06-1.36x faster or
 #   within 3%, at T = 8 2.3-3.9x; MXFP4's engram wkv was timed at T = 8 only, 250 -> 101 us); on the
 #   wide wo_b (K = 8192) imma lost 21-23% at T = 1;
-# - Q8_0, Q6_K: never (their stream units are short already: imma lost at T = 1 but on wq_b, by 4%).
+# - Q8_0, Q6_K: those with N >= 8 K, the tall wq_b (N / K = 25.6): Q8_0 22.2 -> 21.7 / 50.8 -> 26.3,
+#   Q6_K 21.1 -> 20.1 / 64.8 -> 36.4. Their stream units are short already: at T = 1 imma lost 7-25%
+#   on wo_a, wo_b and the engram wkv (N / K 4.2 and less), though it won 33-48% there at T = 8. One
+#   kernel serves every count up to MAX_TOKENS (a batch's bits are each step's), and decode is mostly
+#   one token a step, so T = 1 decides.
 # Below 16M values (wq_a, wkv, the index wq_b) the digits' prologue costs imma 2-60% at T = 1.
-DECODE_PICKS = {GGMLType.Q4_K: False, GGMLType.Q5_K: False, GGMLType.Q2_K: True, GGMLType.MXFP4: True}
+DECODE_PICKS = {GGMLType.Q4_K: 0, GGMLType.Q5_K: 0, GGMLType.Q2_K: 1, GGMLType.MXFP4: 1, GGMLType.Q8_0: 8,
+                GGMLType.Q6_K: 8}
 
 
 def decode_pick(gtype: GGMLType, n: int, k: int) -> bool:
     """Whether stages.linear picks imma for a decode product (up to MAX_TOKENS tokens) of an [n, k]
     weight of type gtype (bf16 inputs, on a GPU, where `takes` holds): DECODE_PICKS' rule."""
-    tall_only = DECODE_PICKS.get(gtype)
-    return tall_only is not None and n * k >= DECODE_MIN_VALUES and (not tall_only or n >= k)
+    aspect = DECODE_PICKS.get(gtype)
+    return aspect is not None and n * k >= DECODE_MIN_VALUES and n >= aspect * k
 
 
 def takes(w, x_dtype, group_rows: int = 0) -> bool:

@@ -113,7 +113,9 @@ def test_every_case_still_listed() -> None:
     assert "head.decode.Q8_0" in names
     # beside each picked decode row, the kernel not picked for it (stages.linear_imma.decode_pick)
     assert "gemv.imma.attn.wq_a.Q8_0" in names and "gemv.imma.t8.engram.wkv.Q8_0" in names
-    assert not [name for name in names if name.startswith("gemv.stream.")]  # (Q8_0 streams everywhere)
+    # Q8_0 streams everywhere but on the tall wq_b
+    assert [name for name in names if name.startswith("gemv.stream.")] == ["gemv.stream.attn.wq_b.Q8_0",
+                                                                           "gemv.stream.t8.attn.wq_b.Q8_0"]
     assert "prefill.gemm.tc.attn.wo_a.Q8_0" in names and "prefill.gemm.attn.wo_a.Q8_0" in names
     q2 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q2_K",)))]
     assert "gemv.stream.engram.wkv.Q2_K" in q2 and "gemv.imma.attn.wq_a.Q2_K" in q2

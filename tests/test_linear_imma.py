@@ -195,9 +195,10 @@ def test_imma_types_wide_range_inside_a_block(gtype):
 
 # The flash decode shapes [N, K] and the types imma is picked for on each (measured on an H100,
 # docs/performance-log.md "imma, pipe and the picks"): Q4_K and Q5_K on every shape of 16M values
-# or more, Q2_K and MXFP4 on those with N >= K too (not the wide wo_b); Q8_0 and Q6_K on none.
+# or more, Q2_K and MXFP4 on those with N >= K too (not the wide wo_b), Q8_0 and Q6_K on the tall
+# wq_b alone.
 PICKED = {"wq_a": (1280, 5120, ""), "wkv": (512, 5120, ""), "index_wq_b": (4096, 1280, ""),
-          "wq_b": (32768, 1280, "Q2_K Q4_K Q5_K MXFP4"), "wo_a": (8192, 4096, "Q2_K Q4_K Q5_K MXFP4"),
+          "wq_b": (32768, 1280, "Q2_K Q4_K Q5_K MXFP4 Q8_0 Q6_K"), "wo_a": (8192, 4096, "Q2_K Q4_K Q5_K MXFP4"),
           "wo_b": (5120, 8192, "Q4_K Q5_K"), "engram_wkv": (25600, 6144, "Q2_K Q4_K Q5_K MXFP4")}
 
 

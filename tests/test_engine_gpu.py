@@ -114,35 +114,60 @@ def test_bitwise_deterministic(synth_model):
     assert all(np.array_equal(runs[0].view(np.uint32), r.view(np.uint32)) for r in runs[1:])
 
 
-@pytest.mark.device_memory
-@pytest.mark.parametrize("preset", ["small", "flash3", "flash4", "flash3-Q4_K"])
-def test_graph_decode_is_eager_decode(synth_model, preset):
-    """Decode replayed from CUDA graphs gives the eager launches' results bit for bit, over steps of
-    every graph key (a first step with nothing to score, group completions or not, masked tokens
-    or not), and once every key has its graph a step allocates no device memory (docs/performance.md
-    M1; imma's workspaces included, flash3-Q4_K). It reads the GPU's free memory: run alone."""
+GRAPH_PRESETS = ["small", "flash3", "flash4", "flash3-Q4_K"]
+GRAPH_STEPS = 48
+
+
+def graph_model(synth_model, preset: str):
     flash = {"flash3": FLASH3, "flash4": FLASH4, "flash3-Q4_K": flash3("Q4_K")}
     path = synth_model("small") if preset == "small" else synth_model("flash", **flash[preset])
-    model = flashv41.load_model(path)
-    steps = 48
-    ids = np.random.default_rng(5).integers(0, model.config.vocab_size, steps)
-    masks = [None if i % 5 else bool(i % 10) for i in range(steps)]
-    outs = {}
-    for graphs in (False, True):
-        with flashv41.Engine(model, max_seq=256, max_tokens=16, graphs=graphs) as engine:
-            assert engine.graphs == graphs
-            seq = engine.new_sequence()
-            got = []
-            for i in range(steps):
-                if i == steps // 2:
-                    settled = device_free_bytes()
-                got.append(seq.decode(int(ids[i]), masks[i]))
-            if graphs:
-                assert device_free_bytes() == settled, "graph decode steps allocated device memory"
-                assert len(seq.graphs) >= 4, f"only {len(seq.graphs)} graphs were captured"
-            outs[graphs] = np.concatenate(got)
-    assert np.array_equal(outs[False].view(np.uint32), outs[True].view(np.uint32)), \
-        f"graph decode differs from eager decode: agreement {agreement(outs[True], outs[False])}"
+    return flashv41.load_model(path)
+
+
+def decode_steps(model, graphs: bool, free: list[int] | None = None) -> tuple[np.ndarray, int]:
+    """GRAPH_STEPS decode steps of one sequence, over every graph key (a first step with nothing to
+    score, group completions or not, masked tokens or not): (the highways, the graphs the sequence
+    captured). `free`, where given, receives the GPU's free memory before the middle step and after
+    the last (the engine still open)."""
+    ids = np.random.default_rng(5).integers(0, model.config.vocab_size, GRAPH_STEPS)
+    masks = [None if i % 5 else bool(i % 10) for i in range(GRAPH_STEPS)]
+    with flashv41.Engine(model, max_seq=256, max_tokens=16, graphs=graphs) as engine:
+        assert engine.graphs == graphs
+        seq = engine.new_sequence()
+        got = []
+        for i in range(GRAPH_STEPS):
+            if i == GRAPH_STEPS // 2 and free is not None:
+                free.append(device_free_bytes())
+            got.append(seq.decode(int(ids[i]), masks[i]))
+        if free is not None:
+            free.append(device_free_bytes())
+        return np.concatenate(got), len(seq.graphs)
+
+
+@pytest.mark.parametrize("preset", GRAPH_PRESETS)
+def test_graph_decode_is_eager_decode(synth_model, preset):
+    """Decode replayed from CUDA graphs gives the eager launches' results bit for bit, over steps of
+    every graph key."""
+    model = graph_model(synth_model, preset)
+    eager, _ = decode_steps(model, False)
+    replayed, graphs = decode_steps(model, True)
+    assert graphs >= 4, f"only {graphs} graphs were captured"
+    assert np.array_equal(eager.view(np.uint32), replayed.view(np.uint32)), \
+        f"graph decode differs from eager decode: agreement {agreement(replayed, eager)}"
+
+
+@pytest.mark.device_memory
+@pytest.mark.parametrize("preset", GRAPH_PRESETS)
+def test_graph_decode_allocates_nothing(synth_model, preset):
+    """Once every graph key has its graph, a replayed decode step allocates no device memory
+    (docs/performance.md M1; imma's workspaces included, flash3-Q4_K). It reads the GPU's free
+    memory: run alone (test_graph_decode_is_eager_decode, which needs no such quiet, runs the same
+    steps eagerly too, among the other workers)."""
+    model = graph_model(synth_model, preset)
+    free: list[int] = []
+    _, graphs = decode_steps(model, True, free)
+    assert graphs >= 4, f"only {graphs} graphs were captured"
+    assert free[1] == free[0], f"graph decode steps allocated {free[0] - free[1]} bytes of device memory"
 
 
 def check_batch_equals_each_alone(model, prompt_lengths: tuple[int, ...], steps: int) -> None:

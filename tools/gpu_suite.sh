@@ -50,7 +50,7 @@ deadline=$(( start + ${SUITE_TIMEOUT:-3000} ))
 # first, alone on the GPU, the tests that read its free memory (marker device_memory: another
 # worker's allocations would show in their figures); then every other gpu test over the workers
 timeout --signal=INT "${SUITE_TIMEOUT:-3000}" python3 -m pytest -m "gpu and device_memory" -p no:cacheprovider -v -rfEs \
-    -W "ignore:Grid size" "$@" 2>&1 | tee -a "$log"
+    --durations=0 -W "ignore:Grid size" "$@" 2>&1 | tee -a "$log"
 alone=${PIPESTATUS[0]}
 echo "== gpu suite, the device_memory tests alone: exit $alone, $(( $(date +%s) - start )) s wall" | tee -a "$log"
 left=$(( deadline - $(date +%s) ))

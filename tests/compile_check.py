@@ -73,9 +73,28 @@ class _FakeEvent:
         return 0.0
 
 
+def _probe() -> None:
+    """Compile one small kernel to sm_90 PTX, so that a machine that cannot compile at all (no
+    libNVVM, or no libNVRTC, which numba-cuda asks for the architectures it supports) is one
+    clear error at start-up, not every test reported as a skip."""
+    from numba import cuda, float32
+
+    def probe(a):
+        a[0] = 1.0
+
+    try:
+        cuda.compile_ptx(probe, (float32[:],), cc=(9, 0))
+    except Exception as e:
+        raise RuntimeError(
+            f"{ENV}: this machine cannot compile kernels for sm_90 ({type(e).__name__}: {str(e).strip()}). Compile-check mode "
+            "needs libNVVM and libNVRTC: the CUDA toolkit, or `pip install \"numba-cuda[cu13]\"`; where the "
+            "libraries are installed but not found, put their folder on LD_LIBRARY_PATH") from e
+
+
 def install() -> None:
     """Switch numba.cuda to compile-only launches and NumPy-backed device arrays."""
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+    _probe()
     import numba.cuda.api as api
     import numba.cuda.cudadrv.devices as devices
     import numba.cuda.dispatcher as dispatcher
@@ -113,4 +132,7 @@ def is_compile_error(exc: BaseException) -> bool:
     """Numba typing / lowering errors and NVVM failures: what this mode is looking for (numba-cuda
     raises its own copies of numba's error classes, numba.cuda.core.errors, so they go by name)."""
     names = ("TypingError", "LoweringError", "UnsupportedError", "NvvmError", "NvvmSupportError", "LinkerError")
-    return any(c.__name__ in names and c.__module__.startswith("numba") for c in type(exc).__mro__)
+    if any(c.__name__ in names and c.__module__.startswith("numba") for c in type(exc).__mro__):
+        return True
+    # a compiler library that cannot be loaded (cuda.pathfinder's error): nothing was compiled
+    return type(exc).__name__ == "DynamicLibNotFoundError"

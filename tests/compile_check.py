@@ -86,9 +86,9 @@ def _probe() -> None:
         cuda.compile_ptx(probe, (float32[:],), cc=(9, 0))
     except Exception as e:
         raise RuntimeError(
-            f"{ENV}: this machine cannot compile kernels for sm_90 ({type(e).__name__}: {str(e).strip()}). Compile-check mode "
-            "needs libNVVM and libNVRTC: the CUDA toolkit, or `pip install \"numba-cuda[cu13]\"`; where the "
-            "libraries are installed but not found, put their folder on LD_LIBRARY_PATH") from e
+            f"{ENV}: this machine cannot compile kernels for sm_90 ({type(e).__name__}: {str(e).strip()}). "
+            "Compile-check mode needs libNVVM and libNVRTC: the CUDA toolkit, or `pip install \"numba-cuda[cu13]\"`; "
+            "where the libraries are installed but not found, put their folder on LD_LIBRARY_PATH") from e
 
 
 def install() -> None:

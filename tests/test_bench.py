@@ -24,7 +24,7 @@ from flashv41.bench.core import (
     plan_l2,
     report,
 )
-from flashv41.host.errors import UnsupportedError
+from flashv41.host.errors import CapacityError, FlashError, UnsupportedError
 from flashv41.stages.backend import using_simulator
 from flashv41.stages.bandwidth import NEVER, L2Evictor, copy_words, fill_words, read_words, words_buffer
 
@@ -346,6 +346,25 @@ def test_an_interrupted_run_keeps_its_rows(monkeypatch: pytest.MonkeyPatch, tmp_
     assert not got["complete"] and got["interrupted_at"] == "fake.stopped" and NoEvictor.freed
     assert "fake.0" in lines[-1] and "fake.2" not in lines[-1]  # the table, last
     assert "bench: interrupted in fake.stopped" in capsys.readouterr().err
+
+
+def test_a_failing_row_leaves_the_others(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
+    """A case that raises (here as the batch row did, a CapacityError) loses its own rows only: the
+    rows after it run, the table and the JSON keep theirs and list the failure, and the run ends in
+    one error naming the case."""
+    def failing(ctx) -> list[BenchRow]:
+        raise CapacityError("128 tokens at position 0 go past max_seq 104")
+
+    fake_gpu(monkeypatch, [fake_case(0), bench.BenchCase("fake.failing", failing), fake_case(2)])
+    lines: list[str] = []
+    with pytest.raises(FlashError, match=r"1 of 3 rows failed: fake.failing \(CapacityError: 128 tokens"):
+        bench.run(BenchOptions(workdir=tmp_path / "work"), tmp_path / "bench.json", lines.append)
+    got = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["name"] for r in got["rows"]][3:] == ["fake.0", "fake.2"] and got["complete"]
+    assert got["failed"] == [{"case": "fake.failing", "error": "CapacityError: 128 tokens at position 0 go past "
+                                                                "max_seq 104"}]
+    assert "fake.2" in lines[-1] and NoEvictor.freed
+    assert "bench: fake.failing failed (CapacityError" in capsys.readouterr().err
 
 
 def test_real_table_rows_have_the_official_table() -> None:

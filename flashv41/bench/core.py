@@ -67,7 +67,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from flashv41.host.errors import InputError, UnsupportedError
+from flashv41.host.errors import FlashError, InputError, UnsupportedError
 from flashv41.host.progress import Progress
 from flashv41.memory import flush_device_frees
 from flashv41.stages.backend import backend_name, select_backend
@@ -205,6 +205,7 @@ class BenchContext:
     l2_bytes: int = L2_FALLBACK
     l2_source: str = "assumed"
     evictor: Any = None
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (case, its error) of the cases that raised
 
     def memory_bound(self, nbytes: int) -> float:
         """Seconds to stream `nbytes` once at the copy bandwidth."""
@@ -574,6 +575,7 @@ def report(ctx: BenchContext, interrupted: str | None = None) -> dict:
     """The JSON report of a run: finished, or interrupted (Ctrl-C, a time limit's SIGINT) while it
     ran the case named `interrupted`, with the rows before it."""
     return {"gpu": ctx.gpu, "complete": interrupted is None, "interrupted_at": interrupted,
+            "failed": [{"case": name, "error": error} for name, error in ctx.failed],
             "copy_bandwidth_bytes_per_s": ctx.copy_bandwidth,
             "copy_bandwidths": dict(ctx.copy_bandwidths), "l2_bytes": ctx.l2_bytes, "l2_source": ctx.l2_source,
             "l2_policy": f"data under {HBM_FACTOR}x L2: weight copies rotated (single products) or the L2 evicted "
@@ -585,7 +587,9 @@ def run(options: BenchOptions, json_path: Path | None = None, print_fn: Callable
     """Measure the copy bandwidths and the L2, run the selected cases, print the table, write JSON
     if asked. The rows' progress goes to stderr (host.progress), each row's line through `print_fn`.
     Interrupted (KeyboardInterrupt: Ctrl-C, or `timeout --signal=INT`), it still prints the table and
-    writes the JSON of the rows it finished, the JSON saying where it stopped, then re-raises."""
+    writes the JSON of the rows it finished, the JSON saying where it stopped, then re-raises. A case
+    that raises loses its own rows, not the run's: its error is printed at once, the run goes on, the
+    JSON lists it under "failed", and at the end a FlashError names every failed case."""
     require_gpu()
     if options.reps < MIN_REPS:
         raise InputError(f"bench: --reps must be at least {MIN_REPS}, got {options.reps}")
@@ -609,7 +613,14 @@ def run(options: BenchOptions, json_path: Path | None = None, print_fn: Callable
         with Progress(f"bench on {ctx.gpu}", len(cases), "row", "rows") as progress:
             for case in cases:
                 interrupted = case.name
-                rows = case.run(ctx)
+                try:
+                    rows = case.run(ctx)
+                except Exception as e:  # one case's failure (a bug, the device's limits): the others still run
+                    rows = []
+                    ctx.failed.append((case.name, f"{type(e).__name__}: {e}"))
+                    with progress.paused():
+                        print(f"bench: {case.name} failed ({type(e).__name__}: {e}); going on with the rest",
+                              file=sys.stderr, flush=True)
                 release_device_memory()
                 ctx.rows += rows
                 progress.update()
@@ -629,4 +640,7 @@ def run(options: BenchOptions, json_path: Path | None = None, print_fn: Callable
         json_path.write_text(json.dumps(report(ctx, interrupted), indent=2) + "\n")
     if interrupted is not None:
         raise KeyboardInterrupt
+    if ctx.failed:
+        raise FlashError(f"bench: {len(ctx.failed)} of {len(cases)} rows failed: "
+                         + "; ".join(f"{name} ({error})" for name, error in ctx.failed))
     return ctx

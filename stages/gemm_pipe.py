@@ -7,7 +7,8 @@ stages.linear.DeviceWeight of BF16 ([N, K] bf16) or Q8_0 (split device layout: p
 levels, then the K/32 fp16 scales d, padded to whole 16-byte pieces), y [T, N] bf16 bits or float32.
 Grouped product (group_rows > 0): output row n reads x[:, (n // group_rows) * K :][:K]. Meant for
 prefill: stages.linear picks it past NARROW_MAX_TOKENS tokens on a GPU (`supports`), where it took
-BF16 and Q8_0 products at 2.1-6.1x cuBLAS's time against linear_tc's 9-12.5x (H100, 4096 tokens).
+BF16 and Q8_0 products at 2.1-6.1x cuBLAS's time against stages.linear_tc's 8.9-12.6x on them
+(H100, 4096 tokens), so linear_tc takes neither type.
 
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with tests/bounds.py's
 rules (>= 99% of bf16 outputs bit-equal to the oracle's, every output within half a bf16 ulp plus
@@ -24,7 +25,7 @@ an integer level |q| <= 128, which bf16 holds exactly).
 - Output: bf16 by `cvt.rn.bf16x2.f32`, to nearest, ties to even (stages.device.f32_to_bf16's
   rounding for every value but NaN, which stays a NaN of the instruction's bits;
   tests/test_gemm_pipe.py holds it to the host's rounding on a GPU); fp32 as summed.
-These are linear_tc's orders and counts, well inside the K roundings the sqrt(K) rule allows.
+Both counts are well inside the K roundings the sqrt(K) rule allows.
 
 Kernel. A block computes BM = 128 tokens x BN = 128 outputs of one group (grid z) in K steps of
 BK = 32 values; 8 warps, 2 along tokens and 4 along outputs, each a 64 x 32 tile of 4 x 4 fragments
@@ -53,11 +54,9 @@ about 104 instructions a thread a step against about 51 here, for one barrier mo
 
 SASS (ptxas 13 for sm_90, launch bounds 256 threads x 2 blocks an SM): BF16 121 registers, no
 spills, 49152 bytes of shared memory; its K loop 104 instructions a warp a step: 32 HMMA, 12 LDSM,
-4 LDGSTS, 1 BAR, 1 DEPBAR, 54 others (address and loop arithmetic); linear_tc's BF16 loop does the
-same 32 HMMA of work in 720 (two of its 360-instruction steps, each 16 HMMA, 32 LDS, 12 STS, 12
-LDG). Q8_0 128 registers, no spills, 47104 bytes; its loop 294: 32 HMMA, 12 LDSM, 4 LDGSTS, the
-conversion (24 PRMT, 16 FADD, 1 LDS.128, 2 STS.128), 64 FFMA for the scales, 2 BAR; linear_tc's
-Q8_0, 878 for the same work. Two blocks (16 warps) an SM: the registers' limit.
+4 LDGSTS, 1 BAR, 1 DEPBAR, 54 others (address and loop arithmetic). Q8_0 128 registers, no spills,
+47104 bytes; its loop 294: 32 HMMA, 12 LDSM, 4 LDGSTS, the conversion (24 PRMT, 16 FADD, 1 LDS.128,
+2 STS.128), 64 FFMA for the scales, 2 BAR. Two blocks (16 warps) an SM: the registers' limit.
 
 On the simulator the copies are plain copies (commit and wait do nothing), ldmatrix a gather in
 which every lane brings the 16 bytes at its own row address to the warp's meeting (stages.warp_mma's)

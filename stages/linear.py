@@ -28,9 +28,8 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
 - `narrow` (more tokens, up to NARROW_MAX_TOKENS: a batch of decode steps; bf16 x; BF16 and Q8_0
   weights; GPU only): stages.linear_narrow, the tensor cores with the weights as the mma's rows and
   the tokens its columns, each weight byte read once for the whole batch, no shared-memory tiles.
-- `tc` (more tokens, bf16 x; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 weights, and BF16 and Q8_0
-  when forced, where pipe is faster; GPU only): stages.linear_tc, bf16 tensor cores with exact
-  integer weights and fp32 scales.
+- `tc` (more tokens, bf16 x; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 weights; GPU only):
+  stages.linear_tc, bf16 tensor cores with exact integer weights and fp32 scales.
 - on a GPU, a batch of up to NARROW_MAX_TOKENS tokens that neither narrow nor tc takes (fp32 x,
   F16 / F32 weights: the indexer's head weights) runs `stream` in launches of GEMV_MAX_TOKENS: gemm
   would cover such a short matrix with one tile block.
@@ -39,11 +38,11 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
   measured faster there): stages.linear_imma, the decode GEMV on
   the integer tensor cores, the stored levels as the mma's A operand and each input split into four
   int8 digits as its B columns.
-- `pipe` (past NARROW_MAX_TOKENS tokens, in place of tc, on a GPU: bf16 x, BF16 and Q8_0 weights):
-  stages.gemm_pipe, the prefill GEMM on the tensor cores with its tiles streamed into shared memory
-  by cp.async several K steps ahead and read with ldmatrix.
-- `gemm` (more tokens, what tc does not take: every product on the simulator, where tc's inline
-  PTX does not run; on a GPU fp32 x and F16 / F32 weights past NARROW_MAX_TOKENS tokens): a
+- `pipe` (past NARROW_MAX_TOKENS tokens, on a GPU: bf16 x, BF16 and Q8_0 weights, which tc does not
+  take): stages.gemm_pipe, the prefill GEMM on the tensor cores with its tiles streamed into shared
+  memory by cp.async several K steps ahead and read with ldmatrix.
+- `gemm` (more tokens, what neither tc nor pipe takes: every product on the simulator, where their
+  inline PTX does not run; on a GPU fp32 x and F16 / F32 weights past NARROW_MAX_TOKENS tokens): a
   shared-memory tile of tokens x outputs, K in steps of 32, the weight chunk dequantised once per
   tile (the type's weight_dequant); a grouped product is one launch per group.
 
@@ -471,7 +470,7 @@ def pick_kernel(w: DeviceWeight, x_bf16: bool, n_tokens: int, group_rows: int = 
     More, up to NARROW_MAX_TOKENS:
     the narrow tensor-core product (stages.linear_narrow) where it applies (GPU, bf16 x, BF16 and Q8_0
     weights). Past that, on a GPU with bf16 x: the pipelined GEMM (stages.gemm_pipe) for BF16 and
-    Q8_0, the tensor cores (stages.linear_tc) for the other types it takes. Else, on a GPU and up to
+    Q8_0, the tensor cores (stages.linear_tc) for the types it takes. Else, on a GPU and up to
     NARROW_MAX_TOKENS tokens, stream in launches of GEMV_MAX_TOKENS tokens; else gemm."""
     x_dtype = np.uint16 if x_bf16 else np.float32
     if n_tokens <= GEMV_MAX_TOKENS:
@@ -497,7 +496,8 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
 
     group_rows > 0: grouped product, output row n reads x[:, (n // group_rows) * K : ... + K].
     kernel: "stream", "narrow", "gemm", "tc", "imma" or "pipe" to force one (tests, benchmarks); by
-    default `pick_kernel` decides. ValueError where a forced imma or pipe does not take the product.
+    default `pick_kernel` decides. ValueError where a forced narrow, tc, imma or pipe does not take
+    the product (naming the weight and what the kernel takes).
     """
     x_bf16 = x.dtype == np.uint16
     out_bf16 = y.dtype == np.uint16

@@ -2,17 +2,17 @@
 `mma.sync.m16n8k16` with fp32 accumulation.
 
 Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16; fp32 inputs are
-refused), w a stages.linear.DeviceWeight of BF16, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or MXFP4 in its
-device layout (stages.quants: Q8_0, Q2_K, Q3_K, Q6_K and MXFP4 rows split, quants first; the others
-the GGUF blocks), y [T, N] bf16 bits (rounded to nearest even) or float32. Grouped product
-(group_rows > 0): output row n reads x[:, (n // group_rows) * K :][:K].
+refused), w a stages.linear.DeviceWeight of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or MXFP4 in its device
+layout (stages.quants: Q2_K, Q3_K, Q6_K and MXFP4 rows split, quants first; Q4_K and Q5_K the GGUF
+blocks), y [T, N] bf16 bits (rounded to nearest even) or float32. Grouped product
+(group_rows > 0): output row n reads x[:, (n // group_rows) * K :][:K]. BF16 and Q8_0 weights are
+stages.gemm_pipe's (stages.linear picks it for them), and their records have no tc pieces.
 
 The tensor cores only ever multiply exact values: the inputs are bf16 already, and a quantised
 weight enters as an integer, which bf16 holds exactly when it has at most 8 significant bits (every
 integer of magnitude <= 256). The fp32 scales, each an exact product of an fp16 or power-of-two
-scale and small integers, are applied to fp32 partial sums:
-- BF16: the weights themselves; the mma accumulates straight into the result.
-- Q8_0: the level q (|q| <= 128) enters; per 32-value block b, acc += d_b * (sum of x * q over it).
+scale and small integers, are applied to fp32 partial sums, a K step's (or half-step's) sums of
+x * level from zero, then acc += scale * sums:
 - Q2_K: value = d * sc_j * q - dmin * m_j in 16-value group j of a 256-value block: sc * q (<= 45)
   enters, acc += d * (sum of x * (sc * q) over each 32 values), and at a block's end
   acc -= dmin * sum_j m_j * S_j, S_j the sum of group j's 16 inputs (fp32): one more mma a block,
@@ -37,21 +37,21 @@ scale and small integers, are applied to fp32 partial sums:
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with the rules of
 tests/bounds.py (>= 99% of bf16 outputs bit-equal to the oracle's, every output within half a bf16
 ulp plus 8 sqrt(n) 2^-24 sum_k |x_k w_k| of the exact product). The result is an fp32 sum of the
-exact products x * w in another order: each passes through about K/16 + 16 (BF16) or K/32 + 34
-(Q8_0; the other quantised types about as many) roundings. Q2_K, Q4_K and Q5_K sum a weight's two
-parts apart (d sc q and dmin m), which the bound counts as 2K terms of those magnitudes. Measured
-on the H200 at flash shapes: 99.53-100% of outputs bit-equal for BF16 (the lowest at K = 8192,
-where one accumulation chain runs the whole K), 99.91% and up for Q2_K, 99.98% and up for Q8_0;
-the K-quants and MXFP4 99.967% and up (wq_b, wo_b, the index wq_b and the grouped wo_a, T = 64;
-tests/test_linear_tc.py also holds their pieces to the host's dequantiser bit for bit).
+exact products x * w in another order: each passes through about K/32 + 34 roundings (a step's
+two k16 mma sums, its scaled add, the chain of steps along K; K/16 + 18 for Q3_K and Q6_K, scaled
+every half-step). Q2_K, Q4_K and Q5_K sum a weight's two parts apart (d sc q and dmin m), which the
+bound counts as 2K terms of those magnitudes. Measured on the H200 at flash shapes: 99.91% and up
+of outputs bit-equal for Q2_K; Q3_K-Q6_K and MXFP4 99.967% and up (wq_b, wo_b, the index wq_b and
+the grouped wo_a, T = 64; tests/test_linear_tc.py also holds their pieces to the host's dequantiser
+bit for bit).
 
 Kernel: a block computes BM tokens x BN outputs in K steps of BK = 32 values; each warp a WM x WN
 tile of 16 x 8 mma fragments held in registers. A step's inputs and weights are staged in shared
 memory as bf16 pairs (the weights converted on the way in); the next step's global loads are
 issued before the current step's mma, into registers. One launch covers every group (grid z).
 Launch bounds hold a thread to 128 registers (two blocks of 256 threads an SM; ptxas 13.5 for
-sm_90: BF16, Q8_0, Q3_K, Q6_K and MXFP4 fit; the types with mins, whose mins' mma holds twelve
-registers more, spill: Q2_K 12 to 88 bytes, Q4_K 24 to 28, Q5_K 32 to 36).
+sm_90: Q3_K, Q6_K and MXFP4 fit; the types with mins, whose mins' mma holds twelve registers more,
+spill: Q2_K 12 to 88 bytes, Q4_K 24 to 28, Q5_K 32 to 36).
 
 On the simulator the mma is emulated (the lanes of a warp meet at each call, the last to come
 computing the warp's tile), so the kernel's indexing is tested there, slowly: `supports` says no on
@@ -115,7 +115,7 @@ def tc_kernel(qt: DeviceType, out_bf16: bool):
     tc = qt.tc
     assert tc is not None
     fetch, put, fetch_scales, put_scales = tc.fetch, tc.put, tc.fetch_scales, tc.put_scales
-    words, scaled, mins, halves = tc.words, tc.scaled, tc.mins, tc.halves
+    words, mins, halves = tc.words, tc.mins, tc.halves
     # stored weight words each thread loads per step: consecutive ones of one row (a Q2_K thread's
     # are in one group of 16 values, so it reads the group's scale once)
     b_loads = BN * words // THREADS
@@ -149,7 +149,7 @@ def tc_kernel(qt: DeviceType, out_bf16: bool):
         row0 = uint32(cuda.blockIdx.z) * group_rows  # the group's first output row
         x0 = uint32(cuda.blockIdx.z) * (k // 2)  # the group's first input word
         acc = cuda.local.array(FRAGS, float32)
-        part = cuda.local.array(FRAGS, float32)  # the step's sums (quantised types)
+        part = cuda.local.array(FRAGS, float32)  # the step's (or half-step's) sums, before their scale
         af = cuda.local.array((FM, 4), uint32)
         bf = cuda.local.array((FN, 2), uint32)
         pa = cuda.local.array(A_LOADS, uint32)  # the next step's global words, in flight
@@ -218,18 +218,17 @@ def tc_kernel(qt: DeviceType, out_bf16: bool):
                     c = wn + fn * 8 + g
                     bf[fn, 0] = b_s[c, kw]
                     bf[fn, 1] = b_s[c, kw + 4]
-                dst = part if scaled else acc
                 for fm in range(FM):
                     for fn in range(FN):
                         d0, d1, d2, d3 = mma(af[fm, 0], af[fm, 1], af[fm, 2], af[fm, 3], bf[fn, 0], bf[fn, 1],
-                                             dst[fm, fn, 0], dst[fm, fn, 1], dst[fm, fn, 2], dst[fm, fn, 3])
-                        dst[fm, fn, 0] = d0
-                        dst[fm, fn, 1] = d1
-                        dst[fm, fn, 2] = d2
-                        dst[fm, fn, 3] = d3
+                                             part[fm, fn, 0], part[fm, fn, 1], part[fm, fn, 2], part[fm, fn, 3])
+                        part[fm, fn, 0] = d0
+                        part[fm, fn, 1] = d1
+                        part[fm, fn, 2] = d2
+                        part[fm, fn, 3] = d3
                 if halves:  # this half-step's sums, times its scales, into acc
                     add_scaled(acc, part, d_s, kk, wn, t4)
-            if scaled and not halves:  # the step's sums, times their scales, into acc
+            if not halves:  # the step's sums, times their scales, into acc
                 add_scaled(acc, part, d_s, 0, wn, t4)
             if mins and step % TC_BLOCK_STEPS == TC_BLOCK_STEPS - 1:  # a block's end: minus dmin * sum_j m_j S_j
                 cuda.syncthreads()  # every group's sums are in sums_s

@@ -1,17 +1,20 @@
-"""stages.linear_tc against the oracle's linear (host.numerics): BF16, row-split Q8_0, Q2_K, the
-K-quants Q3_K .. Q6_K and MXFP4 weights, bf16 and fp32 outputs, the grouped product, partial
-tiles, corner blocks, through `check_tc` and tests/bounds.py's product rules (bf16 out: at least 99%
-of outputs bit-equal to the oracle, the rest within the sqrt(K) bound; fp32 out: the sqrt(K) bound;
-for Q2_K, Q4_K and Q5_K the bound counts the two parts of each value, which the kernel adds apart).
+"""stages.linear_tc against the oracle's linear (host.numerics): Q2_K, the K-quants Q3_K .. Q6_K
+and MXFP4 weights (tc's types: BF16 and Q8_0 are stages.gemm_pipe's, and tc refuses them), bf16 and
+fp32 outputs, the grouped product, partial tiles, corner blocks, through `check_tc` and
+tests/bounds.py's product rules (bf16 out: at least 99% of outputs bit-equal to the oracle, the rest
+within the sqrt(K) bound; fp32 out: the sqrt(K) bound; for Q2_K, Q4_K and Q5_K the bound counts the
+two parts of each value, which the kernel adds apart).
 Each type's tensor-core pieces are held besides to the host's dequantiser bit for bit, on rows of
 many blocks (`pieces_kernel`: what they stage, level times scale less min, is every value). On the
 simulator the mma is emulated and the shapes tiny (a few tiles, a block of a K-quant); the flash
 shapes run on a GPU. tests/test_mutants_products.py runs broken kernels through the same
 `check_tc`; MXFP4's exponent corners are test_quants_more's. Run with -s to see each check's
-bit-equal fraction."""
+bit-equal fraction. `stored_rows` and `weight` make BF16 and Q8_0 weights as well, for the other
+products' tests (test_gemm_pipe, test_linear_narrow, test_linear_imma)."""
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache, lru_cache
 
 import numpy as np
@@ -21,7 +24,7 @@ from numba import cuda, float32, uint32  # noqa: E402  (after conftest chose the
 from flashv41.host.numerics import bf16, from_bits, to_bits
 from flashv41.host.quants import FORMATS, MXFP4_DOUBLED, GGMLType, dequantize
 from flashv41.stages.device import CHUNK, SIM, bf16_to_f32
-from flashv41.stages.linear import DeviceWeight
+from flashv41.stages.linear import DeviceWeight, linear
 from flashv41.stages.linear_tc import BM, BN, linear_tc, supports
 from flashv41.stages.quants.table import DEVICE_TYPES
 from flashv41.stages.quants.units import TC_BLOCK_STEPS, TC_STEP_WORDS
@@ -29,9 +32,8 @@ from tests.blocks import corner_rows
 from tests.bounds import split_terms
 from tests.test_linear import check_groups
 
-TYPES = [GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q2_K]
-NEW = [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.MXFP4]
-ALL = TYPES + NEW
+NEW = [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.MXFP4]  # stored_rows: random bytes
+ALL = [GGMLType.Q2_K, *NEW]  # the types with tc pieces
 # the typical magnitude of a K-quant's value over its d (the levels and scales uniform over their
 # ranges: (sc - 32) q, sc q - m, sc q - m, sc (q - 32)), and of MXFP4's doubled E2M1 levels
 LEVEL_RMS = {GGMLType.Q3_K: 43, GGMLType.Q4_K: 300, GGMLType.Q5_K: 600, GGMLType.Q6_K: 1400,
@@ -70,7 +72,7 @@ def stored_rows(rng, n, k, gtype) -> np.ndarray:
 
 @lru_cache(maxsize=1)  # the flash tests reuse a weight for each token count
 def weight(n, k, gtype, corners=False):
-    """A random weight [n, k] as linear_tc takes it (corners: its first rows a K-quant's corner
+    """A random weight [n, k] in its device layout (corners: its first rows a K-quant's corner
     blocks, tests/blocks.py's, each repeated along the row), its dequantised values (the
     oracle's) and the magnitudes of the terms the kernel adds for it (split_terms: Q2_K's, Q4_K's
     and Q5_K's two parts)."""
@@ -96,31 +98,32 @@ def check_tc(gtype, tokens, groups, rows, width, out_bf16, seed, corners=False) 
     return check_groups(got, x, wq, rows, out_bf16, what, terms)
 
 
-@pytest.mark.parametrize("gtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("gtype", [GGMLType.Q2_K, GGMLType.MXFP4], ids=lambda t: t.name)
 @pytest.mark.parametrize("out_bf16", [True, False], ids=["bf16", "f32"])
 def test_partial_tile(gtype, out_bf16):
-    """Fewer tokens and outputs than one block tile; K is two blocks (Q8_0 and BF16: two K steps).
-    Simulator: 100% bit-equal (bf16 out); fp32 out: largest error 0.3-0.8% of the bound."""
+    """Fewer tokens and outputs than one block tile; K is two blocks (MXFP4: two K steps).
+    Simulator: 100% bit-equal (bf16 out); fp32 out: largest error 0.3-0.4% of the bound."""
     check_tc(gtype, 20, 1, 24, 512 if gtype == GGMLType.Q2_K else 64, out_bf16, int(gtype))
 
 
-@pytest.mark.parametrize("gtype", [GGMLType.Q8_0, GGMLType.BF16], ids=lambda t: t.name)
-def test_several_tiles_f32_out(gtype):
-    """Two block tiles along both tokens and outputs, each with a partial edge; fp32 out. Simulator:
-    largest error 1.1% of the bound."""
-    check_tc(gtype, BM + 6, 1, BN + 8, 64, False, 3 + int(gtype))
+@pytest.mark.parametrize("gtype,width", [(GGMLType.MXFP4, 64), (GGMLType.Q6_K, 256)], ids=["MXFP4", "Q6_K"])
+def test_several_tiles_f32_out(gtype, width):
+    """Two block tiles along both tokens and outputs, each with a partial edge; fp32 out, a type
+    scaled a step (MXFP4) and one scaled a half-step (Q6_K). Simulator: largest error 0.6-0.8% of
+    the bound."""
+    check_tc(gtype, BM + 6, 1, BN + 8, width, False, 3 + int(gtype))
 
 
 def test_grouped():
-    """The attention's wo_a: groups of outputs, each reading its own slice of the inputs (grid z).
-    Simulator: 100% bit-equal in every group."""
-    check_tc(GGMLType.Q8_0, 20, 3, 24, 64, True, 5)
+    """The attention's wo_a: groups of outputs, each reading its own slice of the inputs (grid z),
+    with a block's mins taken away in each. Simulator: 100% bit-equal in every group."""
+    check_tc(GGMLType.Q4_K, 20, 3, 24, 256, True, 5)
 
 
-def test_q8_0_odd_block_count():
-    """Q8_0 rows of 3 blocks: the split layout pads them to whole 16-byte pieces, so the kernel
-    takes them (the scales start at byte K, whatever the count). Simulator: 100% bit-equal."""
-    check_tc(GGMLType.Q8_0, 20, 1, 24, 96, True, 6)
+def test_mxfp4_odd_block_count():
+    """MXFP4 rows of 3 blocks: the split layout pads them to whole 16-byte pieces, so the kernel
+    takes them (the exponents start at byte K / 2, whatever the count). Simulator: 100% bit-equal."""
+    check_tc(GGMLType.MXFP4, 20, 1, 24, 96, True, 6)
 
 
 # The K-quants and MXFP4 on the simulator (its emulated mma: a few tenths of a second a K step): one block
@@ -149,7 +152,7 @@ def pieces_kernel(gtype: GGMLType):
     tc = DEVICE_TYPES[gtype].tc
     assert tc is not None
     fetch, put, fetch_scales, put_scales = tc.fetch, tc.put, tc.fetch_scales, tc.put_scales
-    words, scaled, mins, halves = tc.words, tc.scaled, tc.mins, tc.halves
+    words, mins, halves = tc.words, tc.mins, tc.halves
 
     @cuda.jit
     def staged_values(w, out, k):
@@ -169,8 +172,7 @@ def pieces_kernel(gtype: GGMLType):
                 put_scales(d_s, m_s, mins_s, 0, ks, s0, s1, s2, s3)
                 for i in range(CHUNK):
                     v = bf16_to_f32((b_s[0, i // 2] >> (16 * (i % 2))) & 0xFFFF)
-                    if scaled:
-                        v = v * d_s[i // 16 if halves else 0, 0]
+                    v = v * d_s[i // 16 if halves else 0, 0]
                     if mins:
                         v = v - m_s[0] * bf16_to_f32((mins_s[0, ks % TC_BLOCK_STEPS] >> (16 * (i // 16))) & 0xFFFF)
                     out[n, ks * CHUNK + i] = v
@@ -179,7 +181,7 @@ def pieces_kernel(gtype: GGMLType):
 
 
 # rows of an odd block count each (the split layouts padded, their scales and d after the blocks)
-PIECE_WIDTHS = {GGMLType.BF16: 96, GGMLType.Q8_0: 96, GGMLType.Q2_K: 768, GGMLType.MXFP4: 2080}
+PIECE_WIDTHS = {GGMLType.Q2_K: 768, GGMLType.MXFP4: 2080}
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # MXFP4's corner rows: inf, as the host's
@@ -191,7 +193,7 @@ def test_pieces_are_the_dequantiser(gtype):
     k = PIECE_WIDTHS.get(gtype, 2304)
     rng = np.random.default_rng(int(gtype) + 50)
     rows = [stored_rows(rng, 5, k, gtype)]
-    if gtype not in TYPES:
+    if gtype in NEW:
         rows.append(corner_rows(gtype))
     if gtype == GGMLType.MXFP4:
         rows.append(rng.integers(0, 256, (5, FORMATS[gtype].row_bytes(k)), dtype=np.uint8))
@@ -207,19 +209,36 @@ def test_pieces_are_the_dequantiser(gtype):
 
 
 def test_refuses_what_it_does_not_take():
-    w, _, _ = weight(8, 64, GGMLType.BF16)
+    w, _, _ = weight(8, 64, GGMLType.MXFP4)
     assert supports(w, np.uint16) == (not SIM)
     assert not supports(w, np.float32)
     with pytest.raises(ValueError, match="not supported"):
         linear_tc(cuda.to_device(np.zeros((2, 64), np.float32)), w, cuda.device_array((2, 8), np.float32), 2)
-    for gtype in NEW:
+    for gtype in ALL:
         assert supports(weight(8, 256, gtype)[0], np.uint16) == (not SIM)
-    short, _, _ = weight(8, 48, GGMLType.BF16)  # K not a multiple of the step
+    short = dataclasses.replace(weight(8, 512, GGMLType.Q4_K)[0], k=384)  # K not a multiple of the block
     assert not supports(short, np.uint16)
     f16 = DeviceWeight.from_values("w", np.zeros((8, 64), np.float32), GGMLType.F16)  # no tc pieces
     assert not supports(f16, np.uint16)
     with pytest.raises(ValueError, match="linear_tc w"):
         linear_tc(cuda.to_device(np.zeros((2, 32), np.uint16)), w, cuda.device_array((2, 8), np.uint16), 2)
+
+
+def test_all_is_every_type_with_tc_pieces():
+    """ALL, the types these tests hold tc to, is every type with tc pieces."""
+    assert ALL == [gtype for gtype, qt in DEVICE_TYPES.items() if qt.tc is not None]
+
+
+@pytest.mark.parametrize("gtype", [GGMLType.BF16, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_forced_tc_refuses_bf16_and_q8_0(gtype):
+    """BF16 and Q8_0 are stages.gemm_pipe's (stages.linear picks it for them): linear(kernel="tc")
+    refuses them as any weight tc does not take, naming the weight and the types it takes."""
+    w, _, _ = weight(24, 64, gtype)
+    assert not supports(w, np.uint16)
+    x = cuda.to_device(np.zeros((20, 64), np.uint16))
+    with pytest.raises(ValueError, match=rf"linear_tc w: {gtype.name} weight \[24, 64\] with uint16 inputs is not "
+                                         r"supported \(bf16 inputs; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 weights"):
+        linear(x, w, cuda.device_array((20, 24), np.uint16), 20, kernel="tc")
 
 
 # Flash shapes: (N, K) of each projection that prefill runs through a GEMM (wo_a grouped 8 x 1024).
@@ -233,9 +252,9 @@ FLASH = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b"
 @pytest.mark.parametrize("name", list(FLASH))
 @pytest.mark.parametrize("gtype", ALL, ids=lambda t: t.name)
 def test_flash_shapes(tokens, name, gtype):
-    """Bit-equal fractions on the H200 (2026-12-01): BF16 99.53-99.98% (lowest at wo_b, K = 8192),
-    Q2_K 99.91-100%, Q8_0 99.98-100%; the K-quants and MXFP4 (wq_b, wo_b, idx_wq_b at T = 64 only,
-    so far) 99.967-99.997%; nothing out of the sqrt(K) bound (-s prints each)."""
+    """Bit-equal fractions on the H200 (2026-12-01): Q2_K 99.91-100%; the K-quants and MXFP4 (wq_b,
+    wo_b, idx_wq_b at T = 64 only, so far) 99.967-99.997%; nothing out of the sqrt(K) bound (-s
+    prints each)."""
     n, k = FLASH[name]
     check_tc(gtype, tokens, 1, n, k, True, tokens)
 
@@ -246,9 +265,9 @@ def test_flash_shapes(tokens, name, gtype):
 @pytest.mark.parametrize("gtype", ALL, ids=lambda t: t.name)
 def test_flash_grouped_wo_a(tokens, out_bf16, gtype):
     """Bit-equal fractions (bf16 out) and errors as fractions of the bound (fp32 out): on the H200
-    (2026-12-01) BF16 groups 99.75-99.77% bit-equal, Q8_0 and Q2_K above 99.9%; fp32 errors a few
-    hundredths of the bound at most (-s prints each). The K-quants and MXFP4 at T = 64, bf16 out:
-    99.969-99.999% bit-equal (the other cases not run on a GPU yet)."""
+    (2026-12-01) Q2_K's groups above 99.9% bit-equal, its fp32 errors a few hundredths of the bound
+    at most (-s prints each). The K-quants and MXFP4 at T = 64, bf16 out: 99.969-99.999% bit-equal
+    (the other cases not run on a GPU yet)."""
     check_tc(gtype, tokens, 8, 1024, 4096, out_bf16, tokens)
 
 
@@ -256,6 +275,5 @@ def test_flash_grouped_wo_a(tokens, out_bf16, gtype):
 @pytest.mark.parametrize("gtype", ALL, ids=lambda t: t.name)
 def test_flash_long_prefill(gtype):
     """A 4096-token prefill's wq_a (plus a partial token tile), fp32 out: the largest error on the
-    H200 (2026-12-01) 0.023 of the bound for BF16, 0.002 for Q8_0, 0.001 for Q2_K (the K-quants
-    and MXFP4: not yet run on a GPU)."""
+    H200 (2026-12-01) 0.001 of the bound for Q2_K (the K-quants and MXFP4: not yet run on a GPU)."""
     check_tc(gtype, 4096 + 37, 1, 1280, 5120, False, 1)

@@ -45,7 +45,8 @@ truncate 49-51% bit-equal (stream, gemv, gemm, tc; 2-33% of the outputs out of t
 3-46% bit-equal (stream's 16-byte unit 3-7%, gemv's one term 3.5%, tc's one term 13-46%; 33-96%
 out), scale 0-0.01% bit-equal (52-95% out); the unmutated kernels 99.57-100% bit-equal on the
 same shapes (gemv, since removed, was the decode kernel of the stored Q8_0 rows that `stream-wo_b`
-now covers).
+now covers; tc's figures are of its Q2_K shape and of its BF16 and Q8_0 ones, whose types tc no
+longer takes: TC_SHAPES now holds every type tc takes).
 """
 
 from __future__ import annotations
@@ -460,15 +461,16 @@ def test_flash_imma_type_mutants(gtype, kind, name, tokens):
     run_mutant("imma", kind, check_linear, w, wq, tokens, "imma", seed=8)
 
 
-TC_SHAPES = [(GGMLType.BF16, "wo_b"), (GGMLType.Q8_0, "wq_b"), (GGMLType.Q2_K, "engram_wkv"),
-             (GGMLType.Q4_K, "wq_a"), (GGMLType.Q6_K, "wq_b"), (GGMLType.MXFP4, "wkv")]
+TC_SHAPES = [(GGMLType.Q2_K, "engram_wkv"), (GGMLType.Q3_K, "wo_b"), (GGMLType.Q4_K, "wq_a"),
+             (GGMLType.Q5_K, "idx_wq_b"), (GGMLType.Q6_K, "wq_b"), (GGMLType.MXFP4, "wkv")]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", MUTANTS)
 @pytest.mark.parametrize("gtype,name", TC_SHAPES, ids=lambda v: getattr(v, "name", v))
 def test_flash_tc_mutants(gtype, name, kind):
-    """The tensor-core GEMM at T = 64 on a flash shape per type (Q4_K: mins; Q6_K: a scale every
-    16 values; MXFP4: a block a step; not yet run on a GPU)."""
+    """The tensor-core GEMM at T = 64 on a flash shape per type (Q2_K, Q4_K, Q5_K: mins; Q3_K, Q6_K:
+    a scale every 16 values, Q3_K on the longest K; MXFP4: a block a step; all but Q2_K not yet run
+    on a GPU)."""
     n, k = FLASH[name]
     run_mutant("tc", kind, check_tc, gtype, 64, 1, n, k, True, 4)

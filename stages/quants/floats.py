@@ -1,10 +1,10 @@
 """F32, F16 and BF16 on the device (stored rows: a value a 4- or 2-byte word): chunk dequantisers,
-stream units (the decode GEMV's too), BF16's tensor-core and narrow tensor-core pieces, and their
-rows of the quant-type table.
+stream units (the decode GEMV's too), BF16's narrow tensor-core pieces, and their rows of the
+quant-type table (no tc pieces: BF16's prefill products are stages.gemm_pipe's, which reads the
+stored rows as they are; F32's and F16's stages.linear's gemm).
 
 Oracle: host.quants.dequantize_f32 / f16 / bf16 (tests/test_engram_stages.py's rows, bit for bit);
-the units and tc pieces through the products (tests/test_linear.py, test_linear_tc.py,
-test_linear_narrow.py).
+the units and narrow pieces through the products (tests/test_linear.py, test_linear_narrow.py).
 """
 
 from __future__ import annotations
@@ -23,19 +23,16 @@ from flashv41.stages.device import (
     row_address,
     words4_at,
 )
-from flashv41.stages.quants.records import NarrowType, StreamUnit, TcType, entry
+from flashv41.stages.quants.records import NarrowType, StreamUnit, entry
 from flashv41.stages.quants.units import (
     BF16_BYTES,
     F16_BYTES,
     F32_BYTES,
-    TC_STEP_WORDS,
     U4,
     U8,
     bf16_pair,
     f16_pair,
     f32x4,
-    fetch_scales_none,
-    put_scales_none,
     x4_bf16,
     x4_f32,
     x8_bf16,
@@ -136,19 +133,6 @@ def f32_unit(tokens: int, x_bf16: bool):
     return f32_unit
 
 
-# tensor-core pieces
-
-
-@device
-def fetch_bf16(w32, w16, n, ks, c, k):
-    return w32[n, ks * TC_STEP_WORDS + c], uint32(0)
-
-
-@device
-def put_bf16(b_s, r, c, word, aux, ks):
-    b_s[r, c] = word
-
-
 # narrow tensor-core pieces
 
 
@@ -171,6 +155,5 @@ ENTRIES = [
     entry(GGMLType.F32, dequant_f32, StreamUnit(f32_unit, 2, 2)),
     entry(GGMLType.F16, dequant_f16, StreamUnit(f16_unit, 3, 2)),
     entry(GGMLType.BF16, dequant_bf16, StreamUnit(bf16_unit, 3, 2),
-          TcType(fetch_bf16, put_bf16, fetch_scales_none, put_scales_none, TC_STEP_WORDS, False, False),
           narrow=NarrowType(narrow_fetch_bf16, narrow_pairs_bf16, narrow_scales_none, False)),
 ]

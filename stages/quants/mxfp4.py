@@ -392,6 +392,6 @@ def put_scales_mxfp4(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
 
 ENTRIES = [
     entry(GGMLType.MXFP4, dequant_mxfp4, StreamUnit(mxfp4_unit, 5, 2),
-          TcType(fetch_mxfp4, put_mxfp4, fetch_scales_mxfp4, put_scales_mxfp4, MXFP4_PAIRS // WORD, True, False),
+          TcType(fetch_mxfp4, put_mxfp4, fetch_scales_mxfp4, put_scales_mxfp4, MXFP4_PAIRS // WORD, False),
           "split", padded_split_mxfp4, dequant_mxfp4_split, StreamUnit(mxfp4_pair_unit, 5, 2, rows=2)),
 ]

@@ -237,6 +237,6 @@ def put_scales_q2_k(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
 
 ENTRIES = [
     entry(GGMLType.Q2_K, dequant_q2_k, StreamUnit(q2_k_unit(1), Q2_K_UNIT_SHIFT, 2),
-          TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, CHUNK // WORD, True, True),
+          TcType(fetch_q2_k, put_q2_k, fetch_scales_q2_k, put_scales_q2_k, CHUNK // WORD, True),
           "split", padded_split_q2_k, dequant_q2_k_split, StreamUnit(q2_k_unit(2), Q2_K_UNIT_SHIFT, 2, rows=2)),
 ]

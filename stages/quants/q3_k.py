@@ -334,6 +334,6 @@ def put_scales_q3_k(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
 
 ENTRIES = [
     entry(GGMLType.Q3_K, dequant_q3_k, StreamUnit(q3_k_unit, 6, 2),
-          TcType(fetch_q3_k, put_q3_k, fetch_scales_q3_k, put_scales_q3_k, CHUNK // WORD, True, False, halves=True),
+          TcType(fetch_q3_k, put_q3_k, fetch_scales_q3_k, put_scales_q3_k, CHUNK // WORD, False, halves=True),
           "split", padded_split_q3_k, dequant_q3_k_split, StreamUnit(q3_k_pair_unit, 6, 2, rows=2)),
 ]

@@ -435,7 +435,7 @@ def k_nibble_tc(block_words: int, fetch, put) -> TcType:
     def fetch_scales_k_nibble(w32, w16, n, ks, k):
         return load_words4(w32, n, block_words * (ks // K_CHUNKS))
 
-    return TcType(fetch, put, fetch_scales_k_nibble, put_scales_k_nibble, CHUNK // WORD, True, True)
+    return TcType(fetch, put, fetch_scales_k_nibble, put_scales_k_nibble, CHUNK // WORD, True)
 
 
 Q4_K_STREAM, Q4_K_GEMV = k_nibble_stream(Q4_K_WORDS, q4_k_levels, q4_k_half, Q4_K_FIELDS)

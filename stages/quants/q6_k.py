@@ -250,6 +250,6 @@ def put_scales_q6_k(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
 
 ENTRIES = [
     entry(GGMLType.Q6_K, dequant_q6_k, StreamUnit(q6_k_unit, 6, 2),
-          TcType(fetch_q6_k, put_q6_k, fetch_scales_q6_k, put_scales_q6_k, CHUNK // WORD, True, False, halves=True),
+          TcType(fetch_q6_k, put_q6_k, fetch_scales_q6_k, put_scales_q6_k, CHUNK // WORD, False, halves=True),
           "split", padded_split_q6_k, dequant_q6_k_split, StreamUnit(q6_k_pair_unit, 6, 2, rows=2)),
 ]

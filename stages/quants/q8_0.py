@@ -1,13 +1,13 @@
 """Q8_0 on the device: its block view, split layout, chunk dequantisers, stream units (one row a
-unit; the decode GEMV's two), tensor-core and narrow tensor-core pieces, and its row of the
-quant-type table.
+unit; the decode GEMV's two), narrow tensor-core pieces, and its row of the quant-type table (no
+tc pieces: its prefill products are stages.gemm_pipe's, which reads the split rows itself).
 
 Split layout: per row the K int8 quants first, then its K/32 fp16 scales, zero-padded to whole
 16-byte pieces (under one block). Stream unit u: the quants 16 u .. 16 u + 15 (half of block
 u // 2), one 16-byte load, and the block's scale; the GEMV's unit the same of two rows.
 
 Oracle: host.quants.dequantize_q8_0 (tests/test_engram_stages.py's rows, bit for bit); the units
-and tc pieces through the products (tests/test_linear.py, test_linear_tc.py, test_linear_narrow.py).
+and narrow pieces through the products (tests/test_linear.py, test_linear_narrow.py).
 """
 
 from __future__ import annotations
@@ -28,18 +28,16 @@ from flashv41.stages.device import (
     row_address,
     words4_at,
 )
-from flashv41.stages.quants.records import ROW_ALIGN, WORD, NarrowType, StreamUnit, TcType, entry
+from flashv41.stages.quants.records import ROW_ALIGN, NarrowType, StreamUnit, entry
 from flashv41.stages.quants.units import (
     INT8_LESS,
     U1,
     U4,
     U8,
-    bf16_int,
     bf16_pair,
     f32x4,
     int8_at,
     level_pairs,
-    pack,
     x16_bf16_at,
     x16_f32_at,
 )
@@ -192,36 +190,6 @@ def q8_0_pair_unit(tokens: int, x_bf16: bool):
     return q8_0_pair_unit
 
 
-# tensor-core pieces
-
-
-@device
-def fetch_q8_0(w32, w16, n, ks, c, k):
-    return w32[n, ks * (CHUNK // WORD) + c], uint32(0)  # levels: one byte each, a chunk a step
-
-
-@device
-def i8_bf16(word, byte):
-    """The bf16 bits of signed byte `byte` of word."""
-    return bf16_int(int32(word << (24 - 8 * byte)) >> 24)
-
-
-@device
-def put_q8_0(b_s, r, c, word, aux, ks):
-    b_s[r, 2 * c] = pack(i8_bf16(word, 0), i8_bf16(word, 1))
-    b_s[r, 2 * c + 1] = pack(i8_bf16(word, 2), i8_bf16(word, 3))
-
-
-@device
-def fetch_scales_q8_0(w32, w16, n, ks, k):
-    return uint32(w16[n, k // 2 + ks]), uint32(0), uint32(0), uint32(0)  # the scales follow the row's K levels
-
-
-@device
-def put_scales_q8_0(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
-    d_s[0, r] = fp16_to_f32(s0)
-
-
 # narrow tensor-core pieces
 
 
@@ -245,8 +213,7 @@ def narrow_scales_q8_0(w32, row, b, k):
 
 
 ENTRIES = [
-    entry(GGMLType.Q8_0, dequant_q8_0, StreamUnit(q8_0_unit, 4, 2),
-          TcType(fetch_q8_0, put_q8_0, fetch_scales_q8_0, put_scales_q8_0, CHUNK // WORD, True, False),
-          "split", padded_split_q8_0, dequant_q8_0_split, StreamUnit(q8_0_pair_unit, 4, 2, rows=2),
-          NarrowType(narrow_fetch_q8_0, narrow_pairs_q8_0, narrow_scales_q8_0, True)),
+    entry(GGMLType.Q8_0, dequant_q8_0, StreamUnit(q8_0_unit, 4, 2), layout="split", weight_rows=padded_split_q8_0,
+          weight_dequant=dequant_q8_0_split, gemv=StreamUnit(q8_0_pair_unit, 4, 2, rows=2),
+          narrow=NarrowType(narrow_fetch_q8_0, narrow_pairs_q8_0, narrow_scales_q8_0, True)),
 ]

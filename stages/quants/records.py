@@ -27,8 +27,9 @@ A record (`DeviceType`) holds, per GGUF type, with one signature per piece:
   (stages.quants.units: any type with a chunk dequantiser, correct but not tuned) is left to the
   ds4 table format, which no matrix has.
 - `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc; the pieces'
-  signatures in stages.quants.units), for every matrix type but F32 and F16 (whose prefill takes
-  stages.linear's gemm kernel: weight_dequant).
+  signatures in stages.quants.units), for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4. BF16 and Q8_0
+  have none (their prefill takes stages.gemm_pipe, which reads their rows itself), nor F32 and F16
+  (stages.linear's gemm kernel: weight_dequant).
 - `narrow` (or None): the narrow tensor-core product's pieces (stages.linear_narrow: BF16, Q8_0).
 
 Oracle: host.quants, whose FORMATS row each record carries as `host`; the pieces are held to it
@@ -93,17 +94,15 @@ class StreamUnit:
 @dataclass(frozen=True)
 class TcType:
     """How a weight type enters the tensor-core GEMM: its helpers, the stored words a row reads per
-    step, whether the values are scaled (per step: a Q8_0 or MXFP4 block, a K-quant block's
-    eighth), whether a block's mins are taken away at its end (Q2_K, Q4_K, Q5_K) and whether the
+    step, whether a block's mins are taken away at its end (Q2_K, Q4_K, Q5_K) and whether the
     scales change every k16 half-step (`halves`: one scale per 16 values, Q3_K and Q6_K) rather
-    than every step."""
+    than every step (an MXFP4 block, a K-quant block's eighth). Every type's step sums are scaled."""
 
     fetch: Callable
     put: Callable
     fetch_scales: Callable
     put_scales: Callable
     words: int
-    scaled: bool
     mins: bool
     halves: bool = False
 

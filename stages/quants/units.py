@@ -470,16 +470,6 @@ def pack(lo, hi):
     return uint32(lo) | (uint32(hi) << 16)
 
 
-@device
-def fetch_scales_none(w32, w16, n, ks, k):
-    return NO_SCALES
-
-
-@device
-def put_scales_none(d_s, m_s, mins_s, r, ks, s0, s1, s2, s3):
-    return
-
-
 # The K-quants and MXFP4. Their levels become bf16 by the exponent trick (byte_less: each level a
 # small integer, exact in float32, whose top 16 bits are then its bf16), two a word by one byte
 # permute. Step ks of a K-quant row is chunk j = ks % 8 of block ks // 8; MXFP4's is block ks.

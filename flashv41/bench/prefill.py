@@ -2,15 +2,11 @@
 
 `prefill.gemm.<matrix>.<type>`: PREFILL_TOKENS tokens through one weight matrix of a layer (every
 shape of flashv41.bench.gemv's SHAPES; the grouped wo_a in one call), our kernel (stages.linear's
-choice: the pipelined GEMM for BF16 and Q8_0, the tensor cores for the other types) against
-cuBLAS on the same shape through CuPy, fp16 in, fp32 accumulate (the rate of bf16: CuPy has no
-bf16 type), timed in the same run. Bound = cuBLAS's time, so ratio <= 2 meets P5 (>= 0.5x
-cuBLAS). Without CuPy the bound is the time at the tensor cores' bf16 peak (PEAK_TFLOPS) and the
-note says so.
-
-`prefill.gemm.tc.<matrix>.<type>` (BF16 and Q8_0, where stages.linear picks stages.gemm_pipe):
-the same product and method with stages.linear_tc forced (kernel="tc", the kernel pipe displaced),
-its own cuBLAS timing beside it, so one run compares the two kernels at every shape.
+choice, the one prefill kernel each type has: the pipelined GEMM stages.gemm_pipe for BF16 and
+Q8_0, the tensor-core GEMM stages.linear_tc for Q2_K-Q6_K and MXFP4) against cuBLAS on the same
+shape through CuPy, fp16 in, fp32 accumulate (the rate of bf16: CuPy has no bf16 type), timed in
+the same run. Bound = cuBLAS's time, so ratio <= 2 meets P5 (>= 0.5x cuBLAS). Without CuPy the
+bound is the time at the tensor cores' bf16 peak (PEAK_TFLOPS) and the note says so.
 
 L2: a GEMM reuses its input tiles from the L2 by design, so nothing is rotated; what must not
 happen is a repetition finding the previous one's weight, input and output still in the L2.
@@ -64,17 +60,14 @@ def cublas_time(ctx: BenchContext, t: int, n: int, k: int, groups: int) -> tuple
         cp.get_default_memory_pool().free_all_blocks()
 
 
-PIPE_TYPES = ("BF16", "Q8_0")  # the weight types stages.gemm_pipe takes
-
-
-def prefill_case(matrix: str, n: int, k: int, groups: int, wtype: str, forced: str = "") -> BenchCase:
-    """The row of PREFILL_TOKENS tokens through the matrix: `prefill.gemm.<matrix>.<type>` with the
-    kernel stages.linear picks, or `prefill.gemm.<forced>.<matrix>.<type>` with that kernel forced."""
-    name = f"prefill.gemm.{forced + '.' if forced else ''}{matrix}.{wtype}"
+def prefill_case(matrix: str, n: int, k: int, groups: int, wtype: str) -> BenchCase:
+    """The row of PREFILL_TOKENS tokens through the matrix, `prefill.gemm.<matrix>.<type>`, with the
+    kernel stages.linear picks."""
+    name = f"prefill.gemm.{matrix}.{wtype}"
 
     def run(ctx: BenchContext) -> list[BenchRow]:
         t = PREFILL_TOKENS
-        median, kernel, plan = time_product(ctx, matrix, n, k, groups, wtype, t, hold_s=0.02, kernel=forced)
+        median, kernel, plan = time_product(ctx, matrix, n, k, groups, wtype, t, hold_s=0.02)
         flops = 2 * t * n * k
         reference = cublas_time(ctx, t, n, k, groups)
         if reference is None:
@@ -92,6 +85,4 @@ def prefill_case(matrix: str, n: int, k: int, groups: int, wtype: str, forced: s
 
 
 def cases(options: BenchOptions) -> list[BenchCase]:
-    return ([prefill_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES]
-            + [prefill_case(m, n, k, g, wtype, "tc") for wtype in options.weight_types if wtype in PIPE_TYPES
-               for m, n, k, g in SHAPES])
+    return [prefill_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES]

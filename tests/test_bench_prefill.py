@@ -197,3 +197,18 @@ def test_an_engine_too_large_is_refused(tiny_path) -> None:
             ps.require_memory(model, 64, 8, estimate.total_bytes(1) - 1, "prefill.stack.test")
     finally:
         model.close()
+
+
+def test_the_timed_prefill_shows_its_progress(tiny_engine, capsys: pytest.CaptureFixture[str]) -> None:
+    """A named prefill (the timed one) says on stderr how many chunks it runs (a log line every
+    PROGRESS_EVERY_S seconds after that, a bar on a terminal); the warm-up, unnamed, says nothing."""
+    seq = tiny_engine.new_sequence()
+    ps.prefill_chunks(tiny_engine, seq, np.arange(2 * TOKENS) % tiny_engine.cfg.vocab_size,
+                      ps.PartEvents(tiny_engine.attention.stream), "prefill.stack.test")
+    seq.release()
+    assert "prefill.stack.test: 2 chunks" in capsys.readouterr().err
+    seq = tiny_engine.new_sequence()
+    ps.prefill_chunks(tiny_engine, seq, np.arange(TOKENS) % tiny_engine.cfg.vocab_size,
+                      ps.PartEvents(tiny_engine.attention.stream))
+    seq.release()
+    assert capsys.readouterr().err == ""

@@ -28,7 +28,9 @@ chunk a Sequence.prefill call (the engine's own chunking), each returning only i
 highway (output="last", as a server asks: the N x hc x dim fp32 of every token, 10.7 GB at 128k,
 stay on the device; until 2026-12-07 every call downloaded its chunk's, 0.82 s of 4.3 at 32k on an
 H100). The headline is the wall clock of those calls: tokens/s = N / wall seconds, hash, uploads
-and the downloads included.
+and the downloads included. The timed prefill's progress goes to stderr (chunks done, the rate,
+the time left: a bar on a terminal, a line every PROGRESS_EVERY_S seconds in a log), so a long row
+that a time limit cuts short still shows how far it got.
 
 The split comes from CUDA events, never a synchronisation (profile=True synchronises around every
 step and slows the prefill down): `PartEvents` watches the engine's stage calls (Engine.observers)
@@ -72,7 +74,7 @@ import fnmatch
 import itertools
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +97,7 @@ WARMUP_CHUNKS = 2  # the warm-up prefill's chunks: the second runs with a filled
 CONTEXT_6 = 1 << 20  # the six-layer model's context: the 1m row's max_seq
 TARGET_TOKENS_S = 8000  # P5L's must-reach, for prefill.stack.32k
 GOAL_TOKENS_S = 50000  # P5L's goal
+PROGRESS_EVERY_S = 30.0  # a line of the timed prefill's progress this often in a log (a terminal shows a bar)
 CATEGORY_NAMES = ("gemm", "indexer", "sparse_attention", "rest")
 OPEN = ""  # the name of a step's opening event: it ends no part
 
@@ -255,15 +258,24 @@ def watching(engine: Engine, events: PartEvents) -> Iterator[None]:
             stage.trace = None
 
 
-def prefill_chunks(engine: Engine, seq: Sequence, tokens: np.ndarray, events: PartEvents) -> float:
+def prefill_chunks(engine: Engine, seq: Sequence, tokens: np.ndarray, events: PartEvents, desc: str = "") -> float:
     """Prefill `tokens` into `seq`, one Sequence.prefill call a chunk of engine.max_tokens, watched
     by `events`, each returning its last token's highway as a server's would (output="last"); returns
-    the calls' wall-clock seconds (each call ends when the device has finished)."""
+    the calls' wall-clock seconds (each call ends when the device has finished). With `desc`, the
+    chunks' progress goes to stderr (host.progress: a line every few seconds in a log, so a run cut
+    short by a time limit still shows how far it got and how fast; its updates cost microseconds
+    against a chunk's milliseconds)."""
+    from flashv41.host.progress import Progress
+
     chunk = engine.max_tokens
-    with watching(engine, events):
+    shown = Progress(desc, -(-tokens.size // chunk), "chunk", "chunks", log_every_s=PROGRESS_EVERY_S) if desc \
+        else nullcontext()
+    with watching(engine, events), shown as progress:
         start = time.perf_counter()
         for first in range(0, tokens.size, chunk):
             seq.prefill(tokens[first:first + chunk], output="last")
+            if progress is not None:
+                progress.update()
         return time.perf_counter() - start
 
 
@@ -337,9 +349,9 @@ def stack_rows(stack: PrefillStack, cfg: ModelConfig, wall_s: float, parts: dict
     return rows
 
 
-def measure(engine: Engine, tokens: np.ndarray) -> tuple[float, dict[str, float]]:
-    """The warm-up, then the timed prefill of `tokens` (module docstring): (wall seconds, device
-    seconds by part)."""
+def measure(engine: Engine, tokens: np.ndarray, desc: str = "") -> tuple[float, dict[str, float]]:
+    """The warm-up, then the timed prefill of `tokens` (module docstring), its progress named `desc`
+    on stderr: (wall seconds, device seconds by part)."""
     stream = engine.attention.stream
     warm = engine.new_sequence()
     warm_events = PartEvents(stream)
@@ -349,7 +361,7 @@ def measure(engine: Engine, tokens: np.ndarray) -> tuple[float, dict[str, float]
     seq = engine.new_sequence()
     events = PartEvents(stream)
     try:
-        wall = prefill_chunks(engine, seq, tokens, events)
+        wall = prefill_chunks(engine, seq, tokens, events, desc)
         return wall, events.collect()
     finally:
         seq.release()
@@ -366,7 +378,7 @@ def prefill_case(stack: PrefillStack) -> BenchCase:
             tokens = np.random.default_rng(16).integers(0, cfg.vocab_size, stack.tokens)
             free_before = device_free_bytes()
             with flashv41.Engine(model, max_seq=stack.tokens, max_tokens=CHUNK) as engine:
-                wall, parts = measure(engine, tokens)
+                wall, parts = measure(engine, tokens, stack.name)
                 held = free_before - device_free_bytes()
         finally:
             model.close()

@@ -108,3 +108,36 @@ def test_engine_sequence_bytes_and_max_batch(tiny_path: Path, monkeypatch: pytes
             seq.release()
     finally:
         model.close()
+
+
+def test_device_memory_grows_linearly_with_max_seq(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44's "no buffer grows with the square of the prompt", at the engine: the device bytes an
+    engine and one sequence allocate (every numba device array, counted as it is made) are an affine
+    function of max_seq at a fixed chunk size: equal steps of max_seq add equal bytes. A buffer of
+    max_seq x max_seq (or of max_seq times anything that grows with it) breaks the equality. The
+    steps are multiples of every ratio and group width, so no rounding bends the line. (Measured: 690 KB
+    at max_seq 64, 29 KB more each 64 positions; the index scores made [T, G^2] fail it.)"""
+    from numba import cuda
+
+    counted = [0]
+
+    def counting(make):
+        def wrapped(*args, **kwargs):
+            a = make(*args, **kwargs)
+            counted[0] += int(a.nbytes)
+            return a
+        return wrapped
+
+    for name in ("device_array", "device_array_like", "to_device"):
+        monkeypatch.setattr(cuda, name, counting(getattr(cuda, name)))
+
+    def allocated(max_seq: int) -> int:
+        counted[0] = 0
+        with flashv41.load_model(tiny_path) as model, \
+                flashv41.Engine(model, max_seq=max_seq, max_tokens=16, graphs=False) as engine:
+            engine.new_sequence()
+            return counted[0]
+
+    sizes = [allocated(s) for s in (64, 128, 192, 256)]
+    steps = [b - a for a, b in zip(sizes, sizes[1:], strict=False)]
+    assert steps[0] > 0 and steps == [steps[0]] * 3, f"device bytes at max_seq 64..256: {sizes}"

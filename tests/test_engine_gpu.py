@@ -173,7 +173,7 @@ def test_graph_decode_allocates_nothing(synth_model, preset):
 def check_batch_equals_each_alone(model, prompt_lengths: tuple[int, ...], steps: int) -> None:
     """Sequences prefilled to prompt_lengths decode `steps` steps together (the batch's graph
     captured at the second step and replayed from the third); each row must equal the sequence's
-    own graph-replayed decode bit for bit (B <= 8: the same stream kernels and attention path)."""
+    own graph-replayed decode bit for bit (B <= 8: the same product kernels and attention path)."""
     vocab = model.config.vocab_size
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, vocab, n) for n in prompt_lengths]
@@ -207,8 +207,9 @@ def test_small_batch_decode_equals_each_alone(synth_model):
 def test_flash_batch_decode_equals_each_alone(synth_model, wtype):
     """decode_batch at V4.1-Flash sizes (the three layers above): three sequences at positions 9,
     127 and 130 (before the window's first wrap, across it and past it; odd and even, so the
-    ratio-2 groups complete in some and not others), five steps together. Q8_0 weights stream, Q4_K
-    and Q2_K ones take imma for their large matrices (linear_imma.decode_pick)."""
+    ratio-2 groups complete in some and not others), five steps together. Each type takes imma for
+    some matrices and stream for the rest (linear_imma.decode_pick): Q8_0 the tall wq_b alone, Q4_K
+    every large one, Q2_K those with N >= K."""
     model = flashv41.load_model(synth_model("flash", **flash3(wtype)))
     check_batch_equals_each_alone(model, (9, 127, 130), 5)
 

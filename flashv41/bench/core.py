@@ -617,10 +617,11 @@ def run(options: BenchOptions, json_path: Path | None = None, print_fn: Callable
                     rows = case.run(ctx)
                 except Exception as e:  # one case's failure (a bug, the device's limits): the others still run
                     rows = []
-                    ctx.failed.append((case.name, f"{type(e).__name__}: {e}"))
+                    error = f"{type(e).__name__}: {e}"
+                    ctx.failed.append((case.name, error))
                     with progress.paused():
-                        print(f"bench: {case.name} failed ({type(e).__name__}: {e}); going on with the rest",
-                              file=sys.stderr, flush=True)
+                        print(f"bench: {case.name} failed ({error}); going on with the rest", file=sys.stderr,
+                              flush=True)
                 release_device_memory()
                 ctx.rows += rows
                 progress.update()

@@ -85,6 +85,7 @@ from flashv41.bench.stack import STACKS, stack_model
 from flashv41.host.config import ModelConfig
 from flashv41.host.errors import CapacityError
 from flashv41.host.model import Model
+from flashv41.host.progress import Progress
 from flashv41.memory import MemoryEstimate, device_free_bytes, estimate_memory, format_bytes
 from flashv41.plan import Call, Step
 from flashv41.stages.trace import Traced
@@ -265,8 +266,6 @@ def prefill_chunks(engine: Engine, seq: Sequence, tokens: np.ndarray, events: Pa
     chunks' progress goes to stderr (host.progress: a line every few seconds in a log, so a run cut
     short by a time limit still shows how far it got and how fast; its updates cost microseconds
     against a chunk's milliseconds)."""
-    from flashv41.host.progress import Progress
-
     chunk = engine.max_tokens
     shown = Progress(desc, -(-tokens.size // chunk), "chunk", "chunks", log_every_s=PROGRESS_EVERY_S) if desc \
         else nullcontext()
@@ -374,9 +373,9 @@ def prefill_case(stack: PrefillStack) -> BenchCase:
         model = stack_model(ctx.options, stack, **dict(stack.overrides))
         cfg = model.config
         try:
-            estimate = require_memory(model, stack.tokens, CHUNK, device_free_bytes(), stack.name)
-            tokens = np.random.default_rng(16).integers(0, cfg.vocab_size, stack.tokens)
             free_before = device_free_bytes()
+            estimate = require_memory(model, stack.tokens, CHUNK, free_before, stack.name)
+            tokens = np.random.default_rng(16).integers(0, cfg.vocab_size, stack.tokens)
             with flashv41.Engine(model, max_seq=stack.tokens, max_tokens=CHUNK) as engine:
                 wall, parts = measure(engine, tokens, stack.name)
                 held = free_before - device_free_bytes()

@@ -17,6 +17,12 @@ import sys
 import numpy as np
 
 
+def device_name() -> str:
+    from numba import cuda
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else name
+
+
 def main(tokens: int = 4096) -> None:
     from flashv41.stages.backend import select_backend
 
@@ -44,7 +50,7 @@ def main(tokens: int = 4096) -> None:
             times.append(start.elapsed_time(end) * 1e3)
         return float(np.median(times))
 
-    print(f"{cuda.get_current_device().name.decode()}: {tokens} tokens; dynamic shared bytes BF16 "
+    print(f"{device_name()}: {tokens} tokens; dynamic shared bytes BF16 "
           + ", ".join(f"{s}: {shared_bytes(False, s)}" for s in (3, 4, 5)) + "; Q8_0 "
           + ", ".join(f"{s}: {shared_bytes(True, s)}" for s in (3, 4, 5)))
     print(f"{'shape':<22} {'type':<5} {'pipe':>16} " + " ".join(f"{f'dyn {s}':>16}" for s in (3, 4, 5)))

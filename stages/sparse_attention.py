@@ -14,8 +14,9 @@ bf16 = uint16 bits):
   workspace's tokens (the engine's holds 64; a decode step is one sub-chunk).
 - `sparse_attention_tables(q, rings, chunk_rows, comps, positions, selection, window, ...)`: the same
   for a batch of sequences, token t its sequence's only one (its window row in chunk row t), reading
-  its own ring and compressed rows through address tables (stages.row_tables); the split path for up
-  to SPLIT_BATCH_TOKENS tokens that the workspace holds (never cut into sub-chunks).
+  its own ring and compressed rows through address tables (stages.row_tables); with a workspace the
+  split path, in sub-batches of at most the workspace's tokens (each its own rows of the tables and
+  chunk rows).
 Each query's list is the canonical one (`entry_from`, written once, called where a kernel needs an
 entry through `entry_at`, or on reads it issued ahead: no entries array): the W window positions
 p - W + 1 .. p oldest first (-1 before 0; ring slots for positions before the chunk, chunk rows
@@ -137,8 +138,8 @@ class SparseWorkspace:
     def allocate(cls, max_tokens: int, heads: int, head_dim: int, n_entries: int,
                  most: int = SPLIT_MAX_TOKENS) -> SparseWorkspace:
         """For calls of up to min(max_tokens, most, SPLIT_BATCH_TOKENS) tokens and n_entries entries:
-        sparse_attention runs a longer call in sub-chunks of that many, sparse_attention_tables on the
-        one-block-a-head path. most = SPLIT_MAX_TOKENS by default (a decode step's), SPLIT_BATCH_TOKENS
+        sparse_attention and sparse_attention_tables run a longer call in sub-chunks of that many.
+        most = SPLIT_MAX_TOKENS by default (a decode step's), SPLIT_BATCH_TOKENS
         where prefill chunks or sparse_attention_tables' batches share it (the engine's)."""
         if head_dim % 8 or heads < 1 or max_tokens < 1 or n_entries < 0:
             raise InputError(f"SparseWorkspace: {max_tokens} tokens x {heads} heads x {head_dim} x {n_entries} "
@@ -282,9 +283,10 @@ def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: Devi
     """sparse_attention for a batch of T sequences, token t its sequence's only one at positions[t]:
     rings and comps are address tables (uint64 [>= T, 2], stages.row_tables) of each token's own ring
     [window, D] and compressed rows [G, D], chunk_rows the batch's window rows (token t's in row t),
-    selection token t's selected groups of its own compressed rows. The split path when the workspace
-    holds the T tokens (never in sub-chunks), else the one-block-a-head kernel. Token t's result is
-    what sparse_attention gives for it alone over its own arrays, on the same path (split or not)."""
+    selection token t's selected groups of its own compressed rows. With a workspace the split path,
+    in sub-batches of at most its tokens (a batch of B = 128 steps is two of 64), else the
+    one-block-a-head kernel. Token t's result is what sparse_attention gives for it alone over its own
+    arrays, on the same path and cores (split or not)."""
     what = "sparse_attention_tables"
     _check_query_side(q, chunk_rows, positions, selection, sinks, cos, sin, out, n_tokens, what)
     check_rows(chunk_rows, n_tokens, f"{what} chunk_rows")
@@ -329,8 +331,8 @@ def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, s
     """The launch of sparse_attention (tables: of sparse_attention_tables), its arguments checked.
     With a workspace, the split path on the cores split_cores chooses for all T tokens: sparse_attention's
     call in consecutive sub-chunks of at most the workspace's tokens (launches on one stream run in
-    order, so each reuses it), sparse_attention_tables' when the workspace holds its T tokens (at
-    most SPLIT_BATCH_TOKENS); otherwise the one-block-a-head kernel. Each query's list is window + K
+    order, so each reuses it), sparse_attention_tables' likewise, each sub-batch with its own rows of
+    the address tables and chunk rows; without a workspace the one-block-a-head kernel. Each query's list is window + K
     entries (K = selection.shape[1], 0 without one), made in the kernels (entry_at)."""
     heads, head_dim = q.shape[1], q.shape[2]
     n_entries = window + (0 if selection is None else selection.shape[1])
@@ -346,16 +348,17 @@ def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, s
         workspace.check(heads, head_dim, n_entries)
     if n_tokens == 0:
         return
-    if workspace is not None and not (tables and n_tokens > min(workspace.tokens, SPLIT_BATCH_TOKENS)):
+    if workspace is not None:
         cores = split_cores(head_dim, n_tokens, cores)  # the whole call's, so a token's bits ignore the cut
-        step = workspace.tokens  # (a batch of sparse_attention_tables fits in one: its tables are not cut)
+        step = workspace.tokens
         for t0 in range(0, n_tokens, step):
             # a sub-chunk's own rows of the token-indexed arrays; the chunk's first position from the whole
-            # chunk's positions, so that its tokens read the earlier tokens' window rows from chunk_rows
+            # chunk's positions, so that its tokens read the earlier tokens' window rows from chunk_rows. A
+            # batch's tables and chunk rows are a row a token too (its token t reads chunk row t: own_rows)
             part = slice(t0, min(t0 + step, n_tokens))
-            _split_attention(q[part], ring, chunk_rows, comp_rows, positions[part], positions, chosen[part], n_entries,
-                             sinks, scale, cos, sin, out[part], part.stop - t0, stream, threads, workspace, tables,
-                             cores, rope_dim)
+            rows = (ring[part], chunk_rows[part], comp_rows[part]) if tables else (ring, chunk_rows, comp_rows)
+            _split_attention(q[part], *rows, positions[part], positions, chosen[part], n_entries, sinks, scale, cos,
+                             sin, out[part], part.stop - t0, stream, threads, workspace, tables, cores, rope_dim)
         return
     nt = threads or min(ATTN_THREADS, head_dim)
     lanes = min(LANES, nt)

@@ -54,7 +54,9 @@ def test_sparse_attention_tables():
     """sparse_attention_tables over each sequence's ring and compressed rows (its entry lists made
     with own_rows: token b's window row in chunk row b), on the split path and on the
     one-block-a-head one, against sparse_attention of that token alone on its own arrays, on the
-    same path. (entry_at's own_rows lists: tests/test_attention_kernels.py check_entries.)"""
+    same path; on the split path in sub-batches too (a workspace of fewer tokens than the batch: the
+    engine's holds 64, a batch of 128 steps is two), each sub-batch on its own rows of the tables.
+    (entry_at's own_rows lists: tests/test_attention_kernels.py check_entries.)"""
     rng = np.random.default_rng(21)
     rings = [dev_bf16(act_quant(bf16(rng.standard_normal((WINDOW, DIM)).astype(np.float32)))) for _ in range(B)]
     comps = [dev_bf16(fp4_act_quant(bf16(rng.standard_normal((GROUPS, DIM)).astype(np.float32)), 16, True))
@@ -76,7 +78,14 @@ def test_sparse_attention_tables():
     sparse_attention_tables(q, table(rings), rows, table(comps), positions, chosen, WINDOW, sinks, scale, cos, sin,
                             out, B, workspace=ws)
     got = out.copy_to_host()
-    # a batch the workspace cannot hold (or none) takes the one-block-a-head path, tables and all
+    # a workspace of 4 tokens: three sub-batches (4, 4, 2), each reading its own rows of the tables
+    # and chunk rows; a token's bits are the whole batch's
+    small = SparseWorkspace.allocate(4, HEADS, DIM, WINDOW + TOPK, most=SPLIT_BATCH_TOKENS)
+    cut = cuda.device_array((B, HEADS, DIM), np.uint16)
+    sparse_attention_tables(q, table(rings), rows, table(comps), positions, chosen, WINDOW, sinks, scale, cos, sin,
+                            cut, B, workspace=small)
+    assert np.array_equal(cut.copy_to_host(), got), "sub-batches of the split path differ from one whole batch"
+    # without a workspace, the one-block-a-head path, tables and all
     wide = cuda.device_array((B, HEADS, DIM), np.uint16)
     sparse_attention_tables(q, table(rings), rows, table(comps), positions, chosen, WINDOW, sinks, scale, cos, sin,
                             wide, B)

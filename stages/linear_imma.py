@@ -142,7 +142,8 @@ class ImmaType:
 
 IMMA_TYPES = {GGMLType.Q8_0: ImmaType(UNROLL, False), GGMLType.Q4_K: ImmaType(K_STEP, True),
               GGMLType.Q5_K: ImmaType(K_STEP, True), GGMLType.MXFP4: ImmaType(UNROLL, False),
-              GGMLType.Q2_K: ImmaType(K_STEP, False), GGMLType.Q6_K: ImmaType(K_STEP, False)}
+              GGMLType.Q2_K: ImmaType(K_STEP, False), GGMLType.Q6_K: ImmaType(K_STEP, False),
+              GGMLType.Q3_K: ImmaType(K_STEP, False)}
 
 
 def token_cap(n_tokens: int) -> int:
@@ -169,10 +170,11 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     acc_shape = (pairs, 2)  # [token pair, row half]
     fifth = gtype == GGMLType.Q5_K
     # [block (Q4_K, Q5_K, Q2_K: run of level bytes; Q5_K's fifth bits after them), row half, word] a
-    # walk step's levels
-    held_shape = (6 if gtype == GGMLType.Q6_K else UNROLL + fifth, 2, 2)  # Q6_K: four runs of ql, two of qh
+    # walk step's levels; Q6_K: four runs of ql, two of qh; Q3_K: hmask, two runs of qs
+    held_shape = ({GGMLType.Q6_K: 6, GGMLType.Q3_K: 3}.get(gtype, UNROLL + fifth), 2, 2)
     # Q8_0: [block, row half] the step's scales; Q4_K: [row half, word] its super-block's first 16
-    # bytes; MXFP4: [row half, 0] the word of the step's exponent bytes
+    # bytes; Q3_K: [row half, word] its three words of scale bytes, then the word of its d; MXFP4:
+    # [row half, 0] the word of the step's exponent bytes
     d_shape, d_type = ((UNROLL, 2), float32) if gtype == GGMLType.Q8_0 else ((2, 4), uint32)
     if gtype in (GGMLType.Q2_K, GGMLType.Q6_K):  # [row half, word] its 16 scale bytes, then its d (and dmin)
         d_shape = (2, 5)

@@ -413,8 +413,11 @@ DECODE_MIN_VALUES = 1 << 24  # the weights (N x K values) imma is picked for: no
 #   kernel serves every count up to MAX_TOKENS (a batch's bits are each step's), and decode is mostly
 #   one token a step, so T = 1 decides.
 # Below 16M values (wq_a, wkv, the index wq_b) the digits' prologue costs imma 2-60% at T = 1.
+# - Q3_K: not measured yet; Q4_K's rule (every product of 16M values or more), which its walk step's
+#   count (stages.imma_walks: fewer instructions a weight byte than Q2_K's, which wins on N >= K)
+#   suggests, until a GPU run times it.
 DECODE_PICKS = {GGMLType.Q4_K: 0, GGMLType.Q5_K: 0, GGMLType.Q2_K: 1, GGMLType.MXFP4: 1, GGMLType.Q8_0: 8,
-                GGMLType.Q6_K: 8}
+                GGMLType.Q6_K: 8, GGMLType.Q3_K: 0}
 
 
 def decode_pick(gtype: GGMLType, n: int, k: int) -> bool:

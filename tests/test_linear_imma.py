@@ -202,20 +202,34 @@ PICKED = {"wq_a": (1280, 5120, ""), "wkv": (512, 5120, ""), "index_wq_b": (4096,
           "wo_b": (5120, 8192, "Q4_K Q5_K"), "engram_wkv": (25600, 6144, "Q2_K Q4_K Q5_K MXFP4")}
 
 
+# Q3_K's entry is not measured yet: on this branch it takes Q4_K's rule, to be timed on a GPU before
+# it is kept (its own test below says so; the measured table above leaves it out)
+UNMEASURED = {GGMLType.Q3_K: GGMLType.Q4_K}
+
+
 @pytest.mark.parametrize("name", list(PICKED))
 def test_decode_pick_is_the_measured_table(name):
     n, k, types = PICKED[name]
-    for gtype in list(IMMA_TYPES) + [GGMLType.Q3_K, GGMLType.BF16]:
+    for gtype in [t for t in IMMA_TYPES if t not in UNMEASURED] + [GGMLType.BF16]:
         assert linear_imma.decode_pick(gtype, n, k) == (gtype.name in types.split()), (name, gtype.name)
+
+
+@pytest.mark.parametrize("name", list(PICKED))
+def test_decode_pick_of_an_unmeasured_type_is_provisional(name):
+    """Not a measurement: Q3_K is picked where Q4_K is, pending its timings."""
+    n, k, _ = PICKED[name]
+    for gtype, like in UNMEASURED.items():
+        assert gtype in IMMA_TYPES
+        assert linear_imma.decode_pick(gtype, n, k) == linear_imma.decode_pick(like, n, k), (name, gtype.name)
 
 
 def test_refuses_what_it_does_not_take():
     w, _ = weight(np.random.default_rng(1), 32, 64, GGMLType.Q8_0)
     assert pick_kernel(w, True, 1) == "stream"  # a small Q8_0 weight: imma is not picked for it
-    q3, _, _ = tc_weight(8, 256, GGMLType.Q3_K)
+    bf, _ = weight(np.random.default_rng(2), 8, 256, GGMLType.BF16)
     y = cuda.device_array((2, 32), np.uint16)
-    with pytest.raises(ValueError, match="linear_imma w: Q3_K"):
-        linear(cuda.to_device(np.zeros((2, 256), np.uint16)), q3, cuda.device_array((2, 8), np.uint16), 2,
+    with pytest.raises(ValueError, match="linear_imma w: BF16"):
+        linear(cuda.to_device(np.zeros((2, 256), np.uint16)), bf, cuda.device_array((2, 8), np.uint16), 2,
                kernel="imma")
     with pytest.raises(ValueError, match="linear_imma w: Q8_0 .* float32 inputs"):
         linear(cuda.to_device(np.zeros((2, 64), np.float32)), w, y, 2, kernel="imma")

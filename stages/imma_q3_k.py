@@ -13,7 +13,7 @@ the group's scale goes into them: sc q spans -124..128, one past int8, but its n
 (32 - c) (q' - 4) spans -128..124 and is an int8 level. One integer multiply-add of the word of four
 raw levels makes (32 - c) q' + 4 c = 128 - sc q in each byte (0..252: no carry leaves a byte, no
 borrow enters one; the word's value is that of its bytes), and an xor takes the 128 off as a signed
-byte (q3_k_levels). So each chunk takes one mma a token pair, its P the chunk's sum of -sc q D
+byte (q3_k_negated). So each chunk takes one mma a token pair, its P the chunk's sum of -sc q D
 (|S_p| <= 32 x 128 x 128 = 2^19, reached only by a chunk of sc = -32, q = -4 throughout against
 digits of -128; |P| <= 32 x 128 x 32896 < 2^27.01, and the top pair's below 2^26: |D_3| <= 64), exact
 in int32 and converted once, exactly below 2^24 (as Q8_0's, whose levels span the same bytes, P
@@ -21,7 +21,7 @@ passes it only where a chunk's large levels meet its block's largest inputs; the
 The scales c of a step: the lane's eight groups' low nibbles and top pairs are picked from the three
 scale words by two byte permutes (one selector: bytes t // 2, 2 + t // 2, 4 + t // 2, 6 + t // 2),
 then put together, one 6-bit c a byte for chunks 0..3 and for 4..7 (q3_k_lane_scales); chunk c's is
-read by one byte permute (q3_k_scale). As Q2_K's, each chunk's fp32(P) times its 2^(E - 29) (exact:
+read by one byte permute (q3_k_chunk_scale). As Q2_K's, each chunk's fp32(P) times its 2^(E - 29) (exact:
 an integer times a normal power of two) goes into an fp32 sum over the super-block (one fused
 multiply-add a chunk, token pair and row), and the step ends with acc -= d (that sum) (one fused
 multiply-add: Q3_K has no minimum term), d converted once a step. A walk step is a super-block:
@@ -81,7 +81,7 @@ def q3_k_raw(qs, hm, j):
 
 
 @device
-def q3_k_levels(raw, c):
+def q3_k_negated(raw, c):
     """An A register of four values of one group: -sc q = (32 - c) (q' - 4) for the raw levels q' of
     `raw` and the group's stored scale c (0..63), as int8 bytes. (32 - c) raw + 4 c in each byte is
     128 - sc q, in 0..252: one integer multiply-add of the word (whose value is that of its bytes,
@@ -106,7 +106,7 @@ def q3_k_lane_scales(w0, w1, w2, lane_half):
 
 
 @device
-def q3_k_scale(word, j):
+def q3_k_chunk_scale(word, j):
     """Chunk j's stored scale c of a word of q3_k_lane_scales (byte j % 4), as a number: one byte
     permute."""
     return byte_perm(word, uint32(0), uint32(0x4440) | uint32(j & 3))

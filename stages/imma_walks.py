@@ -125,7 +125,7 @@ from flashv41.stages.device import (
 )
 from flashv41.stages.imma_digits import DIGIT, SLICE_BLOCKS_MAX, UNROLL, b_words, fma_f32
 from flashv41.stages.imma_digits import kernel_imma as imma
-from flashv41.stages.imma_q3_k import q3_k_lane_scales, q3_k_levels, q3_k_raw, q3_k_scale
+from flashv41.stages.imma_q3_k import q3_k_chunk_scale, q3_k_lane_scales, q3_k_negated, q3_k_raw
 from flashv41.stages.quants.mxfp4 import MXFP4_INF_E, MXFP4_PAIRS, e2m1_doubled, e8m0_half
 from flashv41.stages.quants.q2_k import Q2_K_BYTES, Q2_K_D, Q2_K_GROUPS, Q2_K_HALF_QS, Q2_K_QS_BYTES
 from flashv41.stages.quants.q3_k import Q3_K_D, Q3_K_PIECE, Q3_K_SCALE_BYTES
@@ -482,7 +482,7 @@ def walk_steps(gtype: GGMLType, pairs: int):
     @allocating
     def q3_k_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
         """A Q3_K super-block's eight chunks against every token pair's digits: for chunk j and a digit
-        pair, the P of -sc q (the levels times their groups' negated scales, q3_k_levels; the lane's
+        pair, the P of -sc q (the levels times their groups' negated scales, q3_k_negated; the lane's
         four registers of a row all of its group) is summed over the super-block times
         2^(E - X_BITS) (exact products: one fused multiply-add a chunk), then acc -= d (that sum)
         (sums: unused)."""
@@ -496,11 +496,11 @@ def walk_steps(gtype: GGMLType, pairs: int):
         lane[1, 0], lane[1, 1] = q3_k_lane_scales(d[1, 0], d[1, 1], d[1, 2], lane_half)
         for j in range(K_STEP):
             r = 1 + (j >> 2)  # the run of qs (held[0]: the hmask)
-            c_lo, c_hi = q3_k_scale(lane[0, j >> 2], j), q3_k_scale(lane[1, j >> 2], j)
-            a0 = q3_k_levels(q3_k_raw(held[r, 0, 0], held[0, 0, 0], j), c_lo)
-            a1 = q3_k_levels(q3_k_raw(held[r, 1, 0], held[0, 1, 0], j), c_hi)
-            a2 = q3_k_levels(q3_k_raw(held[r, 0, 1], held[0, 0, 1], j), c_lo)
-            a3 = q3_k_levels(q3_k_raw(held[r, 1, 1], held[0, 1, 1], j), c_hi)
+            c_lo, c_hi = q3_k_chunk_scale(lane[0, j >> 2], j), q3_k_chunk_scale(lane[1, j >> 2], j)
+            a0 = q3_k_negated(q3_k_raw(held[r, 0, 0], held[0, 0, 0], j), c_lo)
+            a1 = q3_k_negated(q3_k_raw(held[r, 1, 0], held[0, 1, 0], j), c_hi)
+            a2 = q3_k_negated(q3_k_raw(held[r, 0, 1], held[0, 0, 1], j), c_lo)
+            a3 = q3_k_negated(q3_k_raw(held[r, 1, 1], held[0, 1, 1], j), c_hi)
             for p in range(pairs):
                 b_lo, b_hi = b_words(digits, dig, j, p)
                 s = scales[sc + uint64(j + 2 * p * SLICE_BLOCKS_MAX)]

@@ -1,48 +1,51 @@
-"""The integer tensor-core GEMV's Q3_K pieces (stages.imma_walks' walk step takes them; the kernel and
-its method, digits, exactness and launch, are stages.linear_imma's).
+"""The integer tensor-core GEMV's Q3_K pieces (stages.imma_walks' walk step takes them; the kernel
+and its method, digits, exactness and launch, are stages.linear_imma's).
 
-Q3_K. Value i of 16-value group j of a 256-value super-block is d sc_j q_i: q_i = q'_i - 4 in -4..3,
-q'_i the stored 3-bit level (two bits of qs, the third a bit of hmask), sc_j = c_j - 32 in -32..31,
-c_j the stored 6-bit scale (a low nibble of scale bytes 0..7, a top pair of bytes 8..11), d fp16.
-One mma is a chunk of 32 values (groups 2 c, 2 c + 1): byte i of qs run c // 4 (32 bytes) holds
-value i of chunk c in bits 2 (c % 4), bit c of hmask byte i its third bit, so a lane's three 8-byte
-loads a row (hmask, qs runs 0 and 1) give the raw levels of all eight chunks by two shifts and two
-masks a register (q3_k_raw). As Q2_K's, the lane's eight values of a chunk (stored 8 t .. 8 t + 7)
-are all of group 2 c + t // 2, so each of its A registers is four levels of one group and row, and
-the group's scale goes into them: sc q spans -124..128, one past int8, but its negative -sc q =
-(32 - c) (q' - 4) spans -128..124 and is an int8 level. One integer multiply-add of the word of four
-raw levels makes (32 - c) q' + 4 c = 128 - sc q in each byte (0..252: no carry leaves a byte, no
-borrow enters one; the word's value is that of its bytes), and an xor takes the 128 off as a signed
-byte (q3_k_negated). So each chunk takes one mma a token pair, its P the chunk's sum of -sc q D
-(|S_p| <= 32 x 128 x 128 = 2^19, reached only by a chunk of sc = -32, q = -4 throughout against
-digits of -128; |P| <= 32 x 128 x 32896 < 2^27.01, and the top pair's below 2^26: |D_3| <= 64), exact
-in int32 and converted once, exactly below 2^24 (as Q8_0's, whose levels span the same bytes, P
-passes it only where a chunk's large levels meet its block's largest inputs; then rounded once).
-The scales c of a step: the lane's eight groups' low nibbles and top pairs are picked from the three
-scale words by two byte permutes (one selector: bytes t // 2, 2 + t // 2, 4 + t // 2, 6 + t // 2),
-then put together, one 6-bit c a byte for chunks 0..3 and for 4..7 (q3_k_lane_scales); chunk c's is
-read by one byte permute (q3_k_chunk_scale). As Q2_K's, each chunk's fp32(P) times its 2^(E - 29) (exact:
-an integer times a normal power of two) goes into an fp32 sum over the super-block (one fused
-multiply-add a chunk, token pair and row), and the step ends with acc -= d (that sum) (one fused
-multiply-add: Q3_K has no minimum term), d converted once a step. A walk step is a super-block:
-three 8-byte loads (bytes 8 t .. 8 t + 7 of hmask and of the two qs runs), three 4-byte loads (the
-12 scale bytes, only 4-byte aligned in the split layout) and one 4-byte load (the word of its d) a
-row; a slice is whole super-blocks.
+Q3_K. Value i of 16-value group j of a 256-value super-block is d sc_j q_i: q_i = q'_i - 4 in
+-4..3, q'_i the stored 3-bit level (two bits of qs, the third a bit of hmask), sc_j = c_j - 32 in
+-32..31, c_j the stored 6-bit scale (a low nibble of scale bytes 0..7, a top pair of bytes 8..11),
+d fp16. One mma is a chunk of 32 values (groups 2 c, 2 c + 1): byte i of qs run c // 4 (32 bytes)
+holds value i of chunk c in bits 2 (c % 4), bit c of hmask byte i its third bit, so a lane's three
+8-byte loads a row (hmask, qs runs 0 and 1) give the raw levels of all eight chunks by two shifts
+and two masks a register (q3_k_raw). As Q2_K's, the lane's eight values of a chunk (stored 8 t ..
+8 t + 7) are all of group 2 c + t // 2, so each of its A registers is four levels of one group and
+row, and the group's scale can go into them: sc q spans -124..128, one past int8, but its negative
+-sc q = (32 - c) (q' - 4) spans -128..124, an int8 level. One integer multiply-add of the word of
+four raw levels makes (32 - c) q' + 4 c = 128 - sc q in each byte (0..252: no carry leaves a byte,
+no borrow enters one, so the word's value is that of its bytes), and an xor takes the 128 off as a
+signed byte (q3_k_negated). So each chunk takes one mma a token pair, its P the chunk's sum of
+-sc q D, exact in int32: |S_p| <= 32 x 128 x 128 = 2^19 (reached only by a chunk of sc = -32 and
+q = -4 throughout against digits of -128), |P| <= 32 x 128 x 32896 < 2^27.01 (the top pair's
+below 2^26.02: |D_3| <= 64). Its conversion is exact below 2^24 and rounds once above, as Q8_0's
+may (its levels span the same bytes): only where a chunk's large products meet its block's largest
+inputs. The scales c of a step: the lane's eight groups' low nibbles and top pairs are picked from
+a row's three scale words by two byte permutes (one selector: bytes t // 2, 2 + t // 2, 4 + t // 2,
+6 + t // 2), then put together, one c a byte, for chunks 0..3 and for 4..7 (q3_k_lane_scales);
+chunk c's is read by one byte permute (q3_k_chunk_scale). As Q2_K's, each chunk's fp32(P) times its
+2^(E - 29) (exact: an integer times a normal power of two) goes into an fp32 sum over the
+super-block (one fused multiply-add a chunk, token pair and row), and the step ends with acc -= d
+(that sum) (one fused multiply-add; Q3_K has no minimum term), d converted once a step. A walk step
+is a super-block: three 8-byte loads (bytes 8 t .. 8 t + 7 of hmask and of the two qs runs), three
+4-byte loads (the 12 scale bytes, only 4-byte aligned in the split layout) and one 4-byte load (the
+word of its d) a row; a slice is whole super-blocks.
 
-Roundings: a term meets its P's conversion (at most one), the step's sum (at most 8 additions),
+Roundings. A term meets its P's conversion (at most one), the step's sum (at most 8 additions),
 acc's fused multiply-add (one a step along the slice: at most K/256), the digit pairs' sum (one) and
-the slices' (slices - 1): at most K/256 + slices + 9 before the bf16 one, under the K of
-tests/bounds.py's sqrt(K) rule for every K (a whole number of super-blocks, each slice at least
-one: at most K/128 + 9 < K); each value enters as one term d sc q (no split terms), exact as the
-oracle's (d sc and d sc q are exact in fp32: 11 x 6 x 3 bits).
+the slices' (slices - 1): at most K/256 + slices + 9 before the bf16 one. A slice is at least one
+super-block, so that is at most K/128 + 9, under the K roundings of tests/bounds.py's sqrt(K) rule
+for every K of whole super-blocks (11 at K = 256). Each value enters as one term d sc q, as the
+oracle's (exact in fp32: 11 x 6 x 3 bits), so the bound is the plain one (no split terms).
 
-Why this and not the two schemes the other types suggest (instructions a step, SASS on sm_90 for
-the engram wkv's launch, stages.imma_walks' last paragraph): splitting sc = 8 a + b into two int8
-products a q, b q takes two mmas a chunk and token pair and twice the A registers' multiply-adds and
-xors, against the negation's one; Q6_K's scheme (the levels alone as A, each chunk's two groups in
-two mmas on B registers with the other group's lanes zeroed, the scales applied in fp32 a group)
-takes two mmas, two B masks and twice the conversions and fused multiply-adds a chunk and token
-pair, which Q6_K's counts show costing more than all of Q3_K's A-register work from T = 1 on.
+The two other schemes, counted the same way (instructions a step, the engram wkv's launch;
+stages.imma_walks' last paragraph has Q3_K's: 379 at T = 1, 601 at T = 8). Splitting sc = 8 a + b
+(a in -4..3, b in 0..7) into two int8 products a q, b q on the same B: each A register's
+multiply-add and xor twice (64 more a step), two scales a chunk and row to pick (about 48 more),
+and a second mma and three integer operations a chunk and token pair for S = 8 S_a + S_b (56 more
+a step at T = 1, 224 at T = 8): about 550 and 940. Q6_K's scheme (the levels q alone as A, made as
+dearly as Q3_K's A registers: two shifts, two masks and a sign extension; each chunk's two groups in
+two mmas with the other group's B bytes zeroed; the scales converted and applied in fp32 a group):
+Q6_K's own step has that shape, 566 and 1142 instructions. Both cost more at every T: the
+negation's one mma a chunk and token pair is what they lack.
 
 Oracle: host.numerics.linear / matmul_t through stages.linear_imma (tests/test_linear_imma.py), and
 tests/test_mutants_products.py's imma mutants of these pieces.

@@ -67,6 +67,12 @@ six 8-byte loads (four runs of ql, two of qh), one 16-byte load (the scales) and
 group), so a term meets at most its conversion and 2 K/32 + slices + 1 more before the bf16 one,
 under the K of bounds.py's rule.
 
+Q3_K (its pieces and their account: stages.imma_q3_k). As Q2_K's, a lane's A registers of a chunk
+are four levels of one group and row with the group's scale in them, here negated: -sc q spans
+-128..124 where sc q reaches 128; one mma a chunk, a step's chunks summed in fp32, acc -= d (that
+sum). A walk step is a super-block: three 8-byte loads (hmask, two runs of qs), three 4-byte loads
+(the scale bytes) and one 4-byte load (the word of its d) a row.
+
 MXFP4. Value i of a block is v_i 2^(e - 128), v_i a doubled E2M1 level (-12..12), e the block's
 exponent byte. A lane's word of code bytes 4 t .. 4 t + 3 holds eight values, 4 t + i (low nibbles)
 and 16 + 4 t + i (high ones); one byte permute with the code nibbles as its selector looks up eight
@@ -95,9 +101,13 @@ step, weight bytes a thread a step, their ratio, and the stream kernel's GEMV wa
 227 on the path of a step without inf exponents (their test included; 210 without it), 34 (four
 blocks), 6.7 (stream 11.9); Q2_K 331, 42 (a super-block of 16 rows), 7.9 (stream 15.8; at T = 8 769,
 18.3: the walk's work grows with the token pairs, its bytes do not); Q6_K 566, 105, 5.4 (stream 6.4;
-at T = 8 1142, 10.9, the stream's 20.3). 80-96 registers at T <= 2 and 111-127 at T = 8 (Q8_0: 78,
-94; Q6_K: 111, 168), no spills. Q4_K and Q5_K's prologue has a second pass, the block sums: about
-110 instructions a (token, digit pair, block) item.
+at T = 8 1142, 10.9, the stream's 20.3); Q3_K 379, 55, 6.9 (stream 12.6; at T = 8 601, 10.9, the
+stream's 39.3: one mma a chunk and token pair, against Q2_K's and Q6_K's two). 80-96 registers at
+T <= 2 and 111-127 at T = 8 (Q8_0: 78, 94; Q6_K: 111, 168; Q3_K: 96, 119), no spills. (Q3_K counted
+2026-12-07 with ptxas and nvdisasm 13.5 on the kernel's sm_90 PTX, the walk loop's instructions from
+its head to its back branch; the same count gives Q2_K's, Q4_K's and Q6_K's figures above.) Q4_K and
+Q5_K's prologue has a second pass, the block sums: about 110 instructions a (token, digit pair,
+block) item.
 
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out) through
 stages.linear_imma, with tests/bounds.py's rules (tests/test_linear_imma.py, and

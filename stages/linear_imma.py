@@ -1,17 +1,19 @@
-"""Integer tensor-core decode products: y[t, n] = sum_k x[t, k] * dequant(w)[n, k] for the few tokens
-of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K or MXFP4 weights, on
-`mma.sync.m16n8k32.s32.s8.s8` with the stored levels as the mma's A operand, unconverted.
+"""Integer tensor-core decode products: y[t, n] = sum_k x[t, k] * dequant(w)[n, k] for the few
+tokens of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+or MXFP4 weights, on `mma.sync.m16n8k32.s32.s8.s8` with the stored levels as the mma's A operand,
+unconverted.
 
 Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16), w a
 stages.linear.DeviceWeight of Q8_0 in its split device layout (per row the K int8 levels, then the
 K/32 fp16 scales d), of Q4_K or Q5_K in its stored one (144-byte super-blocks: d, dmin, 12 scale
 bytes, 128 level bytes; Q5_K's 176 with 32 fifth-bit bytes before the levels) or of MXFP4 in its
-split one (per row the K/32 blocks' 16 code bytes, then their exponent bytes), of Q2_K in its
-split one (per row every super-block's 16 scale bytes, then their 64 level bytes, then their d and
-dmin), of Q6_K in its split one (per row every super-block's ql, qh and 16 int8 scales, 208
-bytes, then their fp16 d's), y [T, N] bf16 bits
-(rounded to nearest even) or float32. Grouped product
-(group_rows > 0, a multiple of 16): output row n reads x[:, (n // group_rows) * K :][:K].
+split one (per row the K/32 blocks' 16 code bytes, then their exponent bytes), of Q2_K in its split
+one (per row every super-block's 16 scale bytes, then their 64 level bytes, then their d and dmin),
+of Q6_K in its split one (per row every super-block's ql, qh and 16 int8 scales, 208 bytes, then
+their fp16 d's), of Q3_K in its split one (per row every super-block's hmask and qs, 96 bytes, then
+their 12 scale bytes, then their fp16 d's), y [T, N] bf16 bits (rounded to nearest even) or float32.
+Grouped product (group_rows > 0, a multiple of 16): output row n reads
+x[:, (n // group_rows) * K :][:K].
 
 One mma covers one Q8_0 block (32 levels q, one scale d) of 16 rows: its int32 result is that
 block's exact sum of q times the B columns. Lane (g, t) = (lane >> 2, lane & 3) loads bytes
@@ -58,7 +60,8 @@ parts apart (tests/bounds.py's SPLIT_KERNELS: 2K terms of magnitudes |x| |d sc q
 per sub-block and digit pair a scaled term and a minimum term, each rounded once into acc (Q5_K's
 scaled term once more where its P's conversion rounds; Q2_K's terms at most 8 + 2 times in a step,
 above), so a term meets at most 2 K/32 + slices + 2 roundings before the bf16 one (Q2_K: at most 2
-K/256 + 9 + slices, acc meeting two a step, fewer for K >= 256), under the 2K of that bound. The
+K/256 + 9 + slices, acc meeting two a step, fewer for K >= 256), under the 2K of that bound. (Q3_K
+adds each value as one term, at most K/256 + slices + 9 roundings: stages.imma_q3_k.) The
 rounding of X is not of that kind: its error, at most 2^(E - 30) |w_k| for each input below 2^(E -
 22) of its block's largest, is bounded by 2^-30 times the block's largest |x| times |w_k|, not by
 |x_k w_k|, so bounds.py covers it only while each block's largest input meets a weight of comparable
@@ -413,9 +416,10 @@ DECODE_MIN_VALUES = 1 << 24  # the weights (N x K values) imma is picked for: no
 #   kernel serves every count up to MAX_TOKENS (a batch's bits are each step's), and decode is mostly
 #   one token a step, so T = 1 decides.
 # Below 16M values (wq_a, wkv, the index wq_b) the digits' prologue costs imma 2-60% at T = 1.
-# - Q3_K: not measured yet; Q4_K's rule (every product of 16M values or more), which its walk step's
-#   count (stages.imma_walks: fewer instructions a weight byte than Q2_K's, which wins on N >= K)
-#   suggests, until a GPU run times it.
+# - Q3_K: not measured yet (a branch's pick, for a GPU run to time): Q4_K's rule. Its walk step's
+#   SASS (stages.imma_walks) takes 6.9 instructions a weight byte at T = 1 against the stream walk's
+#   12.6, near Q4_K's 4.5 / 8.4 and Q2_K's 7.9 / 15.8; with 3.4 bits a value it reads more bytes than
+#   Q2_K (which lost on the wide wo_b) and fewer than Q4_K (which won there).
 DECODE_PICKS = {GGMLType.Q4_K: 0, GGMLType.Q5_K: 0, GGMLType.Q2_K: 1, GGMLType.MXFP4: 1, GGMLType.Q8_0: 8,
                 GGMLType.Q6_K: 8, GGMLType.Q3_K: 0}
 

@@ -467,7 +467,8 @@ def pick_kernel(w: DeviceWeight, x_bf16: bool, n_tokens: int, group_rows: int = 
     GEMV_MAX_TOKENS tokens: imma where linear_imma.decode_pick measured it faster (GPU, bf16 x, large
     Q2_K, Q4_K, Q5_K and MXFP4 weights, tall Q8_0 and Q6_K ones; Q3_K's by Q4_K's rule, not
     measured yet), else stream; the same kernel for every count up to there, so a batch of decode
-    steps gives each sequence its single step's bits. More, up to NARROW_MAX_TOKENS: the narrow tensor-core product (stages.linear_narrow) where it applies (GPU, bf16 x, BF16 and Q8_0
+    steps gives each sequence its single step's bits. More, up to NARROW_MAX_TOKENS: the narrow
+    tensor-core product (stages.linear_narrow) where it applies (GPU, bf16 x, BF16 and Q8_0
     weights). Past that, on a GPU with bf16 x: the pipelined GEMM (stages.gemm_pipe) for BF16 and
     Q8_0, the tensor cores (stages.linear_tc) for the types it takes. Else, on a GPU and up to
     NARROW_MAX_TOKENS tokens, stream in launches of GEMV_MAX_TOKENS tokens; else gemm."""

@@ -407,21 +407,20 @@ DECODE_MIN_VALUES = 1 << 24  # the weights (N x K values) imma is picked for: no
 # T = 1 / T = 8, stream -> imma):
 # - Q4_K, Q5_K: every product of 16M values or more (wq_b 24.3 -> 15.1 / 110 -> 23; wo_a 22.7 ->
 #   15.3 / 85 -> 24; wo_b 24.0 -> 21.5 / 103 -> 34; the engram wkv 69 -> 52 / 381 -> 85; Q5_K alike);
-# - Q2_K, MXFP4: those with N >= K (wq_b, wo_a, the engram wkv: at T = 1 1.06-1.36x faster or
+# - Q2_K, MXFP4, Q3_K: those with N >= K (wq_b, wo_a, the engram wkv: at T = 1 1.06-1.36x faster or
 #   within 3%, at T = 8 2.3-3.9x; MXFP4's engram wkv was timed at T = 8 only, 250 -> 101 us); on the
-#   wide wo_b (K = 8192) imma lost 21-23% at T = 1;
+#   wide wo_b (K = 8192) imma lost 21-23% at T = 1. Q3_K (H100, later the same day): wq_b 19.3 ->
+#   15.2 / 63.9 -> 21.7, wo_a 16.0 -> 15.2 / 56.6 -> 22.6, the engram wkv 50.0 -> 50.0 / 223 -> 78;
+#   on wo_b imma lost 25% at T = 1 (17.0 -> 21.2) and won 2x at T = 8 (64.5 -> 31.8);
 # - Q8_0, Q6_K: those with N >= 8 K, the tall wq_b (N / K = 25.6): Q8_0 22.2 -> 21.7 / 50.8 -> 26.3,
 #   Q6_K 21.1 -> 20.1 / 64.8 -> 36.4. Their stream units are short already: at T = 1 imma lost 7-25%
 #   on wo_a, wo_b and the engram wkv (N / K 4.2 and less), though it won 33-48% there at T = 8. One
 #   kernel serves every count up to MAX_TOKENS (a batch's bits are each step's), and decode is mostly
 #   one token a step, so T = 1 decides.
-# Below 16M values (wq_a, wkv, the index wq_b) the digits' prologue costs imma 2-60% at T = 1.
-# - Q3_K: not measured yet (a branch's pick, for a GPU run to time): Q4_K's rule. Its walk step's
-#   SASS (stages.imma_walks) takes 6.9 instructions a weight byte at T = 1 against the stream walk's
-#   12.6, near Q4_K's 4.5 / 8.4 and Q2_K's 7.9 / 15.8; with 3.4 bits a value it reads more bytes than
-#   Q2_K (which lost on the wide wo_b) and fewer than Q4_K (which won there).
+# Below 16M values (wq_a, wkv, the index wq_b) the digits' prologue costs imma 2-60% at T = 1 (one
+# exception, within the noise: Q3_K's wq_a, 9.5 -> 9.2 us).
 DECODE_PICKS = {GGMLType.Q4_K: 0, GGMLType.Q5_K: 0, GGMLType.Q2_K: 1, GGMLType.MXFP4: 1, GGMLType.Q8_0: 8,
-                GGMLType.Q6_K: 8, GGMLType.Q3_K: 0}
+                GGMLType.Q6_K: 8, GGMLType.Q3_K: 1}
 
 
 def decode_pick(gtype: GGMLType, n: int, k: int) -> bool:

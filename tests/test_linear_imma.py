@@ -266,33 +266,20 @@ def test_imma_q3_k_extremes(tokens, out):
 
 
 # The flash decode shapes [N, K] and the types imma is picked for on each (measured on an H100,
-# docs/performance-log.md "imma, pipe and the picks"): Q4_K and Q5_K on every shape of 16M values
-# or more, Q2_K and MXFP4 on those with N >= K too (not the wide wo_b), Q8_0 and Q6_K on the tall
-# wq_b alone.
+# docs/performance-log.md "imma, pipe and the picks" and later sections): Q4_K and Q5_K on every
+# shape of 16M values or more, Q2_K, MXFP4 and Q3_K on those with N >= K too (not the wide wo_b),
+# Q8_0 and Q6_K on the tall wq_b alone.
 PICKED = {"wq_a": (1280, 5120, ""), "wkv": (512, 5120, ""), "index_wq_b": (4096, 1280, ""),
-          "wq_b": (32768, 1280, "Q2_K Q4_K Q5_K MXFP4 Q8_0 Q6_K"), "wo_a": (8192, 4096, "Q2_K Q4_K Q5_K MXFP4"),
-          "wo_b": (5120, 8192, "Q4_K Q5_K"), "engram_wkv": (25600, 6144, "Q2_K Q4_K Q5_K MXFP4")}
-
-
-# Q3_K's entry is not measured yet: on this branch it takes Q4_K's rule, to be timed on a GPU before
-# it is kept (its own test below says so; the measured table above leaves it out)
-UNMEASURED = {GGMLType.Q3_K: GGMLType.Q4_K}
+          "wq_b": (32768, 1280, "Q2_K Q3_K Q4_K Q5_K MXFP4 Q8_0 Q6_K"),
+          "wo_a": (8192, 4096, "Q2_K Q3_K Q4_K Q5_K MXFP4"), "wo_b": (5120, 8192, "Q4_K Q5_K"),
+          "engram_wkv": (25600, 6144, "Q2_K Q3_K Q4_K Q5_K MXFP4")}
 
 
 @pytest.mark.parametrize("name", list(PICKED))
 def test_decode_pick_is_the_measured_table(name):
     n, k, types = PICKED[name]
-    for gtype in [t for t in IMMA_TYPES if t not in UNMEASURED] + [GGMLType.BF16]:
+    for gtype in [*IMMA_TYPES, GGMLType.BF16]:
         assert linear_imma.decode_pick(gtype, n, k) == (gtype.name in types.split()), (name, gtype.name)
-
-
-@pytest.mark.parametrize("name", list(PICKED))
-def test_decode_pick_of_an_unmeasured_type_is_provisional(name):
-    """Not a measurement: Q3_K is picked where Q4_K is, pending its timings."""
-    n, k, _ = PICKED[name]
-    for gtype, like in UNMEASURED.items():
-        assert gtype in IMMA_TYPES
-        assert linear_imma.decode_pick(gtype, n, k) == linear_imma.decode_pick(like, n, k), (name, gtype.name)
 
 
 def test_refuses_what_it_does_not_take():

@@ -67,6 +67,12 @@ six 8-byte loads (four runs of ql, two of qh), one 16-byte load (the scales) and
 group), so a term meets at most its conversion and 2 K/32 + slices + 1 more before the bf16 one,
 under the K of bounds.py's rule.
 
+Q3_K (its pieces and their account: stages.imma_q3_k). As Q2_K's, a lane's A registers of a chunk
+are four levels of one group and row with the group's scale in them, here negated: -sc q spans
+-128..124 where sc q reaches 128; one mma a chunk, a step's chunks summed in fp32, acc -= d (that
+sum). A walk step is a super-block: three 8-byte loads (hmask, two runs of qs), three 4-byte loads
+(the scale bytes) and one 4-byte load (the word of its d) a row.
+
 MXFP4. Value i of a block is v_i 2^(e - 128), v_i a doubled E2M1 level (-12..12), e the block's
 exponent byte. A lane's word of code bytes 4 t .. 4 t + 3 holds eight values, 4 t + i (low nibbles)
 and 16 + 4 t + i (high ones); one byte permute with the code nibbles as its selector looks up eight
@@ -95,9 +101,13 @@ step, weight bytes a thread a step, their ratio, and the stream kernel's GEMV wa
 227 on the path of a step without inf exponents (their test included; 210 without it), 34 (four
 blocks), 6.7 (stream 11.9); Q2_K 331, 42 (a super-block of 16 rows), 7.9 (stream 15.8; at T = 8 769,
 18.3: the walk's work grows with the token pairs, its bytes do not); Q6_K 566, 105, 5.4 (stream 6.4;
-at T = 8 1142, 10.9, the stream's 20.3). 80-96 registers at T <= 2 and 111-127 at T = 8 (Q8_0: 78,
-94; Q6_K: 111, 168), no spills. Q4_K and Q5_K's prologue has a second pass, the block sums: about
-110 instructions a (token, digit pair, block) item.
+at T = 8 1142, 10.9, the stream's 20.3); Q3_K 379, 55, 6.9 (stream 12.6; at T = 8 601, 10.9, the
+stream's 39.3: one mma a chunk and token pair, against Q2_K's and Q6_K's two). 80-96 registers at
+T <= 2 and 111-127 at T = 8 (Q8_0: 78, 94; Q6_K: 111, 168; Q3_K: 96, 119), no spills. (Q3_K counted
+2026-12-07 with ptxas and nvdisasm 13.5 on the kernel's sm_90 PTX, the walk loop's instructions from
+its head to its back branch; the same count gives Q2_K's, Q4_K's and Q6_K's figures above.) Q4_K and
+Q5_K's prologue has a second pass, the block sums: about 110 instructions a (token, digit pair,
+block) item.
 
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out) through
 stages.linear_imma, with tests/bounds.py's rules (tests/test_linear_imma.py, and
@@ -125,8 +135,10 @@ from flashv41.stages.device import (
 )
 from flashv41.stages.imma_digits import DIGIT, SLICE_BLOCKS_MAX, UNROLL, b_words, fma_f32
 from flashv41.stages.imma_digits import kernel_imma as imma
+from flashv41.stages.imma_q3_k import q3_k_chunk_scale, q3_k_lane_scales, q3_k_negated, q3_k_raw
 from flashv41.stages.quants.mxfp4 import MXFP4_INF_E, MXFP4_PAIRS, e2m1_doubled, e8m0_half
 from flashv41.stages.quants.q2_k import Q2_K_BYTES, Q2_K_D, Q2_K_GROUPS, Q2_K_HALF_QS, Q2_K_QS_BYTES
+from flashv41.stages.quants.q3_k import Q3_K_D, Q3_K_PIECE, Q3_K_SCALE_BYTES
 from flashv41.stages.quants.q4_k_q5_k import Q4_K_BYTES, Q4_K_QS, Q5_K_BYTES, Q5_K_QH, Q5_K_QS, k_scale_words
 from flashv41.stages.quants.q6_k import Q6_K_BYTES, Q6_K_D, Q6_K_QH, Q6_K_QL, Q6_K_SCALES
 from flashv41.stages.quants.units import INT8_MAGIC, INT8_SELECT, LOW_NIBBLES
@@ -295,6 +307,7 @@ def walk_steps(gtype: GGMLType, pairs: int):
     partial step, one block's mmas (a partial step's), a whole step's mmas, and MXFP4's blocks with
     infinite values (mxfp4_inf_blocks: the kernel calls it for MXFP4 only)."""
     part_shape = (pairs, 2, 2)  # a Q2_K step's sums: [token pair, row half, scaled or minimum]
+    q3_part_shape, q3_lane_shape = (pairs, 2), (2, 2)  # a Q3_K step's sums; its lane's scales
     fifth = gtype == GGMLType.Q5_K
     k_bytes, k_qs = (Q5_K_BYTES, Q5_K_QS) if fifth else (Q4_K_BYTES, Q4_K_QS)
 
@@ -453,6 +466,64 @@ def walk_steps(gtype: GGMLType, pairs: int):
             acc[p, 1] = less_minimum(acc[p, 1] + d_hi * part[p, 1, 0], dmin_hi, part[p, 1, 1])
 
     @inlined
+    def load_q3_k(lo, hi, k, b, held, d, t4):
+        """A walk step's loads: super-block s = b // K_STEP of the lane's two rows in the split layout,
+        bytes 8 t4 .. 8 t4 + 7 of its hmask and of its two runs of qs (at Q3_K_PIECE s: 8-byte loads
+        at constant offsets of one address a row), its three words of scale bytes (at
+        K / 256 Q3_K_PIECE + 12 s) and the word of its d (d at K / 256 Q3_K_D + 2 s)."""
+        s = uint32(b // uint32(K_STEP))
+        at = uint32(uint32(Q3_K_PIECE) * s + uint32(8) * t4)
+        lo_at = address_at(lo, at)
+        hi_at = address_at(hi, at)
+        for c in range(3):  # hmask, qs run 0, qs run 1
+            held[c, 0, 0], held[c, 0, 1] = words2_at(lo_at, uint32(CHUNK * c))
+            held[c, 1, 0], held[c, 1, 1] = words2_at(hi_at, uint32(CHUNK * c))
+        blocks = uint32(k >> uint32(8))
+        sc = uint32(uint32(Q3_K_PIECE) * blocks + uint32(Q3_K_SCALE_BYTES) * s)
+        sc_lo = address_at(lo, sc)
+        sc_hi = address_at(hi, sc)
+        for i in range(3):
+            d[0, i] = word_at(sc_lo, uint32(4 * i))
+            d[1, i] = word_at(sc_hi, uint32(4 * i))
+        dw = uint32(uint32(Q3_K_D) * blocks + uint32(4) * (s >> uint32(1)))
+        d[0, 3] = word_at(lo, dw) >> (uint32(16) * (s & uint32(1)))
+        d[1, 3] = word_at(hi, dw) >> (uint32(16) * (s & uint32(1)))
+
+    @allocating
+    def q3_k_step_mmas(digits, scales, sums, held, d, acc, dig, sc, sm, ctx):
+        """A Q3_K super-block's eight chunks against every token pair's digits: for chunk j and a digit
+        pair, the P of -sc q (the levels times their groups' negated scales, q3_k_negated; the lane's
+        four registers of a row all of its group) is summed over the super-block times
+        2^(E - X_BITS) (exact products: one fused multiply-add a chunk), then acc -= d (that sum)
+        (sums: unused)."""
+        lane_half = ctx[6] >> uint32(1)  # a chunk's values 8 t .. 8 t + 7 are of its group 2 j + t // 2
+        part = cuda.local.array(q3_part_shape, float32)  # [token pair, row half]
+        lane = cuda.local.array(q3_lane_shape, uint32)  # [row half, chunks 0..3 or 4..7] the lane's scales
+        for p in range(pairs):
+            part[p, 0] = float32(0)
+            part[p, 1] = float32(0)
+        lane[0, 0], lane[0, 1] = q3_k_lane_scales(d[0, 0], d[0, 1], d[0, 2], lane_half)
+        lane[1, 0], lane[1, 1] = q3_k_lane_scales(d[1, 0], d[1, 1], d[1, 2], lane_half)
+        for j in range(K_STEP):
+            r = 1 + (j >> 2)  # the run of qs (held[0]: the hmask)
+            c_lo, c_hi = q3_k_chunk_scale(lane[0, j >> 2], j), q3_k_chunk_scale(lane[1, j >> 2], j)
+            a0 = q3_k_negated(q3_k_raw(held[r, 0, 0], held[0, 0, 0], j), c_lo)
+            a1 = q3_k_negated(q3_k_raw(held[r, 1, 0], held[0, 1, 0], j), c_hi)
+            a2 = q3_k_negated(q3_k_raw(held[r, 0, 1], held[0, 0, 1], j), c_lo)
+            a3 = q3_k_negated(q3_k_raw(held[r, 1, 1], held[0, 1, 1], j), c_hi)
+            for p in range(pairs):
+                b_lo, b_hi = b_words(digits, dig, j, p)
+                s = scales[sc + uint64(j + 2 * p * SLICE_BLOCKS_MAX)]
+                c0, c1, c2, c3 = imma(a0, a1, a2, a3, b_lo, b_hi)
+                part[p, 0] += float32(int32(c0 + c1 * DIGIT)) * s
+                part[p, 1] += float32(int32(c2 + c3 * DIGIT)) * s
+        d_lo, _ = f16x2_f32(d[0, 3])
+        d_hi, _ = f16x2_f32(d[1, 3])
+        for p in range(pairs):
+            acc[p, 0] -= d_lo * part[p, 0]
+            acc[p, 1] -= d_hi * part[p, 1]
+
+    @inlined
     def load_q6_k(lo, hi, k, b, held, d, t4):
         """A walk step's loads: super-block s = b // K_STEP of the lane's two rows in the split layout,
         bytes 8 t4 .. 8 t4 + 7 of each of its four runs of low-nibble bytes and two of top-pair
@@ -594,6 +665,7 @@ def walk_steps(gtype: GGMLType, pairs: int):
         GGMLType.Q4_K: (load_k, load_tail, block_mmas, k_step_mmas),
         GGMLType.Q5_K: (load_k, load_tail, block_mmas, k_step_mmas),
         GGMLType.Q2_K: (load_q2_k, load_tail, block_mmas, q2_k_step_mmas),
+        GGMLType.Q3_K: (load_q3_k, load_tail, block_mmas, q3_k_step_mmas),
         GGMLType.Q6_K: (load_q6_k, load_tail, block_mmas, q6_k_step_mmas),
         GGMLType.MXFP4: (load_mxfp4, tail_mxfp4, mxfp4_block, mxfp4_step_mmas)}[gtype]
     return (*steps, mxfp4_inf_blocks)

@@ -34,10 +34,10 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
   F16 / F32 weights: the indexer's head weights) runs `stream` in launches of GEMV_MAX_TOKENS: gemm
   would cover such a short matrix with one tile block.
 - `imma` (up to GEMV_MAX_TOKENS tokens, in place of stream, on a GPU: bf16 x and the large Q2_K,
-  Q4_K, Q5_K and MXFP4 weights of linear_imma.decode_pick, and the tall Q8_0 and Q6_K ones (wq_b),
-  measured faster there): stages.linear_imma, the decode GEMV on
-  the integer tensor cores, the stored levels as the mma's A operand and each input split into four
-  int8 digits as its B columns.
+  Q3_K, Q4_K, Q5_K and MXFP4 weights of linear_imma.decode_pick, and the tall Q8_0 and Q6_K ones
+  (wq_b), measured faster there):
+  stages.linear_imma, the decode GEMV on the integer tensor cores, the stored levels as the mma's A
+  operand and each input split into four int8 digits as its B columns.
 - `pipe` (past NARROW_MAX_TOKENS tokens, on a GPU: bf16 x, BF16 and Q8_0 weights, which tc does not
   take): stages.gemm_pipe, the prefill GEMM on the tensor cores with its tiles streamed into shared
   memory by cp.async several K steps ahead and read with ldmatrix.
@@ -465,10 +465,10 @@ def gemm_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool):
 def pick_kernel(w: DeviceWeight, x_bf16: bool, n_tokens: int, group_rows: int = 0) -> str:
     """The default kernel for a product (docs/performance.md, "Which product kernel runs"). Up to
     GEMV_MAX_TOKENS tokens: imma where linear_imma.decode_pick measured it faster (GPU, bf16 x, large
-    Q2_K, Q4_K, Q5_K and MXFP4 weights, tall Q8_0 and Q6_K ones), else stream; the same kernel for
-    every count up to there, so a batch of decode steps gives each sequence its single step's bits.
-    More, up to NARROW_MAX_TOKENS:
-    the narrow tensor-core product (stages.linear_narrow) where it applies (GPU, bf16 x, BF16 and Q8_0
+    Q2_K, Q3_K, Q4_K, Q5_K and MXFP4 weights, tall Q8_0 and Q6_K ones), else stream; the same
+    kernel for every count up to there, so a batch of decode steps gives each sequence its single
+    step's bits. More, up to NARROW_MAX_TOKENS: the narrow
+    tensor-core product (stages.linear_narrow) where it applies (GPU, bf16 x, BF16 and Q8_0
     weights). Past that, on a GPU with bf16 x: the pipelined GEMM (stages.gemm_pipe) for BF16 and
     Q8_0, the tensor cores (stages.linear_tc) for the types it takes. Else, on a GPU and up to
     NARROW_MAX_TOKENS tokens, stream in launches of GEMV_MAX_TOKENS tokens; else gemm."""

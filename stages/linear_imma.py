@@ -1,17 +1,19 @@
-"""Integer tensor-core decode products: y[t, n] = sum_k x[t, k] * dequant(w)[n, k] for the few tokens
-of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K or MXFP4 weights, on
-`mma.sync.m16n8k32.s32.s8.s8` with the stored levels as the mma's A operand, unconverted.
+"""Integer tensor-core decode products: y[t, n] = sum_k x[t, k] * dequant(w)[n, k] for the few
+tokens of a decode step (any T, launches of MAX_TOKENS), bf16 x, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+or MXFP4 weights, on `mma.sync.m16n8k32.s32.s8.s8` with the stored levels as the mma's A operand,
+unconverted.
 
 Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16), w a
 stages.linear.DeviceWeight of Q8_0 in its split device layout (per row the K int8 levels, then the
 K/32 fp16 scales d), of Q4_K or Q5_K in its stored one (144-byte super-blocks: d, dmin, 12 scale
 bytes, 128 level bytes; Q5_K's 176 with 32 fifth-bit bytes before the levels) or of MXFP4 in its
-split one (per row the K/32 blocks' 16 code bytes, then their exponent bytes), of Q2_K in its
-split one (per row every super-block's 16 scale bytes, then their 64 level bytes, then their d and
-dmin), of Q6_K in its split one (per row every super-block's ql, qh and 16 int8 scales, 208
-bytes, then their fp16 d's), y [T, N] bf16 bits
-(rounded to nearest even) or float32. Grouped product
-(group_rows > 0, a multiple of 16): output row n reads x[:, (n // group_rows) * K :][:K].
+split one (per row the K/32 blocks' 16 code bytes, then their exponent bytes), of Q2_K in its split
+one (per row every super-block's 16 scale bytes, then their 64 level bytes, then their d and dmin),
+of Q6_K in its split one (per row every super-block's ql, qh and 16 int8 scales, 208 bytes, then
+their fp16 d's), of Q3_K in its split one (per row every super-block's hmask and qs, 96 bytes, then
+their 12 scale bytes, then their fp16 d's), y [T, N] bf16 bits (rounded to nearest even) or float32.
+Grouped product (group_rows > 0, a multiple of 16): output row n reads
+x[:, (n // group_rows) * K :][:K].
 
 One mma covers one Q8_0 block (32 levels q, one scale d) of 16 rows: its int32 result is that
 block's exact sum of q times the B columns. Lane (g, t) = (lane >> 2, lane & 3) loads bytes
@@ -58,7 +60,8 @@ parts apart (tests/bounds.py's SPLIT_KERNELS: 2K terms of magnitudes |x| |d sc q
 per sub-block and digit pair a scaled term and a minimum term, each rounded once into acc (Q5_K's
 scaled term once more where its P's conversion rounds; Q2_K's terms at most 8 + 2 times in a step,
 above), so a term meets at most 2 K/32 + slices + 2 roundings before the bf16 one (Q2_K: at most 2
-K/256 + 9 + slices, acc meeting two a step, fewer for K >= 256), under the 2K of that bound. The
+K/256 + 9 + slices, acc meeting two a step, fewer for K >= 256), under the 2K of that bound. (Q3_K
+adds each value as one term, at most K/256 + slices + 9 roundings: stages.imma_q3_k.) The
 rounding of X is not of that kind: its error, at most 2^(E - 30) |w_k| for each input below 2^(E -
 22) of its block's largest, is bounded by 2^-30 times the block's largest |x| times |w_k|, not by
 |x_k w_k|, so bounds.py covers it only while each block's largest input meets a weight of comparable
@@ -142,7 +145,8 @@ class ImmaType:
 
 IMMA_TYPES = {GGMLType.Q8_0: ImmaType(UNROLL, False), GGMLType.Q4_K: ImmaType(K_STEP, True),
               GGMLType.Q5_K: ImmaType(K_STEP, True), GGMLType.MXFP4: ImmaType(UNROLL, False),
-              GGMLType.Q2_K: ImmaType(K_STEP, False), GGMLType.Q6_K: ImmaType(K_STEP, False)}
+              GGMLType.Q2_K: ImmaType(K_STEP, False), GGMLType.Q6_K: ImmaType(K_STEP, False),
+              GGMLType.Q3_K: ImmaType(K_STEP, False)}
 
 
 def token_cap(n_tokens: int) -> int:
@@ -169,10 +173,11 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     acc_shape = (pairs, 2)  # [token pair, row half]
     fifth = gtype == GGMLType.Q5_K
     # [block (Q4_K, Q5_K, Q2_K: run of level bytes; Q5_K's fifth bits after them), row half, word] a
-    # walk step's levels
-    held_shape = (6 if gtype == GGMLType.Q6_K else UNROLL + fifth, 2, 2)  # Q6_K: four runs of ql, two of qh
+    # walk step's levels; Q6_K: four runs of ql, two of qh; Q3_K: hmask, two runs of qs
+    held_shape = ({GGMLType.Q6_K: 6, GGMLType.Q3_K: 3}.get(gtype, UNROLL + fifth), 2, 2)
     # Q8_0: [block, row half] the step's scales; Q4_K: [row half, word] its super-block's first 16
-    # bytes; MXFP4: [row half, 0] the word of the step's exponent bytes
+    # bytes; Q3_K: [row half, word] its three words of scale bytes, then the word of its d; MXFP4:
+    # [row half, 0] the word of the step's exponent bytes
     d_shape, d_type = ((UNROLL, 2), float32) if gtype == GGMLType.Q8_0 else ((2, 4), uint32)
     if gtype in (GGMLType.Q2_K, GGMLType.Q6_K):  # [row half, word] its 16 scale bytes, then its d (and dmin)
         d_shape = (2, 5)
@@ -402,17 +407,20 @@ DECODE_MIN_VALUES = 1 << 24  # the weights (N x K values) imma is picked for: no
 # T = 1 / T = 8, stream -> imma):
 # - Q4_K, Q5_K: every product of 16M values or more (wq_b 24.3 -> 15.1 / 110 -> 23; wo_a 22.7 ->
 #   15.3 / 85 -> 24; wo_b 24.0 -> 21.5 / 103 -> 34; the engram wkv 69 -> 52 / 381 -> 85; Q5_K alike);
-# - Q2_K, MXFP4: those with N >= K (wq_b, wo_a, the engram wkv: at T = 1 1.06-1.36x faster or
+# - Q2_K, MXFP4, Q3_K: those with N >= K (wq_b, wo_a, the engram wkv: at T = 1 1.06-1.36x faster or
 #   within 3%, at T = 8 2.3-3.9x; MXFP4's engram wkv was timed at T = 8 only, 250 -> 101 us); on the
-#   wide wo_b (K = 8192) imma lost 21-23% at T = 1;
+#   wide wo_b (K = 8192) imma lost 21-23% at T = 1. Q3_K (H100, later the same day): wq_b 19.3 ->
+#   15.2 / 63.9 -> 21.7, wo_a 16.0 -> 15.2 / 56.6 -> 22.6, the engram wkv 50.0 -> 50.0 / 223 -> 78;
+#   on wo_b imma lost 25% at T = 1 (17.0 -> 21.2) and won 2x at T = 8 (64.5 -> 31.8);
 # - Q8_0, Q6_K: those with N >= 8 K, the tall wq_b (N / K = 25.6): Q8_0 22.2 -> 21.7 / 50.8 -> 26.3,
 #   Q6_K 21.1 -> 20.1 / 64.8 -> 36.4. Their stream units are short already: at T = 1 imma lost 7-25%
 #   on wo_a, wo_b and the engram wkv (N / K 4.2 and less), though it won 33-48% there at T = 8. One
 #   kernel serves every count up to MAX_TOKENS (a batch's bits are each step's), and decode is mostly
 #   one token a step, so T = 1 decides.
-# Below 16M values (wq_a, wkv, the index wq_b) the digits' prologue costs imma 2-60% at T = 1.
+# Below 16M values (wq_a, wkv, the index wq_b) the digits' prologue costs imma 2-60% at T = 1 (one
+# exception, within the noise: Q3_K's wq_a, 9.5 -> 9.2 us).
 DECODE_PICKS = {GGMLType.Q4_K: 0, GGMLType.Q5_K: 0, GGMLType.Q2_K: 1, GGMLType.MXFP4: 1, GGMLType.Q8_0: 8,
-                GGMLType.Q6_K: 8}
+                GGMLType.Q6_K: 8, GGMLType.Q3_K: 1}
 
 
 def decode_pick(gtype: GGMLType, n: int, k: int) -> bool:

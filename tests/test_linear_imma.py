@@ -3,8 +3,10 @@ rules (bf16 out: at least 99% of outputs bit-equal to the oracle, every output w
 ulp plus the sqrt(K) bound; fp32 out: the sqrt(K) bound): T = 1, 2, 8 and past a launch, rows that
 are not whole tiles, slices of K ending inside a walk step, one slice and several (the workspace
 and its counters), the grouped product, inputs of a wide range inside a block, zeros and negative
-values; Q4_K, Q5_K and Q2_K (random valid super-blocks and corner ones, the split terms' bound) and
-MXFP4 (its exponent corners, inf and NaN included, are test_quants_more's) on the same paths. The
+values; Q4_K, Q5_K and Q2_K (random valid super-blocks and corner ones, the split terms' bound), Q3_K
+and Q6_K (random valid and corner super-blocks; Q3_K's extreme scales and levels besides, the int8
+corner -sc q = -128 of its A registers included) and MXFP4 (its exponent corners, inf and NaN
+included, are test_quants_more's) on the same paths. The
 digit split is held to a host reference of its own (X and its four balanced digits,
 which must add back up to X exactly). On the simulator the mma is emulated (exactly, in integers)
 and the shapes small; the flash shapes run on a GPU. tests/test_mutants_products.py runs broken
@@ -17,7 +19,7 @@ import pytest
 from numba import cuda, uint32, uint64  # noqa: E402  (after conftest chose the backend)
 
 from flashv41.host.numerics import bf16, from_bits, to_bits
-from flashv41.host.quants import GGMLType
+from flashv41.host.quants import FORMATS, GGMLType, dequantize
 from flashv41.stages import linear_imma
 from flashv41.stages.imma_digits import COLUMN_WORDS, FIELD_MIN, SLICE_STEPS_MAX, TARGET_WARPS, X_BITS, octet_digits
 from flashv41.stages.linear import DeviceWeight, linear, pick_kernel
@@ -152,7 +154,7 @@ def test_a_token_is_the_same_in_any_batch():
 # ------------------------------------------------------- K-quant and MXFP4 weights (simulator)
 
 
-NEW_TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.MXFP4, GGMLType.Q2_K, GGMLType.Q6_K]
+NEW_TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.MXFP4, GGMLType.Q2_K, GGMLType.Q6_K, GGMLType.Q3_K]
 # (outputs, K, tokens, out, group rows); MXFP4 (steps of four blocks) swaps K = 512 for 352: three
 # slices, the last a partial step
 TYPE_CASES = [(40, 512, 1, "bf16", 0), (40, 256, 2, "f32", 0), (24, 512, 8, "bf16", 0), (64, 256, 2, "bf16", 32)]
@@ -193,29 +195,100 @@ def test_imma_types_wide_range_inside_a_block(gtype):
     assert (got[1] == 0).all()
 
 
+def q3_k_rows(c: np.ndarray, raw: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Stored Q3_K rows (uint8 [n, row_bytes]) of stored 6-bit scales c [n, blocks, 16], raw levels
+    raw [n, blocks, 256] (q + 4, 0..7) and fp16 d [n, blocks]: value i of group j is
+    d (c_j - 32) (raw_i - 4), packed as host.quants.dequantize_q3_k reads it."""
+    n, blocks = d.shape
+    packed = np.zeros((n, blocks), FORMATS[GGMLType.Q3_K].block)
+    qs = np.zeros((n, blocks, 64), np.uint8)
+    hmask = np.zeros((n, blocks, 32), np.uint8)
+    for chunk in range(8):
+        levels = raw[:, :, 32 * chunk:32 * chunk + 32].astype(np.uint8)
+        qs[:, :, 32 * (chunk // 4):32 * (chunk // 4) + 32] |= (levels & 3) << (2 * (chunk % 4))
+        hmask |= (levels >> 2) << chunk
+    scales = np.zeros((n, blocks, 12), np.uint8)
+    for j in range(16):
+        scales[:, :, j % 8] |= (c[:, :, j].astype(np.uint8) & 15) << (4 * (j // 8))
+        scales[:, :, 8 + j % 4] |= (c[:, :, j].astype(np.uint8) >> 4) << (2 * (j // 4))
+    packed["hmask"], packed["qs"], packed["scales"], packed["d"] = hmask, qs, scales, d
+    return packed.view(np.uint8).reshape(n, -1)
+
+
+def q3_k_extremes(rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q3_K rows at the ends of the A registers' int8 range (-sc q = (32 - c) (4 - raw)): rows 0-3
+    every value sc = -32, q = -4 (-sc q = -128, the one product sc q = 128 outside int8); then
+    sc = 31, q = -4 (124); sc = -32, q = 3 (96); sc = 31, q = 3 (-93); sc = 0 (a zero row); the rest
+    sc = -32 or 31 by group at random (so a lane reading the other group's scale is far off), with
+    levels 0..7 at random; half of them rows of sc = -32 or -31 and q = -4 or -3 alone (-sc q from
+    -128 to -93: P past 2^24 on inputs of one sign near their blocks' largest, with more than 24
+    significant bits where its terms share no power of two). -> (stored rows, c, raw)."""
+    blocks = k // 256
+    c = np.where(rng.integers(0, 2, (n, blocks, 16)) == 1, 63, 0)
+    raw = rng.integers(0, 8, (n, blocks, 256))
+    half = n // 2
+    c[half:] = rng.integers(0, 2, (n - half, blocks, 16))
+    raw[half:] = rng.integers(0, 2, (n - half, blocks, 256))
+    for row, (scale, level) in enumerate([(0, 0)] * 4 + [(63, 0), (0, 7), (63, 7), (32, 3)]):
+        c[row], raw[row] = scale, level
+    d = (rng.uniform(0.5, 1.5, (n, blocks)) * k**-0.5 / 43).astype(np.float16)
+    return q3_k_rows(c, raw, d), c, raw
+
+
+@pytest.mark.parametrize("tokens,out", [(1, "bf16"), (2, "f32")])
+def test_imma_q3_k_extremes(tokens, out):
+    """q3_k_extremes' rows (K = 512: two slices on the simulator) against the oracle, on Gaussian
+    inputs and (T = 2) a token of inputs in [1, 2), every fourth 2^-6 of that (2^-6 below its block's
+    largest: its bf16 bits reach the top digit pair's lowest, which the others' do not): the rows
+    of sc = -32, -31 and q = -4, -3 then give chunks whose P passes 2^24 with more than 24
+    significant bits (checked on the host, from the digits), so its conversion rounds. The packing
+    is held to the host's dequantiser first."""
+    n, k = 32, 512
+    rng = np.random.default_rng(tokens)
+    stored, c, raw = q3_k_extremes(rng, n, k)
+    wq = dequantize(stored, GGMLType.Q3_K, k)
+    d = stored.reshape(n, k // 256, -1)[:, :, -2:].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    expect = (d[:, :, None] * (c - 32).astype(np.float32))[:, :, :, None] * (raw - 4).reshape(n, k // 256, 16, 16)
+    assert np.array_equal(wq, expect.reshape(n, k)), "q3_k_rows packs what dequantize_q3_k reads"
+    x = rng.standard_normal((tokens, k))
+    x[1:] = rng.uniform(1, 2, (tokens - 1, k))
+    x[1:, ::4] *= 2.0**-6
+    x = bf16(x.astype(np.float32))
+    if tokens > 1:  # the top digit pair's P of each row and chunk of the token of one sign
+        digits = np.stack([host_digits(x[1, b:b + 32])[1] for b in range(0, k, 32)], axis=1)  # [digit, chunk, 32]
+        a = (32 - c).repeat(16, axis=2) * (raw - 4)  # [row, block, 256] -sc q
+        p = np.einsum("rcv,cv->rc", a.reshape(n, k // 32, 32), digits[2] + 256 * digits[3])
+        assert (np.abs(a) == 128).any() and (np.abs(p) >= 2**24).any()
+        assert (p.astype(np.float32).astype(np.int64) != p).any(), "some P rounds in its conversion"
+    w = DeviceWeight.from_stored("w", GGMLType.Q3_K, stored, k)
+    got = run_imma(w, x, out == "bf16")
+    check_groups(got, x, wq, n, out == "bf16", f"imma Q3_K extremes T={tokens} {out} out", {})
+
+
 # The flash decode shapes [N, K] and the types imma is picked for on each (measured on an H100,
-# docs/performance-log.md "imma, pipe and the picks"): Q4_K and Q5_K on every shape of 16M values
-# or more, Q2_K and MXFP4 on those with N >= K too (not the wide wo_b), Q8_0 and Q6_K on the tall
-# wq_b alone.
+# docs/performance-log.md "imma, pipe and the picks" and later sections): Q4_K and Q5_K on every
+# shape of 16M values or more, Q2_K, MXFP4 and Q3_K on those with N >= K too (not the wide wo_b),
+# Q8_0 and Q6_K on the tall wq_b alone.
 PICKED = {"wq_a": (1280, 5120, ""), "wkv": (512, 5120, ""), "index_wq_b": (4096, 1280, ""),
-          "wq_b": (32768, 1280, "Q2_K Q4_K Q5_K MXFP4 Q8_0 Q6_K"), "wo_a": (8192, 4096, "Q2_K Q4_K Q5_K MXFP4"),
-          "wo_b": (5120, 8192, "Q4_K Q5_K"), "engram_wkv": (25600, 6144, "Q2_K Q4_K Q5_K MXFP4")}
+          "wq_b": (32768, 1280, "Q2_K Q3_K Q4_K Q5_K MXFP4 Q8_0 Q6_K"),
+          "wo_a": (8192, 4096, "Q2_K Q3_K Q4_K Q5_K MXFP4"), "wo_b": (5120, 8192, "Q4_K Q5_K"),
+          "engram_wkv": (25600, 6144, "Q2_K Q3_K Q4_K Q5_K MXFP4")}
 
 
 @pytest.mark.parametrize("name", list(PICKED))
 def test_decode_pick_is_the_measured_table(name):
     n, k, types = PICKED[name]
-    for gtype in list(IMMA_TYPES) + [GGMLType.Q3_K, GGMLType.BF16]:
+    for gtype in [*IMMA_TYPES, GGMLType.BF16]:
         assert linear_imma.decode_pick(gtype, n, k) == (gtype.name in types.split()), (name, gtype.name)
 
 
 def test_refuses_what_it_does_not_take():
     w, _ = weight(np.random.default_rng(1), 32, 64, GGMLType.Q8_0)
     assert pick_kernel(w, True, 1) == "stream"  # a small Q8_0 weight: imma is not picked for it
-    q3, _, _ = tc_weight(8, 256, GGMLType.Q3_K)
+    bf, _ = weight(np.random.default_rng(2), 8, 256, GGMLType.BF16)
     y = cuda.device_array((2, 32), np.uint16)
-    with pytest.raises(ValueError, match="linear_imma w: Q3_K"):
-        linear(cuda.to_device(np.zeros((2, 256), np.uint16)), q3, cuda.device_array((2, 8), np.uint16), 2,
+    with pytest.raises(ValueError, match="linear_imma w: BF16"):
+        linear(cuda.to_device(np.zeros((2, 256), np.uint16)), bf, cuda.device_array((2, 8), np.uint16), 2,
                kernel="imma")
     with pytest.raises(ValueError, match="linear_imma w: Q8_0 .* float32 inputs"):
         linear(cuda.to_device(np.zeros((2, 64), np.float32)), w, y, 2, kernel="imma")

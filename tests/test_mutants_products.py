@@ -24,7 +24,16 @@ out), e_scale (every 2^(e - 128) 1% large); Q5_K is held to Q4_K's truncate, sub
 no_minimum and to fifth (sub-block j's fifth bit taken from bit j + 1 of its bytes). On the
 simulator (random valid blocks, K = 256, T = 4) each is caught by both rules: Q4_K truncate 52%
 bit-equal, sub_scale 6%, no_minimum 6%, minimum_sign 3%, nibble 0%; Q5_K truncate 51%, sub_scale
-2%, no_minimum 7%, fifth 0%; MXFP4 truncate 51%, table 0%, no_negatives 0.8%, e_scale 0%.
+2%, no_minimum 7%, fifth 0%; MXFP4 truncate 51%, table 0%, no_negatives 0.8%, e_scale 0%. Q3_K's
+(stages.imma_q3_k's pieces, IMMA_Q3_K_MUTANTS): q3_scale (a group's stored scale with its low bit
+flipped), q3_group (each chunk's scales from the other group of the lane's pair), q3_top (the
+scales' top pairs from other groups' bits), q3_hmask (each chunk's third level bit from the next
+chunk's hmask bit), q3_offset and q3_flip (the A registers' multiply-add without its constant 4 c,
+or without the xor that takes its 128 off), q3_sign (acc += d (the step's sum) on one row half),
+q3_wrap (sc q in place of -sc q, each byte wrapped to int8: wrong only where sc q = 128, the
+product the negation keeps inside int8); on the simulator each is caught by both rules: truncate
+50% bit-equal, q3_scale 4%, q3_group 0%, q3_top 0%, q3_hmask 0.8%, q3_offset 0%, q3_flip 0%,
+q3_sign 50%, q3_wrap 66%.
 
 The mutated pieces are the quant-type table's (stages.quants.table.DEVICE_TYPES, swapped in the
 kernel's module: a record with a broken weight dequantiser or tc put) or the kernel module's own
@@ -222,6 +231,51 @@ IMMA_Q6_K_MUTANTS = ["q6_scale", "q6_group", "q6_offset"]
 # MXFP4's: the magnitude table read one entry up; the negative codes left out; every block's 2^(e - 128)
 # 1% large
 IMMA_MXFP4_MUTANTS = ["table", "no_negatives", "e_scale"]
+# Q3_K's: a group's stored scale one larger; each chunk's scales from the other group of its lane's pair
+# of groups; the scales' top pairs from the bits of other groups; each chunk's third level bit from the
+# next chunk's hmask bit; the A registers without their 4 c (the multiply-add's constant: bytes borrow
+# from their neighbours) or with their 128 left in (no xor); acc += d (the sum) on the first row half;
+# sc q in place of -sc q (and acc += d (the sum)), each byte wrapped to int8: right but where sc q = 128
+IMMA_Q3_K_MUTANTS = ["q3_scale", "q3_group", "q3_top", "q3_hmask", "q3_offset", "q3_flip", "q3_sign", "q3_wrap"]
+
+
+@device
+def wrapped_products(raw, c):
+    """stages.imma_q3_k.q3_k_negated with sc q = (c - 32) (raw - 4) in place of -sc q in each byte,
+    wrapped to int8: the same products but for sc q = 128 (sc = -32, q = -4), which reads -128."""
+    out = uint32(0)
+    for i in range(4):
+        q = int32((raw >> uint32(8 * i)) & uint32(0xFF)) - int32(4)
+        out |= uint32(((int32(c) - int32(32)) * q) & int32(0xFF)) << uint32(8 * i)
+    return out
+
+
+def imma_q3_k_replacements(kind: str) -> dict:
+    """The globals an imma Q3_K mutant swaps (its pieces: stages.imma_q3_k; its walk step: stages.imma_walks)."""
+    q3 = stages.imma_q3_k
+    if kind == "q3_scale":
+        off = "return uint32(1) ^ byte_perm("
+        return {"q3_k_chunk_scale": edited(q3, "q3_k_chunk_scale", "return byte_perm(", off)}
+    if kind == "q3_group":
+        right = "lane_half * uint32(0x1111)"
+        return {"q3_k_lane_scales": edited(q3, "q3_k_lane_scales", right, "(lane_half ^ uint32(1)) * uint32(0x1111)")}
+    if kind == "q3_top":
+        right = "byte_perm(w2, w2 >> uint32(2), select)"
+        return {"q3_k_lane_scales": edited(q3, "q3_k_lane_scales", right, right.replace("uint32(2)", "uint32(4)"))}
+    if kind == "q3_hmask":
+        right = "hm << uint32(2 - j) if j < 2 else hm >> uint32(j - 2)"
+        return {"q3_k_raw": edited(q3, "q3_k_raw", right, "hm << uint32(1 - j) if j < 1 else hm >> uint32(j - 1)")}
+    if kind == "q3_offset":
+        return {"q3_k_negated": edited(q3, "q3_k_negated", " + int64(c * Q3_K_OFFSET)", "")}
+    if kind == "q3_flip":
+        right = "return uint32(biased) ^ DIGIT_FLIP"
+        return {"q3_k_negated": edited(q3, "q3_k_negated", right, "return uint32(biased)")}
+    if kind == "q3_wrap":  # both row halves' acc += d (the sum): the products' sign is the sum's
+        old = "acc[p, 0] -= d_lo * part[p, 0]\n            acc[p, 1] -= d_hi * part[p, 1]"
+        return {"q3_k_negated": wrapped_products,
+                "walk_steps": edited(stages.imma_walks, "walk_steps", old, old.replace("-=", "+="))}
+    old = "acc[p, 0] -= d_lo * part[p, 0]"
+    return {"walk_steps": edited(stages.imma_walks, "walk_steps", old, old.replace("-=", "+="))}
 
 
 def imma_k_replacements(kind: str) -> dict:
@@ -272,6 +326,8 @@ def replacements(kernel: str, kind: str) -> dict:
         return {"f32_to_bf16": truncating_bf16}
     if kind in IMMA_K_MUTANTS + IMMA_Q5_K_MUTANTS + IMMA_Q2_K_MUTANTS + IMMA_Q6_K_MUTANTS + IMMA_MXFP4_MUTANTS:
         return imma_k_replacements(kind)
+    if kind in IMMA_Q3_K_MUTANTS:
+        return imma_q3_k_replacements(kind)
     if kernel == "imma":
         imma = stages.imma_digits
         if kind == "digit":  # a digit weighs 255 times the one below it, not 256
@@ -302,7 +358,7 @@ def rejected(check, *args, **kwargs) -> str:
 
 
 # the integer tensor-core GEMV's modules: a swap is made in each that holds the name (mutant_across)
-IMMA_MODULES = (stages.linear_imma, stages.imma_digits, stages.imma_walks)
+IMMA_MODULES = (stages.linear_imma, stages.imma_digits, stages.imma_walks, stages.imma_q3_k)
 
 
 def run_mutant(kernel: str, kind: str, check, *args, **kwargs) -> None:
@@ -358,7 +414,8 @@ IMMA_TYPE_MUTANTS = ([(GGMLType.Q4_K, kind) for kind in ["truncate", *IMMA_K_MUT
                      + [(GGMLType.MXFP4, kind) for kind in ["truncate", *IMMA_MXFP4_MUTANTS]]
                      + [(GGMLType.Q2_K, kind) for kind in ["truncate", "no_minimum", "minimum_sign",
                                                            *IMMA_Q2_K_MUTANTS]]
-                     + [(GGMLType.Q6_K, kind) for kind in ["truncate", *IMMA_Q6_K_MUTANTS]])
+                     + [(GGMLType.Q6_K, kind) for kind in ["truncate", *IMMA_Q6_K_MUTANTS]]
+                     + [(GGMLType.Q3_K, kind) for kind in ["truncate", *IMMA_Q3_K_MUTANTS]])
 
 
 @pytest.mark.parametrize("gtype,kind", IMMA_TYPE_MUTANTS, ids=lambda v: getattr(v, "name", v))

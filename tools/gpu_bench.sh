@@ -11,7 +11,7 @@
 # The groups, each one process (the rows of one decision share its copy bandwidth and L2 figures):
 #   decode     every decode product, picked kernel and the displaced one beside it (gemv.*), for the
 #              types imma is picked for (Q2_K, Q4_K, Q5_K, MXFP4): about 112 rows, 6 minutes
-#   decode-rest the same for Q8_0 and Q6_K (imma beside stream: whether imma stays for them) and BF16
+#   decode-rest the same for Q8_0, Q6_K and Q3_K (imma beside stream) and BF16
 #   prefill    the prefill GEMMs (prefill.gemm.*) for BF16 and Q8_0 (pipe) and Q4_K (tc), each against
 #              cuBLAS
 #   stacks     the head (head.decode.*), the 40-layer step (stack.decode.40), the batched steps
@@ -24,7 +24,7 @@ group=${2:?usage: tools/gpu_bench.sh LOG_DIR GROUP [SECONDS]}
 seconds=${3:-540}
 case "$group" in
     decode) rows=('gemv.*'); types=(Q2_K Q4_K Q5_K MXFP4) ;;
-    decode-rest) rows=('gemv.*'); types=(Q8_0 Q6_K BF16) ;;
+    decode-rest) rows=('gemv.*'); types=(Q8_0 Q6_K Q3_K BF16) ;;
     prefill) rows=('prefill.gemm.*'); types=(BF16 Q8_0 Q4_K) ;;
     stacks) rows=('head.decode.*' 'stack.decode.40' 'stack.decode.batch' 'prefill.stack.32k'); types=(Q8_0 Q4_K) ;;
     attention) rows=('attention.decode.*'); types=(Q8_0 BF16 Q4_K) ;;

@@ -9,6 +9,8 @@ test module. Compile-check mode comes first: importing flashv41.stages picks the
 
 from __future__ import annotations
 
+import fcntl
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,11 +65,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 SynthModel = Callable[..., Path]
 
 
+def shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder of this test run that every pytest-xdist worker shares (the run's base temporary
+    folder, above each worker's own), or this session's without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def written_once(root: Path, name: str, write: Callable[[Path], Path]) -> Path:
+    """The file `write(folder)` makes in a folder of its own under root, made by one process of the
+    run: the others wait for it (a lock file), then use it. It is written into a partial folder and
+    renamed into place, so a folder that exists is whole."""
+    done = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_dir():
+            partial = root / f"{name}.partial-{os.getpid()}"
+            partial.mkdir()
+            made = write(partial)
+            partial.rename(done)
+            (done / "path").write_text(made.name)
+    return done / (done / "path").read_text()
+
+
 @pytest.fixture(scope="session")
 def synth_model(tmp_path_factory: pytest.TempPathFactory) -> SynthModel:
     """`synth_model(preset, **kwargs) -> Path`: a synthetic model written by host.synth.write_synthetic
-    with those arguments, once per session for each distinct set of arguments."""
-    root = tmp_path_factory.mktemp("models")
+    with those arguments, once per test run for each distinct set of arguments: pytest-xdist's
+    workers share it (a flash-sized file takes 10-20 s to write)."""
+    root = shared_dir(tmp_path_factory, "models")
     written: dict[tuple[str, tuple[tuple[str, str], ...]], Path] = {}
 
     def make(preset: str = "tiny", **kwargs: Any) -> Path:
@@ -75,7 +103,8 @@ def synth_model(tmp_path_factory: pytest.TempPathFactory) -> SynthModel:
         if key not in written:
             name = "_".join([preset] + [f"{k}-{v}" for k, v in key[1]])
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-            written[key] = write_synthetic(root / f"{safe}.gguf", preset, **kwargs)
+            written[key] = written_once(root, safe, lambda folder: write_synthetic(folder / "model.gguf", preset,
+                                                                                   **kwargs))
         return written[key]
 
     return make

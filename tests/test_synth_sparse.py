@@ -4,6 +4,7 @@ gguf-py's reader, and `flashv41 info` prints their memory plan for every table r
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -29,7 +30,7 @@ HOST_TABLE_LINE = {"pinned": "engram tables, pinned host", "host": "engram table
 
 def holes_supported(folder: Path) -> bool:
     """Whether `folder`'s filesystem stores a 16 MiB seeked-over gap as a hole (st_blocks)."""
-    probe = folder / "hole-probe.bin"
+    probe = folder / f"hole-probe-{os.getpid()}.bin"  # (a folder pytest-xdist workers may share)
     with open(probe, "wb") as f:
         f.seek(16 << 20)
         f.write(b"\0")

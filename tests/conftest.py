@@ -10,6 +10,7 @@ test module. Compile-check mode comes first: importing flashv41.stages picks the
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -53,7 +54,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                            f"compile-check mode: results not computed ({call.excinfo.typename})")
 
 
+DURATIONS_ENV = "FLASHV41_TEST_DURATIONS"
+UNMEASURED_S = 30.0  # a test the durations file does not name: new, or cut short where it was measured
+
+
+def longest_first(items: list[pytest.Item], path: str) -> None:
+    """Order items by their seconds in the JSON file at `path` (tools/test_durations.py), longest
+    first, ties in collection order: every pytest-xdist worker collects the same order, and
+    `--dist loadgroup` hands the tests out in it (the tests of an xdist_group, which share an
+    expensive module fixture, together on one worker, and first)."""
+    durations = json.loads(Path(path).read_text())
+    # (under --dist loadgroup a grouped test's id ends in @group)
+    items.sort(key=lambda item: -durations.get(item.nodeid.split("@")[0], UNMEASURED_S))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get(DURATIONS_ENV):
+        longest_first(items, os.environ[DURATIONS_ENV])
     if not using_simulator() or compile_check.enabled():
         return
     skip_gpu = pytest.mark.skip(reason=GPU_SKIP_REASON)

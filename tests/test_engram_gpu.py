@@ -28,7 +28,8 @@ from tests.bounds import assert_within
 from tests.test_engram_stages import _gate_inputs, check_apply, gate_bounds
 from tests.test_linear import check_linear
 
-pytestmark = pytest.mark.gpu
+# one worker of the GPU suite sets up each module fixture once (tools/gpu_suite.sh's --dist loadgroup)
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("engram_gpu")]
 
 FLASH = dict(compress_ratios=(0, 2), kv_sources=(1,), index_sources=(1,), candidate_source=99, engram_layers=(0, 1),
              vocab=1024, engram_rows=200_000)

@@ -30,6 +30,11 @@ IDS = np.random.default_rng(451).integers(0, 2048, 400)
 P, X, Y, Z = IDS[:300], IDS[300:308], IDS[308:316], IDS[316:330]
 
 
+# the tests of `refs` (an engine, two prompts and their graphs: minutes of compiling) on one worker of
+# the GPU suite (tools/gpu_suite.sh's --dist loadgroup; other runs ignore the mark)
+SHARES_REFS = pytest.mark.xdist_group("sequence_state_refs")
+
+
 def flash_path(synth_model) -> Path:
     return synth_model("flash", vocab=2048, engram_rows=120_000, context_length=4096)
 
@@ -64,6 +69,7 @@ def refs(flash, tmp_path_factory):
     ry.release()
 
 
+@SHARES_REFS
 def test_fork_on_the_gpu(flash, refs) -> None:
     """(a) A fork and its parent decode other tokens, each from its own graphs: the fresh
     sequences' outputs, bit for bit; both rewind to P (the fork by a copy, the parent from its
@@ -84,6 +90,7 @@ def test_fork_on_the_gpu(flash, refs) -> None:
     b.release()
 
 
+@SHARES_REFS
 def test_truncate_on_the_gpu(flash, refs) -> None:
     """(b) P's last 44 tokens and 10 more in one call, then 4 decode steps from graphs; truncated to
     300 (that call run again as P's 44), then X decoded from the graphs captured past 310: the
@@ -101,6 +108,7 @@ def test_truncate_on_the_gpu(flash, refs) -> None:
     u.release()
 
 
+@SHARES_REFS
 def test_save_load_on_the_gpu(flash, refs) -> None:
     """(c) P saved, loaded into a new engine and continued with X: as continued in place."""
     model, _ = flash

@@ -61,7 +61,7 @@ from flashv41.host.model import Model
 from flashv41.host.numerics import from_bits, rope_tables
 from flashv41.stages import indexer, kv_sources
 from flashv41.stages.branches import Branch
-from flashv41.stages.device import SIM, DeviceArray, check_array, fill, grid_1d
+from flashv41.stages.device import SIM, DeviceArray, check_array, fill, grid_1d, jit_kernel
 from flashv41.stages.indexer import IndexerWeights
 from flashv41.stages.kv_sources import KvSourceState, KvSourceWeights, KvSourceWorkspace
 from flashv41.stages.linear import DeviceWeight, linear, linear_pair
@@ -89,7 +89,7 @@ ROW_KINDS = 5
 _SERIALS = itertools.count()
 
 
-@cuda.jit
+@jit_kernel()
 def _ring_write_kernel(kv, ring, positions, n_tokens, width):
     """ring[positions[r] % W] = kv[r] for the chunk's last min(T, W) rows. kv bf16 [>= T, D], ring
     bf16 [W, D], positions int32 [T]."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int64, uint32
 
-from flashv41.stages.device import SIM, DeviceArray, load_words4
+from flashv41.stages.device import SIM, DeviceArray, jit_kernel, load_words4
 
 THREADS = 256
 BLOCKS_PER_SM = 8  # 2048 resident threads an SM: the most a Hopper SM holds
@@ -33,7 +33,7 @@ NEVER = 0xFFFFFFFF  # the read kernel's xor of a zero-filled buffer is 0, never 
 # On a GPU the kernels promise ptxas THREADS-thread blocks, BLOCKS_PER_SM of them resident per SM
 # (at most 32 registers a thread): the whole grid is then one wave, and no block of a second wave
 # streams its share alone at the end.
-probe_kernel = cuda.jit if SIM else cuda.jit(launch_bounds=(THREADS, BLOCKS_PER_SM))  # type: ignore[call-arg]
+probe_kernel = jit_kernel((THREADS, BLOCKS_PER_SM))
 
 
 if SIM:

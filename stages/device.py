@@ -10,7 +10,10 @@ warp shuffles) the helper has a second body for it, chosen once at import.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -453,12 +456,55 @@ def rotate_pair(a, b, c, s):
     return mul_rn(a, c) - mul_rn(b, s), mul_rn(a, s) + mul_rn(b, c)
 
 
-def jit_for(threads: int):
-    """cuda.jit for a kernel launched with `threads` threads a block: on the GPU the compiler keeps
-    registers x threads inside the register file (launch bounds), so any block size launches."""
-    # mypy types numba.cuda as the simulator's API (its star import comes first), whose jit takes
-    # no launch_bounds; the GPU's does
-    return cuda.jit if SIM else cuda.jit(launch_bounds=threads)  # type: ignore[call-arg]
+KERNEL_CACHE_ENV = "FLASHV41_KERNEL_CACHE"
+
+
+def kernel_cache_dir() -> Path | None:
+    """Where compiled kernels are kept for later processes: a folder under FLASHV41_KERNEL_CACHE's,
+    named by a hash of numba-cuda's version and of every source file of flashv41.stages and
+    flashv41.host (what a kernel's code comes from), so that no kernel compiled from other code is
+    ever loaded. None where the variable is unset or empty, and on the simulator."""
+    root = os.environ.get(KERNEL_CACHE_ENV, "")
+    if SIM or not root:
+        return None
+    import numba_cuda
+
+    import flashv41.host
+
+    digest = hashlib.sha256(numba_cuda.__version__.encode())
+    for package in (Path(__file__).parent, Path(flashv41.host.__file__).parent):
+        for source in sorted(package.rglob("*.py")):
+            digest.update(source.relative_to(package).as_posix().encode() + b"\0" + source.read_bytes())
+    return Path(root) / f"kernels-{digest.hexdigest()[:16]}"
+
+
+def _kernel_cache() -> bool:
+    """Point numba-cuda's disk cache at kernel_cache_dir() (numba-cuda's setting for the process)
+    where there is one: whether kernels are cached."""
+    folder = kernel_cache_dir()
+    if folder is None:
+        return False
+    from numba.cuda.core import config
+
+    config.CACHE_DIR = str(folder)
+    return True
+
+
+KERNEL_CACHE = _kernel_cache()
+
+
+def jit_kernel(launch_bounds: int | tuple[int, int] | None = None):
+    """The decorator of every kernel: cuda.jit; on the GPU with `launch_bounds` (threads a block,
+    and blocks an SM) where given, so that the compiler keeps registers x threads inside the
+    register file and any block size up to it launches; and cached on disk where
+    FLASHV41_KERNEL_CACHE names a folder (kernel_cache_dir: a process that launches a kernel
+    compiled there before loads it instead of compiling it, about a second a kernel)."""
+    if SIM:
+        return cuda.jit
+    options: dict[str, Any] = {"cache": KERNEL_CACHE}
+    if launch_bounds is not None:
+        options["launch_bounds"] = launch_bounds
+    return cuda.jit(**options)
 
 
 
@@ -466,7 +512,7 @@ def grid_1d(n: int, block: int) -> int:
     return max(1, math.ceil(n / block))
 
 
-@cuda.jit
+@jit_kernel()
 def _fill_kernel(flat, value):
     """flat[:] = value, a grid-stride loop (flat: a 1-D view of a contiguous array)."""
     for i in range(cuda.grid(1), flat.shape[0], cuda.gridsize(1)):

@@ -27,7 +27,7 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from flashv41.host.errors import InputError, UnsupportedError
-from flashv41.stages.device import SIM, WARP, bf16_to_f32, warp_sum
+from flashv41.stages.device import SIM, WARP, bf16_to_f32, jit_kernel, warp_sum
 
 MAX_HC = 4
 SQRT_FLOOR = 1e-6  # |dot| is floored here before the square root (the reference's clamp)
@@ -44,7 +44,7 @@ def gate_kernel(threads: int):
     warps = max(1, threads // WARP)
     slots = max(1, threads)
 
-    @cuda.jit
+    @jit_kernel()
     def gate(h, kv, qk, mask, g_out, hc, dim, eps, scale):
         scratch = cuda.shared.array(slots, float32)  # warp_sum's (simulator) scratch
         partial = cuda.shared.array((3, warps), float32)  # [3, warps]: each warp's three sums

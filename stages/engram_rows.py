@@ -43,7 +43,7 @@ from flashv41.host.engram_rows import EngramRowReader
 from flashv41.host.errors import CapacityError, InputError, UnsupportedError
 from flashv41.host.gguf_model import TensorRef
 from flashv41.host.quants import FORMATS
-from flashv41.stages.device import CHUNK, SIM, f32_to_bf16, grid_1d
+from flashv41.stages.device import CHUNK, SIM, f32_to_bf16, grid_1d, jit_kernel
 from flashv41.stages.quants.records import DeviceType
 from flashv41.stages.quants.table import DEVICE_TYPES
 
@@ -63,7 +63,7 @@ def rows_kernel(qt: DeviceType, gathered: bool):
     pinned residency); otherwise row r of the source is already the r-th requested row (host)."""
     dequant = qt.dequant
 
-    @cuda.jit
+    @jit_kernel()
     def rows(source, ids, out, n_tokens, cols, chunks):
         # source uint8 [rows, >= row_bytes]; ids int64 [>= T, L]; out uint16 [>= T, L * E]
         buf = cuda.local.array(CHUNK, float32)

@@ -83,6 +83,7 @@ from flashv41.stages.device import (
     f32_bits,
     f32_from_bits,
     f32_to_bf16,
+    jit_kernel,
     product_groups,
 )
 from flashv41.stages.warp_mma import kernel_mma as mma
@@ -404,7 +405,7 @@ def pipe_kernel(quant: bool, out_bf16: bool):
     t_shape = B_STAGE if quant else 4  # [output x word] the step's levels as bf16 pairs, swizzled rows
     d_shape = BN if quant else 1  # [output] the step's scales
 
-    @cuda.jit if SIM else cuda.jit(launch_bounds=(THREADS, 2))  # type: ignore[call-arg]
+    @jit_kernel((THREADS, 2))
     def gemm_pipe(x, w, y, n_tokens, n_rows, width):
         a_s = cuda.shared.array((STAGES, A_STAGE), uint32, alignment=ALIGN)  # [stage, token x word] swizzled rows
         b_s = cuda.shared.array(b_shape, uint32, alignment=ALIGN)

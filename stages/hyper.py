@@ -53,6 +53,7 @@ from flashv41.stages.device import (
     bf16_to_f32,
     device,
     f32_to_bf16,
+    jit_kernel,
     warp_sum,
 )
 from flashv41.stages.linear import GEMV_MAX_TOKENS, DeviceWeight, stream_partials
@@ -251,7 +252,7 @@ def mixes_kernel(hc: int):
     sums = mix_sums(n_mix, MIXES_THREADS)
     split = split_sinkhorn(hc)
 
-    @cuda.jit
+    @jit_kernel()
     def kernel(partial, scale, base, pre, post, comb, n_slices, width, iters, norm_eps, hc_eps):
         raw = cuda.shared.array(MIX_ROWS, float32)
         scratch = cuda.shared.array(MIXES_THREADS, float32)
@@ -275,7 +276,7 @@ def mixes_norm_kernel(hc: int, per_thread: int):
     norm = collapse_norm(hc, per_thread)
     split = split_sinkhorn(hc)
 
-    @cuda.jit
+    @jit_kernel()
     def kernel(partial, scale, base, pre, post, comb, n_slices, width, iters, norm_eps, hc_eps,
                h, pre_in, weight, x, dim):
         raw = cuda.shared.array(MIX_ROWS, float32)
@@ -297,7 +298,7 @@ def pre_norm_kernel(hc: int, per_thread: int):
     device function it runs, because the simulator gives a kernel's own module its CUDA names.)"""
     norm = collapse_norm(hc, per_thread)
 
-    @cuda.jit
+    @jit_kernel()
     def kernel(h, pre, weight, x, dim, eps):
         scratch = cuda.shared.array(PRE_NORM_THREADS, float32)
         norm(h, pre, weight, x, cuda.blockIdx.x, dim, eps, scratch)
@@ -320,7 +321,7 @@ def _post_values(h, a, post, comb, t, m, d, hc, has_output, out, o):
         out[o + c] = post[m, c] * av + s if has_output else s
 
 
-@cuda.jit
+@jit_kernel()
 def _post_kernel(h, a, post, comb, hc, dim, has_output):
     """h[t, c, d] = post[c] * a[t, d] + sum_k comb[k, c] h[t, k, d], in place (one thread per d)."""
     t = cuda.blockIdx.y
@@ -367,7 +368,7 @@ def post_product_kernel(hc: int, gtype: GGMLType, split: bool):
     sums = mix_sums(n_mix, threads)
     split_mixes = split_sinkhorn(hc)
 
-    @cuda.jit
+    @jit_kernel()
     def kernel(h, a, post, comb, fn, partial, dim, has_output, partial_in, n_slices, scale, base, pre, iters,
                norm_eps, hc_eps):
         t = cuda.blockIdx.y
@@ -432,7 +433,7 @@ def post_product_kernel(hc: int, gtype: GGMLType, split: bool):
 def embed_kernel(dequant):
     """h[t, c, :] = bf16(dequant(table[ids[t]])) for every copy; one thread per 32-value chunk."""
 
-    @cuda.jit
+    @jit_kernel()
     def embed(ids, table, h, n_tokens, hc, chunks):
         t = cuda.blockIdx.y
         chunk = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x

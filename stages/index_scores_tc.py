@@ -32,7 +32,7 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, float64, uint32
 
-from flashv41.stages.device import SIM, WARP, bf16_round, bf16_to_f32, f32_to_bf16, jit_for, load_words4, mul_rn
+from flashv41.stages.device import SIM, WARP, bf16_round, bf16_to_f32, f32_to_bf16, jit_kernel, load_words4, mul_rn
 from flashv41.stages.row_tables import u32_rows
 from flashv41.stages.warp_mma import kernel_mma as mma
 
@@ -63,7 +63,7 @@ def score_tc_kernel(index_heads: int, index_dim: int, warps: int, tables: bool =
     dot_shape = (frags, 4)  # [fragment, register]: float64 q . k, the C layout's keys and heads
     part_shape = (warps, KEYS, 4)  # [warp, key, t]: a lane's sum over its heads of a key
 
-    @jit_for(WARP * warps)
+    @jit_kernel(WARP * warps)
     def kernel(iq32, hw, key_rows, score, positions, n_tokens, ratio, w_scale):
         part = cuda.shared.array(part_shape, float64)
         tid = cuda.threadIdx.x

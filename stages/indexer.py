@@ -57,7 +57,7 @@ from flashv41.stages.device import (
     check_array,
     check_rows,
     f32_to_bf16,
-    jit_for,
+    jit_kernel,
     mul_rn,
 )
 from flashv41.stages.index_scores_tc import FP4_BLOCK  # the fp4 (E8M0) block of the index queries and keys
@@ -78,7 +78,7 @@ from flashv41.stages.trace import Mark, unmarked
 # Score tiles: SCORE_GROUPS groups per block, SCORE_HEAD_THREADS threads over the heads; a block
 # walks its row's tiles with a grid stride, so the grid need not follow the width. Block sizes keep
 # registers x threads well inside the 64 K registers of a block (ptxas for sm_90: the score kernel
-# takes 64 registers a thread at flash sizes, the select kernel 152); launch bounds (jit_for) make
+# takes 64 registers a thread at flash sizes, the select kernel 152); launch bounds (jit_kernel) make
 # sure of it for any size.
 SCORE_GROUPS = 1 if SIM else 16
 SCORE_HEAD_THREADS = 1 if SIM else 32
@@ -110,7 +110,7 @@ def score_kernel(index_heads: int, index_dim: int, head_threads: int, groups: in
     sync = nt > 1
     dims = index_dim + 1  # padded shared rows: threads of a warp read different heads' rows
 
-    @jit_for(nt)
+    @jit_kernel(nt)
     def kernel(iq, hw, key_rows, score, positions, n_tokens, ratio, w_scale):
         qs = cuda.shared.array((index_heads, dims), float32)  # [IH, ID + 1]: the row's queries
         ks = cuda.shared.array((groups, dims), float32)  # [groups, ID + 1]: the tile's keys
@@ -164,7 +164,7 @@ def select_kernel(threads: int, radix_bits: int, own_rows: bool = False):
     bins = 1 << radix_bits
     top_k = one_block_top_k(nt, radix_bits)
 
-    @jit_for(nt)
+    @jit_kernel(nt)
     def kernel(score, cand, sel, positions, n_tokens, ratio, candidate_source, masked, blk, topk_blocks):
         # score bf16 [T, >= G], cand uint8 [T, >= NB], sel int32 [T, K], positions int32 [T]
         hist = cuda.shared.array(bins, int32)  # [2^radix_bits]: one pass's histogram of key digits

@@ -35,7 +35,7 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from flashv41.host.config import LayerRole, ModelConfig
-from flashv41.stages.device import SIM, DeviceArray, device, exp_f32, f32_to_bf16, fill, grid_1d, mul_rn
+from flashv41.stages.device import SIM, DeviceArray, device, exp_f32, f32_to_bf16, fill, grid_1d, jit_kernel, mul_rn
 from flashv41.stages.linear import DeviceWeight, linear, linear_pair
 from flashv41.stages.norm_rope_quant import Chain, norm_rope_quant_pair, rms_norm
 from flashv41.stages.row_tables import f32_rows, u16_rows
@@ -93,7 +93,7 @@ def _pool_channel(kv, score, row0, kv_state, score_state, pooled, group_pos, out
                 score_state[s, d] = score[row0 + p - start, d]
 
 
-@cuda.jit
+@jit_kernel()
 def _pool_kernel(kv, score, kv_state, score_state, pooled, group_pos, positions, n_tokens, n_groups, ratio,
                  width):
     """Threads over channels, blockIdx.y over the completed groups (at least one block row; row 0
@@ -107,7 +107,7 @@ def _pool_kernel(kv, score, kv_state, score_state, pooled, group_pos, positions,
                   ratio, d)
 
 
-@cuda.jit
+@jit_kernel()
 def _pool_batch_kernel(kv, score, kv_states, score_states, pooled, group_pos, positions, ratio, width):
     """A batch, token t its sequence's only one (blockIdx.y = t): its group, if it completes one,
     pooled into row t, else row t zero and group_pos[t] the start of its open group; then its state
@@ -126,7 +126,7 @@ def _pool_batch_kernel(kv, score, kv_states, score_states, pooled, group_pos, po
                   start, 1, 0, n_groups, ratio, d)
 
 
-@cuda.jit
+@jit_kernel()
 def _scatter_rows_kernel(keys, key_cache, rows, row_cache, positions, n_rows, ratio, key_width, row_width):
     """key_cache[g0 + r] = keys[r] and row_cache[g0 + r] = rows[r] for r < n_rows, g0 the first
     group completed by the chunk (both caches in one launch: the first n_rows * key_width threads
@@ -145,7 +145,7 @@ def _scatter_rows_kernel(keys, key_cache, rows, row_cache, positions, n_rows, ra
     cache[g0 + i // width, i % width] = src[i // width, i % width]
 
 
-@cuda.jit
+@jit_kernel()
 def _scatter_batch_kernel(keys, key_caches, rows, row_caches, positions, n_rows, ratio, key_width, row_width):
     """A batch's rows, keys and rows in one launch as _scatter_rows_kernel: the caches are address
     tables [T, 2] of each sequence's cache [groups, width]; row p // ratio of token r's (at p =

@@ -72,6 +72,7 @@ from flashv41.stages.device import (
     device,
     f32_to_bf16,
     inlined,
+    jit_kernel,
     lane_group_sum,
     load_f32,
     warp_sum,
@@ -353,7 +354,7 @@ def stream_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool, tokens: int, spl
     if split2:
         second = product_of(lanes2)
 
-        @cuda.jit
+        @jit_kernel()
         def stream_pair(x, w, y, w2, y2, n_tokens, k, group_rows, blocks):
             block = cuda.blockIdx.x
             if block < blocks:
@@ -363,7 +364,7 @@ def stream_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool, tokens: int, spl
 
         return stream_pair
 
-    @cuda.jit
+    @jit_kernel()
     def stream(x, w, y, n_tokens, k, group_rows):
         product(x, w, y, n_tokens, k, group_rows, cuda.blockIdx.x, cuda.gridDim.x, split)
 
@@ -379,7 +380,7 @@ def stream_partials_kernel(qt: DeviceType, x_bf16: bool, tokens: int):
     walk = stream_walker(qt.stream, x_bf16, tokens)
     walk_squares = stream_walker(SQUARES, x_bf16, tokens)
 
-    @cuda.jit
+    @jit_kernel()
     def stream_partials(x, w, partial, n_tokens, k, n_slices):
         ww = w.view(np.uint32)
         wf = w.view(np.float16)
@@ -420,7 +421,7 @@ def gemm_kernel(qt: DeviceType, x_bf16: bool, out_bf16: bool):
     """Tiles of TM tokens x TN outputs; block = (THREADS_X, THREADS_Y)."""
     dequant = qt.weight_dequant
 
-    @cuda.jit
+    @jit_kernel()
     def gemm(x, w, y, n_tokens, n_rows, k, row0, x_off):
         xs = cuda.shared.array(X_TILE, float32)
         ws = cuda.shared.array(W_TILE, float32)

@@ -110,7 +110,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from flashv41.host.quants import GGMLType
-from flashv41.stages.device import CHUNK, SIM, WARP, f32_to_bf16, product_groups, row_address
+from flashv41.stages.device import CHUNK, WARP, f32_to_bf16, jit_kernel, product_groups, row_address
 from flashv41.stages.imma_digits import (
     COLUMN_WORDS,
     DIGIT_PAIR,
@@ -186,7 +186,7 @@ def imma_kernel(gtype: GGMLType, cap: int, out_bf16: bool):
     partial_steps = step_blocks == UNROLL  # (a K-quant's slice is whole super-blocks)
     digits_of = e2m1_octet_digits if gtype == GGMLType.MXFP4 else octet_digits
 
-    @cuda.jit if SIM else cuda.jit(launch_bounds=(WARP * DIGIT_TILES, 1))  # type: ignore[call-arg]
+    @jit_kernel((WARP * DIGIT_TILES, 1))
     def imma_gemv(x, w, y, partials, counters, n_tokens, group_rows, k, per_group, slices, slice_blocks):
         digits = cuda.shared.array(digits_shape, uint64)
         scales = cuda.shared.array(scales_shape, float32)

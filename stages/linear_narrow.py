@@ -38,7 +38,7 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, uint32
 
-from flashv41.stages.device import CHUNK, SIM, WARP, f32_to_bf16, inlined, load_words4, product_groups
+from flashv41.stages.device import CHUNK, SIM, WARP, f32_to_bf16, inlined, jit_kernel, load_words4, product_groups
 from flashv41.stages.quants.records import NarrowType
 from flashv41.stages.quants.table import DEVICE_TYPES
 from flashv41.stages.warp_mma import kernel_mma as mma
@@ -91,7 +91,7 @@ def narrow_kernel(qt_narrow: NarrowType, fragments: int, out_bf16: bool):
                     d[2, f, h] = d2
                     d[3, f, h] = d3
 
-    @cuda.jit if SIM else cuda.jit(launch_bounds=(WARP * MAX_WARPS, 1))  # type: ignore[call-arg]
+    @jit_kernel((WARP * MAX_WARPS, 1))
     def narrow(x, w, y, n_tokens, group_rows, k, slice_blocks):
         red = cuda.shared.array(RED_SHAPE, float32)
         x32 = x.view(np.uint32)  # [T, K_total / 2] bf16 pairs

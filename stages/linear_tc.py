@@ -66,7 +66,17 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from flashv41.host.quants import FORMATS
-from flashv41.stages.device import CHUNK, SIM, WARP, bf16_to_f32, device, f32_to_bf16, inlined, product_groups
+from flashv41.stages.device import (
+    CHUNK,
+    SIM,
+    WARP,
+    bf16_to_f32,
+    device,
+    f32_to_bf16,
+    inlined,
+    jit_kernel,
+    product_groups,
+)
 from flashv41.stages.quants.records import DeviceType
 from flashv41.stages.quants.table import DEVICE_TYPES
 from flashv41.stages.quants.units import NO_SCALES, TC_BLOCK_GROUPS, TC_BLOCK_STEPS, TC_STEP_WORDS, pack
@@ -124,7 +134,7 @@ def tc_kernel(qt: DeviceType, out_bf16: bool):
     mins_shape = (BN, TC_BLOCK_STEPS + PAD) if mins else (1, 1)  # [output, group pair] the mins, bf16 pairs
     sums_shape = (BM, TC_BLOCK_GROUPS + 1) if mins else (1, 1)  # [token, group] the groups' input sums
 
-    @cuda.jit if SIM else cuda.jit(launch_bounds=(THREADS, 2))  # type: ignore[call-arg]
+    @jit_kernel((THREADS, 2))
     def gemm_tc(x, w, y, n_tokens, n_rows, width):
         a_s = cuda.shared.array(TILE_A, uint32)  # [token, word] the step's inputs, bf16 pairs
         b_s = cuda.shared.array(TILE_B, uint32)  # [output, word] the step's weights, bf16 pairs

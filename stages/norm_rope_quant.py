@@ -70,7 +70,7 @@ from flashv41.stages.device import (
     f32_to_bf16,
     grid_1d,
     inlined,
-    jit_for,
+    jit_kernel,
     load_f32,
     mul_rn,
     rint_f32,
@@ -268,7 +268,7 @@ def rms_norm_kernel(x_bf16: bool, threads: int, per_thread: int):
     many = threads > 1
     mask = lane_mask(threads)
 
-    @jit_for(threads)
+    @jit_kernel(threads)
     def kernel(x, weight, out, n_rows, width, eps):
         scratch = cuda.shared.array(threads, float64)  # [threads]: block_sum's
         vals = cuda.local.array(per_thread, float32)  # [per_thread]: this thread's values of the row
@@ -293,7 +293,7 @@ def rms_norm_kernel(x_bf16: bool, threads: int, per_thread: int):
     return kernel
 
 
-@cuda.jit
+@jit_kernel()
 def _rope_kernel(x, cos, sin, positions, n_rows, heads, head_dim, rope_dim, inverse):
     """One thread per (row, head, pair); pairs (2i, 2i+1) of each head's last rope_dim values.
     x bf16 [R, heads * head_dim] in place; cos, sin fp32 [max_seq, rope_dim / 2]; positions int32 [R]."""
@@ -313,7 +313,7 @@ def _rope_kernel(x, cos, sin, positions, n_rows, heads, head_dim, rope_dim, inve
     x[r, col + 1] = f32_to_bf16(v)
 
 
-@cuda.jit
+@jit_kernel()
 def _act_quant_kernel(x, n_rows, width):
     """One thread per block of 32 values: fp8 e4m3 quantise-dequantise with a power-of-two scale.
     x bf16 [R, width] in place."""
@@ -328,7 +328,7 @@ def _act_quant_kernel(x, n_rows, width):
         x[r, c] = f32_to_bf16(quant_value(bf16_to_f32(x[r, c]), s, QUANT_ACT))
 
 
-@cuda.jit
+@jit_kernel()
 def _fp4_quant_kernel(x, n_rows, width, block, e4m3_scale):
     """One thread per block: E2M1 quantise-dequantise, E4M3 or E8M0 (power-of-two) scale.
     x bf16 [R, width] in place."""
@@ -421,7 +421,7 @@ def fused_kernel(x_bf16: bool, norm: bool, rope: bool, quant: int, vals: int, th
     """fused_body's chain, one block of `threads` threads per (row, head)."""
     body = fused_body(x_bf16, norm, rope, quant, vals, threads, mirror)
 
-    @jit_for(threads)
+    @jit_kernel(threads)
     def kernel(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse, ring):
         body(x, weight, out, cos, sin, positions, heads, head_dim, c_lo, rope_dim, eps, inverse, ring,
              cuda.blockIdx.x)
@@ -439,7 +439,7 @@ def fused_pair_kernel(first: tuple, second: tuple):
     mask covers the warp)."""
     body_a, body_b = fused_body(*first), fused_body(*second)
 
-    @jit_for(max(first[THREADS_AT], second[THREADS_AT]))
+    @jit_kernel(max(first[THREADS_AT], second[THREADS_AT]))
     def kernel(xa, wa, oa, ca, sa, pa, heads_a, dim_a, lo_a, rope_a, eps_a, inv_a, ring_a, items,
                xb, wb, ob, cb, sb, pb, heads_b, dim_b, lo_b, rope_b, eps_b, inv_b, ring_b):
         item = cuda.blockIdx.x

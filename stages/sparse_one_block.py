@@ -14,7 +14,7 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, float64, int32
 
-from flashv41.stages.device import SIM, WARP, bf16_round, bf16_to_f32, exp_f32, jit_for, mul_rn, warp_sum
+from flashv41.stages.device import SIM, WARP, bf16_round, bf16_to_f32, exp_f32, jit_kernel, mul_rn, warp_sum
 from flashv41.stages.row_tables import u16_rows
 
 if SIM:
@@ -82,7 +82,7 @@ def sparse_kernel(head_dim: int, threads: int, lanes: int, tables: bool = False,
     per_thread = head_dim // threads
     tail = head_dim - rope_dim
 
-    @jit_for(threads)
+    @jit_kernel(threads)
     def kernel(q, rings, chunk, comps, positions, selection, sinks, cos, sin, out, n_entries, scale):
         qs = cuda.shared.array(head_dim, float32)  # [D]: the query, fp32
         ss = cuda.shared.array(SPARSE_BLOCK, float32)  # [64]: the block's scores (-inf: skipped)

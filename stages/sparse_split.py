@@ -24,7 +24,7 @@ from flashv41.stages.device import (
     device,
     exp_f32,
     f32_from_bits,
-    jit_for,
+    jit_kernel,
     load_words4,
     mul_rn,
     row_address,
@@ -379,7 +379,7 @@ def split_score_kernel(head_dim: int, lanes: int, heads: int, head_warps: int, e
         n_sums = LANE_SUMS
     n_out = 1 if lanes > 1 else n_sums  # the sums each lane finishes
 
-    @jit_for(threads)
+    @jit_kernel(threads)
     def kernel(q32, rings, chunk32, comps, positions, first, selection, cos, sin, scores, tile_max, n_entries,
                n_heads, scale):
         tile_s = cuda.shared.array((tile, block_heads), float32)  # [tile, heads]: the block's scores
@@ -465,7 +465,7 @@ def split_value_kernel(head_dim: int, unit_threads: int, per_thread: int, block_
     # the value sums of entry groups 1 .. groups - 1, for group 0 to add
     later_shape = (max(1, entry_groups - 1), block_heads, head_dim)
 
-    @jit_for(threads)
+    @jit_kernel(threads)
     def kernel(rings, chunk32, comps, positions, first, selection, scores, tile_max, pv, block_sum, block_max,
                rescale, n_entries):
         src = cuda.shared.array(SPARSE_BLOCK, int32)  # [64]: the source of each entry's row (_resolve)
@@ -571,7 +571,7 @@ def split_combine_kernel(head_dim: int, per_thread: int, rope_dim: int = 0):
     tail = head_dim - rope_dim
     assert per_thread % 2 == 0, "a thread owns whole pairs"
 
-    @jit_for(COMBINE_THREADS)
+    @jit_kernel(COMBINE_THREADS)
     def kernel(pv, block_sum, block_max, rescale, sinks, positions, cos, sin, out, n_blocks, n_tokens):
         i = cuda.grid(1)
         heads = out.shape[1]

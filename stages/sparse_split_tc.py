@@ -15,7 +15,7 @@ from functools import cache
 
 from numba import cuda, float32, float64, int32, uint32
 
-from flashv41.stages.device import WARP, bf16_round, device, exp_f32, f32_bits, jit_for, mul_rn
+from flashv41.stages.device import WARP, bf16_round, device, exp_f32, f32_bits, jit_kernel, mul_rn
 from flashv41.stages.row_tables import u32_rows
 from flashv41.stages.sparse_entries import NEG_INF, SPARSE_BLOCK, _query_word, _resolve, entry_at
 from flashv41.stages.sparse_split import SCORE_TILE, _block_maxima, _entry_sources, _unit, _widest, _write_tile_max
@@ -65,7 +65,7 @@ def split_score_tc_kernel(head_dim: int, warps: int, tables: bool = False, rope_
     r_held = (unroll, fragments, 4)  # [block, fragment, word]
     assert SCORE_TILE % 8 == 0, "a score tile is whole fragments of 8 entries"
 
-    @jit_for(threads)
+    @jit_kernel(threads)
     def kernel(q32, rings, chunk32, comps, positions, first, selection, cos, sin, scores, tile_max, n_entries,
                n_heads, scale):
         tile_s = cuda.shared.array(tile_shape, float32)  # [tile, heads]: the block's scores
@@ -156,7 +156,7 @@ def split_value_tc_kernel(head_dim: int, warps: int, d_slice: int, tables: bool 
     tile_reads = head_threads * block_heads
     assert d_slice % 8 == 0 and head_dim % d_slice == 0
 
-    @jit_for(threads)
+    @jit_kernel(threads)
     def kernel(rings, chunk32, comps, positions, first, selection, scores, tile_max, pv, block_sum, block_max,
                rescale, n_entries):
         src = cuda.shared.array(SPARSE_BLOCK, int32)

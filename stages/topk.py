@@ -43,7 +43,7 @@ import numpy as np
 from numba import cuda, int32, int64, uint32
 
 from flashv41.host.errors import InputError
-from flashv41.stages.device import SIM, WARP, DeviceArray, device, jit_for
+from flashv41.stages.device import SIM, WARP, DeviceArray, device, jit_kernel
 
 NEG_KEY = 0x007F  # the key of -inf
 POS_KEY = 0xFF80  # the key of +inf
@@ -311,7 +311,7 @@ def digit_kernel(threads: int, digit: int, own_rows: bool):
     ranks = descending_ranks(nt, DIGIT_BINS)
     whole = one_block_top_k(nt, DIGIT_BITS)
 
-    @jit_for(nt)
+    @jit_kernel(nt)
     def kernel(score, cand, positions, n_tokens, ratio, candidate_source, masked, blk, sel, topk_blocks,
                hist, done, row_state, slice_counts):
         # score bf16 [T, >= G], cand uint8 [T, >= NB]; hist int32 [P * T, 256], done int32 [P * T],
@@ -408,7 +408,7 @@ def write_kernel(threads: int, own_rows: bool):
     nt = threads
     scan = block_scan(nt)
 
-    @jit_for(nt)
+    @jit_kernel(nt)
     def kernel(score, cand, positions, n_tokens, ratio, candidate_source, masked, blk, sel, topk_blocks,
                row_state, slice_counts):
         buf = cuda.shared.array(nt, int64)  # [threads]: the scans'

@@ -108,12 +108,19 @@ def install() -> None:
     cuda.get_current_device = lambda: device
 
     compiled: set = set()
+    # with FLASHV41_KERNEL_CACHE set (stages.device.kernel_cache_dir), a kernel goes through the
+    # dispatcher's compile, the disk cache's path (its index key pickles the closure's values; the
+    # kernel is saved with its sm_90 cubin, or loaded): binding makes the cubin, with no context
+    dispatcher._Kernel.bind = lambda kernel: kernel._codelibrary.get_cubin(cc=_FakeDevice.compute_capability)
 
     def launch(self, args, launch_config):
         argtypes = tuple(typeof(a) for a in args)
         if (self, argtypes) not in compiled:
-            # typing, lowering and NVVM to PTX happen here; binding to a context is what a real launch adds
-            dispatcher._Kernel(self.py_func, argtypes, **self.targetoptions)
+            if isinstance(self._cache, dispatcher.NullCache):
+                # typing, lowering and NVVM to PTX happen here; binding to a context is what a real launch adds
+                dispatcher._Kernel(self.py_func, argtypes, **self.targetoptions)
+            else:
+                self.compile(argtypes)
             compiled.add((self, argtypes))
 
     dispatcher.CUDADispatcher.call = launch

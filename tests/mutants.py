@@ -19,6 +19,7 @@ How the kernels come to see the swap:
   factory (`functools.cache`) by a fresh cache of the same function. Kernels built inside the
   block compile with the mutant; on leaving it the original dispatchers and factory caches come
   back untouched, so the correct kernels compiled before (and after) are never the mutant's.
+  Kernels built inside the block are never saved to nor loaded from the kernels' disk cache.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+from flashv41.stages import device as device_module
 from flashv41.stages.device import SIM
 
 
@@ -117,6 +119,10 @@ def mutant(module: types.ModuleType, **replacements: Any) -> Iterator[None]:
     swapped = {name: fresh for name, value in saved.items()
                if name not in replacements and (fresh := _fresh(value)) is not None}
     swapped.update(replacements)
+    # kernels built in the block stay off the disk cache (stages.device.kernel_cache_dir): a
+    # factory's kernel keys its entry by its own code and closure, not by the globals swapped here,
+    # so a cached mutant would be what a correct build of it loads, and the reverse
+    cached, device_module.KERNEL_CACHE = device_module.KERNEL_CACHE, False
     try:
         for name, value in swapped.items():
             setattr(module, name, value)
@@ -124,6 +130,7 @@ def mutant(module: types.ModuleType, **replacements: Any) -> Iterator[None]:
     finally:
         for name in swapped:
             setattr(module, name, saved[name])
+        device_module.KERNEL_CACHE = cached
 
 
 @contextmanager

@@ -120,8 +120,8 @@ def synth_model(tmp_path_factory: pytest.TempPathFactory) -> SynthModel:
         if key not in written:
             name = "_".join([preset] + [f"{k}-{v}" for k, v in key[1]])
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-            written[key] = written_once(root, safe, lambda folder: write_synthetic(folder / "model.gguf", preset,
-                                                                                   **kwargs))
+            written[key] = written_once(root, safe, lambda folder: write_synthetic(folder / f"{safe}.gguf",
+                                                                                   preset, **kwargs))
         return written[key]
 
     return make

@@ -53,6 +53,7 @@ cd "$here" || exit 2
 {
     echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
     python3 -c "import numpy, numba, numba.cuda; print('numpy', numpy.__version__, 'numba', numba.__version__)"
+    echo "kernel cache: ${FLASHV41_KERNEL_CACHE:-off}"
 } 2>&1 | tee "$log"
 
 start=$(date +%s)

@@ -10,6 +10,7 @@ warp shuffles) the helper has a second body for it, chosen once at import.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -478,19 +479,48 @@ def kernel_cache_dir() -> Path | None:
     return Path(root) / f"kernels-{digest.hexdigest()[:16]}"
 
 
-def _kernel_cache() -> bool:
+def _kernel_cache() -> Path | None:
     """Point numba-cuda's disk cache at kernel_cache_dir() (numba-cuda's setting for the process)
-    where there is one: whether kernels are cached."""
+    where there is one, and return it."""
     folder = kernel_cache_dir()
     if folder is None:
-        return False
+        return None
     from numba.cuda.core import config
 
+    folder.mkdir(parents=True, exist_ok=True)
     config.CACHE_DIR = str(folder)
-    return True
+    return folder
 
 
-KERNEL_CACHE = _kernel_cache()
+KERNEL_CACHE_DIR = _kernel_cache()
+KERNEL_CACHE = KERNEL_CACHE_DIR is not None  # whether jit_kernel's kernels are cached (tests/mutants.py turns it off)
+
+
+@functools.cache
+def _locked_cache():
+    """numba-cuda's disk cache (what cuda.jit(cache=True) gives a kernel) with its saves made one
+    process at a time: numba numbers a function's entries by reading its index and taking the next
+    free number, so two processes saving two closures of one kernel factory at once could give both
+    the same data file, and the index would name the other closure's kernel."""
+    import fcntl
+
+    from numba.cuda.dispatcher import CUDACache
+
+    assert KERNEL_CACHE_DIR is not None
+    lock_path = KERNEL_CACHE_DIR / "save.lock"
+
+    class LockedCache(CUDACache):
+        def save_overload(self, sig, data):
+            with open(lock_path, "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                super().save_overload(sig, data)
+
+    return LockedCache
+
+
+def _cached(dispatcher):
+    dispatcher._cache = _locked_cache()(dispatcher.py_func)  # what enable_caching() sets, with the lock
+    return dispatcher
 
 
 def jit_kernel(launch_bounds: int | tuple[int, int] | None = None):
@@ -501,11 +531,10 @@ def jit_kernel(launch_bounds: int | tuple[int, int] | None = None):
     compiled there before loads it instead of compiling it, about a second a kernel)."""
     if SIM:
         return cuda.jit
-    options: dict[str, Any] = {"cache": KERNEL_CACHE}
-    if launch_bounds is not None:
-        options["launch_bounds"] = launch_bounds
-    return cuda.jit(**options)
-
+    jit = cuda.jit if launch_bounds is None else cuda.jit(launch_bounds=launch_bounds)  # type: ignore[call-arg]
+    if not KERNEL_CACHE:
+        return jit
+    return lambda fn: _cached(jit(fn))
 
 
 def grid_1d(n: int, block: int) -> int:

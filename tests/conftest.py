@@ -1,5 +1,5 @@
 """Shared test setup: the kernel backend, the `gpu` marker, and synthetic models written once per
-session.
+test run (pytest-xdist's workers share them).
 
 The backend (a real GPU, or Numba's CUDA simulator on the CPU) must be chosen before anything
 imports numba.cuda, so `select_backend()` runs here, when pytest imports this file, before any
@@ -101,9 +101,8 @@ def written_once(root: Path, name: str, write: Callable[[Path], Path]) -> Path:
         if not done.is_dir():
             partial = root / f"{name}.partial-{os.getpid()}"
             partial.mkdir()
-            made = write(partial)
+            (partial / "path").write_text(write(partial).name)
             partial.rename(done)
-            (done / "path").write_text(made.name)
     return done / (done / "path").read_text()
 
 

@@ -14,10 +14,11 @@ whose every block fills `nbytes` of dynamic shared memory with its own words, re
 another thread's order after a barrier, and sums them: on a GPU, a launch past 48 KiB without the
 attribute is refused by the driver, and with it the sums must be exact.
 
-What this should gain (stages.gemm_pipe, BF16 4096-token products on an H100 at 227-345 TFLOP/s,
-0.31-0.47x cuBLAS): a fourth cp.async stage (64 KiB of BF16 tiles) hides one more K step of load
-latency; 128 x 256 tiles halve the B traffic a flop. Neither is measured: dev/test_dynamic_smem.py
-first shows that the attribute takes.
+What it was for (stages.gemm_pipe, BF16 4096-token products on an H100 at 227-345 TFLOP/s,
+0.31-0.47x cuBLAS): deeper cp.async rings and larger tiles. A copy of the pipe kernel with its rings
+in dynamic shared memory ran at 3, 4 and 5 stages on an H100 on 2026-12-07, bit-equal and no faster
+(docs/performance-log.md), and left dev/ (git history keeps it); 128 x 256 tiles, which halve the B
+traffic a flop, are not tried. dev/test_dynamic_smem.py shows that the attribute takes.
 """
 
 from __future__ import annotations

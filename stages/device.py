@@ -515,7 +515,40 @@ def _locked_cache():
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 super().save_overload(sig, data)
 
+        def _index_key(self, sig, codegen):
+            key = super()._index_key(sig, codegen)
+            code_hash, _ = key[3]  # (sig, magic tuple, numba-cuda version, (code, closure)[, launch config])
+            return (*key[:3], (code_hash, closure_digest(self._py_func)), *key[4:])
+
     return LockedCache
+
+
+def _intrinsic_named(name, defn):
+    """What closure_digest pickles in place of an intrinsic (never called)."""
+    raise NotImplementedError
+
+
+def closure_digest(py_func) -> str:
+    """A hash of a kernel's closure (the values its factory compiled in) that is the same in every
+    process: numba's own pickles each intrinsic with the id it drew at import, so a kernel whose
+    closure reaches one (through a device function's globals) got a new cache entry in every
+    process and was never loaded; here an intrinsic stands for its name and definition."""
+    import io
+
+    from numba.cuda.extending import _Intrinsic
+    from numba.cuda.serialize import NumbaPickler
+
+    class KeyPickler(NumbaPickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, _Intrinsic):
+                return _intrinsic_named, (obj._name, obj._defn)
+            return super().reducer_override(obj)
+
+    if py_func.__closure__ is None:
+        return ""
+    with io.BytesIO() as buf:
+        KeyPickler(buf, protocol=4).dump(tuple(cell.cell_contents for cell in py_func.__closure__))
+        return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
 def _cached(dispatcher):

@@ -42,3 +42,40 @@ def test_named_by_the_sources(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
 
     monkeypatch.setattr(Path, "read_bytes", edited)
     assert device.kernel_cache_dir() not in (None, first)
+
+
+KEY_SCRIPT = """
+from flashv41.host.quants import GGMLType
+from flashv41.stages import device
+from flashv41.stages.linear import DEVICE_TYPES, stream_kernel
+
+class Codegen:
+    def magic_tuple(self):
+        return ("nvptx64-nvidia-cuda", "sm_90", "")
+
+for gtype in (GGMLType.Q8_0, GGMLType.Q4_K):
+    kernel = stream_kernel(DEVICE_TYPES[gtype], False, False, 1, 1, 0, 32, 32)
+    print(device._locked_cache()(kernel.py_func)._index_key(("sig",), Codegen())[3][1])
+"""
+
+
+def test_a_factory_kernel_has_one_key_in_every_process(tmp_path: Path) -> None:
+    """The key a kernel's cache entry is found by is the same in two processes, and another type's
+    kernel of the same factory has another. A Q8_0 stream kernel's closure reaches intrinsics (its
+    device functions' globals), which numba's own key pickled with the id each process drew: every
+    process saved a new entry and loaded none (an H100, 2026-12-07: the probe compiled it again)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", **{device.KERNEL_CACHE_ENV: str(tmp_path)})
+    env.pop("FLASHV41_COMPILE_CHECK", None)
+
+    def keys() -> list[str]:
+        done = subprocess.run([sys.executable, "-c", KEY_SCRIPT], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()
+
+    first, second = keys(), keys()
+    assert len(first) == 2 and first[0] != first[1]
+    assert first == second

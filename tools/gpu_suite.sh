@@ -70,10 +70,20 @@ part() {  # part LIMIT PYTEST_ARGS...: pytest in a process group of its own (tim
     kill -KILL -- "-$pid" 2>/dev/null  # the workers an interrupt left running
     return "$status"
 }
+# each worker frees its dead device arrays once they pass 1% of the GPU's memory: numba keeps them
+# until 20% by default, and 15 workers each holding up to 16 GB of garbage ran the H100's 80 GB out
+# (2026-12-07: six flash-dimension tests failed with CUDA_ERROR_OUT_OF_MEMORY; numba's retry after
+# an OOM frees only the failing process's own). What the workers hold is sampled every 10 s into
+# LOG_DIR/gpu_memory.csv.
+nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv,noheader -l 10 \
+    > "$log_dir/gpu_memory.csv" 2>/dev/null &
+sampler=$!
+NUMBA_CUDA_MAX_PENDING_DEALLOCS_RATIO=0.01 \
 OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 FLASHV41_TEST_DURATIONS=tools/gpu_durations.json \
     part "$(left)" -m "gpu and not device_memory" -n "$workers" --dist loadgroup -p no:cacheprovider -v -rfEs \
     --durations=25 -W "ignore:Grid size" --junitxml "$log_dir/gpu_suite.xml" -o junit_logging=system-out "$@"
 spread=$?
+kill "$sampler" 2>/dev/null
 echo "== gpu suite, over the workers: exit $spread, $(( $(date +%s) - start )) s wall" | tee -a "$log"
 # then, alone on the GPU, the tests that read its free memory (another process's allocations would
 # show in their figures)

@@ -30,8 +30,8 @@ from tests.test_attention_kernels import (
 
 # seed, T, H, D, W, chunk rows, groups, selected: the suite's (E = 140, three blocks, the last part
 # full), one list shorter than a block (E = 28), 20 heads (a second group of 16 with 4 real heads),
-# and a window of 64 with no selection at all
-CASES = [SPARSE_CASE, (21, 3, 4, 64, 8, 6, 40, 20), (23, 3, 20, 64, 16, 8, 100, 70)]
+# D = 128 (two fragment pairs a warp), and a window of 64 with no selection at all
+CASES = [SPARSE_CASE, (21, 3, 4, 64, 8, 6, 40, 20), (23, 3, 20, 64, 16, 8, 100, 70), (25, 2, 16, 128, 16, 8, 80, 60)]
 GPU_CASES = [FLASH_SPARSE_CASE, (31, 64, 64, 512, 128, 64, 2048, 512)]
 
 

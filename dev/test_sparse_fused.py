@@ -103,5 +103,5 @@ if __name__ == "__main__":
     from flashv41.stages.backend import select_backend
 
     select_backend()
-    for tokens in (64, 512):
+    for tokens in (64, 256):
         time_both((31, tokens, 64, 512, 128, max(64, tokens), 2048, 512))

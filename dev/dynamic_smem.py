@@ -8,8 +8,8 @@ has no call that sets the attribute. Its own carveout setter shows the way: comp
 for the launch's argument types, take its loaded function (`library.get_cufunc()`, a CUkernel
 handle) and call the driver's `cuKernelSetAttribute` with the attribute, the size and the device.
 
-`allow_dynamic_shared(dispatcher, argtypes, nbytes)` does that; on the simulator it does nothing
-(the simulator gives a launch whatever dynamic size it asks for). `probe(nbytes)` launches a kernel
+`allow_dynamic_shared(dispatcher, argtypes, nbytes)` does that (now stages.device's, which
+stages.sparse_fused uses); on the simulator it does nothing. `probe(nbytes)` launches a kernel
 whose every block fills `nbytes` of dynamic shared memory with its own words, reads them back in
 another thread's order after a barrier, and sums them: on a GPU, a launch past 48 KiB without the
 attribute is refused by the driver, and with it the sums must be exact.
@@ -26,26 +26,11 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int64, uint32
 
-from flashv41.stages.device import SIM
+from flashv41.stages.device import SHARED_SM90_LIMIT, SHARED_STATIC_LIMIT, allow_dynamic_shared
 
-STATIC_LIMIT = 48 << 10  # what a block gets without the attribute
-SM90_LIMIT = 227 << 10  # the most a block can take on sm_90 (static and dynamic)
+STATIC_LIMIT = SHARED_STATIC_LIMIT
+SM90_LIMIT = SHARED_SM90_LIMIT
 PROBE_THREADS = 256
-
-
-def allow_dynamic_shared(dispatcher, argtypes: tuple, nbytes: int) -> None:
-    """Let `dispatcher`'s overload for `argtypes` launch with up to `nbytes` of dynamic shared memory
-    (compiling it first where it is not yet)."""
-    if not 0 <= nbytes <= SM90_LIMIT:
-        raise ValueError(f"dynamic shared memory of {nbytes} bytes: at most {SM90_LIMIT} a block on sm_90")
-    if SIM:
-        return
-    from numba.cuda.cudadrv.driver import binding, driver
-
-    kernel = dispatcher.compile(argtypes)
-    cufunc = kernel.library.get_cufunc()
-    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attribute, nbytes, cufunc.handle, cufunc.device.id)
 
 
 @cuda.jit

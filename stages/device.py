@@ -535,7 +535,7 @@ def closure_digest(py_func) -> str:
     process and was never loaded; here an intrinsic stands for its name and definition."""
     import io
 
-    from numba.cuda.extending import _Intrinsic
+    from numba.cuda.extending import _Intrinsic  # type: ignore[attr-defined]
     from numba.cuda.serialize import NumbaPickler
 
     class KeyPickler(NumbaPickler):
@@ -625,3 +625,26 @@ def product_groups(what: str, x: DeviceArray, w: Any, y: DeviceArray, n_tokens: 
         raise ValueError(f"{what} {w.name}: x {x.shape}, y {y.shape} {y.dtype}, weight [{w.n}, {w.k}], "
                          f"{n_tokens} tokens{cap}, group rows {group_rows}")
     return groups, rows
+
+
+SHARED_STATIC_LIMIT = 48 << 10  # the shared memory a block gets without the driver's attribute
+SHARED_SM90_LIMIT = 227 << 10  # the most a block can take on sm_90 (static and dynamic)
+
+
+def allow_dynamic_shared(dispatcher, argtypes: tuple, nbytes: int) -> None:
+    """Let `dispatcher`'s overload for `argtypes` launch with up to `nbytes` of dynamic shared memory
+    (compiling it first where it is not yet): past SHARED_STATIC_LIMIT the driver refuses a launch
+    unless the kernel's CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES says so, and numba-cuda has
+    no call that sets it; this takes the overload's loaded function (`library.get_cufunc()`) and
+    calls the driver's cuKernelSetAttribute, as numba-cuda's own carveout setter does. Nothing on the
+    simulator, which gives a launch any size."""
+    if not 0 <= nbytes <= SHARED_SM90_LIMIT:
+        raise ValueError(f"dynamic shared memory of {nbytes} bytes: at most {SHARED_SM90_LIMIT} a block on sm_90")
+    if SIM:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    kernel = dispatcher.compile(argtypes)
+    cufunc = kernel.library.get_cufunc()
+    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attribute, nbytes, cufunc.handle, cufunc.device.id)

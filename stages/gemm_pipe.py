@@ -154,6 +154,26 @@ if SIM:
         return (uint32(rows[lane >> 2, lane & 3]), uint32(rows[8 + (lane >> 2), lane & 3]),
                 uint32(rows[16 + (lane >> 2), lane & 3]), uint32(rows[24 + (lane >> 2), lane & 3]))
 
+    def ldmatrix_x4_trans(a, word):
+        """ldmatrix .trans (stages.sparse_fused's values): as ldmatrix_x4, but lane l gets of each
+        matrix i the pair (row 2 (l % 4), column l // 4) (low half), (row 2 (l % 4) + 1, column
+        l // 4) (high half)."""
+        flat = a.reshape(-1)
+        rows = warp_mma.kernel_warp_meet((flat[word], flat[word + 1], flat[word + 2], flat[word + 3], 0, 0),
+                                          ldmatrix_tile)
+        lane = cuda.threadIdx.x % WARP
+        g, t = lane >> 2, lane & 3
+        shift = 16 * (g & 1)
+        got = []
+        for i in range(4):
+            lo = (uint32(rows[8 * i + 2 * t, g >> 1]) >> shift) & 0xFFFF
+            hi = (uint32(rows[8 * i + 2 * t + 1, g >> 1]) >> shift) & 0xFFFF
+            got.append(uint32(lo | (hi << 16)))
+        return got[0], got[1], got[2], got[3]
+
+    def cp_async_wait_all():
+        """Nothing is in flight here."""
+
     def store_f32x2(y, t, n, v0, v1):
         """y[t, n] = v0, y[t, n + 1] = v1 of a float32 array (one 8-byte store on a GPU: n even, rows
         of even length)."""
@@ -267,6 +287,7 @@ else:
     # all but the newest STAGES - 2 groups of this thread's copies have landed (a barrier then makes
     # every thread's visible); the memory clobber keeps shared loads below it
     cp_async_wait = _statement(f"cp.async.wait_group {STAGES - 2};", "~{memory}")
+    cp_async_wait_all = _statement("cp.async.wait_group 0;", "~{memory}")  # (stages.sparse_fused: one stage)
 
     def _load4(text: str):
         """An intrinsic (a, word) -> four words loaded by `text` from word `word` of a shared array."""
@@ -290,6 +311,9 @@ else:
     # lane l gives the address of row l % 8 of matrix l // 8 (16 bytes) and gets, of each matrix i,
     # word l % 4 of its row l // 4
     ldmatrix_x4 = _load4("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];")
+    # the same, each matrix transposed: lane l gets of matrix i its rows 2 (l % 4), + 1 at column l // 4
+    # (stages.sparse_fused: the rows as the values' B operand)
+    ldmatrix_x4_trans = _load4("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];")
     lds4 = _load4("ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];")  # numba has no vector loads
 
     def _pinned(bits: int):

@@ -769,17 +769,44 @@ def test_sparse_tc_within_bound(case):
 
 
 def test_sparse_cores_choice():
-    """The split path's default: the CUDA cores for up to SPLIT_MAX_TOKENS tokens and on the
-    simulator, the tensor cores on a GPU past that where head_dim is whole 32-dim blocks; an unknown
-    name, or tc for another head_dim, is an InputError."""
+    """The default with a workspace: the CUDA cores for up to SPLIT_MAX_TOKENS tokens and on the
+    simulator; on a GPU past that the fused kernel for a prefill chunk where head_dim is whole 64-dim
+    blocks, the split path's tensor cores for a batch (address tables) or where it is whole 32-dim
+    blocks. An unknown name, tc for another head_dim, fused for another head_dim or with tables: an
+    InputError."""
     assert split_cores(512, SPLIT_MAX_TOKENS) == "cuda"
-    assert split_cores(512, SPLIT_MAX_TOKENS + 1) == ("cuda" if SIM else "tc")
+    assert split_cores(512, SPLIT_MAX_TOKENS + 1) == ("cuda" if SIM else "fused")
+    assert split_cores(512, SPLIT_MAX_TOKENS + 1, tables=True) == ("cuda" if SIM else "tc")
+    assert split_cores(96, SPLIT_BATCH_TOKENS) == ("cuda" if SIM else "tc")
     assert split_cores(40, SPLIT_BATCH_TOKENS) == "cuda"
     assert split_cores(512, 1, "tc") == "tc"
+    assert split_cores(512, 1, "fused") == "fused"
     with pytest.raises(InputError, match="not one of"):
         split_cores(512, 1, "fast")
     with pytest.raises(InputError, match="multiple of 32"):
         split_cores(40, 1, "tc")
+    with pytest.raises(InputError, match="multiple of 64"):
+        split_cores(96, 1, "fused")
+    with pytest.raises(InputError, match="no address tables"):
+        split_cores(512, 1, "fused", tables=True)
+
+
+# the fused kernel's shapes (D a multiple of 64): the suite's two, 20 heads (a second group of 16 with
+# four real heads), D = 128 (two fragment pairs a warp)
+FUSED_CASES = [SPARSE_CASES[0], SPARSE_CASES[1], (23, 3, 20, 64, 16, 8, 100, 70), (25, 2, 16, 128, 16, 8, 80, 60)]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"T{c[1]}H{c[2]}D{c[3]}E{c[4] + c[7]}")
+def test_sparse_fused_within_bound(case):
+    """The fused kernel (stages.sparse_fused, the GPU's default for a prefill chunk; on the simulator
+    the emulated mma and ldmatrix). Simulator: 100% bit-equal to the oracle."""
+    check_sparse_attention(*case, "sparse attention (fused)", split=True, cores="fused")
+
+
+def test_sparse_fused_window_only():
+    """Without a selection: the window's entries alone (a ratio-0 layer), a window of 64."""
+    check_sparse_attention(24, 4, 2, 64, 64, 8, 10, 4, "sparse attention (fused, window only)", split=True,
+                           cores="fused", window_only=True)
 
 
 def check_split_matches_one_block(case) -> None:
@@ -817,7 +844,7 @@ def unfused_sparse(args: tuple, split: bool, cores: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("t", [1, 3, 8])
-@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc"])
+@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc", "split_fused"])
 def test_sparse_fold_matches_unfused(path, t):
     """The queries' RoPE where the scores load them (sparse_kernel, split_score_kernel,
     split_score_tc_kernel) and the output's inverse RoPE in the kernels that write it (sparse_kernel,
@@ -874,11 +901,20 @@ def test_sparse_subchunks_within_bound(case, window_only):
 
 @pytest.mark.parametrize("window_only", [False, True], ids=["selection", "window_only"])
 def test_sparse_subchunks_tc_within_bound(window_only):
-    """The same on the tensor cores (the GPU's default for a chunk past SPLIT_MAX_TOKENS)."""
+    """The same on the split path's tensor cores."""
     check_sparse_subchunks(SUBCHUNK_TC_CASE, "sparse attention (sub-chunks, tensor cores)", "tc", window_only)
 
 
-@pytest.mark.parametrize("cores,case", [("", SUBCHUNK_CASES[1]), ("tc", SUBCHUNK_TC_CASE)], ids=["default", "tc"])
+@pytest.mark.parametrize("window_only", [False, True], ids=["selection", "window_only"])
+def test_sparse_subchunks_fused_within_bound(window_only):
+    """A chunk longer than the workspace on the fused kernel (the GPU's default for a chunk past
+    SPLIT_MAX_TOKENS), which takes the whole chunk in one launch: its later tokens read the earlier
+    ones' window rows from the chunk rows."""
+    check_sparse_subchunks(SUBCHUNK_CASES[0], "sparse attention (sub-chunks, fused)", "fused", window_only)
+
+
+@pytest.mark.parametrize("cores,case", [("", SUBCHUNK_CASES[1]), ("tc", SUBCHUNK_TC_CASE), ("fused", SUBCHUNK_TC_CASE)],
+                         ids=["default", "tc", "fused"])
 def test_sparse_subchunk_bits_ignore_the_cut(cores, case):
     """A chunk past SPLIT_MAX_TOKENS in sub-chunks of 2 and of 5 tokens gives every token the bits of the
     chunk in one: all of them on the cores chosen for the whole chunk (by default the tensor cores on a
@@ -961,10 +997,10 @@ def test_flash_select_batch_exact(tiny_cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc"])
+@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc", "split_fused"])
 def test_flash_sparse_attention_within_bound(path):
     """64 heads x 512, a 128-slot window plus top-512 entries (ten blocks of 64), T = 4: the
-    one-block-a-head kernel and the split path on either cores."""
+    one-block-a-head kernel, the split path on either cores, the fused kernel."""
     split = path != "one_block"
     cores = path.removeprefix("split_") if split else ""
     got, ref = check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash)", split=split, cores=cores)
@@ -974,7 +1010,7 @@ def test_flash_sparse_attention_within_bound(path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 3, 8])
-@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc"])
+@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc", "split_fused"])
 def test_flash_sparse_fold_matches_unfused(path, t):
     """64 heads x 512 (the rope on the last 64 dims), a 128-slot window plus top-512 entries: the
     folded rotations against the launches they replace, bit for bit, in the GPU's block shapes (the
@@ -997,11 +1033,12 @@ FLASH_SUBCHUNK_CASE = (17, 150, 64, 512, 128, 160, 1024, 512, SPLIT_BATCH_TOKENS
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cores", ["tc", "cuda"])
+@pytest.mark.parametrize("cores", ["fused", "tc", "cuda"])
 def test_flash_sparse_subchunks_within_bound(cores):
-    """64 heads x 512, window 128 + top-512: the prefill chunk in sub-chunks on the tensor cores (the
-    GPU's default past SPLIT_MAX_TOKENS) and on the CUDA cores."""
-    assert split_cores(512, FLASH_SUBCHUNK_CASE[1]) == "tc"
+    """64 heads x 512, window 128 + top-512: the prefill chunk on the fused kernel (the GPU's default
+    past SPLIT_MAX_TOKENS, the whole chunk in one launch), and in sub-chunks on the split path's
+    tensor cores and on the CUDA cores."""
+    assert split_cores(512, FLASH_SUBCHUNK_CASE[1]) == "fused"
     got, ref = check_sparse_subchunks(FLASH_SUBCHUNK_CASE, f"sparse attention (flash, sub-chunks, {cores})", cores)
     print(f"\nflash sparse attention (sub-chunks, {cores}): {np.mean(got == ref):.4f} of values equal, max error "
           f"{np.abs(got - ref).max():.3e}")

@@ -24,6 +24,10 @@ What rejects each (measured on the simulator, at the CI shape and, for the `gpu`
   Its tensor-core kernels (split_score_tc_kernel and split_value_tc_kernel, the GPU's default)
   carry them too, their check on the simulator the smaller case of 3 tokens and 28 entries (the
   emulated mma is slow).
+  The fused kernel (stages.sparse_fused, the GPU's default for a prefill chunk) carries them too
+  (its own scale and sink lines: the sink left out of its first eight heads), and three of its own:
+  the last entry block dropped, the running output not rescaled, the values' B fragments swapped;
+  each fails check_sparse_attention at the CI shape on the simulator.
 - sparse attention in sub-chunks (a prefill chunk of 10 tokens through a workspace of 4): the chunk's
   first position taken from the sub-chunk's own positions (by _attend, or by the scores kernel alone)
   or one token late: sparse_bound (701-941 of 1280 values out of it).
@@ -58,6 +62,7 @@ from flashv41.stages import (  # noqa: E402
     index_scores_tc,
     indexer,
     sparse_entries,
+    sparse_fused,
     sparse_one_block,
     sparse_split,
     sparse_split_tc,
@@ -194,11 +199,16 @@ class Mutant:
 
 # the sparse attention stage's modules: a swap is made in each that holds the name (defines or imports it),
 # so that it reaches every kernel and helper that calls it, whichever module that is
-SPARSE = (sa, sparse_entries, sparse_one_block, sparse_split, sparse_split_tc)
+SPARSE = (sa, sparse_entries, sparse_one_block, sparse_split, sparse_split_tc, sparse_fused)
+
+
+SCALED = "mul_rn(part, scale)"  # where the score kernels scale a dot product
+SINK_ADDED = "sum_exp = sum_exp + exp_f32(sinks[h] - run_max)"  # where the combines add the sink's term
 
 
 def sparse_mutants(check: str, scores_home: types.ModuleType, scores: str, combine_home: types.ModuleType,
-                   combine: str) -> list[Mutant]:
+                   combine: str, scaled: str = SCALED, sink_added: str = SINK_ADDED,
+                   sink_left_out: str = "sum_exp = sum_exp if sum_exp > 0 else float32(np.inf)") -> list[Mutant]:
     """The sparse attention mutants of one path: the one-block-a-head kernel (check "sparse_attention",
     both kernels sparse_kernel) or the split path ("sparse_split": split_score_kernel scales the dot
     products, split_combine_kernel adds the sink), each kernel edited in the module that defines it
@@ -212,8 +222,8 @@ def sparse_mutants(check: str, scores_home: types.ModuleType, scores: str, combi
         Mutant(check, "out_1pct", "the output 1% large", SPARSE,
                lambda: {"f32_to_bf16": f32_to_bf16_one_percent_large}),
         Mutant(check, "scale_1pct", "the softmax scale 1% large", SPARSE,
-               lambda: {scores: edited(scores_home, scores, "mul_rn(part, scale)",
-                                       "mul_rn(part, scale * float32(1.01))")}),
+               lambda: {scores: edited(scores_home, scores, scaled,
+                                       scaled.replace("scale)", "scale * float32(1.01))"))}),
         Mutant(check, "first_chunk_row_dropped", "entries naming the chunk's first row skipped", SPARSE,
                lambda: {"_resolve": resolve_skipping_first_chunk_row}),
         Mutant(check, "ring_slot_dropped", "entries naming ring slot 0 skipped", SPARSE,
@@ -234,8 +244,7 @@ def sparse_mutants(check: str, scores_home: types.ModuleType, scores: str, combi
                lambda: {"rotate_pair": edited(device_module, "rotate_pair", "mul_rn(a, c) - mul_rn(b, s)",
                                               "mul_rn(a, c)")}),
         Mutant(check, "sink_ignored", "the sink's term left out of the denominator", SPARSE,
-               lambda: {combine: edited(combine_home, combine, "sum_exp = sum_exp + exp_f32(sinks[h] - run_max)",
-                                        "sum_exp = sum_exp if sum_exp > 0 else float32(np.inf)")}),
+               lambda: {combine: edited(combine_home, combine, sink_added, sink_left_out)}),
     ]
 
 
@@ -243,6 +252,22 @@ MUTANTS = [
     *sparse_mutants("sparse_attention", sparse_one_block, "sparse_kernel", sparse_one_block, "sparse_kernel"),
     *sparse_mutants("sparse_split", sparse_split, "split_score_kernel", sparse_split, "split_combine_kernel"),
     *sparse_mutants("sparse_split_tc", sparse_split_tc, "split_score_tc_kernel", sparse_split, "split_combine_kernel"),
+    # the fused kernel scales and adds the sink itself (its low heads' sink left out: half the heads)
+    *sparse_mutants("sparse_fused", sparse_fused, "fused_kernel", sparse_fused, "fused_kernel",
+                    scaled="mul_rn(s[f, i], scale)",
+                    sink_added="total_lo = sum_lo + exp_f32(sinks[min(h0 + g, n_heads - 1)] - m_lo)",
+                    sink_left_out="total_lo = sum_lo"),
+    Mutant("sparse_fused", "block_dropped", "the entry list's last block of 64 left out", SPARSE,
+           lambda: {"fused_kernel": edited(sparse_fused, "fused_kernel",
+                                           "n_blocks = (n_entries + SPARSE_BLOCK - 1) // SPARSE_BLOCK",
+                                           "n_blocks = (n_entries - 1) // SPARSE_BLOCK")}),
+    Mutant("sparse_fused", "no_rescale", "the running output not rescaled when a block raises the max", SPARSE,
+           lambda: {"fused_kernel": edited(sparse_fused, "fused_kernel", "r_lo = exp_f32(m_lo - new_lo)",
+                                           "r_lo = float32(1)")}),
+    Mutant("sparse_fused", "value_operands_swapped", "the values' two B fragments of a pair swapped", SPARSE,
+           lambda: {"fused_kernel": edited(sparse_fused, "fused_kernel",
+                                           "b00, b01, b10, b11 = ldmatrix_x4_trans",
+                                           "b00, b10, b01, b11 = ldmatrix_x4_trans")}),
     Mutant("sparse_subchunks", "own_start", "a sub-chunk's first position taken for the chunk's: the window rows of "
            "the chunk's earlier tokens read from the ring", SPARSE,
            lambda: {"_attend": edited(sa, "_attend", SUBCHUNK_VIEWS,
@@ -366,6 +391,8 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
     # the emulated mma is slow on the simulator: the case of 3 tokens x 4 heads, 28 entries
     "sparse_split_tc": lambda cfg: check_sparse_attention(*SPARSE_CASES[1], "sparse attention (split, tc)",
                                                           split=True, cores="tc"),
+    "sparse_fused": lambda cfg: check_sparse_attention(*SPARSE_CASE, "sparse attention (fused)", split=True,
+                                                       cores="fused"),
     # a chunk of 10 tokens in sub-chunks of 4 (the workspace's tokens), 4 and 2
     "sparse_subchunks": lambda cfg: check_sparse_subchunks(SUBCHUNK_CASES[0], "sparse attention (sub-chunks)", "cuda"),
     "entries": lambda cfg: _every(check_entries, ENTRY_CASES),
@@ -387,7 +414,9 @@ FLASH_CHECKS: dict[str, Callable[[Any], Any]] = {
                                                        split=True, cores="cuda"),
     "sparse_split_tc": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash, split, tc)",
                                                           split=True, cores="tc"),
-    # the 150-token chunk in the engine's sub-chunks of 64, on the tensor cores (the GPU's default there)
+    "sparse_fused": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash, fused)",
+                                                       split=True, cores="fused"),
+    # the 150-token chunk in the engine's sub-chunks of 64, on the split path's tensor cores
     "sparse_subchunks": lambda cfg: check_sparse_subchunks(FLASH_SUBCHUNK_CASE, "sparse attention (flash, sub-chunks)",
                                                            "tc"),
     "index_scores": lambda cfg: check_index_scores(cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64,

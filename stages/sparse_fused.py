@@ -1,36 +1,40 @@
-"""Sparse attention in one kernel on the tensor cores, for prefill chunks (issue 44; not in the
-package until it has run on a GPU and won).
+"""Sparse attention of a prefill chunk in one tensor-core kernel (stages.sparse_attention's
+"fused" cores: the GPU's default for a call of more than eight tokens without address tables).
 
-What it replaces: the split path's three launches (stages.sparse_attention, `cores="tc"`), which on
-the 32k six-layer prefill took 1.34 s of 2.86 (an H100, 2026-12-07): 46.8%, at about 11 TFLOP/s of
-the 14.2 TFLOP its products are. Those launches write every score (fp32 [T, H, E]) and every entry
-block's value sums (fp32 [T, NB, H, D], 84 MB a 64-token sub-chunk at the flash shape) to global
-memory and read them back, and their blocks are small (a values block stages 64 rows' slice of 128
-dims for 1 MFLOP).
+What it replaced there: the split path's three launches on the tensor cores, which write every
+score (fp32 [T, H, E]) and every entry block's value sums (fp32 [T, NB, H, D], 84 MB a 64-token
+sub-chunk at the flash shape) to global memory and read them back, in blocks of about 1 MFLOP. On
+an H100 (2026-12-07; 64 heads x 512, 640 entries) this kernel took 303 / 409 / 592 / 1,060 us for
+64 / 128 / 256 / 512 tokens where the split path took 800 / 1,419 / 3,754 / 4,320 us; the split path
+stays for batched decode steps (address tables) and where forced.
 
-Here a block of four warps owns (16 heads, one token) and walks the query's entry blocks of 64 in
-order, each once: the block's 64 rows are copied whole into shared memory (cp.async, chunks
-swizzled), the scores q . k of the 16 heads x 64 entries come from mma m16n8k16 with both operands
-read by ldmatrix (warp w: entries 16 w .. 16 w + 15, over all of D), the block's max and p = exp(s -
-max) are made in registers and exchanged through shared memory (bf16(p) as the values' A operand,
-each warp's float64 sum of p), and the value sums bf16(p) x rows come from mma with the rows read
-by ldmatrix.trans (warp w: dims w D/4 .. (w + 1) D/4 - 1 of the 16 heads). The running output is
-rescaled in registers exactly as the split path's combine does. Dynamic shared memory: the 16
-rotated query rows and the 64 entry rows, (16 + 64) x D x 2 bytes (80 KiB at D = 512),
-past the 48 KiB a block gets without the driver's attribute (dev/dynamic_smem.py sets it).
+A block of four warps owns (16 heads, one token) and walks the query's entry blocks of 64 in
+order, each once: the block's 64 rows copied whole into shared memory (cp.async, 16-byte chunks
+swizzled: chunk c of row r at c ^ (r & 7)), the scores q . k of the 16 heads x 64 entries by mma
+m16n8k16 with both operands read by ldmatrix (warp w: entries 16 w .. 16 w + 15, over all of D),
+the block's max and p = exp(s - max) made in registers and exchanged through shared memory
+(bf16(p) as the values' A operand, each warp's float64 sum of its p), and the value sums bf16(p) x
+rows by mma with the rows read by ldmatrix.trans (warp w: dims w D / 4 .. (w + 1) D / 4 - 1 of the
+16 heads). The running output is rescaled in registers as the split path's combine does. Dynamic
+shared memory: the 16 rotated query rows and the 64 entry rows, (16 + 64) x D x 2 bytes (80 KiB at
+D = 512: stages.device.allow_dynamic_shared). ptxas 13 for sm_90: 223 registers, no spills; two
+blocks an SM (shared memory's limit).
 
 The recurrence and its roundings are the split path's (stages.sparse_attention's module docstring):
 per block b, m_b = max(m_{b-1}, the block's scores) from START_MAX; p_j = exp_f32(s_j - m_b);
 block_sum = float32 of the float64 sum of the p_j; the value sums sum_j bf16(p_j) row_j in fp32;
 sum = mul_rn(sum, r_b) + block_sum and acc = mul_rn(acc, r_b) + pv_b with r_b = exp_f32(m_{b-1} -
 m_b); the sink's exp(sink - m) added to the denominator at the end; the output rounded and rotated
-back as _output_pair does. What differs from the split path: the fp32 order of q . k over D (the
-mma's over ldmatrix fragments instead of split_score_tc_kernel's permuted units), the order of the
-float64 block sum (each warp's 16 entries, four warps in order, instead of entries 0 .. 63), and
-the mma order of the value sums: all inside tests/test_attention_kernels.sparse_bound.
+back as _output_pair does. What differs from the split path: the fp32 order of q . k over D, the
+order of the float64 block sum (each warp's 16 entries, the four warps in order, instead of entries
+0 .. 63), and the mma order of the value sums: all inside the bound the split path is held to.
 
-Shapes: D a multiple of 64 (16-byte chunks swizzled in groups of 8; a warp's D / 4 whole pairs of
-8-dim fragments). Heads past H read head H - 1 and are not written.
+Shapes: D a multiple of 64. Heads past H read head H - 1 and are not written. Every token is its
+own blocks, so a token's bits do not depend on the chunk's length or where it was cut.
+
+Oracle: host.oracle.attention.attend, through stages.sparse_attention.sparse_attention with
+cores="fused" (tests/test_attention_kernels.py; on the simulator the emulated mma and ldmatrix, and
+the quads' reductions through shared memory).
 """
 
 from __future__ import annotations
@@ -40,8 +44,18 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, float64, int32, uint32
 
-from flashv41.stages.device import SIM, WARP, bf16_round, exp_f32, f32_bits, f32_from_bits, jit_kernel, mul_rn
-from flashv41.stages.gemm_pipe import cp_async16, word_address
+from flashv41.stages.device import (
+    SIM,
+    WARP,
+    allow_dynamic_shared,
+    bf16_round,
+    exp_f32,
+    f32_bits,
+    f32_from_bits,
+    jit_kernel,
+    mul_rn,
+)
+from flashv41.stages.gemm_pipe import cp_async16, cp_async_commit, cp_async_wait_all, word_address
 from flashv41.stages.sparse_entries import NEG_INF, SPARSE_BLOCK, START_MAX, _output_pair, _query_word
 from flashv41.stages.sparse_split import _entry_sources
 from flashv41.stages.warp_mma import kernel_mma as mma
@@ -53,34 +67,12 @@ ALIGN = None if SIM else 128  # cp.async and ldmatrix need aligned shared rows
 SCRATCH = THREADS if SIM else 1
 
 if SIM:
-    from flashv41.stages import gemm_pipe, warp_mma
+    from flashv41.stages import gemm_pipe
 
-    # jitted here so that the simulator gives it its cuda module (it reads the lane) when this
-    # module's kernel calls it
+    # jitted here, so that the simulator gives them its cuda module (they read the lane) when this
+    # module's kernel calls them
     ldmatrix_x4 = cuda.jit(device=True)(gemm_pipe.ldmatrix_x4)
-
-    def ldmatrix_x4_trans(a, word):
-        """ldmatrix .trans: four 8 x 8 matrices of b16 from the shared array a, lane l bringing the
-        address of row l % 8 of matrix l // 8 (16 bytes), and getting of each matrix i the pair
-        (row 2 (l % 4), column l // 4) (low half) and (row 2 (l % 4) + 1, column l // 4) (high)."""
-        flat = a.reshape(-1)
-        rows = warp_mma.kernel_warp_meet((flat[word], flat[word + 1], flat[word + 2], flat[word + 3], 0, 0),
-                                          _rows_brought)
-        lane = cuda.threadIdx.x % WARP
-        g, t = lane >> 2, lane & 3
-        shift = 16 * (g & 1)
-        out = []
-        for i in range(4):
-            lo = (uint32(rows[8 * i + 2 * t, g >> 1]) >> shift) & 0xFFFF
-            hi = (uint32(rows[8 * i + 2 * t + 1, g >> 1]) >> shift) & 0xFFFF
-            out.append(uint32(lo | (hi << 16)))
-        return out[0], out[1], out[2], out[3]
-
-    def _rows_brought(regs):
-        return regs[:, :4].copy()
-
-    def cp_async_wait_all():
-        """Nothing is in flight on the simulator."""
+    ldmatrix_x4_trans = cuda.jit(device=True)(gemm_pipe.ldmatrix_x4_trans)
 
     def quad_max(v, scratch):
         """The max of v over the calling lane's quad (lanes 4 g .. 4 g + 3), to each of them: through
@@ -103,15 +95,8 @@ if SIM:
         total = (scratch[q] + scratch[q + 1]) + (scratch[q + 2] + scratch[q + 3])
         cuda.syncthreads()
         return total
-
-    def cp_async_commit():
-        """Nothing to group on the simulator."""
 else:
-    from flashv41.stages.gemm_pipe import _load4, _statement, ldmatrix_x4
-
-    ldmatrix_x4_trans = _load4("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];")
-    cp_async_commit = _statement("cp.async.commit_group;", "")
-    cp_async_wait_all = _statement("cp.async.wait_group 0;", "~{memory}")
+    from flashv41.stages.gemm_pipe import ldmatrix_x4, ldmatrix_x4_trans
 
     @cuda.jit(device=True)
     def quad_max(v, scratch):
@@ -344,24 +329,17 @@ def fused_kernel(head_dim: int, rope_dim: int = 0):
     return kernel
 
 
-_ALLOWED: set = set()
+_ALLOWED: set = set()  # the (head_dim, rope_dim, argument types) whose overload may take shared_bytes
 
 
-def sparse_fused(q, ring, chunk_rows, comp_rows, positions, selection, sinks, scale: float, cos, sin, out,
-                 n_tokens: int, stream=0) -> None:
-    """stages.sparse_attention.sparse_attention's result (its arguments, unchecked: a dev kernel)
-    for the n_tokens tokens of a prefill chunk, in one launch."""
+def fused_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries: int, sinks, scale: float, cos, sin,
+                    out, n_tokens: int, stream, rope_dim: int) -> None:
+    """The launch for sparse_attention's call of n_tokens tokens (stages.sparse_attention._attend: its
+    arguments checked, `chosen` the selection or its stand-in, cos and sin the table or theirs, the
+    whole chunk at once: positions are the chunk's, the first one its start)."""
     from numba import typeof
 
     heads, head_dim = q.shape[1], q.shape[2]
-    window = ring.shape[0]
-    n_entries = window + (0 if selection is None else selection.shape[1])
-    chosen = positions.reshape(positions.shape[0], 1) if selection is None or selection.shape[1] == 0 else selection
-    rope_dim = 0 if cos is None else 2 * cos.shape[1]
-    if cos is None:
-        cos = sin = sinks.reshape(1, heads)
-    if n_tokens == 0:
-        return
     kernel = fused_kernel(head_dim, rope_dim)
     q32 = q.reshape(q.shape[0] * heads, head_dim).view(np.uint32)
     rows = tuple(a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
@@ -370,8 +348,6 @@ def sparse_fused(q, ring, chunk_rows, comp_rows, positions, selection, sinks, sc
     if not SIM:
         key = (head_dim, rope_dim, tuple(typeof(a) for a in args))
         if key not in _ALLOWED:
-            from dev.dynamic_smem import allow_dynamic_shared
-
             allow_dynamic_shared(kernel, key[2], nbytes)
             _ALLOWED.add(key)
     kernel[(-(-heads // HEADS), n_tokens), THREADS, stream, nbytes](*args)

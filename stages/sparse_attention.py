@@ -198,7 +198,8 @@ def split_cores(head_dim: int, n_tokens: int, cores: str = "", tables: bool = Fa
     split_value_kernel), else on a GPU for more than SPLIT_MAX_TOKENS tokens (chosen once for the
     whole call, so every sub-chunk of it runs there whatever its size) the fused kernel for a
     prefill chunk where D is whole 64-dim blocks, the split path's tensor cores for a batch of
-    decode steps (`tables`) or where D is whole 32-dim blocks; and the CUDA cores otherwise: for a
+    decode steps (`tables`: the fused kernel takes them too, where forced, but has not been timed
+    on a batch) or where D is whole 32-dim blocks; and the CUDA cores otherwise: for a
     step of up to eight tokens (so that a batch of up to eight gives each sequence the bits of its
     step alone, as the products' stream kernel does), and on the simulator (whose emulated mma is
     slow, and whose CUDA-core kernels give the first path's bits)."""
@@ -206,9 +207,8 @@ def split_cores(head_dim: int, n_tokens: int, cores: str = "", tables: bool = Fa
         raise InputError(f"sparse_attention: cores {cores!r} is not one of 'fused', 'tc', 'cuda'")
     if cores == "tc" and head_dim % 32:
         raise InputError(f"sparse_attention: the tensor-core kernels need head_dim a multiple of 32, not {head_dim}")
-    if cores == "fused" and (head_dim % 64 or tables):
-        raise InputError(f"sparse_attention: the fused kernel needs head_dim a multiple of 64 (not {head_dim}) "
-                         "and no address tables")
+    if cores == "fused" and head_dim % 64:
+        raise InputError(f"sparse_attention: the fused kernel needs head_dim a multiple of 64, not {head_dim}")
     if cores or SIM or n_tokens <= SPLIT_MAX_TOKENS:
         return cores or "cuda"
     if head_dim % 64 == 0 and not tables:
@@ -368,7 +368,7 @@ def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, s
         cores = split_cores(head_dim, n_tokens, cores, tables)  # the whole call's, so a token's bits ignore the cut
         if cores == "fused":  # a prefill chunk in one launch: no workspace between kernels
             fused_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries, sinks, scale, cos, sin, out,
-                            n_tokens, stream, rope_dim)
+                            n_tokens, stream, rope_dim, tables)
             return
         step = workspace.tokens
         for t0 in range(0, n_tokens, step):

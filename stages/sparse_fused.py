@@ -56,6 +56,7 @@ from flashv41.stages.device import (
     mul_rn,
 )
 from flashv41.stages.gemm_pipe import cp_async16, cp_async_commit, cp_async_wait_all, word_address
+from flashv41.stages.row_tables import u32_rows
 from flashv41.stages.sparse_entries import NEG_INF, SPARSE_BLOCK, START_MAX, _output_pair, _query_word
 from flashv41.stages.sparse_split import _entry_sources
 from flashv41.stages.warp_mma import kernel_mma as mma
@@ -119,12 +120,13 @@ def shared_bytes(head_dim: int) -> int:
 
 
 @cache
-def fused_kernel(head_dim: int, rope_dim: int = 0):
+def fused_kernel(head_dim: int, rope_dim: int = 0, tables: bool = False):
     """The kernel for heads of head_dim (a multiple of 64) with a rope tail of rope_dim dims:
     kernel(q32, ring32, chunk32, comp32, positions, first, selection, sinks, cos, sin, out,
     n_entries, n_heads, scale) over grid (head groups of 16, tokens), THREADS threads, shared_bytes
     of dynamic shared memory. q32 [T * H, D / 2] and the rows [*, D / 2] as 32-bit words; the rest as
-    split_score_kernel's and split_combine_kernel's."""
+    split_score_kernel's and split_combine_kernel's (tables: ring32 and comp32 are address tables of
+    each token's own, its window row in chunk row t)."""
     assert head_dim % 64 == 0, "D is whole groups of 8 16-byte chunks, D / 4 whole 16-dim pairs of fragments"
     words = head_dim // 2  # a row's 32-bit words
     chunks = head_dim // 8  # its 16-byte chunks
@@ -139,7 +141,7 @@ def fused_kernel(head_dim: int, rope_dim: int = 0):
     acc_shape = (pairs, 2, 4)  # [fragment pair, fragment, register]: the running output numerators
 
     @jit_kernel(THREADS)
-    def kernel(q32, ring32, chunk32, comp32, positions, first, selection, sinks, cos, sin, out, n_entries, n_heads,
+    def kernel(q32, rings, chunk32, comps, positions, first, selection, sinks, cos, sin, out, n_entries, n_heads,
                scale):
         smem = cuda.shared.array(0, uint32, alignment=ALIGN) if ALIGN else cuda.shared.array(0, uint32)
         src = cuda.shared.array(SPARSE_BLOCK, int32)  # the block's entries: their source (_resolve), -1 skipped
@@ -155,6 +157,7 @@ def fused_kernel(head_dim: int, rope_dim: int = 0):
         t4 = lane & 3
         h0 = cuda.blockIdx.x * HEADS
         t = cuda.blockIdx.y
+        ring32, comp32 = (u32_rows(rings, t, words), u32_rows(comps, t, words)) if tables else (rings, comps)
         window = ring32.shape[0]
         chunk_rows = chunk32.shape[0]
         pos = positions[t]
@@ -193,7 +196,7 @@ def fused_kernel(head_dim: int, rope_dim: int = 0):
         n_blocks = (n_entries + SPARSE_BLOCK - 1) // SPARSE_BLOCK
         for b in range(n_blocks):
             b0 = b * SPARSE_BLOCK
-            _entry_sources(positions, first, selection, t, b0, n_entries, window, chunk_rows, False, src, row, tid,
+            _entry_sources(positions, first, selection, t, b0, n_entries, window, chunk_rows, tables, src, row, tid,
                            THREADS)
             cuda.syncthreads()
             for n in range(copies):
@@ -329,25 +332,27 @@ def fused_kernel(head_dim: int, rope_dim: int = 0):
     return kernel
 
 
-_ALLOWED: set = set()  # the (head_dim, rope_dim, argument types) whose overload may take shared_bytes
+_ALLOWED: set = set()  # the (head_dim, rope_dim, tables, argument types) whose overload may take shared_bytes
 
 
 def fused_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries: int, sinks, scale: float, cos, sin,
-                    out, n_tokens: int, stream, rope_dim: int) -> None:
+                    out, n_tokens: int, stream, rope_dim: int, tables: bool = False) -> None:
     """The launch for sparse_attention's call of n_tokens tokens (stages.sparse_attention._attend: its
     arguments checked, `chosen` the selection or its stand-in, cos and sin the table or theirs, the
-    whole chunk at once: positions are the chunk's, the first one its start)."""
+    whole chunk at once: positions are the chunk's, the first one its start), or with `tables`
+    sparse_attention_tables' (ring and comp_rows address tables, the whole batch at once)."""
     from numba import typeof
 
     heads, head_dim = q.shape[1], q.shape[2]
-    kernel = fused_kernel(head_dim, rope_dim)
+    kernel = fused_kernel(head_dim, rope_dim, tables)
     q32 = q.reshape(q.shape[0] * heads, head_dim).view(np.uint32)
-    rows = tuple(a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
+    rows = (ring, chunk_rows.view(np.uint32), comp_rows) if tables else tuple(
+        a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
     args = (q32, *rows, positions, positions, chosen, sinks, cos, sin, out, n_entries, heads, np.float32(scale))
     nbytes = shared_bytes(head_dim)
     if not SIM:
-        key = (head_dim, rope_dim, tuple(typeof(a) for a in args))
+        key = (head_dim, rope_dim, tables, tuple(typeof(a) for a in args))
         if key not in _ALLOWED:
-            allow_dynamic_shared(kernel, key[2], nbytes)
+            allow_dynamic_shared(kernel, key[3], nbytes)
             _ALLOWED.add(key)
     kernel[(-(-heads // HEADS), n_tokens), THREADS, stream, nbytes](*args)

@@ -100,6 +100,17 @@ def test_sparse_attention_tables():
         sparse_attention(*alone, one, 1)
         assert np.array_equal(wide_rows[b], one.copy_to_host()[0]), f"row {b}, one block a head"
     assert (got != 0).any()
+    # the fused kernel (forced: the split path's tensor cores are a batch's default) over the tables
+    # against the fused kernel on each token alone (a chunk of one: its window row in chunk row 0)
+    fused = cuda.device_array((B, HEADS, DIM), np.uint16)
+    sparse_attention_tables(q, table(rings), rows, table(comps), positions, chosen, WINDOW, sinks, scale, cos, sin,
+                            fused, B, workspace=ws, cores="fused")
+    fused_rows = fused.copy_to_host()
+    for b in range(B):
+        one = cuda.device_array((1, HEADS, DIM), np.uint16)
+        sparse_attention(q[b:b + 1], rings[b], rows[b:b + 1], comps[b], positions[b:b + 1], chosen[b:b + 1], sinks,
+                         scale, cos, sin, one, 1, workspace=one_ws, cores="fused")
+        assert np.array_equal(fused_rows[b], one.copy_to_host()[0]), f"row {b}, fused"
 
 
 def test_index_scores_and_select_tables(tiny_cfg):

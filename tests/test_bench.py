@@ -111,6 +111,9 @@ def test_every_case_still_listed() -> None:
     assert "gemv.attn.wq_a.Q8_0" in names and "attention.decode.Q8_0" in names and "stack.decode" in names
     assert "prefill.gemm.engram.wkv.Q8_0" in names and "engram.hash.64k" in names
     assert "head.decode.Q8_0" in names
+    # the sparse attention alone: each kernel family beside the other, prefill chunks and batches
+    assert "sparse.prefill.fused.512" in names and "sparse.prefill.tc.64" in names
+    assert "sparse.batch.tc.32" in names and "sparse.batch.fused.128" in names
     # beside each picked decode row, the kernel not picked for it (stages.linear_imma.decode_pick)
     assert "gemv.imma.attn.wq_a.Q8_0" in names and "gemv.imma.t8.engram.wkv.Q8_0" in names
     # Q8_0 streams everywhere but on the tall wq_b
@@ -393,3 +396,34 @@ def test_host_link_is_measured_once_a_run() -> None:
     ctx = BenchContext(BenchOptions(), "a GPU", 4e12, rows=[link])
     rows: list = []
     assert engram.host_link_seconds(ctx, rows) == 4e-3 / engram.HOST_LINK_BYTES and rows == []
+
+
+@pytest.mark.parametrize("row", ["sparse.prefill.fused.12", "sparse.prefill.tc.12", "sparse.batch.tc.10",
+                                 "sparse.batch.fused.10"])
+def test_sparse_rows_run(monkeypatch: pytest.MonkeyPatch, row: str) -> None:
+    """The sparse rows' cases at a small shape (16 heads x 64, 8 window slots, the top 16 of 32
+    groups), their step called once where the GPU would time it: a row of the kernels it names,
+    its FLOPs those of the shape."""
+    from flashv41.bench import sparse
+    from flashv41.bench.core import BenchContext, L2Plan
+    from flashv41.stages import sparse_attention as sa
+
+    for name, value in (("HEADS", 16), ("DIM", 64), ("ROPE", 8), ("WINDOW", 8), ("GROUPS", 32), ("SELECTED", 16)):
+        monkeypatch.setattr(sparse, name, value)
+    chosen: list[str] = []
+    for fn in ("sparse_attention", "sparse_attention_tables"):
+        real = getattr(sa, fn)
+        monkeypatch.setattr(sa, fn, lambda *a, _real=real, **k: (chosen.append(k["cores"]), _real(*a, **k)))
+    calls: list[int] = []
+
+    def stage_time(self, fn, data_bytes, stream, n=8, hold_s=0.005):
+        fn()
+        calls.append(data_bytes)
+        return 1e-3, L2Plan("hbm", data_bytes, 1)
+
+    monkeypatch.setattr(BenchContext, "stage_time", stage_time)
+    kind, cores, count = row.split(".")[1:]
+    case = (sparse.prefill_case if kind == "prefill" else sparse.batch_case)(cores, int(count))
+    (got,) = case.run(BenchContext(BenchOptions(), "a GPU", 4e12))
+    assert got.name == row and chosen == [cores] and len(calls) == 1
+    assert got.flops == 4 * int(count) * 16 * (8 + 16) * 64

@@ -17,6 +17,9 @@
 #   stacks     the head (head.decode.*), the 40-layer step (stack.decode.40), the batched steps
 #              (stack.decode.batch) and the six-layer prefill at 32k (prefill.stack.32k)
 #   attention  every attention block type's step at 1k, 16k, 64k and 1M (attention.decode.*)
+#   sparse     the sparse attention alone at the flash shape (sparse.*): prefill chunks of 64 and 512
+#              tokens and batched steps of 16-128 sequences, the fused kernel beside the split path's
+#              tensor cores (what decides a batch's default)
 set -uo pipefail
 
 log_dir=${1:?usage: tools/gpu_bench.sh LOG_DIR GROUP [SECONDS]}
@@ -28,7 +31,9 @@ case "$group" in
     prefill) rows=('prefill.gemm.*'); types=(BF16 Q8_0 Q4_K) ;;
     stacks) rows=('head.decode.*' 'stack.decode.40' 'stack.decode.batch' 'prefill.stack.32k'); types=(Q8_0 Q4_K) ;;
     attention) rows=('attention.decode.*'); types=(Q8_0 BF16 Q4_K) ;;
-    *) echo "tools/gpu_bench.sh: unknown group '$group' (decode, decode-rest, prefill, stacks, attention)" >&2; exit 2 ;;
+    sparse) rows=('sparse.*'); types=(Q8_0) ;;
+    *) echo "tools/gpu_bench.sh: unknown group '$group' (decode, decode-rest, prefill, stacks, attention, sparse)" >&2
+       exit 2 ;;
 esac
 mkdir -p "$log_dir"
 

@@ -75,7 +75,7 @@ from flashv41.stages.backend import backend_name, select_backend
 # the modules whose `cases(options)` make up the benchmark
 BENCH_MODULES: tuple[str, ...] = (
     "flashv41.bench.gemv", "flashv41.bench.engram", "flashv41.bench.attention", "flashv41.bench.stack",
-    "flashv41.bench.prefill", "flashv41.bench.prefill_stack", "flashv41.bench.head",
+    "flashv41.bench.prefill", "flashv41.bench.prefill_stack", "flashv41.bench.head", "flashv41.bench.sparse",
 )
 COPY_BYTES = 512 << 20  # each buffer of the copy probes: ten times the H200's 50 MiB L2
 COPY_ROUNDS = 2  # the three probes run this many times interleaved; each reports its best round

@@ -296,8 +296,8 @@ def fused2_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entrie
     args = (q32, *rows, positions, positions, chosen, sinks, cos, sin, out, n_entries, heads, np.float32(scale))
     nbytes = shared_bytes(head_dim)
     if not SIM:
-        key = (head_dim, rope_dim, tables, tuple(typeof(a) for a in args))
+        key = (kernel, tuple(typeof(a) for a in args))  # (a mutant's kernel is another dispatcher)
         if key not in _ALLOWED:
-            allow_dynamic_shared(kernel, key[3], nbytes)
+            allow_dynamic_shared(kernel, key[1], nbytes)
             _ALLOWED.add(key)
     kernel[(-(-heads // HEADS), n_tokens), THREADS, stream, nbytes](*args)

@@ -332,7 +332,7 @@ def fused_kernel(head_dim: int, rope_dim: int = 0, tables: bool = False):
     return kernel
 
 
-_ALLOWED: set = set()  # the (head_dim, rope_dim, tables, argument types) whose overload may take shared_bytes
+_ALLOWED: set = set()  # the (kernel, argument types) whose overload may take shared_bytes
 
 
 def fused_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries: int, sinks, scale: float, cos, sin,
@@ -351,8 +351,8 @@ def fused_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries
     args = (q32, *rows, positions, positions, chosen, sinks, cos, sin, out, n_entries, heads, np.float32(scale))
     nbytes = shared_bytes(head_dim)
     if not SIM:
-        key = (head_dim, rope_dim, tables, tuple(typeof(a) for a in args))
+        key = (kernel, tuple(typeof(a) for a in args))  # (a mutant's kernel is another dispatcher)
         if key not in _ALLOWED:
-            allow_dynamic_shared(kernel, key[3], nbytes)
+            allow_dynamic_shared(kernel, key[1], nbytes)
             _ALLOWED.add(key)
     kernel[(-(-heads // HEADS), n_tokens), THREADS, stream, nbytes](*args)

@@ -122,11 +122,11 @@ def shared_bytes(head_dim: int) -> int:
 @cache
 def fused_kernel(head_dim: int, rope_dim: int = 0, tables: bool = False):
     """The kernel for heads of head_dim (a multiple of 64) with a rope tail of rope_dim dims:
-    kernel(q32, ring32, chunk32, comp32, positions, first, selection, sinks, cos, sin, out,
+    kernel(q32, rings, chunk32, comps, positions, first, selection, sinks, cos, sin, out,
     n_entries, n_heads, scale) over grid (head groups of 16, tokens), THREADS threads, shared_bytes
-    of dynamic shared memory. q32 [T * H, D / 2] and the rows [*, D / 2] as 32-bit words; the rest as
-    split_score_kernel's and split_combine_kernel's (tables: ring32 and comp32 are address tables of
-    each token's own, its window row in chunk row t)."""
+    of dynamic shared memory. q32 [T * H, D / 2] and the rows [*, D / 2] as 32-bit words (with
+    `tables`, rings and comps are address tables of each token's own, its window row in chunk row
+    t); the rest as split_score_kernel's and split_combine_kernel's."""
     assert head_dim % 64 == 0, "D is whole groups of 8 16-byte chunks, D / 4 whole 16-dim pairs of fragments"
     words = head_dim // 2  # a row's 32-bit words
     chunks = head_dim // 8  # its 16-byte chunks

@@ -426,4 +426,4 @@ def test_sparse_rows_run(monkeypatch: pytest.MonkeyPatch, row: str) -> None:
     case = (sparse.prefill_case if kind == "prefill" else sparse.batch_case)(cores, int(count))
     (got,) = case.run(BenchContext(BenchOptions(), "a GPU", 4e12))
     assert got.name == row and chosen == [cores] and len(calls) == 1
-    assert got.flops == 4 * int(count) * 16 * (8 + 16) * 64
+    assert got.flops == 4 * int(count) * 16 * (8 + 16) * 64 and "16 heads x 64, 24 entries" in got.note

@@ -52,7 +52,8 @@ def _row(name: str, median: float, t: int, plan, what: str) -> BenchRow:
     flops = 4 * t * HEADS * (WINDOW + SELECTED) * DIM
     bound = flops / (PEAK_TFLOPS * 1e12)
     return BenchRow(name, median, bound, flops=flops, l2=plan,
-                    note=f"{what}, 64 heads x 512, 640 entries: {flops / median / 1e12:.1f} TFLOP/s")
+                    note=f"{what}, {HEADS} heads x {DIM}, {WINDOW + SELECTED} entries: "
+                         f"{flops / median / 1e12:.1f} TFLOP/s")
 
 
 def prefill_case(cores: str, t: int) -> BenchCase:

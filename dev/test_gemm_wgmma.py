@@ -93,4 +93,7 @@ def time_them(tokens: int = 4096) -> None:
 
 
 if __name__ == "__main__":
+    from flashv41.stages.backend import select_backend
+
+    select_backend()
     time_them(int(sys.argv[1]) if len(sys.argv) > 1 else 4096)

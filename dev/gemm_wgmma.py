@@ -94,7 +94,7 @@ B_COPIES = BN * CHUNK_ROW // THREADS
 Q_COPIES = BN * (BK // 16) // THREADS  # of Q8_0 levels (16 levels a copy)
 CONVERTS = BN * (BK // 16) // THREADS  # 16-level units a thread converts a step
 assert A_COPIES * THREADS == BM * CHUNK_ROW and B_COPIES * THREADS == BN * CHUNK_ROW
-assert Q_COPIES * THREADS == BN * (BK // 16) and THREADS >= BN
+assert Q_COPIES * THREADS == BN * (BK // 16) and THREADS >= BN and THREADS % 64 == 0
 CORE_WORDS = 32  # words from a core matrix to K's next one (128 bytes)
 GROUP_WORDS = 256  # from 8 rows to the next 8 (1024 bytes)
 KSTEP_WORDS = 64  # from a k16 step to the next (two core matrices)
@@ -246,7 +246,7 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
         t0 = uint32(cuda.blockIdx.y) * BM
         row0 = uint32(cuda.blockIdx.z) * group_rows
         x0 = uint32(cuda.blockIdx.z) * (k // 2)
-        n_steps = k // BK
+        n_steps = (k + BK - 1) // BK  # the last one half (K an odd count of 32) where k % BK
         scale_word = k // 4
         acc = cuda.local.array(N_ACC, float32)
         part = cuda.local.array(N_ACC, float32)
@@ -288,19 +288,24 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
                 cuda.syncthreads()  # the step's tiles visible; every warpgroup done with the stage refilled below
             if it < n_steps:
                 step_at = uint64(WORD_UNITS * (BK // 2) * it)
+                # a half step: the copies of values 32 .. 63 zero-fill (a thread's copies are all of
+                # one column: THREADS is a multiple of 64)
+                cut = it == n_steps - 1 and k % BK != 0
+                a_live = not (cut and (tid >> 3) & 7 >= 4)
                 for i in range(A_COPIES):
                     cp_async16(smem, a_at + write * A_STAGE + (tid + i * THREADS) * 4, xw, a_src[i] + step_at,
-                               a_size[i])
+                               a_size[i] if a_live else uint32(0))
                 if quant:
+                    q_live = not (cut and tid & 3 >= 2)
                     for i in range(Q_COPIES):
                         cp_async16(smem, b_at + write * Q_STAGE + (tid + i * THREADS) * 4, w32,
-                                   b_src[i] + uint64(WORD_UNITS * (BK // 4) * it), b_size[i])
+                                   b_src[i] + uint64(WORD_UNITS * (BK // 4) * it), b_size[i] if q_live else uint32(0))
                     if tid < BN:
                         cp_async4(smem, e_at + write * BN + tid, w32, e_src + uint64(WORD_UNITS * it), e_size)
                 else:
                     for i in range(B_COPIES):
                         cp_async16(smem, b_at + write * B_STAGE + (tid + i * THREADS) * 4, w32, b_src[i] + step_at,
-                                   b_size[i])
+                                   b_size[i] if a_live else uint32(0))
                 write = uint32(write + 1) if write < STAGES - 1 else uint32(0)
             cp_async_commit()
             if it < STAGES - 1:
@@ -376,12 +381,12 @@ _ALLOWED: set = set()
 
 def gemm_wgmma(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     """y[:n_tokens] = x[:n_tokens] @ w^T, as stages.gemm_pipe.gemm_pipe (the same arguments and
-    refusals; K a multiple of BK = 64 here)."""
+    refusals)."""
     from numba import typeof
 
-    if not takes(w, x.dtype) or w.k % BK:
+    if not takes(w, x.dtype):
         raise ValueError(f"gemm_wgmma {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs "
-                         f"is not supported (bf16 inputs; BF16 or Q8_0 weights, K a multiple of {BK})")
+                         f"is not supported (bf16 inputs; BF16 or Q8_0 weights, K a multiple of 32)")
     groups, group_rows = product_groups("gemm_wgmma", x, w, y, n_tokens, group_rows)
     if x.shape[1] % 8:
         raise ValueError(f"gemm_wgmma {w.name}: x {x.shape}: its rows are not whole 16-byte pieces")

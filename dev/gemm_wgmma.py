@@ -54,27 +54,26 @@ from flashv41.stages.device import (
     jit_kernel,
     product_groups,
 )
-from flashv41.stages.gemm_pipe import (
-    LEVEL_BIAS,
-    STAGES,
+from flashv41.stages.gemm_pipe import LEVEL_BIAS, level_pair, takes
+from flashv41.stages.smem import (
+    ALIGN,
+    WORD_UNITS,
     bf16x2,
     cp_async4,
     cp_async16,
     cp_async_commit,
-    cp_async_wait,
+    cp_async_wait_one,
     lds4,
-    level_pair,
     pinned,
     pinned64,
     store_bf16x2,
     store_f32x2,
     sts4,
-    takes,
     word_address,
 )
 from flashv41.stages.warp_mma import kernel_mma as mma
 
-assert STAGES == 3  # gemm_pipe's cp_async_wait keeps STAGES - 2 = 1 group in flight
+STAGES = 3  # cp_async_wait_one: the ring keeps STAGES - 2 = 1 copy group in flight
 BK = 64  # values of k a step: two Q8_0 blocks
 WG = 4 * WARP  # threads of a warpgroup
 if SIM:
@@ -98,8 +97,6 @@ assert Q_COPIES * THREADS == BN * (BK // 16) and THREADS >= BN and THREADS % 64 
 CORE_WORDS = 32  # words from a core matrix to K's next one (128 bytes)
 GROUP_WORDS = 256  # from 8 rows to the next 8 (1024 bytes)
 KSTEP_WORDS = 64  # from a k16 step to the next (two core matrices)
-WORD_UNITS = 1 if SIM else 4  # a word_address's units a word: the simulator's index words, the GPU's bytes
-ALIGN = None if SIM else 128
 TYPES = (GGMLType.BF16, GGMLType.Q8_0)
 
 
@@ -146,7 +143,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from flashv41.stages.gemm_pipe import _shared_word
+    from flashv41.stages.smem import _shared_word
 
     @intrinsic
     def descriptor(typingctx, smem, word):
@@ -283,7 +280,7 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
         read = uint32(0)
         for it in range(n_steps + STAGES - 1):
             if it >= STAGES - 1:
-                cp_async_wait()
+                cp_async_wait_one()
                 proxy_fence()
                 cuda.syncthreads()  # the step's tiles visible; every warpgroup done with the stage refilled below
             if it < n_steps:

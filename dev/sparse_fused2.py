@@ -33,14 +33,20 @@ from flashv41.stages.device import (
     jit_kernel,
     mul_rn,
 )
-from flashv41.stages.gemm_pipe import STAGES, cp_async16, cp_async_commit, cp_async_wait, word_address
 from flashv41.stages.row_tables import u32_rows
+from flashv41.stages.smem import (
+    ALIGN,
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait_one,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    word_address,
+)
 from flashv41.stages.sparse_entries import NEG_INF, SPARSE_BLOCK, START_MAX, _output_pair, _query_word
-from flashv41.stages.sparse_fused import ALIGN, ldmatrix_x4, ldmatrix_x4_trans
 from flashv41.stages.sparse_split import _entry_sources
 from flashv41.stages.warp_mma import kernel_mma as mma
 
-assert STAGES == 3, "cp_async_wait waits for all but the newest group"
 GROUPS = 2  # groups of 16 heads a block
 HEADS = 16 * GROUPS
 WARPS = 4 * GROUPS
@@ -163,7 +169,7 @@ def fused2_kernel(head_dim: int, rope_dim: int = 0, tables: bool = False):
                 continue
             cur = b & 1
             base = rows_at + cur * buffer_words
-            cp_async_wait()  # every group but the newest (block b + 1's) has landed
+            cp_async_wait_one()  # every group but the newest (block b + 1's) has landed
             cuda.syncthreads()
             # scores: 16 heads x the warp's 16 entries (two fragments of 8), over all of D
             for f in range(2):

@@ -55,8 +55,16 @@ from flashv41.stages.device import (
     jit_kernel,
     mul_rn,
 )
-from flashv41.stages.gemm_pipe import cp_async16, cp_async_commit, cp_async_wait_all, word_address
 from flashv41.stages.row_tables import u32_rows
+from flashv41.stages.smem import (
+    ALIGN,
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait_all,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    word_address,
+)
 from flashv41.stages.sparse_entries import NEG_INF, SPARSE_BLOCK, START_MAX, _output_pair, _query_word
 from flashv41.stages.sparse_split import _entry_sources
 from flashv41.stages.warp_mma import kernel_mma as mma
@@ -64,17 +72,9 @@ from flashv41.stages.warp_mma import kernel_mma as mma
 HEADS = 16  # a block's heads: the mma's rows
 WARPS = 4  # a block's warps: each 16 entries of a block's scores, D / 4 of its values
 THREADS = WARP * WARPS
-ALIGN = None if SIM else 128  # cp.async and ldmatrix need aligned shared rows
 SCRATCH = THREADS if SIM else 1
 
 if SIM:
-    from flashv41.stages import gemm_pipe
-
-    # jitted here, so that the simulator gives them its cuda module (they read the lane) when this
-    # module's kernel calls them
-    ldmatrix_x4 = cuda.jit(device=True)(gemm_pipe.ldmatrix_x4)
-    ldmatrix_x4_trans = cuda.jit(device=True)(gemm_pipe.ldmatrix_x4_trans)
-
     def quad_max(v, scratch):
         """The max of v over the calling lane's quad (lanes 4 g .. 4 g + 3), to each of them: through
         shared memory (the simulator has no shuffles; every thread of the block must call)."""
@@ -97,8 +97,6 @@ if SIM:
         cuda.syncthreads()
         return total
 else:
-    from flashv41.stages.gemm_pipe import ldmatrix_x4, ldmatrix_x4_trans
-
     @cuda.jit(device=True)
     def quad_max(v, scratch):
         """The max of v over the calling lane's quad (lanes 4 g .. 4 g + 3), to each of them."""

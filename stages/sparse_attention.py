@@ -14,8 +14,9 @@ bf16 = uint16 bits):
   workspace's tokens (the engine's holds 64; a decode step is one sub-chunk).
 - `sparse_attention_tables(q, rings, chunk_rows, comps, positions, selection, window, ...)`: the same
   for a batch of sequences, token t its sequence's only one (its window row in chunk row t), reading
-  its own ring and compressed rows through address tables (stages.row_tables); with a workspace the
-  split path, in sub-batches of at most the workspace's tokens (each its own rows of the tables and
+  its own ring and compressed rows through address tables (stages.row_tables); with a workspace
+  split_cores' choice (on a GPU past eight steps the fused kernel, the whole batch at once; the
+  split path in sub-batches of at most the workspace's tokens, each its own rows of the tables and
   chunk rows).
 Each query's list is the canonical one (`entry_from`, written once, called where a kernel needs an
 entry through `entry_at`, or on reads it issued ahead: no entries array): the W window positions
@@ -71,11 +72,13 @@ Two paths compute that same recurrence:
   the sink and rotates the pair back. Only fp32 orders differ from the first path: q . k over D,
   and a block's value sums (on the simulator, lanes of one and one run, not even those: the two
   agree bit for bit).
-- fused (with a workspace, on a GPU, a prefill chunk past eight tokens: split_cores' "fused"): one
-  kernel for the whole chunk, a block per (16 heads, token) walking its entry blocks once, scores
-  and value sums on the tensor cores, the recurrence in registers (stages.sparse_fused); nothing
-  goes through the workspace. Only fp32 orders (and the float64 block sum's) differ from the split
-  path's tensor cores; 2.6-6.3x faster than them on an H100 at 64-512 tokens, 64 heads x 512.
+- fused (with a workspace, on a GPU, a prefill chunk or a batch of decode steps past eight tokens:
+  split_cores' "fused"): one kernel for the whole call, a block per (16 heads, token) walking its
+  entry blocks once, scores and value sums on the tensor cores, the recurrence in registers
+  (stages.sparse_fused); nothing goes through the workspace. Only fp32 orders (and the float64
+  block sum's) differ from the split path's tensor cores; 2.6-6.3x faster than them on an H100 at
+  64-512 tokens, 64 heads x 512, and 1.4-4.5x on a batch of 16-128 steps (bench rows
+  sparse.batch.*).
 
 Modules: this one holds the wrappers, the path choice and the split path's workspace;
 stages.sparse_entries the entry lists and RoPE pieces every kernel shares; stages.sparse_one_block
@@ -191,15 +194,15 @@ def split_workspace_bytes(max_tokens: int, heads: int, head_dim: int, n_entries:
     return sum(4 * int(np.prod(shape)) for shape in shapes.values())
 
 
-def split_cores(head_dim: int, n_tokens: int, cores: str = "", tables: bool = False) -> str:
+def split_cores(head_dim: int, n_tokens: int, cores: str = "") -> str:
     """Where a call of n_tokens tokens with a workspace runs: `cores` if given ("fused":
     stages.sparse_fused's one kernel, the whole call at once; "tc": the split path's
     split_score_tc_kernel and split_value_tc_kernel; "cuda": its split_score_kernel and
     split_value_kernel), else on a GPU for more than SPLIT_MAX_TOKENS tokens (chosen once for the
-    whole call, so every sub-chunk of it runs there whatever its size) the fused kernel for a
-    prefill chunk where D is whole 64-dim blocks, the split path's tensor cores for a batch of
-    decode steps (`tables`: the fused kernel takes them too, where forced, but has not been timed
-    on a batch) or where D is whole 32-dim blocks; and the CUDA cores otherwise: for a
+    whole call, so every sub-chunk of it runs there whatever its size) the fused kernel where D is
+    whole 64-dim blocks, for a prefill chunk and for a batch of decode steps alike (at the
+    flash shape on an H100, a batch of 16-128 steps took 0.22-0.70x the split path's tensor-core
+    time), the split path's tensor cores where D is whole 32-dim blocks; and the CUDA cores otherwise: for a
     step of up to eight tokens (so that a batch of up to eight gives each sequence the bits of its
     step alone, as the products' stream kernel does), and on the simulator (whose emulated mma is
     slow, and whose CUDA-core kernels give the first path's bits)."""
@@ -211,7 +214,7 @@ def split_cores(head_dim: int, n_tokens: int, cores: str = "", tables: bool = Fa
         raise InputError(f"sparse_attention: the fused kernel needs head_dim a multiple of 64, not {head_dim}")
     if cores or SIM or n_tokens <= SPLIT_MAX_TOKENS:
         return cores or "cuda"
-    if head_dim % 64 == 0 and not tables:
+    if head_dim % 64 == 0:
         return "fused"
     return "tc" if head_dim % 32 == 0 else "cuda"
 
@@ -299,9 +302,10 @@ def sparse_attention_tables(q: DeviceArray, rings: DeviceArray, chunk_rows: Devi
     """sparse_attention for a batch of T sequences, token t its sequence's only one at positions[t]:
     rings and comps are address tables (uint64 [>= T, 2], stages.row_tables) of each token's own ring
     [window, D] and compressed rows [G, D], chunk_rows the batch's window rows (token t's in row t),
-    selection token t's selected groups of its own compressed rows. With a workspace the split path,
-    in sub-batches of at most its tokens (a batch of B = 128 steps is two of 64), else the
-    one-block-a-head kernel. Token t's result is what sparse_attention gives for it alone over its own
+    selection token t's selected groups of its own compressed rows. With a workspace split_cores'
+    choice: the fused kernel, the whole batch at once, or the split path in sub-batches of at most
+    the workspace's tokens (a batch of B = 128 steps is two of 64); else the one-block-a-head
+    kernel. Token t's result is what sparse_attention gives for it alone over its own
     arrays, on the same path and cores (split or not)."""
     what = "sparse_attention_tables"
     _check_query_side(q, chunk_rows, positions, selection, sinks, cos, sin, out, n_tokens, what)
@@ -365,8 +369,8 @@ def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, s
     if n_tokens == 0:
         return
     if workspace is not None:
-        cores = split_cores(head_dim, n_tokens, cores, tables)  # the whole call's, so a token's bits ignore the cut
-        if cores == "fused":  # a prefill chunk in one launch: no workspace between kernels
+        cores = split_cores(head_dim, n_tokens, cores)  # the whole call's, so a token's bits ignore the cut
+        if cores == "fused":  # the whole call in one launch: no workspace between kernels
             fused_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries, sinks, scale, cos, sin, out,
                             n_tokens, stream, rope_dim, tables)
             return

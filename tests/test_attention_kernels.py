@@ -770,13 +770,11 @@ def test_sparse_tc_within_bound(case):
 
 def test_sparse_cores_choice():
     """The default with a workspace: the CUDA cores for up to SPLIT_MAX_TOKENS tokens and on the
-    simulator; on a GPU past that the fused kernel for a prefill chunk where head_dim is whole 64-dim
-    blocks, the split path's tensor cores for a batch (address tables; fused there only where
-    forced) or where it is whole 32-dim blocks. An unknown name, tc for another head_dim, fused for
-    another head_dim: an InputError."""
+    simulator; on a GPU past that the fused kernel where head_dim is whole 64-dim blocks (a prefill
+    chunk or a batch alike), the split path's tensor cores where it is whole 32-dim blocks. An
+    unknown name, tc for another head_dim, fused for another head_dim: an InputError."""
     assert split_cores(512, SPLIT_MAX_TOKENS) == "cuda"
     assert split_cores(512, SPLIT_MAX_TOKENS + 1) == ("cuda" if SIM else "fused")
-    assert split_cores(512, SPLIT_MAX_TOKENS + 1, tables=True) == ("cuda" if SIM else "tc")
     assert split_cores(96, SPLIT_BATCH_TOKENS) == ("cuda" if SIM else "tc")
     assert split_cores(40, SPLIT_BATCH_TOKENS) == "cuda"
     assert split_cores(512, 1, "tc") == "tc"
@@ -785,7 +783,6 @@ def test_sparse_cores_choice():
         split_cores(512, 1, "fast")
     with pytest.raises(InputError, match="multiple of 32"):
         split_cores(40, 1, "tc")
-    assert split_cores(512, 1, "fused", tables=True) == "fused"
     with pytest.raises(InputError, match="multiple of 64"):
         split_cores(96, 1, "fused")
 

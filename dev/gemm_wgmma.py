@@ -4,6 +4,16 @@ bf16 or fp32 out, grouped products). A dev/ kernel for issue 44 (prefill GEMMs >
 gemm_pipe's mma.sync reaches 0.31-0.47x cuBLAS for BF16 and 0.16-0.26x for Q8_0 (H100, 4096 tokens),
 and mma.sync's own rate is about half of what cuBLAS's wgmma runs at.
 
+Measured (H100 80GB HBM3, 2026-12-07, `python -m dev.test_gemm_wgmma`, best of five, 4096 tokens):
+correct (dev/test_gemm_wgmma.py passed there, the seven flash shapes of both types included), and
+slower than gemm_pipe on every shape: BF16 87-141 TFLOP/s against pipe's 151-316, Q8_0 81-124
+against 102-185 (cuBLAS fp16 380-734). So it stays here. Not yet known where the time goes (no
+profile was taken); what this kernel does that a fast wgmma GEMM does not: the no-swizzle operand
+layout (the 128-byte swizzle is the usual one), a `wgmma.wait_group 0` after every step (no wgmma in
+flight across the barrier), copies by cp.async from every thread rather than by the tensor memory
+accelerator from one warp, and 128 x 128 block tiles. Those are the next things to try, one at a
+time, each timed.
+
 Why it can be done from Numba: numba-cuda 0.30 compiles kernels for the arch-specific target on
 Hopper (its code library asks NVVM for compute_90a), so inline PTX may use wgmma; dev/wgmma_probe.py
 checks that on a GPU, and which shared-memory layout the descriptors mean.

@@ -20,6 +20,13 @@ Accumulator layout assumed (the PTX ISA's figure for m64nNk16 with fp32 D): warp
 holds rows 16 w .. 16 w + 15; within it, register 4 j + r of lane l is row 16 w + l // 4 + 8 (r // 2),
 column 8 j + 2 (l % 4) + r % 2, as mma.sync's m16n8 fragments side by side. A mismatch that is a
 permutation of the right values says this part is wrong instead.
+
+On an H100 (2026-12-07) the probe ended in CUDA_ERROR_ILLEGAL_ADDRESS (its per-case lines were
+lost to the call's output limit): a descriptor with the strides swapped reads past the 16 KiB of
+shared memory, and the error ends the context. The layout itself is settled by dev/gemm_wgmma.py,
+whose flash-shape tests passed there with the leading byte offset the K stride (128) and the
+stride byte offset the next 8 rows' (1024), as the PTX ISA describes K-major operands. To rerun it,
+try one case a process.
 """
 
 from __future__ import annotations

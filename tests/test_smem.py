@@ -18,16 +18,19 @@ ALIGN = smem.ALIGN  # (a kernel takes a global's value as a constant, not a modu
 
 
 @cuda.jit
-def ldmatrix_kernel(rows_in, row_of_lane, out):
+def ldmatrix_kernel(rows_in, row_of_lane, trans, out):
     """One warp: shared = rows_in [ROWS, 4] words; lane l gives row row_of_lane[l] as its address and
-    writes the four words it gets to out[l]."""
+    writes the four words it gets (of the transposed load where trans) to out[l]."""
     s = cuda.shared.array((ROWS, 4), uint32, alignment=ALIGN)
     lane = cuda.threadIdx.x
     for r in range(lane, ROWS, WARP):
         for j in range(4):
             s[r, j] = rows_in[r, j]
     cuda.syncthreads()
-    v0, v1, v2, v3 = smem.ldmatrix_x4(s, row_of_lane[lane] * 4)
+    if trans:
+        v0, v1, v2, v3 = smem.ldmatrix_x4_trans(s, row_of_lane[lane] * 4)
+    else:
+        v0, v1, v2, v3 = smem.ldmatrix_x4(s, row_of_lane[lane] * 4)
     out[lane, 0] = v0
     out[lane, 1] = v1
     out[lane, 2] = v2
@@ -41,26 +44,10 @@ def test_ldmatrix_lane_mapping():
     rows_in = rng.integers(0, 2**32, (ROWS, 4), dtype=np.uint64).astype(np.uint32)
     row_of_lane = rng.permutation(ROWS)[:WARP].astype(np.uint32)
     out = cuda.device_array((WARP, 4), np.uint32)
-    ldmatrix_kernel[1, WARP](cuda.to_device(rows_in), cuda.to_device(row_of_lane), out)
+    ldmatrix_kernel[1, WARP](cuda.to_device(rows_in), cuda.to_device(row_of_lane), 0, out)
     lanes = np.arange(WARP)
     want = np.stack([rows_in[row_of_lane[8 * i + lanes // 4], lanes % 4] for i in range(4)], axis=1)
     np.testing.assert_array_equal(out.copy_to_host(), want)
-
-
-@cuda.jit
-def ldmatrix_trans_kernel(rows_in, row_of_lane, out):
-    """ldmatrix_kernel with the transposed load."""
-    s = cuda.shared.array((ROWS, 4), uint32, alignment=ALIGN)
-    lane = cuda.threadIdx.x
-    for r in range(lane, ROWS, WARP):
-        for j in range(4):
-            s[r, j] = rows_in[r, j]
-    cuda.syncthreads()
-    v0, v1, v2, v3 = smem.ldmatrix_x4_trans(s, row_of_lane[lane] * 4)
-    out[lane, 0] = v0
-    out[lane, 1] = v1
-    out[lane, 2] = v2
-    out[lane, 3] = v3
 
 
 def test_ldmatrix_trans_lane_mapping():
@@ -70,7 +57,7 @@ def test_ldmatrix_trans_lane_mapping():
     rows_in = rng.integers(0, 2**32, (ROWS, 4), dtype=np.uint64).astype(np.uint32)
     row_of_lane = rng.permutation(ROWS)[:WARP].astype(np.uint32)
     out = cuda.device_array((WARP, 4), np.uint32)
-    ldmatrix_trans_kernel[1, WARP](cuda.to_device(rows_in), cuda.to_device(row_of_lane), out)
+    ldmatrix_kernel[1, WARP](cuda.to_device(rows_in), cuda.to_device(row_of_lane), 1, out)
     halves = rows_in.view(np.uint16).reshape(ROWS, 8)  # [row, b16 column]
     g, t = np.arange(WARP) // 4, np.arange(WARP) % 4
     want = np.stack([halves[row_of_lane[8 * i + 2 * t], g].astype(np.uint32)

@@ -14,6 +14,12 @@ flight across the barrier), copies by cp.async from every thread rather than by 
 accelerator from one warp, and 128 x 128 block tiles. Those are the next things to try, one at a
 time, each timed.
 
+Since then (simulator and ptxas only): the 128-byte swizzled layout, now the default
+(WGMMA_SWIZZLE=0 keeps the measured no-swizzle one, so one GPU call times both:
+`WGMMA_SWIZZLE=0 python -m dev.test_gemm_wgmma; python -m dev.test_gemm_wgmma`, each after
+`python -m pytest dev/test_gemm_wgmma.py` under the same setting). ptxas for sm_90a: BF16 124
+registers either way, Q8_0 201-205 swizzled, 191-201 not; no spills.
+
 Why it can be done from Numba: numba-cuda 0.30 compiles kernels for the arch-specific target on
 Hopper (its code library asks NVVM for compute_90a), so inline PTX may use wgmma; dev/wgmma_probe.py
 checks that on a GPU, and which shared-memory layout the descriptors mean.
@@ -50,6 +56,7 @@ warpgroup of 64 tokens x 32 outputs.
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 import numpy as np
@@ -104,40 +111,70 @@ Q_COPIES = BN * (BK // 16) // THREADS  # of Q8_0 levels (16 levels a copy)
 CONVERTS = BN * (BK // 16) // THREADS  # 16-level units a thread converts a step
 assert A_COPIES * THREADS == BM * CHUNK_ROW and B_COPIES * THREADS == BN * CHUNK_ROW
 assert Q_COPIES * THREADS == BN * (BK // 16) and THREADS >= BN and THREADS % 64 == 0
-CORE_WORDS = 32  # words from a core matrix to K's next one (128 bytes)
-GROUP_WORDS = 256  # from 8 rows to the next 8 (1024 bytes)
-KSTEP_WORDS = 64  # from a k16 step to the next (two core matrices)
+# The operand layout (WGMMA_SWIZZLE=0 in the environment for the no-swizzle one, to time the two):
+# - no swizzle: core matrix (i, j) at byte 1024 i + 128 j (module docstring);
+# - 128-byte swizzle: row r's 128 bytes (its 64 values of the step) at byte 128 r, its 16-byte chunk
+#   c at chunk c ^ (r % 8); the tile 1024-byte aligned (the hardware takes the XOR from address bits
+#   7-9); descriptor: leading byte offset unused (16), stride byte offset 1024 (8 rows), swizzle mode
+#   1; a k16 step is the start address 32 bytes on, the hardware's XOR applying to the sum.
+SWIZZLE = os.environ.get("WGMMA_SWIZZLE", "1") != "0"
+CORE_WORDS = 32  # no swizzle: words from a core matrix to K's next one (128 bytes)
+GROUP_WORDS = 256  # from 8 rows to the next 8 (1024 bytes), both layouts
+KSTEP_WORDS = 8 if SWIZZLE else 64  # from a k16 step's start to the next
+ROW_WORDS = 32  # swizzle: a tile row (128 bytes)
+DESC_LBO, DESC_MODE = (16, 1) if SWIZZLE else (128, 0)
+ALIGN_WORDS = 256 if SWIZZLE else 0  # the dynamic shared memory's slack for aligning the tiles to 1024 bytes
 TYPES = (GGMLType.BF16, GGMLType.Q8_0)
 
 
 def chunk_word(r, c):
-    """The word where 16-byte chunk c (values 8 c .. 8 c + 7) of tile row r starts: core layout."""
+    """The word where 16-byte chunk c (values 8 c .. 8 c + 7) of tile row r starts."""
+    if SWIZZLE:
+        return r * ROW_WORDS + ((c ^ (r & 7)) << 2)
     return (r >> 3) * GROUP_WORDS + c * CORE_WORDS + (r & 7) * 4
+
+
+def copy_row(idx):
+    """The tile row of a step's 16-byte copy number idx: eight copies a row, in the order the layout
+    stores them (so a warp's copies fill whole banks' rows)."""
+    if SWIZZLE:
+        return idx >> 3
+    return (idx >> 6) * 8 + (idx & 7)
+
+
+def copy_chunk(idx):
+    """The chunk (0 .. 7) of the row copy number idx brings."""
+    if SWIZZLE:
+        return idx & 7
+    return (idx >> 3) & 7
 
 
 if not SIM:
     chunk_word = cuda.jit(device=True, inline="always")(chunk_word)
+    copy_row = cuda.jit(device=True, inline="always")(copy_row)
+    copy_chunk = cuda.jit(device=True, inline="always")(copy_chunk)
 
 
 if SIM:
     def tile_word(base, r, k):
         """The word of the bf16 pair (k, k + 1) (k even) of row r of the tile at word base."""
-        return base + (r >> 3) * GROUP_WORDS + (k >> 3) * CORE_WORDS + (r & 7) * 4 + ((k & 7) >> 1)
+        return base + chunk_word(r, k >> 3) + ((k & 7) >> 1)
 
-    def wg_mma(acc, smem, a_word, b_word, accumulate):
-        """acc (a thread's N_ACC) = A B^T (+ acc where accumulate) for one k16: A the warpgroup's 64
-        rows at word a_word, B the BN rows at b_word, both in the core layout; here m16n8k16 mma
-        fragments side by side, as wgmma's accumulators lie."""
+    def wg_mma(acc, smem, a_word, b_word, step, accumulate):
+        """acc (a thread's N_ACC) = A B^T (+ acc where accumulate) for k16 step `step` of the K step:
+        A the warpgroup's 64 rows of the tile at word a_word, B the BN rows of the tile at b_word;
+        here m16n8k16 mma fragments side by side, as wgmma's accumulators lie."""
         flat = smem.reshape(-1)
         lane = cuda.threadIdx.x % WARP
         v = (cuda.threadIdx.x // WARP) % 4
         g, t = lane >> 2, lane & 3
         r0, r1 = 16 * v + g, 16 * v + g + 8
-        a0, a1 = flat[tile_word(a_word, r0, 2 * t)], flat[tile_word(a_word, r1, 2 * t)]
-        a2, a3 = flat[tile_word(a_word, r0, 2 * t + 8)], flat[tile_word(a_word, r1, 2 * t + 8)]
+        k0 = 16 * step + 2 * t
+        a0, a1 = flat[tile_word(a_word, r0, k0)], flat[tile_word(a_word, r1, k0)]
+        a2, a3 = flat[tile_word(a_word, r0, k0 + 8)], flat[tile_word(a_word, r1, k0 + 8)]
         for j in range(BN // 8):
-            b0 = flat[tile_word(b_word, 8 * j + g, 2 * t)]
-            b1 = flat[tile_word(b_word, 8 * j + g, 2 * t + 8)]
+            b0 = flat[tile_word(b_word, 8 * j + g, k0)]
+            b1 = flat[tile_word(b_word, 8 * j + g, k0 + 8)]
             c = [acc[4 * j + i] if accumulate else float32(0) for i in range(4)]
             d = mma(a0, a1, a2, a3, b0, b1, c[0], c[1], c[2], c[3])
             for i in range(4):
@@ -145,6 +182,10 @@ if SIM:
 
     def wg_fence():
         """Nothing is asynchronous here."""
+
+    def align_words(smem):
+        """The simulator's arrays need no alignment."""
+        return 0
 
     wg_mma = cuda.jit(device=True)(wg_mma)  # (a device function: it reads the simulated thread index)
     wg_commit = wg_wait = proxy_fence = wg_fence
@@ -166,7 +207,7 @@ else:
             at = _shared_word(context, builder, signature.args[0], args[0], args[1], signature.args[1])
             i64 = ir.IntType(64)
             start = builder.and_(builder.lshr(builder.zext(at, i64), ir.Constant(i64, 4)), ir.Constant(i64, 0x3FFF))
-            fixed = ((CORE_WORDS * 4 >> 4) << 16) | ((GROUP_WORDS * 4 >> 4) << 32)
+            fixed = ((DESC_LBO >> 4) << 16) | ((GROUP_WORDS * 4 >> 4) << 32) | (DESC_MODE << 62)
             return builder.or_(start, ir.Constant(i64, fixed))
 
         return sig, codegen
@@ -215,30 +256,43 @@ else:
         return sig, codegen
 
     @cuda.jit(device=True, inline="always")
-    def wg_mma(acc, smem, a_word, b_word, accumulate):
-        _wgmma(acc, descriptor(smem, a_word), descriptor(smem, b_word), uint32(accumulate))
+    def wg_mma(acc, smem, a_word, b_word, step, accumulate):
+        _wgmma(acc, descriptor(smem, a_word + step * KSTEP_WORDS), descriptor(smem, b_word + step * KSTEP_WORDS),
+               uint32(accumulate))
+
+    @intrinsic
+    def align_words(typingctx, smem):
+        """The words from the shared array smem's start to its first 1024-byte boundary."""
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            at = _shared_word(context, builder, signature.args[0], args[0], ir.Constant(i32, 0), types.uint32)
+            pad = builder.and_(builder.sub(ir.Constant(i32, 0), at), ir.Constant(i32, 1023))
+            return builder.lshr(pad, ir.Constant(i32, 2))
+
+        return types.uint32(smem), codegen
 
 
 def shared_words(quant: bool) -> int:
     """Words of the dynamic shared memory: the stages' inputs and weights; Q8_0 also the stages'
-    scale words and its converted tile."""
+    scale words and its converted tile; the slack that aligns the tiles."""
     if quant:
-        return STAGES * (A_STAGE + Q_STAGE + BN) + B_STAGE
-    return STAGES * (A_STAGE + B_STAGE)
+        return STAGES * (A_STAGE + Q_STAGE + BN) + B_STAGE + ALIGN_WORDS
+    return STAGES * (A_STAGE + B_STAGE) + ALIGN_WORDS
 
 
 @cache
 def wgmma_kernel(quant: bool, out_bf16: bool):
     """Tiles of BM tokens x BN outputs of one group; block = THREADS, grid = (output tiles per group,
     token tiles, groups); shared_words(quant) words of dynamic shared memory."""
-    a_at = 0  # the stages' input tiles
-    b_at = STAGES * A_STAGE  # BF16 weight tiles / Q8_0 level tiles
+    a_at = 0  # the stages' input tiles (each a whole number of KiB: the swizzle's alignment holds)
+    t_at = STAGES * A_STAGE  # Q8_0: the converted tile
+    b_at = t_at + (B_STAGE if quant else 0)  # BF16 weight tiles / Q8_0 level tiles
     e_at = b_at + STAGES * Q_STAGE  # Q8_0: [stage, output] the step's scale word
-    t_at = e_at + STAGES * BN  # Q8_0: the converted tile
 
     @jit_kernel((THREADS, 1 if quant else 2))
     def gemm_wgmma(x, w, y, n_tokens, n_rows, width):
-        smem = cuda.shared.array(0, uint32, alignment=ALIGN) if ALIGN else cuda.shared.array(0, uint32)
+        dynamic = cuda.shared.array(0, uint32, alignment=ALIGN) if ALIGN else cuda.shared.array(0, uint32)
+        smem = dynamic[align_words(dynamic):]  # the tiles from a 1024-byte boundary (for the swizzle)
         dsc = cuda.shared.array(SCALES, float32)  # Q8_0: [block, output] the step's scales
         xw = x.view(np.uint32)
         w32 = w.view(np.uint32)
@@ -262,13 +316,16 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
         # this thread's copies: chunk idx of a tile is its row (idx // 64) * 8 + idx % 8, its 16-byte
         # column (idx // 8) % 8, and lands at word 4 idx
         a_src = cuda.local.array(A_COPIES, uint64)
+        a_dst = cuda.local.array(A_COPIES, uint32)
         a_size = cuda.local.array(A_COPIES, uint32)
         for i in range(A_COPIES):
             idx = tid + i * THREADS
-            t = t0 + (idx >> 6) * 8 + (idx & 7)
-            a_src[i] = pinned64(word_address(xw, t if t < n_tokens else t0, x0 + ((idx >> 3) & 7) * 4))
+            t = t0 + copy_row(idx)
+            a_src[i] = pinned64(word_address(xw, t if t < n_tokens else t0, x0 + copy_chunk(idx) * 4))
+            a_dst[i] = pinned(chunk_word(copy_row(idx), copy_chunk(idx)))
             a_size[i] = uint32(16) if t < n_tokens else uint32(0)
         b_src = cuda.local.array(B_COPIES, uint64)
+        b_dst = cuda.local.array(B_COPIES, uint32)
         b_size = cuda.local.array(B_COPIES, uint32)
         if quant:  # levels: copy idx is row idx // 4, bytes 16 (idx % 4) of the step's 64; scale words
             for i in range(Q_COPIES):
@@ -282,8 +339,9 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
         else:
             for i in range(B_COPIES):
                 idx = tid + i * THREADS
-                n = n0 + (idx >> 6) * 8 + (idx & 7)
-                b_src[i] = pinned64(word_address(w32, row0 + (n if n < group_rows else n0), ((idx >> 3) & 7) * 4))
+                n = n0 + copy_row(idx)
+                b_src[i] = pinned64(word_address(w32, row0 + (n if n < group_rows else n0), copy_chunk(idx) * 4))
+                b_dst[i] = pinned(chunk_word(copy_row(idx), copy_chunk(idx)))
                 b_size[i] = uint32(16) if n < group_rows else uint32(0)
         a_rows = pinned(a_at + wg * (64 // 8) * GROUP_WORDS)  # the warpgroup's 64 rows in a stage's tile
         write = uint32(0)
@@ -298,9 +356,9 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
                 # a half step: the copies of values 32 .. 63 zero-fill (a thread's copies are all of
                 # one column: THREADS is a multiple of 64)
                 cut = it == n_steps - 1 and k % BK != 0
-                a_live = not (cut and (tid >> 3) & 7 >= 4)
+                a_live = not (cut and copy_chunk(tid) >= 4)
                 for i in range(A_COPIES):
-                    cp_async16(smem, a_at + write * A_STAGE + (tid + i * THREADS) * 4, xw, a_src[i] + step_at,
+                    cp_async16(smem, a_at + write * A_STAGE + a_dst[i], xw, a_src[i] + step_at,
                                a_size[i] if a_live else uint32(0))
                 if quant:
                     q_live = not (cut and tid & 3 >= 2)
@@ -311,7 +369,7 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
                         cp_async4(smem, e_at + write * BN + tid, w32, e_src + uint64(WORD_UNITS * it), e_size)
                 else:
                     for i in range(B_COPIES):
-                        cp_async16(smem, b_at + write * B_STAGE + (tid + i * THREADS) * 4, w32, b_src[i] + step_at,
+                        cp_async16(smem, b_at + write * B_STAGE + b_dst[i], w32, b_src[i] + step_at,
                                    b_size[i] if a_live else uint32(0))
                 write = uint32(write + 1) if write < STAGES - 1 else uint32(0)
             cp_async_commit()
@@ -337,8 +395,8 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
                 cuda.syncthreads()
                 for b in range(2):
                     wg_fence()
-                    wg_mma(part, smem, a_word + 2 * b * KSTEP_WORDS, t_at + 2 * b * KSTEP_WORDS, 0)
-                    wg_mma(part, smem, a_word + (2 * b + 1) * KSTEP_WORDS, t_at + (2 * b + 1) * KSTEP_WORDS, 1)
+                    wg_mma(part, smem, a_word, t_at, 2 * b, 0)
+                    wg_mma(part, smem, a_word, t_at, 2 * b + 1, 1)
                     wg_commit()
                     wg_wait()
                     for j in range(BN // 8):
@@ -352,7 +410,7 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
                 b_word = b_at + read * B_STAGE
                 wg_fence()
                 for s in range(BK // 16):
-                    wg_mma(acc, smem, a_word + s * KSTEP_WORDS, b_word + s * KSTEP_WORDS, 1)
+                    wg_mma(acc, smem, a_word, b_word, s, 1)
                 wg_commit()
                 wg_wait()
             read = uint32(read + 1) if read < STAGES - 1 else uint32(0)

@@ -14,11 +14,17 @@ flight across the barrier), copies by cp.async from every thread rather than by 
 accelerator from one warp, and 128 x 128 block tiles. Those are the next things to try, one at a
 time, each timed.
 
-Since then (simulator and ptxas only): the 128-byte swizzled layout, now the default
-(WGMMA_SWIZZLE=0 keeps the measured no-swizzle one, so one GPU call times both:
-`WGMMA_SWIZZLE=0 python -m dev.test_gemm_wgmma; python -m dev.test_gemm_wgmma`, each after
-`python -m pytest dev/test_gemm_wgmma.py` under the same setting). ptxas for sm_90a: BF16 124
-registers either way, Q8_0 201-205 swizzled, 191-201 not; no spills.
+Since then (simulator and ptxas only), variants chosen by the environment at import, so that one
+GPU call times them all, each process running `python -m pytest dev/test_gemm_wgmma.py` and then
+`python -m dev.test_gemm_wgmma` under one setting:
+- WGMMA_SWIZZLE: the 128-byte swizzled layout (1, the default now) or the measured no-swizzle one
+  (0). ptxas for sm_90a: BF16 124 registers either way, Q8_0 201-205 swizzled, 191-201 not.
+- WGMMA_INFLIGHT=1: BF16 keeps one step's wgmma in flight across the next barrier (four stages,
+  one block an SM): 128 registers. Both pass on the simulator; no spills, and ptxas does not report
+  serialising the wgmma (its C7514 note) for any of these.
+- WGMMA_BN=256 (BF16 blocks of 128 x 256): 255 registers and about 300 bytes of spills as written
+  (the accumulators' 128 plus eight copies' pinned addresses), and with INFLIGHT=1 ptxas serialises
+  the wgmma (C7514): not worth timing until the copies' addresses are recomputed instead of kept.
 
 Why it can be done from Numba: numba-cuda 0.30 compiles kernels for the arch-specific target on
 Hopper (its code library asks NVVM for compute_90a), so inline PTX may use wgmma; dev/wgmma_probe.py
@@ -38,7 +44,8 @@ STAGES = 3 stages ring through dynamic shared memory as in gemm_pipe (copies by 
 `cp.async.cg`, issued two steps ahead, zero-filled past T and past the group's rows); after each
 step's wait and before the barrier every thread fences its copies into the async proxy
 (`fence.proxy.async.shared::cta`), which wgmma reads through. A warpgroup waits for its own wgmma
-before the next step's barrier (`wgmma.wait_group 0`), so a stage is never refilled under a read.
+before the next step's barrier (`wgmma.wait_group 0`), so a stage is never refilled under a read
+(WGMMA_INFLIGHT=1: `wait_group 1` and a fourth stage, the one refilled being two steps back).
 
 Q8_0: the stages hold the stored levels (64 bytes a row a step) and the word of the step's two fp16
 scales; after the barrier the block converts the step's levels into one bf16 tile in the core
@@ -90,13 +97,19 @@ from flashv41.stages.smem import (
 )
 from flashv41.stages.warp_mma import kernel_mma as mma
 
-STAGES = 3  # cp_async_wait_one: the ring keeps STAGES - 2 = 1 copy group in flight
+# Variants to time (environment, read at import; the defaults are the measured kernel's but the swizzle):
+# WGMMA_INFLIGHT=1 keeps one step's wgmma in flight across the next step's barrier (BF16; a fourth
+# stage holds what it reads), WGMMA_BN=256 the BF16 block's outputs (one block an SM then; spills as
+# written; Q8_0's accumulators would not fit the registers at 256).
+INFLIGHT = int(os.environ.get("WGMMA_INFLIGHT", "0"))
+PREFETCH = 2  # steps the copies run ahead of the products (cp_async_wait_one: one group in flight)
+STAGES = PREFETCH + 1 + INFLIGHT
 BK = 64  # values of k a step: two Q8_0 blocks
 WG = 4 * WARP  # threads of a warpgroup
 if SIM:
     GROUPS, BN = 1, 32
 else:
-    GROUPS, BN = 2, 128
+    GROUPS, BN = 2, int(os.environ.get("WGMMA_BN", "128"))
 THREADS = GROUPS * WG
 BM = 64 * GROUPS
 N_ACC = BN // 2  # a thread's fp32 accumulators: BN / 8 fragments of 4
@@ -188,7 +201,7 @@ if SIM:
         return 0
 
     wg_mma = cuda.jit(device=True)(wg_mma)  # (a device function: it reads the simulated thread index)
-    wg_commit = wg_wait = proxy_fence = wg_fence
+    wg_commit = wg_wait = wg_wait_inflight = proxy_fence = wg_fence
 else:
     from llvmlite import ir
     from numba import types
@@ -227,6 +240,7 @@ else:
     wg_fence = _statement("wgmma.fence.sync.aligned;")  # the accumulators' registers settled before a wgmma
     wg_commit = _statement("wgmma.commit_group.sync.aligned;")
     wg_wait = _statement("wgmma.wait_group.sync.aligned 0;")
+    wg_wait_inflight = _statement(f"wgmma.wait_group.sync.aligned {INFLIGHT};")
     proxy_fence = _statement("fence.proxy.async.shared::cta;")  # this thread's shared writes visible to wgmma
 
     @intrinsic
@@ -289,7 +303,7 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
     b_at = t_at + (B_STAGE if quant else 0)  # BF16 weight tiles / Q8_0 level tiles
     e_at = b_at + STAGES * Q_STAGE  # Q8_0: [stage, output] the step's scale word
 
-    @jit_kernel((THREADS, 1 if quant else 2))
+    @jit_kernel((THREADS, 2 if not quant and BN == 128 and INFLIGHT == 0 else 1))
     def gemm_wgmma(x, w, y, n_tokens, n_rows, width):
         dynamic = cuda.shared.array(0, uint32, alignment=ALIGN) if ALIGN else cuda.shared.array(0, uint32)
         smem = dynamic[align_words(dynamic):]  # the tiles from a 1024-byte boundary (for the swizzle)
@@ -346,8 +360,8 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
         a_rows = pinned(a_at + wg * (64 // 8) * GROUP_WORDS)  # the warpgroup's 64 rows in a stage's tile
         write = uint32(0)
         read = uint32(0)
-        for it in range(n_steps + STAGES - 1):
-            if it >= STAGES - 1:
+        for it in range(n_steps + PREFETCH):
+            if it >= PREFETCH:
                 cp_async_wait_one()
                 proxy_fence()
                 cuda.syncthreads()  # the step's tiles visible; every warpgroup done with the stage refilled below
@@ -373,7 +387,7 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
                                    b_size[i] if a_live else uint32(0))
                 write = uint32(write + 1) if write < STAGES - 1 else uint32(0)
             cp_async_commit()
-            if it < STAGES - 1:
+            if it < PREFETCH:
                 continue
             a_word = a_rows + read * A_STAGE
             if quant:
@@ -412,8 +426,9 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
                 for s in range(BK // 16):
                     wg_mma(acc, smem, a_word, b_word, s, 1)
                 wg_commit()
-                wg_wait()
+                wg_wait_inflight()  # all but INFLIGHT groups done: the stage refilled next is free
             read = uint32(read + 1) if read < STAGES - 1 else uint32(0)
+        wg_wait()
         pairs = y.shape[1] % 2 == 0 and group_rows % 2 == 0
         for h in range(2):
             t = t0 + wg * 64 + v * 16 + g + 8 * h

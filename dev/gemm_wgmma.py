@@ -18,13 +18,15 @@ Since then (simulator and ptxas only), variants chosen by the environment at imp
 GPU call times them all, each process running `python -m pytest dev/test_gemm_wgmma.py` and then
 `python -m dev.test_gemm_wgmma` under one setting:
 - WGMMA_SWIZZLE: the 128-byte swizzled layout (1, the default now) or the measured no-swizzle one
-  (0). ptxas for sm_90a: BF16 124 registers either way, Q8_0 201-205 swizzled, 191-201 not.
+  (0). ptxas for sm_90a: BF16 121 registers either way, Q8_0 197-201.
 - WGMMA_INFLIGHT=1: BF16 keeps one step's wgmma in flight across the next barrier (four stages,
   one block an SM): 128 registers. Both pass on the simulator; no spills, and ptxas does not report
   serialising the wgmma (its C7514 note) for any of these.
-- WGMMA_BN=256 (BF16 blocks of 128 x 256): 255 registers and about 300 bytes of spills as written
-  (the accumulators' 128 plus eight copies' pinned addresses), and with INFLIGHT=1 ptxas serialises
-  the wgmma (C7514): not worth timing until the copies' addresses are recomputed instead of kept.
+- WGMMA_BN=256 (BF16 blocks of 128 x 256): 255 registers and a 720-byte stack frame (about 330
+  bytes of spills) even with the copies' addresses worked out at each copy (BF16 at 128: 121
+  registers): by its size the 128-float accumulator array stays in local memory; with INFLIGHT=1
+  ptxas serialises the wgmma (C7514, accumulators read by other instructions). Not worth timing
+  until the accumulators are split into arrays the compiler keeps in registers.
 
 Why it can be done from Numba: numba-cuda 0.30 compiles kernels for the arch-specific target on
 Hopper (its code library asks NVVM for compute_90a), so inline PTX may use wgmma; dev/wgmma_probe.py
@@ -100,7 +102,7 @@ from flashv41.stages.warp_mma import kernel_mma as mma
 # Variants to time (environment, read at import; the defaults are the measured kernel's but the swizzle):
 # WGMMA_INFLIGHT=1 keeps one step's wgmma in flight across the next step's barrier (BF16; a fourth
 # stage holds what it reads), WGMMA_BN=256 the BF16 block's outputs (one block an SM then; spills as
-# written; Q8_0's accumulators would not fit the registers at 256).
+# written: see the module docstring; Q8_0's accumulators would not fit the registers at 256).
 INFLIGHT = int(os.environ.get("WGMMA_INFLIGHT", "0"))
 PREFETCH = 2  # steps the copies run ahead of the products (cp_async_wait_one: one group in flight)
 STAGES = PREFETCH + 1 + INFLIGHT
@@ -119,11 +121,12 @@ A_STAGE = BM * BK // 2  # words of a stage's input tile
 B_STAGE = BN * BK // 2  # of a BF16 weight tile (and of Q8_0's converted one)
 Q_STAGE = BN * BK // 4  # of Q8_0 levels
 A_COPIES = BM * CHUNK_ROW // THREADS
+COPY_ROWS = THREADS // CHUNK_ROW  # tile rows from one of a thread's 16-byte copies to its next
 B_COPIES = BN * CHUNK_ROW // THREADS
 Q_COPIES = BN * (BK // 16) // THREADS  # of Q8_0 levels (16 levels a copy)
 CONVERTS = BN * (BK // 16) // THREADS  # 16-level units a thread converts a step
 assert A_COPIES * THREADS == BM * CHUNK_ROW and B_COPIES * THREADS == BN * CHUNK_ROW
-assert Q_COPIES * THREADS == BN * (BK // 16) and THREADS >= BN and THREADS % 64 == 0
+assert Q_COPIES * THREADS == BN * (BK // 16) and THREADS >= BN and THREADS % 64 == 0 and COPY_ROWS % 8 == 0
 # The operand layout (WGMMA_SWIZZLE=0 in the environment for the no-swizzle one, to time the two):
 # - no swizzle: core matrix (i, j) at byte 1024 i + 128 j (module docstring);
 # - 128-byte swizzle: row r's 128 bytes (its 64 values of the step) at byte 128 r, its 16-byte chunk
@@ -327,20 +330,22 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
         part = cuda.local.array(N_ACC, float32)
         for i in range(N_ACC):
             acc[i] = float32(0)
-        # this thread's copies: chunk idx of a tile is its row (idx // 64) * 8 + idx % 8, its 16-byte
-        # column (idx // 8) % 8, and lands at word 4 idx
-        a_src = cuda.local.array(A_COPIES, uint64)
-        a_dst = cuda.local.array(A_COPIES, uint32)
-        a_size = cuda.local.array(A_COPIES, uint32)
-        for i in range(A_COPIES):
-            idx = tid + i * THREADS
-            t = t0 + copy_row(idx)
-            a_src[i] = pinned64(word_address(xw, t if t < n_tokens else t0, x0 + copy_chunk(idx) * 4))
-            a_dst[i] = pinned(chunk_word(copy_row(idx), copy_chunk(idx)))
-            a_size[i] = uint32(16) if t < n_tokens else uint32(0)
-        b_src = cuda.local.array(B_COPIES, uint64)
-        b_dst = cuda.local.array(B_COPIES, uint32)
-        b_size = cuda.local.array(B_COPIES, uint32)
+        # this thread's copies of a step (bf16 tiles): copy i is tile row copy_row(tid) + COPY_ROWS i,
+        # chunk copy_chunk(tid) of it (the same for every i), at word chunk_word(copy_row(tid),
+        # chunk) + COPY_ROWS ROW_WORDS i of the stage, its source COPY_ROWS rows further each time;
+        # worked out at each copy from a base, not kept a copy each (registers: BN = 256 spilled so).
+        # Rows past T or the group read the tile's first row, nothing copied
+        chunk = copy_chunk(tid)
+        row = copy_row(tid)
+        dst_0 = pinned(chunk_word(row, chunk))
+        a_0 = pinned64(word_address(xw, t0 + row, x0 + chunk * 4))  # (an address, read only where the row is)
+        a_spare = pinned64(word_address(xw, t0, x0 + chunk * 4))
+        a_pitch = uint64(WORD_UNITS * COPY_ROWS) * uint64(xw.shape[1])
+        b_0 = pinned64(word_address(w32, row0 + n0 + row, chunk * 4))
+        b_spare = pinned64(word_address(w32, row0 + n0, chunk * 4))
+        b_pitch = uint64(WORD_UNITS * COPY_ROWS) * uint64(w32.shape[1])
+        b_src = cuda.local.array(Q_COPIES, uint64)
+        b_size = cuda.local.array(Q_COPIES, uint32)
         if quant:  # levels: copy idx is row idx // 4, bytes 16 (idx % 4) of the step's 64; scale words
             for i in range(Q_COPIES):
                 idx = tid + i * THREADS
@@ -350,13 +355,6 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
             n = n0 + tid
             e_src = pinned64(word_address(w32, row0 + (n if n < group_rows else n0), scale_word))
             e_size = uint32(4) if n < group_rows else uint32(0)
-        else:
-            for i in range(B_COPIES):
-                idx = tid + i * THREADS
-                n = n0 + copy_row(idx)
-                b_src[i] = pinned64(word_address(w32, row0 + (n if n < group_rows else n0), copy_chunk(idx) * 4))
-                b_dst[i] = pinned(chunk_word(copy_row(idx), copy_chunk(idx)))
-                b_size[i] = uint32(16) if n < group_rows else uint32(0)
         a_rows = pinned(a_at + wg * (64 // 8) * GROUP_WORDS)  # the warpgroup's 64 rows in a stage's tile
         write = uint32(0)
         read = uint32(0)
@@ -370,10 +368,12 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
                 # a half step: the copies of values 32 .. 63 zero-fill (a thread's copies are all of
                 # one column: THREADS is a multiple of 64)
                 cut = it == n_steps - 1 and k % BK != 0
-                a_live = not (cut and copy_chunk(tid) >= 4)
+                a_live = not (cut and chunk >= 4)
                 for i in range(A_COPIES):
-                    cp_async16(smem, a_at + write * A_STAGE + a_dst[i], xw, a_src[i] + step_at,
-                               a_size[i] if a_live else uint32(0))
+                    live = t0 + row + i * COPY_ROWS < n_tokens
+                    src = a_0 + uint64(i) * a_pitch if live else a_spare
+                    cp_async16(smem, a_at + write * A_STAGE + dst_0 + i * COPY_ROWS * ROW_WORDS, xw, src + step_at,
+                               uint32(16) if live and a_live else uint32(0))
                 if quant:
                     q_live = not (cut and tid & 3 >= 2)
                     for i in range(Q_COPIES):
@@ -383,8 +383,10 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
                         cp_async4(smem, e_at + write * BN + tid, w32, e_src + uint64(WORD_UNITS * it), e_size)
                 else:
                     for i in range(B_COPIES):
-                        cp_async16(smem, b_at + write * B_STAGE + b_dst[i], w32, b_src[i] + step_at,
-                                   b_size[i] if a_live else uint32(0))
+                        live = n0 + row + i * COPY_ROWS < group_rows
+                        src = b_0 + uint64(i) * b_pitch if live else b_spare
+                        cp_async16(smem, b_at + write * B_STAGE + dst_0 + i * COPY_ROWS * ROW_WORDS, w32,
+                                   src + step_at, uint32(16) if live and a_live else uint32(0))
                 write = uint32(write + 1) if write < STAGES - 1 else uint32(0)
             cp_async_commit()
             if it < PREFETCH:

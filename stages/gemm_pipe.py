@@ -35,8 +35,9 @@ it multiplies step s, one commit group an iteration, `cp.async.wait_group 1` and
 each step. Tile rows are 64 bytes (32 bf16) with their four 16-byte chunks swizzled (chunk c of row r
 at c ^ ((r >> 1) & 3)), so the 8 row addresses of an ldmatrix matrix, and the copies' stores, fall on
 distinct banks without padding: three stages of BF16 tiles fill the 48 KiB of static shared memory a
-block may have. (Numba has no launch option for more: past 48 KiB a kernel needs the driver's
-maximum-dynamic-shared-memory attribute, which numba-cuda does not set; so 3 stages, not 4.) A warp
+block may have without the driver's maximum-dynamic-shared-memory attribute (which
+stages.device.allow_dynamic_shared now sets for stages.sparse_fused; deeper rings of this kernel in
+dynamic shared memory have not been tried). A warp
 reads a K step's fragments with 12 `ldmatrix.x4` (8 for A: 16 tokens x 16 k each; 4 for B: two
 fragments of 8 outputs x 16 k each) for its 32 mma. The lanes' ldmatrix offsets and the copies'
 addresses are computed once, before the K loop (`pinned`).
@@ -58,11 +59,10 @@ spills, 49152 bytes of shared memory; its K loop 104 instructions a warp a step:
 47104 bytes; its loop 294: 32 HMMA, 12 LDSM, 4 LDGSTS, the conversion (24 PRMT, 16 FADD, 1 LDS.128,
 2 STS.128), 64 FFMA for the scales, 2 BAR. Two blocks (16 warps) an SM: the registers' limit.
 
-On the simulator the copies are plain copies (commit and wait do nothing), ldmatrix a gather in
-which every lane brings the 16 bytes at its own row address to the warp's meeting (stages.warp_mma's)
-and takes back its words of the four matrices, the mma stages.warp_mma's emulation; blocks have 4 warps
-of 32 x 32 tiles (a Python thread per CUDA thread there), whose loops over fragments and copies run
-more than once, as on a GPU.
+The copies, ldmatrix and the other shared-memory instructions are stages.smem's. On the simulator
+they and the mma are emulated (stages.smem, stages.warp_mma); blocks have 4 warps of 32 x 32 tiles
+(a Python thread per CUDA thread there), whose loops over fragments and copies run more than once,
+as on a GPU.
 """
 
 from __future__ import annotations

@@ -22,11 +22,12 @@ GPU call times them all, each process running `python -m pytest dev/test_gemm_wg
 - WGMMA_INFLIGHT=1: BF16 keeps one step's wgmma in flight across the next barrier (four stages,
   one block an SM): 128 registers. Both pass on the simulator; no spills, and ptxas does not report
   serialising the wgmma (its C7514 note) for any of these.
-- WGMMA_BN=256 (BF16 blocks of 128 x 256): 255 registers and a 720-byte stack frame (about 330
-  bytes of spills) even with the copies' addresses worked out at each copy (BF16 at 128: 121
-  registers): by its size the 128-float accumulator array stays in local memory; with INFLIGHT=1
-  ptxas serialises the wgmma (C7514, accumulators read by other instructions). Not worth timing
-  until the accumulators are split into arrays the compiler keeps in registers.
+- WGMMA_BN=256 (BF16 blocks of 128 x 256, a third less L2 traffic a FLOP than 128 x 128): 207
+  registers, no spills, with or without INFLIGHT. It first left its 128-float accumulator array in
+  local memory (a 720-byte stack frame, and with INFLIGHT=1 ptxas serialised the wgmma, C7514): the
+  output loop, 32 fragments with the stores' branches, was too long for the compiler to unroll, so
+  it indexed the array at run time. The accumulators now go out through shared memory in one short
+  loop first (the stages are free by then). Q8_0 at 256 spills (two accumulator sets): BF16 only.
 
 Why it can be done from Numba: numba-cuda 0.30 compiles kernels for the arch-specific target on
 Hopper (its code library asks NVVM for compute_90a), so inline PTX may use wgmma; dev/wgmma_probe.py
@@ -101,8 +102,8 @@ from flashv41.stages.warp_mma import kernel_mma as mma
 
 # Variants to time (environment, read at import; the defaults are the measured kernel's but the swizzle):
 # WGMMA_INFLIGHT=1 keeps one step's wgmma in flight across the next step's barrier (BF16; a fourth
-# stage holds what it reads), WGMMA_BN=256 the BF16 block's outputs (one block an SM then; spills as
-# written: see the module docstring; Q8_0's accumulators would not fit the registers at 256).
+# stage holds what it reads), WGMMA_BN=256 the BF16 block's outputs (one block an SM then; Q8_0's
+# accumulators would not fit the registers at 256).
 INFLIGHT = int(os.environ.get("WGMMA_INFLIGHT", "0"))
 PREFETCH = 2  # steps the copies run ahead of the products (cp_async_wait_one: one group in flight)
 STAGES = PREFETCH + 1 + INFLIGHT
@@ -311,6 +312,7 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
         dynamic = cuda.shared.array(0, uint32, alignment=ALIGN) if ALIGN else cuda.shared.array(0, uint32)
         smem = dynamic[align_words(dynamic):]  # the tiles from a 1024-byte boundary (for the swizzle)
         dsc = cuda.shared.array(SCALES, float32)  # Q8_0: [block, output] the step's scales
+        out_s = smem.view(np.float32)  # [accumulator, thread] at the end
         xw = x.view(np.uint32)
         w32 = w.view(np.uint32)
         tid = uint32(cuda.threadIdx.x)
@@ -432,12 +434,18 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
             read = uint32(read + 1) if read < STAGES - 1 else uint32(0)
         wg_wait()
         pairs = y.shape[1] % 2 == 0 and group_rows % 2 == 0
+        # the outputs through shared memory (the tiles' stages are free now): each thread's
+        # accumulators in one short loop, which the compiler unrolls, so it keeps them in registers
+        # (a loop over them with the stores' branches in it left BN = 256's in local memory)
+        cuda.syncthreads()
+        for i in range(N_ACC):
+            out_s[i * THREADS + tid] = acc[i]
         for h in range(2):
             t = t0 + wg * 64 + v * 16 + g + 8 * h
             if t < n_tokens:
                 for j in range(BN // 8):
                     n = n0 + 8 * j + 2 * t4
-                    v0, v1 = acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]
+                    v0, v1 = out_s[(4 * j + 2 * h) * THREADS + tid], out_s[(4 * j + 2 * h + 1) * THREADS + tid]
                     if out_bf16:
                         word = bf16x2(v0, v1)
                         if pairs and n + 1 < group_rows:

@@ -76,9 +76,9 @@ from flashv41.host.quants import GGMLType
 from flashv41.stages.device import (
     SIM,
     WARP,
-    allow_dynamic_shared,
     f16x2_f32,
     jit_kernel,
+    launch_dynamic_shared,
     product_groups,
 )
 from flashv41.stages.gemm_pipe import LEVEL_BIAS, level_pair, takes
@@ -466,14 +466,10 @@ def wgmma_kernel(quant: bool, out_bf16: bool):
     return gemm_wgmma
 
 
-_ALLOWED: set = set()
-
 
 def gemm_wgmma(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     """y[:n_tokens] = x[:n_tokens] @ w^T, as stages.gemm_pipe.gemm_pipe (the same arguments and
     refusals)."""
-    from numba import typeof
-
     if not takes(w, x.dtype):
         raise ValueError(f"gemm_wgmma {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs "
                          f"is not supported (bf16 inputs; BF16 or Q8_0 weights, K a multiple of 32)")
@@ -486,10 +482,5 @@ def gemm_wgmma(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     kernel = wgmma_kernel(quant, y.dtype == np.uint16)
     args = (x, w.data, y, n_tokens, group_rows, w.k)
     nbytes = 4 * shared_words(quant)
-    if not SIM:
-        key = (kernel, tuple(typeof(a) for a in args))
-        if key not in _ALLOWED:
-            allow_dynamic_shared(kernel, key[1], nbytes)
-            _ALLOWED.add(key)
     grid = ((group_rows + BN - 1) // BN, (n_tokens + BM - 1) // BM, groups)
-    kernel[grid, THREADS, stream, nbytes](*args)
+    launch_dynamic_shared(kernel, grid, THREADS, stream, nbytes, *args)

@@ -648,3 +648,20 @@ def allow_dynamic_shared(dispatcher, argtypes: tuple, nbytes: int) -> None:
     cufunc = kernel.library.get_cufunc()
     attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     driver.cuKernelSetAttribute(attribute, nbytes, cufunc.handle, cufunc.device.id)
+
+
+_SHARED_ALLOWED: dict = {}  # (dispatcher, argument types) -> the dynamic shared bytes its overload may take
+
+
+def launch_dynamic_shared(kernel, grid, threads: int, stream, nbytes: int, *args) -> None:
+    """kernel[grid, threads, stream, nbytes](*args), the overload for these arguments first allowed
+    nbytes of dynamic shared memory (allow_dynamic_shared, once per overload and size: a mutant's
+    kernel is another dispatcher, so it gets its own)."""
+    if not SIM:
+        from numba import typeof
+
+        key = (kernel, tuple(typeof(a) for a in args))
+        if _SHARED_ALLOWED.get(key, -1) < nbytes:
+            allow_dynamic_shared(kernel, key[1], nbytes)
+            _SHARED_ALLOWED[key] = nbytes
+    kernel[grid, threads, stream, nbytes](*args)

@@ -47,12 +47,12 @@ from numba import cuda, float32, float64, int32, uint32
 from flashv41.stages.device import (
     SIM,
     WARP,
-    allow_dynamic_shared,
     bf16_round,
     exp_f32,
     f32_bits,
     f32_from_bits,
     jit_kernel,
+    launch_dynamic_shared,
     mul_rn,
 )
 from flashv41.stages.row_tables import u32_rows
@@ -330,27 +330,16 @@ def fused_kernel(head_dim: int, rope_dim: int = 0, tables: bool = False):
     return kernel
 
 
-_ALLOWED: set = set()  # the (kernel, argument types) whose overload may take shared_bytes
-
-
 def fused_attention(q, ring, chunk_rows, comp_rows, positions, chosen, n_entries: int, sinks, scale: float, cos, sin,
                     out, n_tokens: int, stream, rope_dim: int, tables: bool = False) -> None:
     """The launch for sparse_attention's call of n_tokens tokens (stages.sparse_attention._attend: its
     arguments checked, `chosen` the selection or its stand-in, cos and sin the table or theirs, the
     whole chunk at once: positions are the chunk's, the first one its start), or with `tables`
     sparse_attention_tables' (ring and comp_rows address tables, the whole batch at once)."""
-    from numba import typeof
-
     heads, head_dim = q.shape[1], q.shape[2]
     kernel = fused_kernel(head_dim, rope_dim, tables)
     q32 = q.reshape(q.shape[0] * heads, head_dim).view(np.uint32)
     rows = (ring, chunk_rows.view(np.uint32), comp_rows) if tables else tuple(
         a.view(np.uint32) for a in (ring, chunk_rows, comp_rows))
     args = (q32, *rows, positions, positions, chosen, sinks, cos, sin, out, n_entries, heads, np.float32(scale))
-    nbytes = shared_bytes(head_dim)
-    if not SIM:
-        key = (kernel, tuple(typeof(a) for a in args))  # (a mutant's kernel is another dispatcher)
-        if key not in _ALLOWED:
-            allow_dynamic_shared(kernel, key[1], nbytes)
-            _ALLOWED.add(key)
-    kernel[(-(-heads // HEADS), n_tokens), THREADS, stream, nbytes](*args)
+    launch_dynamic_shared(kernel, (-(-heads // HEADS), n_tokens), THREADS, stream, shared_bytes(head_dim), *args)

@@ -127,12 +127,11 @@ def install() -> None:
     # the dynamic shared memory a kernel may take is an attribute of its loaded function, which
     # needs a context: here such a kernel is compiled, then launched (compiled) as any other
     from flashv41.stages import device as stage_device
-    from flashv41.stages import sparse_fused
 
     def allow_dynamic_shared(kernel, argtypes, nbytes):
         kernel.compile(argtypes)
 
-    stage_device.allow_dynamic_shared = sparse_fused.allow_dynamic_shared = allow_dynamic_shared
+    stage_device.allow_dynamic_shared = allow_dynamic_shared  # (launch_dynamic_shared calls it there)
     cuda.to_device = lambda ary, stream=0, copy=True, to=None: _fake(ary)
     cuda.device_array = lambda shape, dtype=np.float64, strides=None, order="C", stream=0: _fake(
         np.zeros(shape, dtype=dtype))

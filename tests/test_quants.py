@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as GQ
 
 from flashv41.host.errors import UnsupportedError
-from flashv41.host.quants import FORMATS, Q2_K_BLOCK, GGMLType, dequantize, quantize
+from flashv41.host.quants import FORMATS, Q2_K_BLOCK, GGMLType, _sum16, dequantize, quantize
 
 ROWS, K = 64, 512
 
@@ -185,6 +185,47 @@ def test_q2_k_constant_block_stays_constant(c: float) -> None:
     assert np.unique(y).size == 1
     # the stored scale is c/45 or |c|/15 rounded to fp16: relative error at most 2^-11
     assert abs(float(y[0, 0]) - c) <= abs(c) * 2.0 ** -11
+
+
+def test_sum16_adds_in_numpys_order() -> None:
+    """The quantiser's sums of 16 (host.quants._sum16, over a transposed block) have the bits
+    NumPy's own row sums have, in float32 and float64, over magnitudes that make the order show."""
+    rng = np.random.default_rng(8)
+    for dtype in (np.float32, np.float64):
+        a = (rng.standard_normal((20000, 16)) * 10.0 ** rng.integers(-6, 7, (20000, 16))).astype(dtype)
+        want = a.sum(axis=1)
+        got = _sum16(np.ascontiguousarray(a.T))
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{dtype.__name__}: other sums"
+
+
+def tricky_rows() -> np.ndarray:
+    """Gaussian rows with zero, constant, one-signed, sparse, integer and extreme blocks."""
+    x = np.random.default_rng(5).standard_normal((300, 768)).astype(np.float32)
+    x[3] = 0
+    x[5, :16] = 1.5
+    x[7, 16:32] = -2
+    x[9, ::2] = 0
+    x[11] = np.abs(x[11])
+    x[13] = -np.abs(x[13])
+    x[15, :256] *= 1e-30
+    x[17, :256] *= 1e30
+    x[19] = np.rint(x[19] * 2)
+    return x
+
+
+def test_q2_k_bytes_are_those_of_the_row_major_quantiser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """quantize_q2_k fits a few hundred rows at a time on transposed blocks; the bytes are those
+    the earlier quantiser (one piece, row-major sums; commit 5d65449) wrote for these inputs (SHA-256
+    of its output), and do not depend on where the pieces split."""
+    import hashlib
+
+    from flashv41.host import quants
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = quantize(tricky_rows(), GGMLType.Q2_K)
+        assert hashlib.sha256(got.tobytes()).hexdigest()[:32] == "9396b79e267dbea9ec93c030bf05954b"
+        monkeypatch.setattr(quants, "Q2_K_CHUNK_VALUES", 7 * 768)  # pieces of 7 rows: 300 = 42 * 7 + 6
+        assert np.array_equal(quantize(tricky_rows(), GGMLType.Q2_K), got)
 
 
 def test_rows_must_hold_whole_blocks() -> None:

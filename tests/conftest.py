@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,37 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         report.outcome = "skipped"
         report.longrepr = (str(item.path), item.location[1] or 0,
                            f"compile-check mode: results not computed ({call.excinfo.typename})")
+
+
+TIMELINE_ENV = "FLASHV41_TEST_TIMELINE"
+_timeline: dict[str, Any] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # a pytest-xdist controller reports its workers' tests through the same hooks: only the
+    # process that runs a test writes its line
+    _timeline["writes"] = bool(os.environ.get(TIMELINE_ENV)) and (
+        bool(os.environ.get("PYTEST_XDIST_WORKER")) or not getattr(config.option, "numprocesses", None))
+
+
+def timeline_line(event: str, nodeid: str) -> None:
+    """With FLASHV41_TEST_TIMELINE naming a file (tools/gpu_suite.sh sets it): one line a test's
+    start and end, `unix seconds<TAB>worker<TAB>start|end<TAB>test id`, appended by every worker, so
+    a run a limit cuts short still says which tests were running, since when, and where the
+    workers waited (tools/test_durations.py reads it)."""
+    if not _timeline.get("writes"):
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.environ[TIMELINE_ENV], "a") as out:
+        out.write(f"{time.time():.3f}\t{worker}\t{event}\t{nodeid.split('@')[0]}\n")
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    timeline_line("start", nodeid)
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    timeline_line("end", nodeid)
 
 
 DURATIONS_ENV = "FLASHV41_TEST_DURATIONS"

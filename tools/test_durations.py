@@ -1,10 +1,13 @@
 """The GPU suite's test durations, for scheduling the longest tests first.
 
-    python tools/test_durations.py OUT.json [IN.json ...] [RUN.xml ...]
+    python tools/test_durations.py OUT.json [IN.json ...] [RUN.xml ...] [TIMELINE.tsv ...]
 
 Reads JUnit XML files of pytest runs (tools/gpu_suite.sh writes them) and earlier duration files,
 and writes OUT.json: {test id: seconds}, a test's figure from the last file that has it (so a new
-run's figures replace older ones; list the XML files after the JSON ones). tests/conftest.py
+run's figures replace older ones; list the XML files after the JSON ones). A timeline
+(FLASHV41_TEST_TIMELINE, tests/conftest.py) adds the tests a limit cut short: each counts at least
+the seconds it had run by the timeline's last line, and is printed with them, so a test that never
+finished is not scheduled as an unmeasured one (30 s) in the next run. tests/conftest.py
 orders the collected tests longest first by such a file when FLASHV41_TEST_DURATIONS names it:
 with pytest-xdist's `--dist load`, which hands the tests out in that order, the few tests that
 take minutes start first instead of holding a worker at the end of the run.
@@ -29,7 +32,10 @@ def xml_durations(path: Path) -> dict[str, float]:
     for case in ET.parse(path).iter("testcase"):
         if case.find("skipped") is not None:  # (the simulator's skips of every gpu test too)
             continue
-        classname, name = case.get("classname", ""), case.get("name", "")
+        # (a test of an xdist_group is named test_y[p]@group there; conftest looks it up without)
+        classname, name = case.get("classname", ""), case.get("name", "").split("@")[0]
+        if not name:
+            continue
         parts = classname.split(".")
         # a test in a class: tests.test_x.TestY -> tests/test_x.py::TestY::name
         module = [p for p in parts if not p[:1].isupper()]
@@ -39,10 +45,30 @@ def xml_durations(path: Path) -> dict[str, float]:
     return found
 
 
+def unfinished(path: Path) -> dict[str, float]:
+    """{test id: seconds run} of the tests a timeline shows started and not ended, counted to its
+    last line."""
+    started: dict[str, float] = {}
+    last = 0.0
+    for line in path.read_text().splitlines():
+        stamp, _, event, node = line.split("\t")
+        last = max(last, float(stamp))
+        if event == "start":
+            started[node] = float(stamp)
+        else:
+            started.pop(node, None)
+    return {node: round(last - t, 2) for node, t in started.items()}
+
+
 def merge(paths: list[Path]) -> dict[str, float]:
     merged: dict[str, float] = {}
     for path in paths:
-        merged.update(json.loads(path.read_text()) if path.suffix == ".json" else xml_durations(path))
+        if path.suffix == ".tsv":
+            for node, seconds in unfinished(path).items():
+                print(f"{path.name}: {node} unfinished after {seconds:.0f} s")
+                merged[node] = max(merged.get(node, 0.0), seconds)
+        else:
+            merged.update(json.loads(path.read_text()) if path.suffix == ".json" else xml_durations(path))
     return dict(sorted(merged.items(), key=lambda kv: -kv[1]))
 
 

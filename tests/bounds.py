@@ -145,10 +145,13 @@ def product_error(x: np.ndarray, w: np.ndarray, w_abs: np.ndarray | None = None,
     x64 = np.asarray(x, np.float64)
     w64 = np.asarray(w, np.float64)
     exact = x64 @ w64.T
-    mag = np.abs(w64) if w_abs is None else np.asarray(w_abs, np.float64)
+    abs_x = np.abs(x64)
+    abs_sum = abs_x @ np.abs(w64).T
+    # (w_abs defaults to |w|: then the sqrt(K) bound's magnitudes are abs_sum, one product fewer)
+    mag_sum = abs_sum if w_abs is None else abs_x @ np.asarray(w_abs, np.float64).T
     n = n_terms or x.shape[-1]
-    probable = LAMBDA * np.sqrt(n) * U * (np.abs(x64) @ mag.T)
-    return exact, np.minimum(probable, f32_sum_error(np.abs(x64) @ np.abs(w64).T, x.shape[-1]))
+    probable = LAMBDA * np.sqrt(n) * U * mag_sum
+    return exact, np.minimum(probable, f32_sum_error(abs_sum, x.shape[-1]))
 
 
 def _worst(got64: np.ndarray, exact: np.ndarray, bound: np.ndarray) -> str:

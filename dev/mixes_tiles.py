@@ -1,0 +1,162 @@
+"""The hyper-connection mixes' product for a prefill chunk, as tiles of tokens (issue 44; not in the
+package until it has run on a GPU and won).
+
+Past POST_PRODUCT_MAX_TOKENS, stages.hyper forms a sublayer's mixes product with
+stages.linear.stream_partials: the decode GEMV's walk, a warp a (row, slice) and eight tokens, so
+the 25 rows (24 mixes and the square sum) of a slice each read the chunk's highway again. On the
+32k prefill (H100, seventh session) that launch took 199 ms of the events' 1.90 s: two a layer
+(the attention's and the FFN's mixes) in each of 64 chunks of 512 tokens on six layers, 768
+launches of about 259 us, where reading the chunk's highway once (42 MB) takes 14 us.
+
+Registers (ptxas, sm_90): 158-163 a thread, no stack, for F32 / F16 / BF16 weights, with or
+without MIXES_PREFETCH; one block of eight warps an SM.
+
+Here a block of WARPS warps takes TOKENS_A_WARP tokens a warp and one slice of K: each lane walks
+the slice's columns 32 apart, loads the column's weight of every mix row once (the block's warps
+share them through L1) and adds x * w for each of its tokens and row, and x * x for the square sum,
+in registers; the lanes' sums then meet by shuffles. The highway is read once, the weights once a
+warp from L1. Same partial layout as stream_partials, [T, N + 1, S], with S slices of whole
+32-value chunks (fewer and longer than stream_partials' 80: stages.hyper's mixes kernels take any
+S), so the mixes kernels after it are unchanged.
+
+Summation: each lane adds its columns of a slice in order (fp32, one rounding a term), then five
+shuffle rounds; the oracle sums in float64. dev/test_mixes_tiles.py holds the partials to the
+worst-case fp32 bound of their terms, and the stage's mixes from them to test_hyper's bounds.
+`python -m dev.test_mixes_tiles` times it against stream_partials at flash size.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import numpy as np
+from numba import cuda, float32
+
+from flashv41.host.quants import GGMLType
+from flashv41.stages.device import CHUNK, SIM, WARP, bf16_to_f32, jit_kernel, warp_sum
+from flashv41.stages.linear import DeviceWeight
+
+WARPS = 8  # warps a block
+TOKENS_A_WARP = 4  # tokens each warp sums, each in (N + 1) registers a lane (the kernel names four)
+SLICE_CHUNKS = 8 if SIM else 40  # 32-value chunks a slice: 1280 values, 16 slices of the flash highway
+# (4 x 5120); on the simulator stages.hyper's own slices (MIX_SLICE_CHUNKS), as many as its partial holds
+LANES = 1 if SIM else WARP  # the simulator's warps are one lane (as stages.hyper's)
+FN_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+# a variant to time (environment, read at import): MIXES_PREFETCH=1 loads the next column's x while
+# this column's products run (twice the loads in flight: a block of 8 warps an SM, 162 registers,
+# keeps 4 KB of the highway in flight an SM without it, about a quarter of what HBM wants)
+PREFETCH = os.environ.get("MIXES_PREFETCH", "0") != "0"
+
+
+@cache
+def mixes_tiles_kernel(gtype: GGMLType, n_rows: int):
+    """partial[t, n, s] for n < n_rows (x[t] . w[n] over slice s) and n = n_rows (x[t] . x[t]);
+    grid (token tiles, slices), block (LANES, WARPS)."""
+    f16 = gtype == GGMLType.F16
+    bf16 = gtype == GGMLType.BF16
+    rows = n_rows + 1
+
+    @jit_kernel((LANES * WARPS, 1))
+    def mixes_tiles(x, w, partial, n_tokens, k, slice_len):
+        lane = cuda.threadIdx.x
+        t0 = (cuda.blockIdx.x * WARPS + cuda.threadIdx.y) * TOKENS_A_WARP
+        s = cuda.blockIdx.y
+        # a warp's four tokens each in an array of its own: loops over the rows alone unroll, so
+        # the accumulators stay in registers (one array [4, rows] went to the stack)
+        acc0 = cuda.local.array(rows, float32)
+        acc1 = cuda.local.array(rows, float32)
+        acc2 = cuda.local.array(rows, float32)
+        acc3 = cuda.local.array(rows, float32)
+        wv = cuda.local.array(rows, float32)
+        for n in range(rows):
+            acc0[n] = float32(0)
+            acc1[n] = float32(0)
+            acc2[n] = float32(0)
+            acc3[n] = float32(0)
+        wf32 = w.view(np.float32)
+        wf16 = w.view(np.float16)
+        wb16 = w.view(np.uint16)
+        last = n_tokens - 1  # a token past it reads the last one's row and adds nothing (x = 0)
+        k0 = s * slice_len
+        k1 = min(k0 + slice_len, k)
+        c = k0 + lane
+        if PREFETCH:  # the next column's x loads go out before this column's products
+            p0 = x[min(t0, last), c] if t0 <= last and c < k1 else float32(0)
+            p1 = x[min(t0 + 1, last), c] if t0 + 1 <= last and c < k1 else float32(0)
+            p2 = x[min(t0 + 2, last), c] if t0 + 2 <= last and c < k1 else float32(0)
+            p3 = x[min(t0 + 3, last), c] if t0 + 3 <= last and c < k1 else float32(0)
+        else:
+            p0 = p1 = p2 = p3 = float32(0)
+        while c < k1:
+            for n in range(n_rows):
+                if f16:
+                    wv[n] = float32(wf16[n, c])
+                elif bf16:
+                    wv[n] = bf16_to_f32(wb16[n, c])
+                else:
+                    wv[n] = wf32[n, c]
+            if PREFETCH:
+                x0, x1, x2, x3 = p0, p1, p2, p3
+                nc = c + LANES
+                p0 = x[min(t0, last), nc] if t0 <= last and nc < k1 else float32(0)
+                p1 = x[min(t0 + 1, last), nc] if t0 + 1 <= last and nc < k1 else float32(0)
+                p2 = x[min(t0 + 2, last), nc] if t0 + 2 <= last and nc < k1 else float32(0)
+                p3 = x[min(t0 + 3, last), nc] if t0 + 3 <= last and nc < k1 else float32(0)
+            else:
+                x0 = x[min(t0, last), c] if t0 <= last else float32(0)
+                x1 = x[min(t0 + 1, last), c] if t0 + 1 <= last else float32(0)
+                x2 = x[min(t0 + 2, last), c] if t0 + 2 <= last else float32(0)
+                x3 = x[min(t0 + 3, last), c] if t0 + 3 <= last else float32(0)
+            for n in range(n_rows):
+                acc0[n] += x0 * wv[n]
+                acc1[n] += x1 * wv[n]
+                acc2[n] += x2 * wv[n]
+                acc3[n] += x3 * wv[n]
+            acc0[n_rows] += x0 * x0
+            acc1[n_rows] += x1 * x1
+            acc2[n_rows] += x2 * x2
+            acc3[n_rows] += x3 * x3
+            c += LANES
+        # the lanes' sums, a loop a token (one loop of all four did not unroll)
+        for n in range(rows):
+            total = warp_sum(acc0[n], wv) if LANES > 1 else acc0[n]  # (shuffles: no scratch)
+            if lane == 0 and t0 <= last:
+                partial[t0, n, s] = total
+        for n in range(rows):
+            total = warp_sum(acc1[n], wv) if LANES > 1 else acc1[n]
+            if lane == 0 and t0 + 1 <= last:
+                partial[t0 + 1, n, s] = total
+        for n in range(rows):
+            total = warp_sum(acc2[n], wv) if LANES > 1 else acc2[n]
+            if lane == 0 and t0 + 2 <= last:
+                partial[t0 + 2, n, s] = total
+        for n in range(rows):
+            total = warp_sum(acc3[n], wv) if LANES > 1 else acc3[n]
+            if lane == 0 and t0 + 3 <= last:
+                partial[t0 + 3, n, s] = total
+
+    return mixes_tiles
+
+
+def mixes_slices(k: int) -> int:
+    """The slices mixes_tiles cuts K into: runs of SLICE_CHUNKS 32-value chunks."""
+    return -(-k // (SLICE_CHUNKS * CHUNK))
+
+
+def mixes_tiles(x, w: DeviceWeight, partial, n_tokens: int, stream=0) -> int:
+    """partial[t, n, s] = sum over slice s of x[t, k] * w[n, k] for the N rows, and partial[t, N, s]
+    the slice's sum of x[t, k]^2, for mixes_slices(K) slices; x float32 [T, K], w F32 / F16 / BF16
+    [N, K], partial float32 [>= T, N + 1, >= S]. Returns S (the mixes kernels' n_slices)."""
+    slices = mixes_slices(w.k)
+    if (w.gtype not in FN_TYPES or x.dtype != np.float32 or x.shape[1] < w.k or n_tokens > x.shape[0]
+            or partial.dtype != np.float32 or partial.shape[0] < n_tokens or partial.shape[1] != w.n + 1
+            or partial.shape[2] < slices):
+        raise ValueError(f"mixes_tiles {w.name}: {w.gtype.name} [{w.n}, {w.k}], x {x.shape} {x.dtype}, "
+                         f"partial {partial.shape} {partial.dtype}, {n_tokens} tokens")
+    if n_tokens == 0:
+        return slices
+    tiles = -(-n_tokens // (WARPS * TOKENS_A_WARP))
+    mixes_tiles_kernel(w.gtype, w.n)[(tiles, slices), (LANES, WARPS), stream](
+        x, w.data, partial, n_tokens, w.k, SLICE_CHUNKS * CHUNK)
+    return slices

@@ -74,8 +74,10 @@ def test_release_and_close_return_device_memory(synth_model):
     first to launch, and the driver's local-memory reservation, which grows when a kernel needing
     more stack first runs. So one engine runs a round and closes before the count starts (counted
     from before it, the first GPU suite run lost 8 MiB here, 2026-12-07, H100, the test first in
-    its process). After that, twenty rounds of sequences must not take a byte, and neither may
-    any engine once closed: each is checked alone, so a leak names the step that made it."""
+    its process). After that, twenty rounds of sequences must not take a byte, and each engine
+    closed must give back all but at most one 2 MiB page of the driver's small-allocation pool
+    (test_reliability_memory's allowance), each checked alone, so a leak names the step that made
+    it."""
     import gc
 
     model = flashv41.load_model(synth_model("small"))
@@ -100,13 +102,14 @@ def test_release_and_close_return_device_memory(synth_model):
     assert after >= with_engine, f"sequences leaked {with_engine - after} bytes of device memory"
     engine.close()
     gc.collect()
+    page = 2 << 20  # the driver hands small allocations out of 2 MiB pages
     closed = device_free_bytes()
-    assert closed >= before, f"an engine that ran 21 rounds leaked {before - closed} bytes once closed"
+    assert closed >= before - page, f"an engine that ran 21 rounds leaked {before - closed} bytes once closed"
     for i in range(3):
         flashv41.Engine(model, max_seq=128, max_tokens=16).close()
         gc.collect()
         now = device_free_bytes()
-        assert now >= before, f"bare engine {i} leaked {before - now} bytes once closed"
+        assert now >= before - page, f"bare engine {i} leaked {before - now} bytes once closed"
 
 
 def test_bitwise_deterministic(synth_model):

@@ -6,8 +6,12 @@ compressed rows: 640 entries a query).
   engine's chunk) through the engine's workspace, on the fused kernel (the GPU's default past eight
   tokens) and on the split path's tensor cores.
 - `sparse.batch.<cores>.<B>`: sparse_attention_tables of a batched decode step of B = 16, 32, 64
-  and 128 sequences, each with its own ring and compressed rows, on the split path's tensor cores
-  (a batch's default) and on the fused kernel (forced): the figures that decide a batch's default.
+  and 128 sequences, each with its own ring and compressed rows, on the fused kernel (a batch's
+  default past eight) and on the split path's tensor cores: the figures that moved a batch's default.
+  And of B = 1, 2, 4 and 8 (a sequence's decode step, and the batches whose steps keep each
+  sequence's bits alone) on the split path's CUDA cores (their default) and on the fused kernel:
+  whether decode itself should move (the fused kernel's result for a token does not depend on the
+  others, so every batch would then keep each sequence's bits).
 
 Bound: the products' FLOPs (2 x 2 x heads x D a query and entry) at the tensor cores' bf16 peak
 (PEAK_TFLOPS): the ratio says how far from the tensor cores a kernel is. The rows, every query's
@@ -24,6 +28,8 @@ HEADS, DIM, ROPE, WINDOW, GROUPS, SELECTED = 64, 512, 64, 128, 2048, 512
 PREFILL_TOKENS = (64, 512)
 BATCHES = (16, 32, 64, 128)
 CORES = ("fused", "tc")
+SMALL_BATCHES = (1, 2, 4, 8)  # up to SPLIT_MAX_TOKENS: the split path's CUDA cores by default
+SMALL_CORES = ("cuda", "fused")
 
 
 def _bf16_rows(rng: np.random.Generator, shape: tuple[int, ...]):
@@ -116,4 +122,5 @@ def batch_case(cores: str, b: int) -> BenchCase:
 
 def cases(options: BenchOptions) -> list[BenchCase]:
     return [*(prefill_case(c, t) for t in PREFILL_TOKENS for c in CORES),
+            *(batch_case(c, b) for b in SMALL_BATCHES for c in SMALL_CORES),
             *(batch_case(c, b) for b in BATCHES for c in CORES)]

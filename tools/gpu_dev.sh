@@ -9,8 +9,9 @@
 # Installs the carried wheels and flashv41 (tools/device_setup.sh), then runs the group's steps, each
 # a process of its own under its own limit, into LOG_DIR/dev-<group>.log; the exit status is the
 # first failing step's.
-#   mixes   dev/mixes_tiles (the prefill mixes' product) against stream_partials: tests at flash size
-#           and timing, without and with MIXES_PREFETCH (about 3 minutes)
+#   glue    dev/mixes_tiles (the prefill mixes' product) against stream_partials, without and with
+#           MIXES_PREFETCH, and dev/embed_rows against the stage's embedding: tests at flash size
+#           and timing (about 4 minutes)
 #   wgmma   dev/gemm_wgmma against gemm_pipe and cuBLAS: the small tests and the timing of the seven
 #           flash shapes for the 128-byte swizzle, with WGMMA_INFLIGHT=1, WGMMA_BN=256 and both
 #           (about 8 minutes)
@@ -20,8 +21,8 @@ set -uo pipefail
 log_dir=${1:?usage: tools/gpu_dev.sh LOG_DIR GROUP}
 group=${2:?usage: tools/gpu_dev.sh LOG_DIR GROUP}
 case "$group" in
-    mixes|wgmma|sparse) ;;
-    *) echo "tools/gpu_dev.sh: unknown group '$group' (mixes, wgmma, sparse)" >&2; exit 2 ;;
+    glue|wgmma|sparse) ;;
+    *) echo "tools/gpu_dev.sh: unknown group '$group' (glue, wgmma, sparse)" >&2; exit 2 ;;
 esac
 mkdir -p "$log_dir"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -46,11 +47,13 @@ step() {  # step SECONDS "ENV=VALUE ..." COMMAND...: one process, its last lines
 }
 
 case "$group" in
-    mixes)
+    glue)
         for v in 0 1; do
             step 90 "MIXES_PREFETCH=$v" python3 -m pytest -p no:cacheprovider -q -s -W ignore dev/test_mixes_tiles.py
             step 60 "MIXES_PREFETCH=$v" python3 -m dev.test_mixes_tiles 512
-        done ;;
+        done
+        step 90 "" python3 -m pytest -p no:cacheprovider -q -W ignore dev/test_embed_rows.py
+        step 90 "" python3 -m dev.test_embed_rows 512 ;;
     wgmma)
         for v in "" "WGMMA_INFLIGHT=1" "WGMMA_BN=256" "WGMMA_BN=256 WGMMA_INFLIGHT=1"; do
             step 50 "$v" python3 -m pytest -p no:cacheprovider -q -x -W ignore dev/test_gemm_wgmma.py -k "not flash"

@@ -75,10 +75,11 @@ part() {  # part LIMIT PYTEST_ARGS...: pytest in a process group of its own (tim
 # (2026-12-07: six flash-dimension tests failed with CUDA_ERROR_OUT_OF_MEMORY; numba's retry after
 # an OOM frees only the failing process's own). What the workers hold is sampled every 10 s into
 # LOG_DIR/gpu_memory.csv.
-# every test's start and end, by worker, into LOG_DIR/timeline.tsv (tests/conftest.py): what ran when,
-# and which tests a limit cut short
+# every test's start and end, by worker, into LOG_DIR/timeline.tsv (tests/conftest.py; the
+# device-memory part's into timeline_alone.tsv): what ran when, and which tests a limit cut short
+# (tools/suite_timeline.py's summary goes into the log)
 export FLASHV41_TEST_TIMELINE="$log_dir/timeline.tsv"
-rm -f "$FLASHV41_TEST_TIMELINE"
+rm -f "$log_dir/timeline.tsv" "$log_dir/timeline_alone.tsv"
 nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv,noheader -l 10 \
     > "$log_dir/gpu_memory.csv" 2>/dev/null &
 sampler=$!
@@ -89,6 +90,8 @@ OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 FLASHV41_TEST_DURATIO
 spread=$?
 kill "$sampler" 2>/dev/null
 echo "== gpu suite, over the workers: exit $spread, $(( $(date +%s) - start )) s wall" | tee -a "$log"
+python3 tools/suite_timeline.py "$log_dir/timeline.tsv" 2>&1 | tee -a "$log"
+export FLASHV41_TEST_TIMELINE="$log_dir/timeline_alone.tsv"
 # then, alone on the GPU, the tests that read its free memory (another process's allocations would
 # show in their figures)
 part "$(left)" -m "gpu and device_memory" -p no:cacheprovider -v -rfEs --durations=0 -W "ignore:Grid size" \
@@ -96,7 +99,7 @@ part "$(left)" -m "gpu and device_memory" -p no:cacheprovider -v -rfEs --duratio
 alone=$?
 echo "== gpu suite, the device_memory tests alone: exit $alone, $(( $(date +%s) - start )) s wall" | tee -a "$log"
 python3 tools/test_durations.py "$log_dir/gpu_durations.json" tools/gpu_durations.json "$log_dir/gpu_suite.xml" \
-    "$log_dir/gpu_suite_alone.xml" "$FLASHV41_TEST_TIMELINE" | tee -a "$log"
+    "$log_dir/gpu_suite_alone.xml" "$log_dir/timeline.tsv" "$log_dir/timeline_alone.tsv" | tee -a "$log"
 # a part that selects no test (pytest's 5: extra arguments may select none of its tests) did not fail
 for p in spread alone; do [ "${!p}" -eq 5 ] && printf -v "$p" 0; done
 status=$spread

@@ -8,7 +8,9 @@
 #
 # A run's folder is $FLASHV41_RUNS/NAME (default /tmp/flashv41-runs/NAME): output.txt (its stdout
 # and stderr), rc (its exit status, written when it ends), and whatever the command writes there
-# (give it "$FLASHV41_RUN_DIR", exported to it, as its log folder). `wait` prints the output's last
+# (give it "$FLASHV41_RUN_DIR", exported to it, as its log folder). The command runs in src/ there,
+# a copy of the project (without .git; .kernel-cache linked), so that a later call's copy of the
+# working tree cannot move files, or the folder itself, from under it. `wait` prints the output's last
 # lines and exits with the command's status once it has ended, or 3 while it still runs (call `wait`
 # again in the next call). The whole GPU suite, when it needs more than one call:
 #   tools/gpu_detached.sh start suite bash tools/gpu_suite.sh /tmp/flashv41-runs/suite/log
@@ -30,8 +32,11 @@ case "$action" in
             exit 2
         fi
         rm -rf "$dir"
-        mkdir -p "$dir"
-        (cd "$here" && FLASHV41_RUN_DIR="$dir" setsid nohup bash -c '"$@"; echo $? > "$FLASHV41_RUN_DIR/rc"' \
+        mkdir -p "$dir/src"
+        tar -C "$here" --exclude=./.git --exclude=./.kernel-cache -cf - . | tar -C "$dir/src" -xf - || exit 2
+        mkdir -p "$here/.kernel-cache"
+        ln -s "$here/.kernel-cache" "$dir/src/.kernel-cache"
+        (cd "$dir/src" && FLASHV41_RUN_DIR="$dir" setsid nohup bash -c '"$@"; echo $? > "$FLASHV41_RUN_DIR/rc"' \
             detached "$@" > "$dir/output.txt" 2>&1 < /dev/null &)
         echo "started '$name': $*  (folder $dir)"
         ;;
@@ -44,7 +49,10 @@ case "$action" in
             sleep 5
         done
         tail -n 30 "$dir/output.txt"
-        [ -n "$out" ] && mkdir -p "$out" && cp -r "$dir/." "$out/"
+        if [ -n "$out" ]; then  # everything but the project's copy
+            mkdir -p "$out"
+            find "$dir" -mindepth 1 -maxdepth 1 ! -name src -exec cp -r {} "$out/" \;
+        fi
         if [ -e "$dir/rc" ]; then
             echo "== '$name' ended: exit $(cat "$dir/rc")"
             exit "$(cat "$dir/rc")"

@@ -100,7 +100,26 @@ def longest_first(items: list[pytest.Item], path: str) -> None:
     items.sort(key=lambda item: -durations.get(item.nodeid.split("@")[0], UNMEASURED_S))
 
 
+# the flash-shape product tests that share one random weight over their token counts (made once in a
+# row: test_linear_tc.weight's cache of one): on pytest-xdist with `--dist loadgroup` (the GPU
+# suite) the counts of a weight go to one worker together, where the durations' order would have
+# scattered them and made the weight once a test (about 300 s of the suite's work)
+WEIGHT_SHARING = {("test_linear_tc.py", "test_flash_shapes"), ("test_linear_tc.py", "test_flash_grouped_wo_a"),
+                  ("test_linear_imma.py", "test_flash_shapes"), ("test_linear_narrow.py", "test_flash_shapes")}
+
+
+def group_by_weight(items: list[pytest.Item]) -> None:
+    for item in items:
+        if (item.path.name, getattr(item, "originalname", "")) not in WEIGHT_SHARING:
+            continue
+        params = item.callspec.params  # type: ignore[attr-defined]
+        weight = f"{item.path.stem}-{params['gtype'].name}-{params.get('name', 'wo_a')}"
+        item.add_marker(pytest.mark.xdist_group(weight))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which names each grouped test by its group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    group_by_weight(items)
     if os.environ.get(DURATIONS_ENV):
         longest_first(items, os.environ[DURATIONS_ENV])
     if not using_simulator() or compile_check.enabled():

@@ -53,6 +53,11 @@ cd "$here" || exit 2
 {
     echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
     python3 -c "import numpy, numba, numba.cuda; print('numpy', numpy.__version__, 'numba', numba.__version__)"
+    # pytest-xdist 3.8 groups tests (--dist loadgroup) by renaming them, which pytest 9.2 undoes:
+    # there the suite still runs, but the grouped tests are spread (and their shared setups repeated)
+    python3 -c "import pytest, xdist; print('pytest', pytest.__version__, 'xdist', xdist.__version__)
+v = tuple(int(p) for p in pytest.__version__.split('.')[:2])
+if v >= (9, 2): print('warning: on pytest >= 9.2, xdist_group does not group tests (slower suite)')"
     echo "kernel cache: ${FLASHV41_KERNEL_CACHE:-off}"
 } 2>&1 | tee "$log"
 

@@ -87,7 +87,6 @@ from flashv41.stages.device import (
 from flashv41.stages.smem import (
     ALIGN,
     WORD_UNITS,
-    bf16x2,
     cp_async4,
     cp_async16,
     cp_async_commit,
@@ -96,8 +95,7 @@ from flashv41.stages.smem import (
     lds4,
     pinned,
     pinned64,
-    store_bf16x2,
-    store_f32x2,
+    store_pair,
     sts4,
     word_address,
 )
@@ -323,23 +321,8 @@ def pipe_kernel(quant: bool, out_bf16: bool):
                 if t < n_tokens:
                     for fn in range(FN):
                         n = n0 + wn + fn * 8 + 2 * t4
-                        v0, v1 = acc[fm, fn, 2 * h], acc[fm, fn, 2 * h + 1]
-                        if out_bf16:
-                            word = bf16x2(v0, v1)
-                            if pairs and n + 1 < group_rows:
-                                store_bf16x2(y, t, row0 + n, word)
-                            else:
-                                if n < group_rows:
-                                    y[t, row0 + n] = word & 0xFFFF
-                                if n + 1 < group_rows:
-                                    y[t, row0 + n + 1] = word >> 16
-                        elif pairs and n + 1 < group_rows:
-                            store_f32x2(y, t, row0 + n, v0, v1)
-                        else:
-                            if n < group_rows:
-                                y[t, row0 + n] = v0
-                            if n + 1 < group_rows:
-                                y[t, row0 + n + 1] = v1
+                        store_pair(y, t, row0, n, group_rows, acc[fm, fn, 2 * h], acc[fm, fn, 2 * h + 1],
+                                   pairs, out_bf16)
 
     return gemm_pipe
 

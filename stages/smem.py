@@ -1,7 +1,8 @@
 """Shared-memory and asynchronous-copy instructions for the tensor-core kernels, as Numba
 intrinsics on a GPU and as emulations on the simulator (the same names, the same results): 16- and
 4-byte `cp.async` copies into shared memory with their commit and waits, `ldmatrix` (plain and
-transposed), 16-byte shared loads and stores, paired global stores, `cvt.rn.bf16x2.f32`, and
+transposed), 16-byte shared loads and stores, paired global stores (and `store_pair`, a GEMM
+epilogue's store of two outputs on either side of a group's end), `cvt.rn.bf16x2.f32`, and
 `pinned` values the compilers compute once. Nothing here is a kernel: stages.gemm_pipe and
 stages.sparse_fused build theirs from these.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 from numba import cuda, uint32, uint64
 
 from flashv41.stages import warp_mma
-from flashv41.stages.device import SIM, WARP, f32_to_bf16
+from flashv41.stages.device import SIM, WARP, f32_to_bf16, inlined
 
 ALIGN = None if SIM else 128  # cp.async and ldmatrix need aligned shared rows (the simulator refuses the option)
 WORD_UNITS = 1 if SIM else 4  # a word_address's units a word: the simulator's index words, the GPU's bytes
@@ -309,3 +310,27 @@ else:
             return context.get_dummy_value()
 
         return sig, codegen
+
+
+@inlined
+def store_pair(y, t, row0, n, group_rows, v0, v1, pairs, out_bf16):
+    """A GEMM epilogue's two outputs v0, v1 of token t at output n (even) of the group that starts
+    at row0: y[t, row0 + n] and y[t, row0 + n + 1], those of them below group_rows; bf16-rounded
+    into a uint16 y where out_bf16 (a kernel's compile-time constant), else float32. One paired
+    store where `pairs` (rows and groups of even length: the pair aligned) and both fall inside."""
+    if out_bf16:
+        word = bf16x2(v0, v1)
+        if pairs and n + 1 < group_rows:
+            store_bf16x2(y, t, row0 + n, word)
+        else:
+            if n < group_rows:
+                y[t, row0 + n] = word & 0xFFFF
+            if n + 1 < group_rows:
+                y[t, row0 + n + 1] = word >> 16
+    elif pairs and n + 1 < group_rows:
+        store_f32x2(y, t, row0 + n, v0, v1)
+    else:
+        if n < group_rows:
+            y[t, row0 + n] = v0
+        if n + 1 < group_rows:
+            y[t, row0 + n + 1] = v1

@@ -22,22 +22,6 @@ from flashv41.stages.hyper import HyperStage
 GPU_ONLY = pytest.mark.skipif(SIM, reason="flash size: on a GPU")
 
 
-@pytest.fixture(scope="module")
-def model_of(tmp_path_factory):
-    """load_model(write_synthetic(preset, **kwargs)) into this module's folder."""
-    root = tmp_path_factory.mktemp("models")
-    models = []
-
-    def make(preset: str, **kwargs):
-        path = write_synthetic(root / f"{preset}-{len(models)}.gguf", preset, **kwargs)
-        models.append(flashv41.load_model(path))
-        return models[-1]
-
-    yield make
-    for model in models:
-        model.close()
-
-
 def check(model, ids: np.ndarray, pad: int = 3) -> None:
     """embed_rows' h against the stage's and the oracle's embedding, bit for bit; rows past the
     tokens untouched."""
@@ -61,19 +45,19 @@ def check(model, ids: np.ndarray, pad: int = 3) -> None:
 
 @pytest.mark.parametrize("preset,weight_type", [("tiny", "Q8_0"), ("small", "Q8_0"), ("small", "BF16"),
                                                 ("small", "Q4_K")])
-def test_same_bits_as_the_stage(model_of, preset, weight_type):
+def test_same_bits_as_the_stage(synth_model, preset, weight_type):
     """tiny: one chunk a row (a block's first thread alone); small: eight (two blocks on the
     simulator)."""
-    model = model_of(preset, weight_type=weight_type)
-    check(model, np.array([0, 5, 127, 64, 3, 5]))
+    with flashv41.load_model(synth_model(preset, weight_type=weight_type)) as model:
+        check(model, np.array([0, 5, 127, 64, 3, 5]))
 
 
 @GPU_ONLY
-def test_flash_chunk(model_of):
+def test_flash_chunk(synth_model):
     """A 509-token chunk of the flash dimensions (hc 4 x 5120, Q8_0 rows)."""
-    model = model_of("flash", compress_ratios=(0,), kv_sources=(), index_sources=(), candidate_source=99,
-                     engram_layers=(), vocab=4096)
-    check(model, np.random.default_rng(1).integers(0, 4096, 509))
+    with flashv41.load_model(synth_model("flash", compress_ratios=(0,), kv_sources=(), index_sources=(),
+                                         candidate_source=99, engram_layers=(), vocab=4096)) as model:
+        check(model, np.random.default_rng(1).integers(0, 4096, 509))
 
 
 def time_them(tokens: int = 512, reps: int = 20) -> None:

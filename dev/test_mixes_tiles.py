@@ -7,7 +7,6 @@ bounds): `python -m pytest dev/test_mixes_tiles.py` (outside the suite's testpat
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ from dev.mixes_tiles import FN_TYPES, LANES, SLICE_CHUNKS, mixes_slices, mixes_t
 from flashv41.host.numerics import to_bits
 from flashv41.host.oracle import Oracle
 from flashv41.host.quants import GGMLType
-from flashv41.host.synth import write_synthetic
 from flashv41.stages.device import CHUNK, SIM
 from flashv41.stages.hyper import HyperStage
 from flashv41.stages.linear import DeviceWeight
@@ -27,18 +25,6 @@ from tests.test_hyper import check_mixes
 
 N_MIX = 24  # (2 + hc) x hc mixes, hc = 4
 GPU_ONLY = pytest.mark.skipif(SIM, reason="flash size: on a GPU")
-
-
-@pytest.fixture(scope="module")
-def synth_model(tmp_path_factory):
-    """write_synthetic(preset, **kwargs) into this module's folder (tests/conftest.py's, unshared)."""
-    root = tmp_path_factory.mktemp("models")
-
-    def make(preset: str, **kwargs) -> Path:
-        path = root / f"{preset}-{len(list(root.iterdir()))}.gguf"
-        return write_synthetic(path, preset, **kwargs)
-
-    return make
 
 
 def fn_weight(n: int, k: int, gtype: GGMLType, seed: int) -> tuple[DeviceWeight, np.ndarray]:

@@ -4,6 +4,7 @@ runs: a timeline with a test a limit cut short, a JUnit file with a grouped test
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -13,6 +14,9 @@ TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
 def tool(name: str) -> ModuleType:
+    """tools/<name>.py as a module, tools/ on the path as when it runs as a script."""
+    if str(TOOLS) not in sys.path:
+        sys.path.append(str(TOOLS))
     spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -23,6 +23,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from suite_timeline import read as read_timeline  # (tools/, on the path of a script run from it)
+
 
 def xml_durations(path: Path) -> dict[str, float]:
     """{test id: seconds} of a JUnit XML file: classname tests.test_x and name test_y[p] give
@@ -47,17 +49,9 @@ def xml_durations(path: Path) -> dict[str, float]:
 
 def unfinished(path: Path) -> dict[str, float]:
     """{test id: seconds run} of the tests a timeline shows started and not ended, counted to its
-    last line."""
-    started: dict[str, float] = {}
-    last = 0.0
-    for line in path.read_text().splitlines():
-        stamp, _, event, node = line.split("\t")
-        last = max(last, float(stamp))
-        if event == "start":
-            started[node] = float(stamp)
-        else:
-            started.pop(node, None)
-    return {node: round(last - t, 2) for node, t in started.items()}
+    last line (tools/suite_timeline.py reads it)."""
+    runs, _, last = read_timeline(path)
+    return {node: round(last - start, 2) for _, node, start, end in runs if end is None}
 
 
 def merge(paths: list[Path]) -> dict[str, float]:

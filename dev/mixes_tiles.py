@@ -8,7 +8,7 @@ the 25 rows (24 mixes and the square sum) of a slice each read the chunk's highw
 (the attention's and the FFN's mixes) in each of 64 chunks of 512 tokens on six layers, 768
 launches of about 259 us, where reading the chunk's highway once (42 MB) takes 14 us.
 
-Registers (ptxas, sm_90): 158-163 a thread, no stack, for F32 / F16 / BF16 weights, with or
+Registers (ptxas, sm_90): 156-160 a thread, no stack, for F32 / F16 / BF16 weights, with or
 without MIXES_PREFETCH; one block of eight warps an SM.
 
 Here a block of WARPS warps takes TOKENS_A_WARP tokens a warp and one slice of K: each lane walks
@@ -77,15 +77,15 @@ def mixes_tiles_kernel(gtype: GGMLType, n_rows: int):
         wf32 = w.view(np.float32)
         wf16 = w.view(np.float16)
         wb16 = w.view(np.uint16)
-        last = n_tokens - 1  # a token past it reads the last one's row and adds nothing (x = 0)
+        last = n_tokens - 1  # a token past it adds nothing (x = 0, its row not read)
         k0 = s * slice_len
         k1 = min(k0 + slice_len, k)
         c = k0 + lane
         if PREFETCH:  # the next column's x loads go out before this column's products
-            p0 = x[min(t0, last), c] if t0 <= last and c < k1 else float32(0)
-            p1 = x[min(t0 + 1, last), c] if t0 + 1 <= last and c < k1 else float32(0)
-            p2 = x[min(t0 + 2, last), c] if t0 + 2 <= last and c < k1 else float32(0)
-            p3 = x[min(t0 + 3, last), c] if t0 + 3 <= last and c < k1 else float32(0)
+            p0 = x[t0, c] if t0 <= last and c < k1 else float32(0)
+            p1 = x[t0 + 1, c] if t0 + 1 <= last and c < k1 else float32(0)
+            p2 = x[t0 + 2, c] if t0 + 2 <= last and c < k1 else float32(0)
+            p3 = x[t0 + 3, c] if t0 + 3 <= last and c < k1 else float32(0)
         else:
             p0 = p1 = p2 = p3 = float32(0)
         while c < k1:
@@ -99,15 +99,15 @@ def mixes_tiles_kernel(gtype: GGMLType, n_rows: int):
             if PREFETCH:
                 x0, x1, x2, x3 = p0, p1, p2, p3
                 nc = c + LANES
-                p0 = x[min(t0, last), nc] if t0 <= last and nc < k1 else float32(0)
-                p1 = x[min(t0 + 1, last), nc] if t0 + 1 <= last and nc < k1 else float32(0)
-                p2 = x[min(t0 + 2, last), nc] if t0 + 2 <= last and nc < k1 else float32(0)
-                p3 = x[min(t0 + 3, last), nc] if t0 + 3 <= last and nc < k1 else float32(0)
+                p0 = x[t0, nc] if t0 <= last and nc < k1 else float32(0)
+                p1 = x[t0 + 1, nc] if t0 + 1 <= last and nc < k1 else float32(0)
+                p2 = x[t0 + 2, nc] if t0 + 2 <= last and nc < k1 else float32(0)
+                p3 = x[t0 + 3, nc] if t0 + 3 <= last and nc < k1 else float32(0)
             else:
-                x0 = x[min(t0, last), c] if t0 <= last else float32(0)
-                x1 = x[min(t0 + 1, last), c] if t0 + 1 <= last else float32(0)
-                x2 = x[min(t0 + 2, last), c] if t0 + 2 <= last else float32(0)
-                x3 = x[min(t0 + 3, last), c] if t0 + 3 <= last else float32(0)
+                x0 = x[t0, c] if t0 <= last else float32(0)
+                x1 = x[t0 + 1, c] if t0 + 1 <= last else float32(0)
+                x2 = x[t0 + 2, c] if t0 + 2 <= last else float32(0)
+                x3 = x[t0 + 3, c] if t0 + 3 <= last else float32(0)
             for n in range(n_rows):
                 acc0[n] += x0 * wv[n]
                 acc1[n] += x1 * wv[n]

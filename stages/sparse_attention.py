@@ -52,40 +52,34 @@ Two paths compute that same recurrence:
 - one block per (head, token) (no workspace, or a batch of sparse_attention_tables that the
   workspace cannot hold): warps share out a block's 64 dot products (lanes over D), then every
   thread owns D / threads output dims, block after block.
-- split (with a workspace: decode steps, prefill chunks in sub-chunks of the workspace's tokens,
-  and batches of up to 64 sequences through sparse_attention_tables): a decode step has only H
+- split (with a workspace: decode steps, batches of up to eight, and every call on the simulator
+  or with a D the fused kernel does not take; prefill chunks in sub-chunks of the workspace's
+  tokens, batches of up to 64 sequences through sparse_attention_tables): a decode step has only H
   blocks of that kind, each walking every entry, so the walk is cut into three kernels over the
-  whole GPU, with the workspace between them; a prefill chunk's tokens fill the GPU either way, and
-  the split path lets them use the tensor cores. Two sets of scores and values kernels
-  (split_cores, chosen once for the whole call): the CUDA cores for up to eight tokens and on the
-  simulator, the tensor cores on a GPU for a call past eight, every sub-chunk of it however few its
-  tokens (the CUDA-core values kernel's block shape, and so its fp32 order, follows the token count;
-  the tensor-core kernels' does not, so a token's bits do not depend on where the chunk was cut).
-  Scores: a warp per (token, 4 heads, 4 entries), lanes over D (16-byte row loads, the queries in
-  registers), or on the tensor cores a warp per (token, 16 heads, 16 entries: the mma's rows and
-  columns); each block also writes its 16 entries' max per head. Values: a block per (token, block
-  b of 64 entries, heads): the running max m_b is a prefix max, so it comes from the tile maxima of
-  blocks 0..b alone; then p, the block's float64 sum and its value sums (a thread per 16-byte unit
-  of the row, a few heads and a run of the block's entries, the runs' sums added in run order; on
-  the tensor cores a warp per 16 heads x a slice of D, over the block's rows staged in shared
-  memory). Combine: a thread per (token, head, dim pair) runs the rescaling over b in order, adds
-  the sink and rotates the pair back. Only fp32 orders differ from the first path: q . k over D,
-  and a block's value sums (on the simulator, lanes of one and one run, not even those: the two
-  agree bit for bit).
-- fused (with a workspace, on a GPU, a prefill chunk or a batch of decode steps past eight tokens:
-  split_cores' "fused"): one kernel for the whole call, a block per (16 heads, token) walking its
-  entry blocks once, scores and value sums on the tensor cores, the recurrence in registers
-  (stages.sparse_fused); nothing goes through the workspace. Only fp32 orders (and the float64
-  block sum's) differ from the split path's tensor cores; 2.6-6.3x faster than them on an H100 at
-  64-512 tokens, 64 heads x 512, and 1.4-4.5x on a batch of 16-128 steps (bench rows
-  sparse.batch.*).
+  whole GPU, with the workspace between them, on the CUDA cores. Scores: a warp per (token, 4
+  heads, 4 entries), lanes over D (16-byte row loads, the queries in registers); each block also
+  writes its 16 entries' max per head. Values: a block per (token, block b of 64 entries, heads):
+  the running max m_b is a prefix max, so it comes from the tile maxima of blocks 0..b alone; then
+  p, the block's float64 sum and its value sums (a thread per 16-byte unit of the row, a few heads
+  and a run of the block's entries, the runs' sums added in run order; the block's shape, and so
+  its fp32 order, follows the token count). Combine: a thread per (token, head, dim pair) runs the
+  rescaling over b in order, adds the sink and rotates the pair back. Only fp32 orders differ from
+  the first path: q . k over D, and a block's value sums (on the simulator, lanes of one and one
+  run, not even those: the two agree bit for bit).
+- fused (with a workspace, on a GPU, a prefill chunk or a batch of decode steps past eight tokens
+  and D whole 64-dim blocks: split_cores' "fused"): one kernel for the whole call, a block per (16
+  heads, token) walking its entry blocks once, scores and value sums on the tensor cores, the
+  recurrence in registers (stages.sparse_fused); nothing goes through the workspace, and a token's
+  bits do not depend on where its chunk was cut. Only fp32 orders (and the float64 block sum's)
+  differ from the split path. On an H100 (2026-12-07, 64 heads x 512, 640 entries) 1.4x the split
+  path's speed at a batch of 8 and 4.0-4.2x that of the split path's tensor-core kernels (which it
+  displaced; history keeps them) in a 64- or 512-token prefill chunk, 1.4-4.5x at 16-128 steps
+  (bench rows sparse.*).
 
 Modules: this one holds the wrappers, the path choice and the split path's workspace;
 stages.sparse_entries the entry lists and RoPE pieces every kernel shares; stages.sparse_one_block
-the first path's kernel; stages.sparse_split the split path's CUDA-core kernels (and the pieces its
-tensor-core kernels share); stages.sparse_split_tc the tensor-core scores and values;
-stages.sparse_fused the fused kernel. The batch's
-address tables are stages.row_tables' (each kernel's `tables` variant).
+the first path's kernel; stages.sparse_split the split path's kernels; stages.sparse_fused the
+fused kernel. The batch's address tables are stages.row_tables' (each kernel's `tables` variant).
 """
 
 from __future__ import annotations
@@ -96,7 +90,7 @@ import numpy as np
 from numba import cuda
 
 from flashv41.host.errors import InputError
-from flashv41.stages.device import SIM, WARP, DeviceArray, check_array, check_rows, grid_1d
+from flashv41.stages.device import SIM, DeviceArray, check_array, check_rows, grid_1d
 from flashv41.stages.sparse_entries import SPARSE_BLOCK, entry_at
 from flashv41.stages.sparse_fused import fused_attention
 from flashv41.stages.sparse_one_block import ATTN_THREADS, LANES, sparse_kernel
@@ -118,14 +112,13 @@ from flashv41.stages.sparse_split import (
     split_score_kernel,
     split_value_kernel,
 )
-from flashv41.stages.sparse_split_tc import SCORE_TC_WARPS, VALUE_TC_SLICE, split_score_tc_kernel, split_value_tc_kernel
 
-# the stage's interface (the kernels' modules: sparse_entries, sparse_one_block, sparse_split, sparse_split_tc)
+# the stage's interface (the kernels' modules: sparse_entries, sparse_one_block, sparse_split, sparse_fused)
 __all__ = ["SPARSE_BLOCK", "SCORE_TILE", "SPLIT_BATCH_TOKENS", "SPLIT_MAX_TOKENS", "SparseWorkspace", "entry_at",
            "sparse_attention", "sparse_attention_tables", "split_cores", "split_workspace_bytes"]
 
 
-# The split path's calls (the kernels' own sizes: stages.sparse_split, stages.sparse_split_tc).
+# The split path's calls (the kernels' own sizes: stages.sparse_split).
 SPLIT_MAX_TOKENS = 8  # the most tokens a call runs on a GPU's CUDA cores by default (decode steps; split_cores)
 # sparse_attention_tables': batched decode steps of up to this many sequences; the most tokens a workspace holds
 # (the engine's: a prefill chunk's sub-chunks)
@@ -196,36 +189,32 @@ def split_workspace_bytes(max_tokens: int, heads: int, head_dim: int, n_entries:
 
 def split_cores(head_dim: int, n_tokens: int, cores: str = "") -> str:
     """Where a call of n_tokens tokens with a workspace runs: `cores` if given ("fused":
-    stages.sparse_fused's one kernel, the whole call at once; "tc": the split path's
-    split_score_tc_kernel and split_value_tc_kernel; "cuda": its split_score_kernel and
-    split_value_kernel), else on a GPU for more than SPLIT_MAX_TOKENS tokens (chosen once for the
-    whole call, so every sub-chunk of it runs there whatever its size) the fused kernel where D is
-    whole 64-dim blocks, for a prefill chunk and for a batch of decode steps alike (at the
-    flash shape on an H100, a batch of 16-128 steps took 0.22-0.70x the split path's tensor-core
-    time), the split path's tensor cores where D is whole 32-dim blocks; and the CUDA cores otherwise: for a
-    step of up to eight tokens (so that a batch of up to eight gives each sequence the bits of its
-    step alone, as the products' stream kernel does), and on the simulator (whose emulated mma is
-    slow, and whose CUDA-core kernels give the first path's bits)."""
-    if cores not in ("", "fused", "tc", "cuda"):
-        raise InputError(f"sparse_attention: cores {cores!r} is not one of 'fused', 'tc', 'cuda'")
-    if cores == "tc" and head_dim % 32:
-        raise InputError(f"sparse_attention: the tensor-core kernels need head_dim a multiple of 32, not {head_dim}")
+    stages.sparse_fused's one kernel, the whole call at once; "cuda": the split path's
+    split_score_kernel and split_value_kernel), else the fused kernel on a GPU for more than
+    SPLIT_MAX_TOKENS tokens where D is whole 64-dim blocks (chosen once for the whole call, so every
+    sub-chunk of it runs there whatever its size), for a prefill chunk and a batch of decode steps
+    alike; the CUDA cores otherwise: for a step of up to eight tokens (so that a batch of up to eight
+    gives each sequence the bits of its step alone, as the products' stream kernel does), on the
+    simulator (whose emulated mma is slow, and whose CUDA-core kernels give the first path's bits),
+    and for a D the fused kernel does not take. Measured on an H100 (2026-12-07, 64 heads x 512,
+    640 entries, bench rows sparse.*): the fused kernel 1.4x the CUDA cores' speed at a batch of 8
+    (89 against 127 us) and slower at 4 (89 against 73 us; the CUDA cores keep up to 8 for the
+    bits); the split path's tensor cores, which it displaced, 1.4-4.5x slower at 16-128 steps and
+    4.0-4.2x in a 64- or 512-token prefill chunk."""
+    if cores not in ("", "fused", "cuda"):
+        raise InputError(f"sparse_attention: cores {cores!r} is not one of 'fused', 'cuda'")
     if cores == "fused" and head_dim % 64:
         raise InputError(f"sparse_attention: the fused kernel needs head_dim a multiple of 64, not {head_dim}")
-    if cores or SIM or n_tokens <= SPLIT_MAX_TOKENS:
+    if cores or SIM or n_tokens <= SPLIT_MAX_TOKENS or head_dim % 64:
         return cores or "cuda"
-    if head_dim % 64 == 0:
-        return "fused"
-    return "tc" if head_dim % 32 == 0 else "cuda"
+    return "fused"
 
 
 def _split_attention(q, ring, chunk_rows, comp_rows, positions, first, selection, n_entries, sinks, scale, cos, sin,
-                     out, n_tokens, stream, threads, ws: SparseWorkspace, tables: bool, cores: str,
-                     rope_dim: int) -> None:
+                     out, n_tokens, stream, threads, ws: SparseWorkspace, tables: bool, rope_dim: int) -> None:
     """The split path (module docstring) for the n_tokens tokens of q, positions, selection and out
-    (a sub-chunk's rows; first: the whole chunk's positions), its scores and values on `cores` ("tc"
-    or "cuda"): scores, values and combine on `stream`, each sized for the call (heads per block
-    shrink until the grid covers the GPU)."""
+    (a sub-chunk's rows; first: the whole chunk's positions): scores, values and combine on
+    `stream`, each sized for the call (heads per block shrink until the grid covers the GPU)."""
     heads, head_dim = q.shape[1], q.shape[2]
     n_blocks = -(-n_entries // SPARSE_BLOCK)
     if n_entries:
@@ -237,35 +226,26 @@ def _split_attention(q, ring, chunk_rows, comp_rows, positions, first, selection
                       np.float32(scale))
         value_args = (*rows, positions, first, selection, ws.scores, ws.tile_max, ws.pv, ws.block_sum, ws.block_max,
                       ws.rescale, n_entries)
-        if cores == "tc":
-            warps = min(SCORE_TC_WARPS, -(-heads // 16))
-            head_blocks = -(-heads // (16 * warps))
-            split_score_tc_kernel(head_dim, warps, tables, rope_dim)[
-                (n_tiles, head_blocks, n_tokens), WARP * warps, stream](*score_args)
-            d_slice = _widest(head_dim, VALUE_TC_SLICE)
-            split_value_tc_kernel(head_dim, warps, d_slice, tables)[
-                (n_blocks, head_dim // d_slice * head_blocks, n_tokens), WARP * warps, stream](*value_args)
-        else:
-            hw = _widest(heads, SCORE_HEADS)
-            head_warps = _widest(heads // hw, SCORE_HEAD_WARPS)
-            split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES, tables, rope_dim)[
-                (n_tiles, heads // (hw * head_warps), n_tokens), LANES * head_warps * SCORE_ENTRY_WARPS, stream](
-                *score_args)
-            units = head_dim // 8
-            unit_threads = threads or (1 if SIM else units)  # the simulator's thread takes all of D
-            if units % unit_threads:
-                raise InputError(f"sparse_attention: {unit_threads} threads do not divide the {units} 16-byte units "
-                                 f"of head_dim {head_dim}")
-            block_heads = _widest(heads, VALUE_HEADS)
-            while block_heads > 1 and n_tokens * n_blocks * (heads // block_heads) < VALUE_FILL:
-                block_heads //= 2
-            thread_heads = min(VALUE_THREAD_HEADS, block_heads)
-            head_groups = block_heads // thread_heads
-            entry_groups = _widest(SPARSE_BLOCK // VALUE_BATCH,
-                                   min(VALUE_ENTRY_GROUPS, max(1, VALUE_THREADS // (unit_threads * head_groups))))
-            split_value_kernel(head_dim, unit_threads, units // unit_threads, block_heads, thread_heads, entry_groups,
-                               tables)[(n_blocks, heads // block_heads, n_tokens),
-                                       unit_threads * head_groups * entry_groups, stream](*value_args)
+        hw = _widest(heads, SCORE_HEADS)
+        head_warps = _widest(heads // hw, SCORE_HEAD_WARPS)
+        split_score_kernel(head_dim, LANES, hw, head_warps, SCORE_ENTRY_WARPS, SCORE_ENTRIES, tables, rope_dim)[
+            (n_tiles, heads // (hw * head_warps), n_tokens), LANES * head_warps * SCORE_ENTRY_WARPS, stream](
+            *score_args)
+        units = head_dim // 8
+        unit_threads = threads or (1 if SIM else units)  # the simulator's thread takes all of D
+        if units % unit_threads:
+            raise InputError(f"sparse_attention: {unit_threads} threads do not divide the {units} 16-byte units "
+                             f"of head_dim {head_dim}")
+        block_heads = _widest(heads, VALUE_HEADS)
+        while block_heads > 1 and n_tokens * n_blocks * (heads // block_heads) < VALUE_FILL:
+            block_heads //= 2
+        thread_heads = min(VALUE_THREAD_HEADS, block_heads)
+        head_groups = block_heads // thread_heads
+        entry_groups = _widest(SPARSE_BLOCK // VALUE_BATCH,
+                               min(VALUE_ENTRY_GROUPS, max(1, VALUE_THREADS // (unit_threads * head_groups))))
+        split_value_kernel(head_dim, unit_threads, units // unit_threads, block_heads, thread_heads, entry_groups,
+                           tables)[(n_blocks, heads // block_heads, n_tokens),
+                                   unit_threads * head_groups * entry_groups, stream](*value_args)
     per_thread = head_dim if SIM else 2
     total = n_tokens * heads * (head_dim // per_thread)
     split_combine_kernel(head_dim, per_thread, rope_dim)[grid_1d(total, COMBINE_THREADS), COMBINE_THREADS, stream](
@@ -382,7 +362,7 @@ def _attend(q, ring, chunk_rows, comp_rows, positions, selection, window: int, s
             part = slice(t0, min(t0 + step, n_tokens))
             rows = (ring[part], chunk_rows[part], comp_rows[part]) if tables else (ring, chunk_rows, comp_rows)
             _split_attention(q[part], *rows, positions[part], positions, chosen[part], n_entries, sinks, scale, cos,
-                             sin, out[part], part.stop - t0, stream, threads, workspace, tables, cores, rope_dim)
+                             sin, out[part], part.stop - t0, stream, threads, workspace, tables, rope_dim)
         return
     nt = threads or min(ATTN_THREADS, head_dim)
     lanes = min(LANES, nt)

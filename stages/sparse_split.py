@@ -2,8 +2,8 @@
 steps, prefill chunks in sub-chunks, batches through sparse_attention_tables): the scores kernel
 (a warp per token, 4 heads and 4 entries, lanes over D), the values kernel (a block per token, block
 of 64 entries and heads) and the combine kernel (the rescaling over the blocks, the sink, the
-output rotated back), the workspace between them; and the pieces the tensor-core kernels
-(stages.sparse_split_tc) share with them: the row units, the tile maxima, the entry sources.
+output rotated back), the workspace between them; and the entry sources, which the fused kernel
+(stages.sparse_fused) shares.
 
 Oracle: host.oracle.attention.attend, through stages.sparse_attention.sparse_attention
 (tests/test_attention_kernels.py, test_batch_kernels.py; on the simulator the two paths agree bit
@@ -317,10 +317,7 @@ def _entry_sources(positions, first, selection, t, b0, n_entries, window, chunk_
         row[j] = ix
 
 
-# jitted on the simulator too (not `device`): it syncs the block, and the simulator puts its own cuda
-# module only into the globals of the module whose kernel or jitted function it runs, while the
-# tensor-core values kernel that calls it is stages.sparse_split_tc's (on a GPU the same decorator)
-@cuda.jit(device=True)
+@device
 def _block_maxima(tile_max, t, b, hb, n_entries, tid, block_heads, head_threads, tiles, n_heads, tile_prev,
                   tile_new, prev_max, new_max, sync):
     """prev_max[k], new_max[k] = m_{b-1} and m_b of heads hb + k < H: the maxima of the score tiles of

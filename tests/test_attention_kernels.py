@@ -755,34 +755,26 @@ def check_sparse_attention(seed, t, heads, dim, window, chunk, groups, selected,
 @pytest.mark.parametrize("threads", [0, 2])
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: f"T{c[1]}H{c[2]}D{c[3]}E{c[4] + c[7]}")
 def test_sparse_attention_within_bound(case, threads, split):
-    """Both paths; the split path on the CUDA cores (test_sparse_tc_within_bound has its
-    tensor-core kernels)."""
+    """Both paths (the split path's kernels: the CUDA cores; test_sparse_fused_* has the fused one)."""
     check_sparse_attention(*case, f"sparse attention ({'split' if split else 'one block a head'})", threads, split,
                            "cuda" if split else "")
-
-
-@pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: f"T{c[1]}H{c[2]}D{c[3]}E{c[4] + c[7]}")
-def test_sparse_tc_within_bound(case):
-    """The split path's scores and values on the tensor cores (the GPU's default; on the simulator
-    the emulated mma, heads padded to the mma's 16 rows). Simulator: 100% bit-equal to the oracle."""
-    check_sparse_attention(*case, "sparse attention (split, tensor cores)", split=True, cores="tc")
 
 
 def test_sparse_cores_choice():
     """The default with a workspace: the CUDA cores for up to SPLIT_MAX_TOKENS tokens and on the
     simulator; on a GPU past that the fused kernel where head_dim is whole 64-dim blocks (a prefill
-    chunk or a batch alike), the split path's tensor cores where it is whole 32-dim blocks. An
-    unknown name, tc for another head_dim, fused for another head_dim: an InputError."""
+    chunk or a batch alike), the CUDA cores for another head_dim. An unknown name (tc, the split
+    path's tensor cores, which the fused kernel displaced, included), fused for another head_dim: an
+    InputError."""
     assert split_cores(512, SPLIT_MAX_TOKENS) == "cuda"
     assert split_cores(512, SPLIT_MAX_TOKENS + 1) == ("cuda" if SIM else "fused")
-    assert split_cores(96, SPLIT_BATCH_TOKENS) == ("cuda" if SIM else "tc")
-    assert split_cores(40, SPLIT_BATCH_TOKENS) == "cuda"
-    assert split_cores(512, 1, "tc") == "tc"
+    assert split_cores(64, SPLIT_BATCH_TOKENS) == ("cuda" if SIM else "fused")
+    assert split_cores(96, SPLIT_BATCH_TOKENS) == "cuda"
+    assert split_cores(512, 1, "cuda") == "cuda"
     assert split_cores(512, 1, "fused") == "fused"
-    with pytest.raises(InputError, match="not one of"):
-        split_cores(512, 1, "fast")
-    with pytest.raises(InputError, match="multiple of 32"):
-        split_cores(40, 1, "tc")
+    for name in ("fast", "tc"):
+        with pytest.raises(InputError, match="not one of"):
+            split_cores(512, 1, name)
     with pytest.raises(InputError, match="multiple of 64"):
         split_cores(96, 1, "fused")
 
@@ -840,10 +832,10 @@ def unfused_sparse(args: tuple, split: bool, cores: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("t", [1, 3, 8])
-@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc", "split_fused"])
+@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_fused"])
 def test_sparse_fold_matches_unfused(path, t):
-    """The queries' RoPE where the scores load them (sparse_kernel, split_score_kernel,
-    split_score_tc_kernel) and the output's inverse RoPE in the kernels that write it (sparse_kernel,
+    """The queries' RoPE where the scores load them (sparse_kernel, split_score_kernel, fused_kernel)
+    and the output's inverse RoPE in the kernels that write it (sparse_kernel,
     split_combine_kernel) give the bits of the launches they replace, on every path."""
     split = path != "one_block"
     cores = path.removeprefix("split_") if split else ""
@@ -878,7 +870,7 @@ def test_sparse_workspace_capacity():
 # row read from the wrong place shows): T = 10 in sub-chunks of 4, 4, 2 over 28 entries; T = 11 in sub-chunks of
 # 3 (the last of 2), 12 chunk rows (more than the chunk's), 78 entries (two blocks of 64).
 SUBCHUNK_CASES = [(31, 10, 2, 64, 8, 10, 40, 20, 4), (32, 11, 2, 64, 8, 12, 160, 70, 3)]
-SUBCHUNK_TC_CASE = (33, 9, 2, 64, 8, 9, 40, 20, 4)  # the emulated mma is slow: sub-chunks 4, 4, 1 over 28 entries
+SUBCHUNK_MMA_CASE = (33, 9, 2, 64, 8, 9, 40, 20, 4)  # the emulated mma is slow: sub-chunks 4, 4, 1 over 28 entries
 
 
 def check_sparse_subchunks(case, what, cores, window_only=False):
@@ -896,12 +888,6 @@ def test_sparse_subchunks_within_bound(case, window_only):
 
 
 @pytest.mark.parametrize("window_only", [False, True], ids=["selection", "window_only"])
-def test_sparse_subchunks_tc_within_bound(window_only):
-    """The same on the split path's tensor cores."""
-    check_sparse_subchunks(SUBCHUNK_TC_CASE, "sparse attention (sub-chunks, tensor cores)", "tc", window_only)
-
-
-@pytest.mark.parametrize("window_only", [False, True], ids=["selection", "window_only"])
 def test_sparse_subchunks_fused_within_bound(window_only):
     """A chunk longer than the workspace on the fused kernel (the GPU's default for a chunk past
     SPLIT_MAX_TOKENS), which takes the whole chunk in one launch: its later tokens read the earlier
@@ -909,12 +895,13 @@ def test_sparse_subchunks_fused_within_bound(window_only):
     check_sparse_subchunks(SUBCHUNK_CASES[0], "sparse attention (sub-chunks, fused)", "fused", window_only)
 
 
-@pytest.mark.parametrize("cores,case", [("", SUBCHUNK_CASES[1]), ("tc", SUBCHUNK_TC_CASE), ("fused", SUBCHUNK_TC_CASE)],
-                         ids=["default", "tc", "fused"])
+@pytest.mark.parametrize("cores,case", [("", SUBCHUNK_CASES[1]), ("fused", SUBCHUNK_MMA_CASE)],
+                         ids=["default", "fused"])
 def test_sparse_subchunk_bits_ignore_the_cut(cores, case):
     """A chunk past SPLIT_MAX_TOKENS in sub-chunks of 2 and of 5 tokens gives every token the bits of the
-    chunk in one: all of them on the cores chosen for the whole chunk (by default the tensor cores on a
-    GPU, whose kernels' shapes do not follow the token count)."""
+    chunk in one: all of them on the cores chosen for the whole chunk (by default the fused kernel on a
+    GPU, a block a token whatever the count; on the simulator the CUDA cores, whose one-lane blocks
+    keep the first path's order)."""
     args = sparse_inputs(*case[:8])
     whole = run_sparse(args, split=True, cores=cores)
     for tokens in (2, 5):
@@ -993,10 +980,10 @@ def test_flash_select_batch_exact(tiny_cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc", "split_fused"])
+@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_fused"])
 def test_flash_sparse_attention_within_bound(path):
     """64 heads x 512, a 128-slot window plus top-512 entries (ten blocks of 64), T = 4: the
-    one-block-a-head kernel, the split path on either cores, the fused kernel."""
+    one-block-a-head kernel, the split path, the fused kernel."""
     split = path != "one_block"
     cores = path.removeprefix("split_") if split else ""
     got, ref = check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash)", split=split, cores=cores)
@@ -1006,11 +993,11 @@ def test_flash_sparse_attention_within_bound(path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 3, 8])
-@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_tc", "split_fused"])
+@pytest.mark.parametrize("path", ["one_block", "split_cuda", "split_fused"])
 def test_flash_sparse_fold_matches_unfused(path, t):
     """64 heads x 512 (the rope on the last 64 dims), a 128-slot window plus top-512 entries: the
     folded rotations against the launches they replace, bit for bit, in the GPU's block shapes (the
-    one-block kernel's pairs across threads, the combine's thread per pair, the tensor cores' words)."""
+    one-block kernel's pairs across threads, the combine's thread per pair, the fused kernel's words)."""
     split = path != "one_block"
     cores = path.removeprefix("split_") if split else ""
     args = sparse_inputs(FLASH_SPARSE_CASE[0], t, *FLASH_SPARSE_CASE[2:])
@@ -1029,11 +1016,11 @@ FLASH_SUBCHUNK_CASE = (17, 150, 64, 512, 128, 160, 1024, 512, SPLIT_BATCH_TOKENS
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cores", ["fused", "tc", "cuda"])
+@pytest.mark.parametrize("cores", ["fused", "cuda"])
 def test_flash_sparse_subchunks_within_bound(cores):
     """64 heads x 512, window 128 + top-512: the prefill chunk on the fused kernel (the GPU's default
     past SPLIT_MAX_TOKENS, the whole chunk in one launch), and in sub-chunks on the split path's
-    tensor cores and on the CUDA cores."""
+    CUDA cores."""
     assert split_cores(512, FLASH_SUBCHUNK_CASE[1]) == "fused"
     got, ref = check_sparse_subchunks(FLASH_SUBCHUNK_CASE, f"sparse attention (flash, sub-chunks, {cores})", cores)
     print(f"\nflash sparse attention (sub-chunks, {cores}): {np.mean(got == ref):.4f} of values equal, max error "

@@ -100,7 +100,7 @@ def test_sparse_attention_tables():
         sparse_attention(*alone, one, 1)
         assert np.array_equal(wide_rows[b], one.copy_to_host()[0]), f"row {b}, one block a head"
     assert (got != 0).any()
-    # the fused kernel (forced: the split path's tensor cores are a batch's default) over the tables
+    # the fused kernel (forced: a batch's default past eight) over the tables
     # against the fused kernel on each token alone (a chunk of one: its window row in chunk row 0)
     fused = cuda.device_array((B, HEADS, DIM), np.uint16)
     sparse_attention_tables(q, table(rings), rows, table(comps), positions, chosen, WINDOW, sinks, scale, cos, sin,

@@ -112,8 +112,9 @@ def test_every_case_still_listed() -> None:
     assert "prefill.gemm.engram.wkv.Q8_0" in names and "engram.hash.64k" in names
     assert "head.decode.Q8_0" in names
     # the sparse attention alone: each kernel family beside the other, prefill chunks and batches
-    assert "sparse.prefill.fused.512" in names and "sparse.prefill.tc.64" in names
-    assert "sparse.batch.tc.32" in names and "sparse.batch.fused.128" in names
+    assert "sparse.prefill.fused.512" in names and "sparse.prefill.fused.64" in names
+    assert "sparse.batch.cuda.8" in names and "sparse.batch.fused.128" in names
+    assert not any(".tc." in n for n in names if n.startswith("sparse."))
     # and the decode steps' own sizes on the CUDA cores (their default) beside the fused kernel
     assert "sparse.batch.cuda.1" in names and "sparse.batch.fused.8" in names
     # beside each picked decode row, the kernel not picked for it (stages.linear_imma.decode_pick)
@@ -400,8 +401,7 @@ def test_host_link_is_measured_once_a_run() -> None:
     assert engram.host_link_seconds(ctx, rows) == 4e-3 / engram.HOST_LINK_BYTES and rows == []
 
 
-@pytest.mark.parametrize("row", ["sparse.prefill.fused.12", "sparse.prefill.tc.12", "sparse.batch.tc.10",
-                                 "sparse.batch.fused.10", "sparse.batch.cuda.2"])
+@pytest.mark.parametrize("row", ["sparse.prefill.fused.12", "sparse.batch.fused.10", "sparse.batch.cuda.2"])
 def test_sparse_rows_run(monkeypatch: pytest.MonkeyPatch, row: str) -> None:
     """The sparse rows' cases at a small shape (16 heads x 64, 8 window slots, the top 16 of 32
     groups), their step called once where the GPU would time it: a row of the kernels it names,

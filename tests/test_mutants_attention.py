@@ -21,9 +21,6 @@ What rejects each (measured on the simulator, at the CI shape and, for the `gpu`
   either rotated the wrong way, a sine term dropped): sparse_bound rotated (rotated_bound).
   The split path's kernels carry the same mutants (sparse_mutants) and fail the same checks: on the
   simulator with the same numbers, since there the two paths give the same bits, mutated or not.
-  Its tensor-core kernels (split_score_tc_kernel and split_value_tc_kernel, the GPU's default)
-  carry them too, their check on the simulator the smaller case of 3 tokens and 28 entries (the
-  emulated mma is slow).
   The fused kernel (stages.sparse_fused, the GPU's default for a prefill chunk) carries them too
   (its own scale and sink lines: the sink left out of its first eight heads), and three of its own:
   the last entry block dropped, the running output not rescaled, the values' B fragments swapped;
@@ -65,7 +62,6 @@ from flashv41.stages import (  # noqa: E402
     sparse_fused,
     sparse_one_block,
     sparse_split,
-    sparse_split_tc,
     topk,
 )
 from flashv41.stages import norm_rope_quant as nrq  # noqa: E402
@@ -79,7 +75,6 @@ from tests.test_attention_kernels import (
     FLASH_SUBCHUNK_CASE,
     SELECT_CASES,
     SPARSE_CASE,
-    SPARSE_CASES,
     SUBCHUNK_CASES,
     check_act_quant,
     check_entries,
@@ -199,7 +194,7 @@ class Mutant:
 
 # the sparse attention stage's modules: a swap is made in each that holds the name (defines or imports it),
 # so that it reaches every kernel and helper that calls it, whichever module that is
-SPARSE = (sa, sparse_entries, sparse_one_block, sparse_split, sparse_split_tc, sparse_fused)
+SPARSE = (sa, sparse_entries, sparse_one_block, sparse_split, sparse_fused)
 
 
 SCALED = "mul_rn(part, scale)"  # where the score kernels scale a dot product
@@ -251,7 +246,6 @@ def sparse_mutants(check: str, scores_home: types.ModuleType, scores: str, combi
 MUTANTS = [
     *sparse_mutants("sparse_attention", sparse_one_block, "sparse_kernel", sparse_one_block, "sparse_kernel"),
     *sparse_mutants("sparse_split", sparse_split, "split_score_kernel", sparse_split, "split_combine_kernel"),
-    *sparse_mutants("sparse_split_tc", sparse_split_tc, "split_score_tc_kernel", sparse_split, "split_combine_kernel"),
     # the fused kernel scales and adds the sink itself (its low heads' sink left out: half the heads)
     *sparse_mutants("sparse_fused", sparse_fused, "fused_kernel", sparse_fused, "fused_kernel",
                     scaled="mul_rn(s[f, i], scale)",
@@ -274,13 +268,11 @@ MUTANTS = [
                                       "positions[part], positions[part], chosen[part]")}),
     Mutant("sparse_subchunks", "start_one_late", "the chunk's first position taken one token late", SPARSE,
            lambda: {"_attend": edited(sa, "_attend", SUBCHUNK_VIEWS, "positions[part], positions[1:], chosen[part]")}),
-    # the CUDA-core score kernel's own chunk start: the flash check runs the tensor-core kernels, whose
-    # chunk start is entry_at's (the next mutant)
     Mutant("sparse_subchunks", "scores_own_start", "the scores kernel's chunk start from the sub-chunk's positions",
            SPARSE, lambda: {"split_score_kernel": edited(sparse_split, "split_score_kernel", "else first[0]",
-                                                         "else positions[0]")}, flash=False),
+                                                         "else positions[0]")}),
     Mutant("sparse_subchunks", "entry_at_own_start", "entry_at's chunk start from the sub-chunk's positions (the "
-           "tensor-core score kernel's and the value kernels')", SPARSE,
+           "value kernel's)", SPARSE,
            lambda: {"entry_at": edited(sparse_entries, "entry_at", "else first[0]", "else positions[0]")}),
     Mutant("entries", "subchunk_own_start", "entry_at's chunk start read from the sub-chunk's positions", SPARSE,
            lambda: {"entry_at": edited(sparse_entries, "entry_at", "else first[0]", "else positions[0]")}),
@@ -388,9 +380,6 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
     "sparse_attention": lambda cfg: check_sparse_attention(*SPARSE_CASE, "sparse attention"),
     "sparse_split": lambda cfg: check_sparse_attention(*SPARSE_CASE, "sparse attention (split)", split=True,
                                                        cores="cuda"),
-    # the emulated mma is slow on the simulator: the case of 3 tokens x 4 heads, 28 entries
-    "sparse_split_tc": lambda cfg: check_sparse_attention(*SPARSE_CASES[1], "sparse attention (split, tc)",
-                                                          split=True, cores="tc"),
     "sparse_fused": lambda cfg: check_sparse_attention(*SPARSE_CASE, "sparse attention (fused)", split=True,
                                                        cores="fused"),
     # a chunk of 10 tokens in sub-chunks of 4 (the workspace's tokens), 4 and 2
@@ -412,13 +401,12 @@ FLASH_CHECKS: dict[str, Callable[[Any], Any]] = {
     "sparse_attention": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash)"),
     "sparse_split": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash, split)",
                                                        split=True, cores="cuda"),
-    "sparse_split_tc": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash, split, tc)",
-                                                          split=True, cores="tc"),
     "sparse_fused": lambda cfg: check_sparse_attention(*FLASH_SPARSE_CASE, "sparse attention (flash, fused)",
                                                        split=True, cores="fused"),
-    # the 150-token chunk in the engine's sub-chunks of 64, on the split path's tensor cores
+    # the 150-token chunk in the engine's sub-chunks of 64, on the split path (the fused kernel takes
+    # the whole chunk in one launch: no sub-chunks)
     "sparse_subchunks": lambda cfg: check_sparse_subchunks(FLASH_SUBCHUNK_CASE, "sparse attention (flash, sub-chunks)",
-                                                           "tc"),
+                                                           "cuda"),
     "index_scores": lambda cfg: check_index_scores(cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64,
                                                    cores="cuda"),
     "index_scores_tc": lambda cfg: check_index_scores(cfg, 15, heads=32, dim=128, t=3, width=4096, spare=0, c=64,

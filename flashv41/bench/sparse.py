@@ -2,16 +2,17 @@
 shape (64 heads x 512 dims, the rope on the last 64, a window of 128 and the top 512 of 2048
 compressed rows: 640 entries a query).
 
-- `sparse.prefill.<cores>.<T>`: sparse_attention of a prefill chunk of T = 64 or 512 tokens (the
+- `sparse.prefill.fused.<T>`: sparse_attention of a prefill chunk of T = 64 or 512 tokens (the
   engine's chunk) through the engine's workspace, on the fused kernel (the GPU's default past eight
-  tokens) and on the split path's tensor cores.
+  tokens).
 - `sparse.batch.<cores>.<B>`: sparse_attention_tables of a batched decode step of B = 16, 32, 64
   and 128 sequences, each with its own ring and compressed rows, on the fused kernel (a batch's
-  default past eight) and on the split path's tensor cores: the figures that moved a batch's default.
-  And of B = 1, 2, 4 and 8 (a sequence's decode step, and the batches whose steps keep each
-  sequence's bits alone) on the split path's CUDA cores (their default) and on the fused kernel:
-  whether decode itself should move (the fused kernel's result for a token does not depend on the
-  others, so every batch would then keep each sequence's bits).
+  default past eight); and of B = 1, 2, 4 and 8 (a sequence's decode step, and the batches whose
+  steps keep each sequence's bits alone) on the split path's CUDA cores (their default) and on the
+  fused kernel: the figures behind split_cores' choice (on an H100, 2026-12-07: the CUDA cores
+  faster up to 4, the fused kernel 1.4x at 8, where the CUDA cores stay for the bits). The split
+  path's tensor cores, which the fused kernel displaced, had rows here until then (1.4-4.5x the
+  fused kernel's time at 16-128 steps, 4.0-4.2x in a prefill chunk).
 
 Bound: the products' FLOPs (2 x 2 x heads x D a query and entry) at the tensor cores' bf16 peak
 (PEAK_TFLOPS): the ratio says how far from the tensor cores a kernel is. The rows, every query's
@@ -27,7 +28,6 @@ from flashv41.bench.core import PEAK_TFLOPS, BenchCase, BenchContext, BenchOptio
 HEADS, DIM, ROPE, WINDOW, GROUPS, SELECTED = 64, 512, 64, 128, 2048, 512
 PREFILL_TOKENS = (64, 512)
 BATCHES = (16, 32, 64, 128)
-CORES = ("fused", "tc")
 SMALL_BATCHES = (1, 2, 4, 8)  # up to SPLIT_MAX_TOKENS: the split path's CUDA cores by default
 SMALL_CORES = ("cuda", "fused")
 
@@ -121,6 +121,6 @@ def batch_case(cores: str, b: int) -> BenchCase:
 
 
 def cases(options: BenchOptions) -> list[BenchCase]:
-    return [*(prefill_case(c, t) for t in PREFILL_TOKENS for c in CORES),
+    return [*(prefill_case("fused", t) for t in PREFILL_TOKENS),
             *(batch_case(c, b) for b in SMALL_BATCHES for c in SMALL_CORES),
-            *(batch_case(c, b) for b in BATCHES for c in CORES)]
+            *(batch_case("fused", b) for b in BATCHES)]

@@ -92,12 +92,22 @@ UNMEASURED_S = 30.0  # a test the durations file does not name: new, or cut shor
 
 def longest_first(items: list[pytest.Item], path: str) -> None:
     """Order items by their seconds in the JSON file at `path` (tools/test_durations.py), longest
-    first, ties in collection order: every pytest-xdist worker collects the same order, and
-    `--dist loadgroup` hands the tests out in it (the tests of an xdist_group, which share an
-    expensive module fixture, together on one worker, and first)."""
+    first, the tests of an xdist_group (which share an expensive module fixture, and go to one
+    worker together) as one scope of their summed seconds, in collection order within it; ties in
+    collection order. Every pytest-xdist worker collects the same order, and `--dist loadgroup
+    --no-loadscope-reorder` hands the scopes out in it. (With the reorder, pytest-xdist's default,
+    the groups went first, whatever their seconds: on an H100, 2026-12-07, the longest test
+    started 53 s in, a 154-s one queued behind it, and fourteen workers idled the last 173 s.)"""
     durations = json.loads(Path(path).read_text())
-    # (under --dist loadgroup a grouped test's id ends in @group)
-    items.sort(key=lambda item: -durations.get(item.nodeid.split("@")[0], UNMEASURED_S))
+    scope_of: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    for item in items:
+        group = item.get_closest_marker("xdist_group")
+        scope = f"@{group.args[0] if group.args else group.kwargs.get('name')}" if group else item.nodeid
+        scope_of[item.nodeid] = scope
+        # (under --dist loadgroup a grouped test's id ends in @group)
+        seconds[scope] = seconds.get(scope, 0.0) + durations.get(item.nodeid.split("@")[0], UNMEASURED_S)
+    items.sort(key=lambda item: -seconds[scope_of[item.nodeid]])
 
 
 # the flash-shape product tests that share one random weight over their token counts (made once in a

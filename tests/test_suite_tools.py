@@ -25,11 +25,12 @@ def tool(name: str) -> ModuleType:
 
 
 def timeline(path: Path) -> Path:
-    """Four workers from t = 1000: gw0 runs t0 for 100 s, gw1 and gw2 10 s each, gw3's t3 never
-    ends; gw1 starts `late` at 120 s (the last line)."""
+    """Four workers from t = 1000 (their first tests a millisecond apart, as on the GPU machine): gw0
+    runs t0 for 100 s, gw1 and gw2 10 s each, gw3's t3 never ends; gw1 starts `late` at 120 s (the
+    last line)."""
     lines = []
     for w, seconds in enumerate((100, 10, 10, None)):
-        lines.append(f"1000.000\tgw{w}\tstart\ttests/test_a.py::t{w}")
+        lines.append(f"{1000 + w / 1000:.3f}\tgw{w}\tstart\ttests/test_a.py::t{w}")
         if seconds is not None:
             lines.append(f"{1000 + seconds:.3f}\tgw{w}\tend\ttests/test_a.py::t{w}")
     lines.append("1120.000\tgw1\tstart\ttests/test_a.py::late")
@@ -60,6 +61,31 @@ def test_timeline_summary_names_the_tail(tmp_path: Path, capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert "5 tests over 4 workers in 120 s" in out
     assert "unfinished on gw3 after 120 s: tests/test_a.py::t3" in out
-    # from 100 s only gw3 (and gw1's late start at 120) had work: fewer than half of four
+    # from 100 s only gw3 (and gw1's late start at 120) had work: fewer than half of four (at 0 s,
+    # too, before the later workers' first tests had started: not the tail)
     assert "from 100 s on fewer than 2 workers had work (20 s)" in out
     assert "gw0       1 tests, busy    100 s, idle     20 s" in out
+
+
+
+class FakeItem:
+    """What longest_first reads of a pytest item: its id and its xdist_group marker."""
+
+    def __init__(self, nodeid: str, group: str = "") -> None:
+        self.nodeid = nodeid
+        self.group = pytest.mark.xdist_group(group).mark if group else None
+
+    def get_closest_marker(self, name: str):
+        return self.group if name == "xdist_group" else None
+
+
+def test_longest_first_ranks_a_group_by_its_sum(tmp_path: Path) -> None:
+    """A group of two 20-s tests (40 s) before a 30-s test, its tests together in collection order;
+    an unnamed test counts UNMEASURED_S (30 s), after a 30-s one collected before it."""
+    from tests.conftest import longest_first
+
+    durations = tmp_path / "durations.json"
+    durations.write_text('{"t::a": 20, "t::b": 30, "t::c": 20, "t::d": 1}')
+    items = [FakeItem("t::a", "g"), FakeItem("t::b"), FakeItem("t::d"), FakeItem("t::c", "g"), FakeItem("t::new")]
+    longest_first(items, str(durations))  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == ["t::a", "t::c", "t::b", "t::new", "t::d"]

@@ -9,10 +9,12 @@
 # WORKERS is 15 by default: Numba's compiles, one CPU core each, are most of the suite's time; every
 # worker holds its own CUDA context on the one GPU, and runs NumPy with one BLAS thread.
 # Longest first: tests/conftest.py orders the tests by tools/gpu_durations.json (the seconds each
-# took in an earlier run, tools/test_durations.py), and `--dist loadgroup` hands them out in that
-# order, so the few that take minutes start at once instead of holding a worker at the end (on an
-# H100, 2026-12-07, the engine tests alone took 568 s over 15 workers for 2,991 s of work); the
-# tests of an xdist_group (module fixtures of minutes) go to one worker together. A test the file
+# took in an earlier run, tools/test_durations.py; an xdist_group's tests as one scope of their
+# sum), and `--dist loadgroup --no-loadscope-reorder` hands them out in that order (pytest-xdist's
+# default reorder put the groups first), so the few that take minutes start at once instead of
+# holding a worker at the end (on an H100, 2026-12-07, the engine tests alone took 568 s over 15
+# workers for 2,991 s of work); the tests of an xdist_group (module fixtures of minutes) go to one
+# worker together. A test the file
 # does not name counts 30 s. Each run writes LOG_DIR/gpu_durations.json, the file updated by its
 # figures, to copy back into tools/.
 # SUITE_TIMEOUT (seconds, default 3000) limits the two parts together and interrupts pytest, which
@@ -90,7 +92,7 @@ nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv,noheader 
 sampler=$!
 NUMBA_CUDA_MAX_PENDING_DEALLOCS_RATIO=0.01 \
 OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 FLASHV41_TEST_DURATIONS=tools/gpu_durations.json \
-    part "$(left)" -m "gpu and not device_memory" -n "$workers" --dist loadgroup -p no:cacheprovider -v -rfEs \
+    part "$(left)" -m "gpu and not device_memory" -n "$workers" --dist loadgroup --no-loadscope-reorder -p no:cacheprovider -v -rfEs \
     --durations=25 -W "ignore:Grid size" --junitxml "$log_dir/gpu_suite.xml" -o junit_logging=system-out "$@"
 spread=$?
 kill "$sampler" 2>/dev/null

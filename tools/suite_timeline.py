@@ -61,10 +61,12 @@ def main(argv: list[str]) -> int:
     cut = [(w, n, last - s) for w, n, s, e in runs if e is None]
     for w, n, seconds in cut:
         print(f"unfinished on {w} after {seconds:.0f} s: {n}")
-    # the tail: from the first moment (on a 1-s grid) fewer than half the workers are busy
+    # the tail: on a 1-s grid, from the moment after the last one at which half the workers or more
+    # were busy (not the first one with fewer: the workers' first tests start a few ms apart)
     half = len(workers) / 2
-    tail = next((first + i for i in range(int(span) + 1) if busy_workers_at(runs, first + i, last) < half), None)
-    if tail is not None and tail < last - 1:
+    full = [i for i in range(int(span) + 1) if busy_workers_at(runs, first + i, last) >= half]
+    tail = first + (full[-1] + 1 if full else 0)
+    if tail < last - 1:
         late = sorted(((e if e is not None else last) - max(s, tail), n) for _, n, s, e in runs
                       if (e if e is not None else last) > tail)
         print(f"from {tail - first:.0f} s on fewer than {half:.0f} workers had work ({last - tail:.0f} s); "

@@ -4,10 +4,11 @@ the highway (with Sinkhorn), the collapse into a normed sublayer input, and the 
 Shapes: T tokens, hc copies, C dim, M = (2 + hc) * hc mixes. The highway h is float32
 [T, hc, C] (kept in fp32 on the device); sublayer inputs and outputs are bf16 bits.
 
-- `embed`: h[t, c] = bf16(dequant(token_embd[id_t])) for every copy c.
+- `embed`: h[t, c] = bf16(dequant(token_embd[id_t])) for every copy c (coalesced stores).
 - `mixes`: raw = h_flat @ fn^T and the square sum of h_flat, in fp32 partial sums over slices of
-  the flattened highway [T, M + 1, S] (stages.linear.stream_partials: the decode GEMV's walk, any
-  T; or the post kernel's, below), then per token r = rsqrt(mean(h^2) + eps),
+  the flattened highway [T, M + 1, S] (stages.linear.stream_partials: the decode GEMV's walk; from
+  MIXES_TILES_MIN_TOKENS tokens stages.mixes_tiles, tiles of tokens that read the highway once, with
+  fewer slices; or the post kernel's, below), then per token r = rsqrt(mean(h^2) + eps),
   pre = sigmoid(raw * r * s0 + b) + hc_eps, post = 2 sigmoid(raw * r * s1 + b), comb = Sinkhorn
   (one warp, shuffles, no barrier).
 - `mixes_norm`: a sublayer's mixes and its input x = norm(bf16(sum_c pre[c] h[c])) in bf16 in one
@@ -17,7 +18,7 @@ Shapes: T tokens, hc copies, C dim, M = (2 + hc) * hc mixes. The highway h is fl
 - `post_mix`: h[c] = post[c] * a + sum_k comb[k, c] h[k], in place; a = None is a zero sublayer.
   With the next sublayer's mixes named (F32 / F16 / BF16 fn: `fuses`) and T <= POST_PRODUCT_MAX_TOKENS,
   the same launch also forms their product from the new h, [T, M + 1, S'] by d-ranges of
-  POST_SLICE over as many blocks (past that T the mixes launch stream_partials as without it).
+  POST_SLICE over as many blocks (past that T the mixes launch their own product as without it).
 - `mixes_post`: a zero-output (FFN) sublayer between two such posts in one launch: each post
   block sums the slices and runs the Sinkhorn itself, then the post and the next product (not
   where an FFN callback gives the sublayer an output: `plan(zero_ffn=False)`).
@@ -57,6 +58,8 @@ from flashv41.stages.device import (
     warp_sum,
 )
 from flashv41.stages.linear import GEMV_MAX_TOKENS, DeviceWeight, stream_partials
+from flashv41.stages.mixes_tiles import FN_TYPES as TILE_TYPES
+from flashv41.stages.mixes_tiles import mixes_tiles
 from flashv41.stages.trace import Traced
 
 MAX_HC = 4
@@ -70,8 +73,16 @@ POST_WARPS = 2 if SIM else 8  # that block's warps, each a share of the product'
 # costs more than stream_partials' one read per GEMV_MAX_TOKENS tokens (and mixes_post's Sinkhorn
 # in every block more than one block a token); up to them a token's bits do not depend on T
 POST_PRODUCT_MAX_TOKENS = GEMV_MAX_TOKENS
+# the fewest tokens whose mixes' own product mixes_tiles forms (F32 / F16 / BF16 fn; stream_partials
+# below them). Provisional: the one measurement is T = 512 (H100, 2026-12-07: 169-180 us against
+# stream_partials' 300-340); the next GPU run times T = 16 .. 512 (tools/time_mixes.py) to set it
+MIXES_TILES_MIN_TOKENS = 64
 MIX_SLICE_CHUNKS = 8  # chunks of the flattened highway per partial sum (a slice of the product)
 MIXES_THREADS = 1 if SIM else 256  # the FFN mixes' block: the simulator pays dearly for barriers
+EMBED_THREADS = 4 if SIM else 128  # chunks an embedding block dequantises (4,096 values on the GPU;
+# the simulator: two blocks of the small preset's rows)
+EMBED_PITCH = CHUNK + 1  # a chunk's values in shared memory, one word of padding: no bank conflicts
+EMBED_SHARED = EMBED_THREADS * EMBED_PITCH  # (a constant for cuda.shared.array: a product is not one)
 
 
 @device
@@ -431,20 +442,32 @@ def post_product_kernel(hc: int, gtype: GGMLType, split: bool):
 
 @cache
 def embed_kernel(dequant):
-    """h[t, c, :] = bf16(dequant(table[ids[t]])) for every copy; one thread per 32-value chunk."""
+    """h[t, c, :] = bf16(dequant(table[ids[t]])) for every copy c; grid (ceil(chunks / EMBED_THREADS),
+    T), block EMBED_THREADS. Each thread dequantises one 32-value chunk into shared memory,
+    bf16-rounded; then the block writes its values with consecutive threads on consecutive values,
+    one 128-byte line a warp's store in each copy. (A thread writing its own chunk into each copy
+    made a warp's store touch 32 lines 128 bytes apart: H100, 2026-12-07, 512 tokens of the flash
+    preset took 460 us that way and 116 us this way, the same bits.)"""
 
-    @jit_kernel()
+    @jit_kernel((EMBED_THREADS, 1))
     def embed(ids, table, h, n_tokens, hc, chunks):
         t = cuda.blockIdx.y
-        chunk = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if t >= n_tokens or chunk >= chunks:
-            return
+        first = cuda.blockIdx.x * EMBED_THREADS
+        tid = cuda.threadIdx.x
+        vals = cuda.shared.array(EMBED_SHARED, float32)
         buf = cuda.local.array(CHUNK, float32)
-        dequant(table, int32(ids[t]), chunk, buf)
-        for i in range(CHUNK):
-            v = bf16_round(buf[i])
-            for c in range(hc):
-                h[t, c, chunk * CHUNK + i] = v
+        if t < n_tokens and first + tid < chunks:
+            dequant(table, int32(ids[t]), first + tid, buf)
+            for i in range(CHUNK):
+                vals[tid * EMBED_PITCH + i] = bf16_round(buf[i])
+        cuda.syncthreads()
+        if t < n_tokens:
+            n = min(EMBED_THREADS, chunks - first) * CHUNK
+            base = first * CHUNK
+            for j in range(tid, n, EMBED_THREADS):
+                v = vals[(j // CHUNK) * EMBED_PITCH + j % CHUNK]
+                for c in range(hc):
+                    h[t, c, base + j] = v
 
     return embed
 
@@ -462,7 +485,7 @@ class Mixes:
     post: DeviceArray  # [T, hc] fp32
     comb: DeviceArray  # [T, hc(k), hc(c)] fp32
     # [T, M + 1, S'] fp32: the product's partial sums as the post before forms them, for up to
-    # POST_PRODUCT_MAX_TOKENS tokens (past them the mixes launch stream_partials); None: no post
+    # POST_PRODUCT_MAX_TOKENS tokens (past them the mixes launch their own); None: no post
     # forms them (the first attention mixes, an engram layer's, an fn type FN_READERS lacks)
     product: DeviceArray | None
 
@@ -509,7 +532,8 @@ class HyperStage(Traced):
             self.layers.append(per)
         hc = cfg.hc
         self.n_slices = -(-cfg.hc * cfg.dim // (MIX_SLICE_CHUNKS * CHUNK))
-        self.partial = cuda.device_array((max_tokens, cfg.mix_hc + 1, self.n_slices), np.float32)  # [T, M+1, S]
+        # [T, M+1, S], S stream_partials' slices of MIX_SLICE_CHUNKS chunks (mixes_tiles fills fewer)
+        self.partial = cuda.device_array((max_tokens, cfg.mix_hc + 1, self.n_slices), np.float32)
         # by the sublayer kind whose mixes read it: [T, M+1, S'], S' the post kernel's d-ranges of POST_SLICE
         self.post_partial = {kind: cuda.device_array((max_tokens, cfg.mix_hc + 1, -(-cfg.dim // POST_SLICE)),
                                                      np.float32) for kind in ("attn", "ffn")}
@@ -536,9 +560,8 @@ class HyperStage(Traced):
     def embed_uploaded(self, h, n_tokens: int) -> None:
         """The device part of `embed`, from the uploaded ids."""
         chunks = self.cfg.dim // CHUNK
-        threads = min(64, chunks)
-        grid = ((chunks + threads - 1) // threads, n_tokens)
-        embed_kernel(self.embedding.dequant)[grid, threads, self.stream](
+        grid = ((chunks + EMBED_THREADS - 1) // EMBED_THREADS, n_tokens)
+        embed_kernel(self.embedding.dequant)[grid, EMBED_THREADS, self.stream](
             self.ids, self.embedding.data, h, n_tokens, self.cfg.hc, chunks)
 
     def upload_first_mix(self, n_tokens: int) -> None:
@@ -581,22 +604,26 @@ class HyperStage(Traced):
         return tuple(layers)
 
     def _mix_args(self, m: Mixes, h, n_tokens: int) -> tuple:
-        """The product's partial sums for the mixes of `m` (stream_partials' launch unless the post
-        before formed them) and the mixes kernels' first arguments."""
-        _, scale, base = self.layers[m.layer][m.kind]
+        """The product's partial sums for the mixes of `m` and the mixes kernels' first arguments,
+        n_slices the slices that product has: the post before's where it formed them, else a launch
+        into self.partial, mixes_tiles' from MIXES_TILES_MIN_TOKENS tokens (the fn types it reads:
+        fewer slices than the buffer holds), else stream_partials' (all self.n_slices)."""
+        fn, scale, base = self.layers[m.layer][m.kind]
         if m.product is not None and n_tokens <= POST_PRODUCT_MAX_TOKENS:
             return m.product, m.product.shape[2], scale, base
-        fn = self.layers[m.layer][m.kind][0]
-        width = self.cfg.hc * self.cfg.dim
-        stream_partials(h.reshape(h.shape[0], width), fn, self.partial, n_tokens, self.stream)
+        x = h.reshape(h.shape[0], self.cfg.hc * self.cfg.dim)  # [T, hc C]
+        if n_tokens >= MIXES_TILES_MIN_TOKENS and fn.gtype in TILE_TYPES:
+            n_slices = mixes_tiles(x, fn, self.partial, n_tokens, self.stream)
+        else:
+            stream_partials(x, fn, self.partial, n_tokens, self.stream)
+            n_slices = self.n_slices
         self._mark("hc mixes product")
-        return self.partial, self.n_slices, scale, base
+        return self.partial, n_slices, scale, base
 
     def mixes(self, h, m: Mixes, n_tokens: int) -> Mixes:
         """m.pre, m.post and m.comb from h for m's sublayer, returned as `m` for its post: the
-        product and the highway's square sum by slices (stream_partials' slices of MIX_SLICE_CHUNKS
-        chunks, many warps for one token; or the slices the post before wrote), then one block per
-        token adds the slices up and runs the split and Sinkhorn."""
+        product and the highway's square sum by slices (_mix_args: stream_partials', mixes_tiles' or
+        the post before's), then one block per token adds the slices up and runs the split and Sinkhorn."""
         cfg = self.cfg
         partial, n_slices, scale, base = self._mix_args(m, h, n_tokens)
         mixes_kernel(cfg.hc)[n_tokens, MIXES_THREADS, self.stream](

@@ -1,4 +1,6 @@
-"""stages.hyper against the oracle (host.oracle.hc, rms_norm, Oracle.embed) on the tiny model."""
+"""stages.hyper against the oracle (host.oracle.hc, rms_norm) on the tiny and small models; the
+embedding in tests/test_embed.py, the mixes' product in tiles (stages.mixes_tiles) in
+tests/test_mixes_tiles.py."""
 
 from __future__ import annotations
 
@@ -42,14 +44,10 @@ def highway(cfg, seed, n_tokens=T):
     return (rng.standard_normal((n_tokens, cfg.hc, cfg.dim)) * 0.3).astype(np.float32)
 
 
-def test_embed_is_exact(setup):
-    model, oracle, stage = setup
-    cfg = model.config
-    ids = np.array([0, 5, 127, 64, 3])
-    h = cuda.device_array((8, cfg.hc, cfg.dim), np.float32)
-    stage.embed(ids, h, T)
-    want = np.repeat(oracle.embed(ids)[:, None, :], cfg.hc, axis=1)
-    assert np.array_equal(h.copy_to_host()[:T].view(np.uint32), want.view(np.uint32))
+def buffer(cfg, n_tokens, width=None, dtype=np.float32):
+    """A caller's buffer of a mix ([T, hc] fp32) or of a sublayer input ([T, width]), with room for
+    16 tokens or n_tokens, whichever is more."""
+    return cuda.device_array((max(16, n_tokens), cfg.hc if width is None else width), dtype)
 
 
 @pytest.mark.parametrize("preset,layer,kind,n_tokens", [("tiny", 0, "attn", T), ("tiny", 3, "ffn", T),
@@ -63,7 +61,7 @@ def test_mixes(stages, preset, layer, kind, n_tokens):
 def check_mixes(model, oracle, stage, layer, kind, n_tokens):
     cfg = model.config
     h = highway(cfg, layer, n_tokens)
-    pre = cuda.device_array((16, cfg.hc), np.float32)
+    pre = buffer(cfg, n_tokens)
     stage.mixes(cuda.to_device(h), stage.sublayer(layer, kind, pre), n_tokens)
     # fp32 sums and CUDA's exp vs float64 sums and correctly rounded exp: a few ulp on pre / post;
     # 20 Sinkhorn rounds amplify last-ulp differences (two correct fp32 implementations were seen
@@ -104,14 +102,14 @@ def check_mixes_norm(model, oracle, stage, n_tokens):
     h = highway(cfg, 7, n_tokens)
     rng = np.random.default_rng(8)
     pre_in = rng.uniform(0.1, 1.0, (n_tokens, cfg.hc)).astype(np.float32)
-    x = cuda.device_array((16, cfg.dim), np.uint16)
-    pre = cuda.device_array((16, cfg.hc), np.float32)
+    x = buffer(cfg, n_tokens, cfg.dim, np.uint16)
+    pre = buffer(cfg, n_tokens)
     hd = cuda.to_device(h)
     stage.mixes_norm(hd, stage.sublayer(2, "attn", pre), cuda.to_device(pre_in), x, n_tokens)
     assert_pre_norm(x, h, pre_in, oracle, cfg, 2, n_tokens)
     assert_mixes(stage, pre, want_mixes(oracle, cfg, h, 2, "attn"), n_tokens)
     got = [pre.copy_to_host()[:n_tokens], stage.post.copy_to_host()[:n_tokens], stage.comb.copy_to_host()[:n_tokens]]
-    alone = cuda.device_array((16, cfg.hc), np.float32)
+    alone = buffer(cfg, n_tokens)
     stage.mixes(hd, stage.sublayer(2, "attn", alone), n_tokens)
     for a, b in zip(got, [alone.copy_to_host()[:n_tokens], stage.post.copy_to_host()[:n_tokens],
                           stage.comb.copy_to_host()[:n_tokens]], strict=True):
@@ -154,9 +152,8 @@ def check_post_with_next_product(model, oracle, stage, layer, kind, n_tokens, wi
     h = highway(cfg, 11, n_tokens)
     rng = np.random.default_rng(12)
     a = to_bits(bf16(rng.standard_normal((n_tokens, cfg.dim)).astype(np.float32)))
-    mixes = stage.mixes(cuda.to_device(h), stage.sublayer(0, "attn", cuda.device_array((16, cfg.hc), np.float32)),
-                        n_tokens)
-    pre = cuda.device_array((16, cfg.hc), np.float32)
+    mixes = stage.mixes(cuda.to_device(h), stage.sublayer(0, "attn", buffer(cfg, n_tokens)), n_tokens)
+    pre = buffer(cfg, n_tokens)
     then = stage.sublayer(layer, kind, pre, after_post=True)
     alone, fused = cuda.to_device(h), cuda.to_device(h)
     stage.post_mix(alone, cuda.to_device(a) if with_output else None, mixes, n_tokens)
@@ -180,12 +177,11 @@ def check_mixes_post(model, oracle, stage, layer, n_tokens):
     cfg = model.config
     h = highway(cfg, 15, n_tokens)
     a = to_bits(bf16(np.random.default_rng(16).standard_normal((n_tokens, cfg.dim)).astype(np.float32)))
-    attn = stage.mixes(cuda.to_device(h), stage.sublayer(layer, "attn", cuda.device_array((16, cfg.hc), np.float32)),
-                       n_tokens)
-    pre_alone, pre_fused = cuda.device_array((16, cfg.hc), np.float32), cuda.device_array((16, cfg.hc), np.float32)
+    attn = stage.mixes(cuda.to_device(h), stage.sublayer(layer, "attn", buffer(cfg, n_tokens)), n_tokens)
+    pre_alone, pre_fused = buffer(cfg, n_tokens), buffer(cfg, n_tokens)
     ffn_alone = stage.sublayer(layer, "ffn", pre_alone, after_post=True)
     ffn_fused = stage.sublayer(layer, "ffn", pre_fused, after_post=True)  # the same product, another pre
-    then = stage.sublayer(layer + 1, "attn", cuda.device_array((16, cfg.hc), np.float32), after_post=True)
+    then = stage.sublayer(layer + 1, "attn", buffer(cfg, n_tokens), after_post=True)
     attn_out = cuda.to_device(h)
     stage.post_mix(attn_out, cuda.to_device(a), attn, n_tokens, then=ffn_alone)
     h_attn = attn_out.copy_to_host()[:n_tokens]

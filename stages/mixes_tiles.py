@@ -1,33 +1,35 @@
-"""The hyper-connection mixes' product for a prefill chunk, as tiles of tokens (issue 44; not in the
-package until it has run on a GPU and won).
+"""The hyper-connection mixes' product for a prefill chunk, as tiles of tokens: what stages.hyper's
+mixes read from MIXES_TILES_MIN_TOKENS tokens on (stages.linear.stream_partials below them).
 
-Past POST_PRODUCT_MAX_TOKENS, stages.hyper forms a sublayer's mixes product with
-stages.linear.stream_partials: the decode GEMV's walk, a warp a (row, slice) and eight tokens, so
-the 25 rows (24 mixes and the square sum) of a slice each read the chunk's highway again. On the
-32k prefill (H100, seventh session) that launch took 199 ms of the events' 1.90 s: two a layer
-(the attention's and the FFN's mixes) in each of 64 chunks of 512 tokens on six layers, 768
-launches of about 259 us, where reading the chunk's highway once (42 MB) takes 14 us.
+partial[t, n, s] = the sum over slice s of K of x[t, k] * w[n, k] for the N mix rows, and
+partial[t, N, s] the slice's sum of x[t, k]^2 (the square sum): x the flattened highway float32
+[T, K = hc C], w a sublayer's hc_{kind}_fn, F32 / F16 / BF16 [N = M, K], partial float32
+[>= T, N + 1, >= S], S = mixes_slices(K) slices of SLICE_CHUNKS 32-value chunks (16 of 1280 at
+flash size, hc 4 x 5120). stream_partials cuts K into 80 slices there, and stages.hyper's partial is
+sized for those: the mixes kernels after either sum the S slices they are given.
 
-Registers (ptxas, sm_90): 156-160 a thread, no stack, for F32 / F16 / BF16 weights, with or
-without MIXES_PREFETCH; one block of eight warps an SM.
+Grid (ceil(T / (WARPS TOKENS_A_WARP)), S), block (LANES, WARPS): warp w of block (i, s) takes
+tokens (i WARPS + w) TOKENS_A_WARP .. + TOKENS_A_WARP - 1 and slice s. Each lane walks the slice's
+columns LANES apart: it loads the column's weight of every mix row once (the block's warps share
+them through L1), then adds x * w for each of its tokens and rows, and x * x for the square sum, in
+registers; the lanes' sums then meet by shuffles. The chunk's highway is read once. stream_partials
+(the decode GEMV's walk: a warp a (row, slice) and eight tokens) reads it again for each of the 25
+rows of a slice.
 
-Here a block of WARPS warps takes TOKENS_A_WARP tokens a warp and one slice of K: each lane walks
-the slice's columns 32 apart, loads the column's weight of every mix row once (the block's warps
-share them through L1) and adds x * w for each of its tokens and row, and x * x for the square sum,
-in registers; the lanes' sums then meet by shuffles. The highway is read once, the weights once a
-warp from L1. Same partial layout as stream_partials, [T, N + 1, S], with S slices of whole
-32-value chunks (fewer and longer than stream_partials' 80: stages.hyper's mixes kernels take any
-S), so the mixes kernels after it are unchanged.
+Summation: each lane adds its ceil(slice / LANES) columns of a slice in order (fp32, the product
+rounded or fused into the add), then log2(LANES) shuffle adds; the oracle (host.oracle.hc.hc_mixes)
+sums in float64. tests/test_mixes_tiles.py holds every partial to the worst-case bound of that chain,
+(ceil(slice / LANES) + log2(LANES) + 2) u sum |terms|, and the stage's mixes from them to
+tests/test_hyper.py's bounds of the oracle's.
 
-Summation: each lane adds its columns of a slice in order (fp32, one rounding a term), then five
-shuffle rounds; the oracle sums in float64. dev/test_mixes_tiles.py holds the partials to the
-worst-case fp32 bound of their terms, and the stage's mixes from them to test_hyper's bounds.
-`python -m dev.test_mixes_tiles` times it against stream_partials at flash size.
+H100, 2026-12-07, T = 512 at flash size: 179 / 169 / 180 us for F32 / F16 / BF16 mix weights,
+where stream_partials took 313 / 340 / 300 us (the chunk's highway, 42 MB, read once at 3.0 TB/s:
+14 us). Registers (ptxas, sm_90): 156-159 a thread, no stack; one block of eight warps an SM.
+tools/time_mixes.py times the two for T = 16 .. 512.
 """
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import numpy as np
@@ -39,14 +41,11 @@ from flashv41.stages.linear import DeviceWeight
 
 WARPS = 8  # warps a block
 TOKENS_A_WARP = 4  # tokens each warp sums, each in (N + 1) registers a lane (the kernel names four)
-SLICE_CHUNKS = 8 if SIM else 40  # 32-value chunks a slice: 1280 values, 16 slices of the flash highway
-# (4 x 5120); on the simulator stages.hyper's own slices (MIX_SLICE_CHUNKS), as many as its partial holds
+SLICE_CHUNKS = 16 if SIM else 40  # 32-value chunks a slice: 1280 values, 16 slices of the flash highway
+# (4 x 5120); on the simulator two of the small preset's (stages.hyper cuts it into four: fewer here too,
+# so the tests see the mixes kernels read the count mixes_tiles returns)
 LANES = 1 if SIM else WARP  # the simulator's warps are one lane (as stages.hyper's)
-FN_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
-# a variant to time (environment, read at import): MIXES_PREFETCH=1 loads the next column's x while
-# this column's products run (twice the loads in flight: a block of 8 warps an SM, 162 registers,
-# keeps 4 KB of the highway in flight an SM without it, about a quarter of what HBM wants)
-PREFETCH = os.environ.get("MIXES_PREFETCH", "0") != "0"
+FN_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)  # the mix weight types it reads
 
 
 @cache
@@ -81,13 +80,6 @@ def mixes_tiles_kernel(gtype: GGMLType, n_rows: int):
         k0 = s * slice_len
         k1 = min(k0 + slice_len, k)
         c = k0 + lane
-        if PREFETCH:  # the next column's x loads go out before this column's products
-            p0 = x[t0, c] if t0 <= last and c < k1 else float32(0)
-            p1 = x[t0 + 1, c] if t0 + 1 <= last and c < k1 else float32(0)
-            p2 = x[t0 + 2, c] if t0 + 2 <= last and c < k1 else float32(0)
-            p3 = x[t0 + 3, c] if t0 + 3 <= last and c < k1 else float32(0)
-        else:
-            p0 = p1 = p2 = p3 = float32(0)
         while c < k1:
             for n in range(n_rows):
                 if f16:
@@ -96,18 +88,10 @@ def mixes_tiles_kernel(gtype: GGMLType, n_rows: int):
                     wv[n] = bf16_to_f32(wb16[n, c])
                 else:
                     wv[n] = wf32[n, c]
-            if PREFETCH:
-                x0, x1, x2, x3 = p0, p1, p2, p3
-                nc = c + LANES
-                p0 = x[t0, nc] if t0 <= last and nc < k1 else float32(0)
-                p1 = x[t0 + 1, nc] if t0 + 1 <= last and nc < k1 else float32(0)
-                p2 = x[t0 + 2, nc] if t0 + 2 <= last and nc < k1 else float32(0)
-                p3 = x[t0 + 3, nc] if t0 + 3 <= last and nc < k1 else float32(0)
-            else:
-                x0 = x[t0, c] if t0 <= last else float32(0)
-                x1 = x[t0 + 1, c] if t0 + 1 <= last else float32(0)
-                x2 = x[t0 + 2, c] if t0 + 2 <= last else float32(0)
-                x3 = x[t0 + 3, c] if t0 + 3 <= last else float32(0)
+            x0 = x[t0, c] if t0 <= last else float32(0)
+            x1 = x[t0 + 1, c] if t0 + 1 <= last else float32(0)
+            x2 = x[t0 + 2, c] if t0 + 2 <= last else float32(0)
+            x3 = x[t0 + 3, c] if t0 + 3 <= last else float32(0)
             for n in range(n_rows):
                 acc0[n] += x0 * wv[n]
                 acc1[n] += x1 * wv[n]

@@ -38,11 +38,15 @@ Kernels, chosen by the token count and the weight type (`pick_kernel`):
   (wq_b), measured faster there):
   stages.linear_imma, the decode GEMV on the integer tensor cores, the stored levels as the mma's A
   operand and each input split into four int8 digits as its B columns.
-- `pipe` (past NARROW_MAX_TOKENS tokens, on a GPU: bf16 x, BF16 and Q8_0 weights, which tc does not
-  take): stages.gemm_pipe, the prefill GEMM on the tensor cores with its tiles streamed into shared
-  memory by cp.async several K steps ahead and read with ldmatrix.
-- `gemm` (more tokens, what neither tc nor pipe takes: every product on the simulator, where their
-  inline PTX does not run; on a GPU fp32 x and F16 / F32 weights past NARROW_MAX_TOKENS tokens): a
+- `wgmma` (past NARROW_MAX_TOKENS tokens, on a GPU of compute capability 9.0: bf16 x, BF16
+  weights): stages.gemm_wgmma, the prefill GEMM on Hopper's warpgroup tensor cores (wgmma, sm_90a
+  only), its tiles streamed into shared memory by cp.async two K steps ahead.
+- `pipe` (past NARROW_MAX_TOKENS tokens, on a GPU: bf16 x, Q8_0 weights, and BF16 ones where wgmma
+  is not (other GPUs); tc takes neither type): stages.gemm_pipe, the prefill GEMM on the tensor
+  cores (mma.sync) with its tiles streamed into shared memory by cp.async several K steps ahead and
+  read with ldmatrix.
+- `gemm` (more tokens, what neither tc, wgmma nor pipe takes: every product on the simulator, where
+  their inline PTX does not run; on a GPU fp32 x and F16 / F32 weights past NARROW_MAX_TOKENS tokens): a
   shared-memory tile of tokens x outputs, K in steps of 32, the weight chunk dequantised once per
   tile (the type's weight_dequant); a grouped product is one launch per group.
 
@@ -64,7 +68,7 @@ from numba import cuda, float32, uint32, uint64
 from flashv41.host.errors import UnsupportedError
 from flashv41.host.gguf_model import TensorRef
 from flashv41.host.quants import FORMATS, GGMLType, quantize
-from flashv41.stages import gemm_pipe, linear_imma, linear_narrow, linear_tc
+from flashv41.stages import gemm_pipe, gemm_wgmma, linear_imma, linear_narrow, linear_tc
 from flashv41.stages.device import (
     CHUNK,
     SIM,
@@ -470,9 +474,11 @@ def pick_kernel(w: DeviceWeight, x_bf16: bool, n_tokens: int, group_rows: int = 
     kernel for every count up to there, so a batch of decode steps gives each sequence its single
     step's bits. More, up to NARROW_MAX_TOKENS: the narrow
     tensor-core product (stages.linear_narrow) where it applies (GPU, bf16 x, BF16 and Q8_0
-    weights). Past that, on a GPU with bf16 x: the pipelined GEMM (stages.gemm_pipe) for BF16 and
-    Q8_0, the tensor cores (stages.linear_tc) for the types it takes. Else, on a GPU and up to
-    NARROW_MAX_TOKENS tokens, stream in launches of GEMV_MAX_TOKENS tokens; else gemm."""
+    weights). Past that, on a GPU with bf16 x: the warpgroup GEMM (stages.gemm_wgmma) for BF16 on
+    a GPU of compute capability 9.0 (gemm_wgmma.supports: wgmma is sm_90a's alone), the pipelined
+    GEMM (stages.gemm_pipe) for Q8_0 and for BF16 elsewhere, the tensor cores (stages.linear_tc) for
+    the types it takes. Else, on a GPU and up to NARROW_MAX_TOKENS tokens, stream in launches of
+    GEMV_MAX_TOKENS tokens; else gemm."""
     x_dtype = np.uint16 if x_bf16 else np.float32
     if n_tokens <= GEMV_MAX_TOKENS:
         imma = (not SIM and linear_imma.takes(w, x_dtype, group_rows)
@@ -480,6 +486,8 @@ def pick_kernel(w: DeviceWeight, x_bf16: bool, n_tokens: int, group_rows: int = 
         return "imma" if imma else "stream"
     if n_tokens <= NARROW_MAX_TOKENS and linear_narrow.supports(w, x_dtype, group_rows):
         return "narrow"
+    if gemm_wgmma.supports(w, x_dtype):
+        return "wgmma"
     if gemm_pipe.supports(w, x_dtype):
         return "pipe"
     if linear_tc.supports(w, x_dtype):
@@ -496,9 +504,9 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     """y[:n_tokens] = x[:n_tokens] @ w^T on the device (dtypes of x and y pick the variant).
 
     group_rows > 0: grouped product, output row n reads x[:, (n // group_rows) * K : ... + K].
-    kernel: "stream", "narrow", "gemm", "tc", "imma" or "pipe" to force one (tests, benchmarks); by
-    default `pick_kernel` decides. ValueError where a forced narrow, tc, imma or pipe does not take
-    the product (naming the weight and what the kernel takes).
+    kernel: "stream", "narrow", "gemm", "tc", "imma", "pipe" or "wgmma" to force one (tests,
+    benchmarks); by default `pick_kernel` decides. ValueError where a forced narrow, tc, imma, pipe
+    or wgmma does not take the product (naming the weight and what the kernel takes).
     """
     x_bf16 = x.dtype == np.uint16
     out_bf16 = y.dtype == np.uint16
@@ -510,6 +518,8 @@ def linear(x, w: DeviceWeight, y, n_tokens: int, group_rows: int = 0, stream=0, 
     kernel = kernel or pick_kernel(w, x_bf16, n_tokens, grouped)
     if kernel == "imma":
         linear_imma.linear_imma(x, w, y, n_tokens, grouped, stream)
+    elif kernel == "wgmma":
+        gemm_wgmma.gemm_wgmma(x, w, y, n_tokens, grouped, stream)
     elif kernel == "pipe":
         gemm_pipe.gemm_pipe(x, w, y, n_tokens, grouped, stream)
     elif kernel == "tc":

@@ -3,8 +3,9 @@ intrinsics on a GPU and as emulations on the simulator (the same names, the same
 4-byte `cp.async` copies into shared memory with their commit and waits, `ldmatrix` (plain and
 transposed), 16-byte shared loads and stores, paired global stores (and `store_pair`, a GEMM
 epilogue's store of two outputs on either side of a group's end), `cvt.rn.bf16x2.f32`, and
-`pinned` values the compilers compute once. Nothing here is a kernel: stages.gemm_pipe and
-stages.sparse_fused build theirs from these.
+`pinned` values the compilers compute once. Nothing here is a kernel: stages.gemm_pipe,
+stages.gemm_wgmma and stages.sparse_fused build theirs from these (gemm_wgmma's wgmma descriptors
+take their shared addresses from `_shared_word` too).
 
 Addresses. A copy names its destination by (shared array, word) and its source by `word_address`
 (a global uint32 array's element: its address on a GPU, its flat index on the simulator; WORD_UNITS

@@ -110,8 +110,10 @@ def install() -> None:
     compiled: set = set()
     # with FLASHV41_KERNEL_CACHE set (stages.device.kernel_cache_dir), a kernel goes through the
     # dispatcher's compile, the disk cache's path (its index key pickles the closure's values; the
-    # kernel is saved with its sm_90 cubin, or loaded): binding makes the cubin, with no context
-    dispatcher._Kernel.bind = lambda kernel: kernel._codelibrary.get_cubin(cc=_FakeDevice.compute_capability)
+    # kernel is saved with its sm_90a cubin, or loaded): binding makes the cubin, with no context. The
+    # arch-specific target is what numba-cuda compiles for on Hopper (its code library's _ensure_cc),
+    # and what stages.gemm_wgmma's wgmma needs
+    dispatcher._Kernel.bind = lambda kernel: kernel._codelibrary.get_cubin(cc=(*_FakeDevice.compute_capability, "a"))
 
     def launch(self, args, launch_config):
         argtypes = tuple(typeof(a) for a in args)

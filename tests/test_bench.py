@@ -123,8 +123,12 @@ def test_every_case_still_listed() -> None:
     assert [name for name in names if name.startswith("gemv.stream.")] == ["gemv.stream.attn.wq_b.Q8_0",
                                                                            "gemv.stream.t8.attn.wq_b.Q8_0"]
     assert "prefill.gemm.attn.wo_a.Q8_0" in names
-    # each type has one prefill kernel: the rows are the picked kernel's, none forced
+    # Q8_0 has one prefill kernel: the rows are the picked kernel's, none forced
     assert not [name for name in names if name.startswith(("prefill.gemm.tc.", "prefill.gemm.pipe."))]
+    # BF16's picked rows (wgmma on compute capability 9.0), each with pipe's beside it (the kernel it displaced)
+    bf16 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("BF16",))) if c.name.startswith("prefill.gemm.")]
+    assert "prefill.gemm.attn.wo_a.BF16" in bf16 and "prefill.gemm.pipe.attn.wo_a.BF16" in bf16
+    assert len(bf16) == 2 * len([name for name in bf16 if name.startswith("prefill.gemm.pipe.")])
     q2 = [c.name for c in bench.all_cases(BenchOptions(weight_types=("Q2_K",)))]
     assert "gemv.stream.engram.wkv.Q2_K" in q2 and "gemv.imma.attn.wq_a.Q2_K" in q2
     assert "gemv.imma.attn.wo_b.Q2_K" in q2 and "gemv.stream.t8.attn.wq_b.Q2_K" in q2

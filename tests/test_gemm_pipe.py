@@ -37,16 +37,22 @@ def weight(n, k, gtype):
     return DeviceWeight.from_stored("w", gtype, stored, k), dequantize(stored, gtype, k)
 
 
-def check_pipe(gtype, tokens, groups, rows, width, out_bf16, seed) -> float:
-    """linear(kernel="pipe") on seeded bf16 inputs [tokens, groups * width] and a random weight
-    [groups * rows, width], every group held to the oracle; returns check_groups' figure."""
+def check_gemm(kernel, gtype, tokens, groups, rows, width, out_bf16, seed) -> float:
+    """linear(kernel=kernel) (a prefill GEMM: "pipe", or tests/test_gemm_wgmma.py's "wgmma") on
+    seeded bf16 inputs [tokens, groups * width] and a random weight [groups * rows, width], every
+    group held to the oracle; returns check_groups' figure."""
     w, wq = weight(groups * rows, width, gtype)
     x = bf16(np.random.default_rng(seed).standard_normal((tokens, groups * width)).astype(np.float32))
     y = cuda.device_array((tokens, groups * rows), np.uint16 if out_bf16 else np.float32)
-    linear(cuda.to_device(to_bits(x)), w, y, tokens, group_rows=rows if groups > 1 else 0, kernel="pipe")
+    linear(cuda.to_device(to_bits(x)), w, y, tokens, group_rows=rows if groups > 1 else 0, kernel=kernel)
     got = from_bits(y.copy_to_host()) if out_bf16 else y.copy_to_host()
-    what = f"pipe {gtype.name} [{groups * rows}, {width}] T={tokens} {'bf16' if out_bf16 else 'f32'} out"
+    what = f"{kernel} {gtype.name} [{groups * rows}, {width}] T={tokens} {'bf16' if out_bf16 else 'f32'} out"
     return check_groups(got, x, wq, rows, out_bf16, what, {})
+
+
+def check_pipe(gtype, tokens, groups, rows, width, out_bf16, seed) -> float:
+    """check_gemm of gemm_pipe."""
+    return check_gemm("pipe", gtype, tokens, groups, rows, width, out_bf16, seed)
 
 
 @pytest.mark.parametrize("gtype", TYPES, ids=lambda t: t.name)

@@ -14,6 +14,7 @@ from flashv41 import stages
 from flashv41.host.numerics import bf16, from_bits, to_bits
 from flashv41.host.numerics import linear as oracle_linear
 from flashv41.host.quants import Q8_0_BLOCK, GGMLType, dequantize, quantize
+from flashv41.stages import gemm_pipe, gemm_wgmma
 from flashv41.stages.device import SIM
 from flashv41.stages.linear import (  # noqa: E402
     GEMV_MAX_TOKENS,
@@ -207,6 +208,25 @@ def test_pick_stream_for_a_batch_without_tensor_cores():
     assert pick_kernel(w, True, GEMV_MAX_TOKENS + 1) == ("gemm" if SIM else "stream")
     assert pick_kernel(w, True, NARROW_MAX_TOKENS) == ("gemm" if SIM else "stream")
     assert pick_kernel(w, True, NARROW_MAX_TOKENS + 1) == "gemm"
+
+
+@pytest.mark.parametrize("capability,bf16_kernel", [((9, 0), "wgmma"), ((8, 0), "pipe"), ((8, 9), "pipe"),
+                                                    ((10, 0), "pipe"), ((12, 0), "pipe")])
+def test_prefill_pick_by_compute_capability(monkeypatch: pytest.MonkeyPatch, capability, bf16_kernel):
+    """Past NARROW_MAX_TOKENS tokens with bf16 x on a GPU (here pretended, the compute capability
+    too): BF16 weights take wgmma on compute capability 9.0 alone (sm_90a: Ampere and Ada have no
+    wgmma, nor have Blackwell's targets), pipe elsewhere; Q8_0 takes pipe on every GPU; fp32 x gemm.
+    (The simulator's own pick, gemm, is test_bf16_in_bf16_out's at T = 19.)"""
+    monkeypatch.setattr(gemm_pipe, "SIM", False)
+    monkeypatch.setattr(gemm_wgmma, "SIM", False)
+    monkeypatch.setattr(gemm_wgmma, "device_capability", lambda: capability)
+    rng = np.random.default_rng(2)
+    (bf, _), (q8, _) = weight(rng, 32, 64, GGMLType.BF16), weight(rng, 32, 64, GGMLType.Q8_0)
+    tokens = NARROW_MAX_TOKENS + 1
+    assert pick_kernel(bf, True, tokens) == bf16_kernel
+    assert pick_kernel(bf, True, tokens, group_rows=16) == bf16_kernel  # (a grouped product alike)
+    assert pick_kernel(q8, True, tokens) == "pipe"
+    assert pick_kernel(bf, False, tokens) == "gemm"
 
 
 @pytest.mark.gpu

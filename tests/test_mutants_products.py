@@ -35,6 +35,14 @@ product the negation keeps inside int8); on the simulator each is caught by both
 50% bit-equal, q3_scale 4%, q3_group 0%, q3_top 0%, q3_hmask 0.8%, q3_offset 0%, q3_flip 0%,
 q3_sign 50%, q3_wrap 66%.
 
+The warpgroup prefill GEMM (`wgmma`, stages.gemm_wgmma, BF16) has its own, each one edit of its
+kernel factory's source (tests/mutants.edited, WGMMA_MUTANTS): dropped_step (the last K step never
+multiplied), dropped_k16 (each step's last k16 wgmma left out), b_row (each weight tile row copied
+from its neighbour's), stage (the ring of stages read off by one), scale (the outputs 1% large). On
+the simulator (K = 256, four steps through three stages, T = 4) each is caught by both rules:
+dropped_step, dropped_k16, b_row and scale 0% bit-equal, stage 0.8%, 127-128 of the 128 outputs
+out of the sqrt(K) bound; fp32 out, dropped_k16 and scale by the bound (all 128 out).
+
 The mutated pieces are the quant-type table's (stages.quants.table.DEVICE_TYPES, swapped in the
 kernel's module: a record with a broken weight dequantiser or tc put) or the kernel module's own
 (stream_walker, mma, f32_to_bf16; imma's DIGIT, quad_digits and block_scales, and its types' pieces
@@ -237,6 +245,17 @@ IMMA_MXFP4_MUTANTS = ["table", "no_negatives", "e_scale"]
 # from their neighbours) or with their 128 left in (no xor); acc += d (the sum) on the first row half;
 # sc q in place of -sc q (and acc += d (the sum)), each byte wrapped to int8: right but where sc q = 128
 IMMA_Q3_K_MUTANTS = ["q3_scale", "q3_group", "q3_top", "q3_hmask", "q3_offset", "q3_flip", "q3_sign", "q3_wrap"]
+# the warpgroup GEMM's (stages.gemm_wgmma), each one edit of wgmma_kernel's source: the last K step
+# never multiplied; each step's last k16 left out; every weight tile row copied from its neighbour's
+# row (rows 2 i and 2 i + 1 swapped); the ring of stages read off by one; the outputs 1% large
+WGMMA_MUTANTS = {
+    "dropped_step": ("for it in range(n_steps + PREFETCH):", "for it in range(n_steps + PREFETCH - 1):"),
+    "dropped_k16": ("for s in range(BK // 16):", "for s in range(BK // 16 - 1):"),
+    "b_row": ("row0 + n0 + row, chunk * 4", "row0 + n0 + (row ^ 1), chunk * 4"),
+    "stage": ("read = uint32(read + 1) if read < STAGES - 1 else uint32(0)",
+              "read = uint32(read + 1) if read < STAGES - 2 else uint32(0)"),
+    "scale": ("out_s[i * THREADS + tid] = acc[i]", "out_s[i * THREADS + tid] = acc[i] * float32(1.01)"),
+}
 
 
 @device
@@ -320,8 +339,11 @@ def imma_k_replacements(kind: str) -> dict:
 
 
 def replacements(kernel: str, kind: str) -> dict:
-    """The globals a mutant of `kernel` ("stream", "gemm", "tc", "narrow", "imma") swaps
+    """The globals a mutant of `kernel` ("stream", "gemm", "tc", "narrow", "imma", "wgmma") swaps
     (tests/mutants.py)."""
+    if kernel == "wgmma":
+        old, new = WGMMA_MUTANTS[kind]
+        return {"wgmma_kernel": edited(stages.gemm_wgmma, "wgmma_kernel", old, new)}
     if kind == "truncate":
         return {"f32_to_bf16": truncating_bf16}
     if kind in IMMA_K_MUTANTS + IMMA_Q5_K_MUTANTS + IMMA_Q2_K_MUTANTS + IMMA_Q6_K_MUTANTS + IMMA_MXFP4_MUTANTS:
@@ -363,8 +385,8 @@ IMMA_MODULES = (stages.linear_imma, stages.imma_digits, stages.imma_walks, stage
 
 def run_mutant(kernel: str, kind: str, check, *args, **kwargs) -> None:
     """The mutant through `check` (rejected), then the real kernel through it (passes)."""
-    modules = {"tc": (stages.linear_tc,), "narrow": (stages.linear_narrow,), "imma": IMMA_MODULES}.get(
-        kernel, (stages.linear,))
+    modules = {"tc": (stages.linear_tc,), "narrow": (stages.linear_narrow,), "imma": IMMA_MODULES,
+               "wgmma": (stages.gemm_wgmma,)}.get(kernel, (stages.linear,))
     with mutant_across(modules, **replacements(kernel, kind)):
         rules = rejected(check, *args, **kwargs)
     print(f"mutant {kernel} {kind}: rejected by the {rules}")
@@ -439,6 +461,21 @@ def test_f32_in_and_gemm_mutants(kernel, tokens, x_f32, kind):
     """The stream kernel's fp32-input units (test_stream_mutants holds the bf16-input ones), and gemm."""
     w, wq = small_weight(GGMLType.Q8_0)
     run_mutant(kernel, kind, check_linear, w, wq, tokens, kernel, x_f32=x_f32, seed=2)
+
+
+@pytest.mark.parametrize("kind", list(WGMMA_MUTANTS))
+def test_wgmma_mutants(kind):
+    """The warpgroup GEMM at T = 4 (one token tile), K of four steps (the ring of three stages wraps),
+    N = 32 (the simulator's one output tile); BF16, the one type it takes."""
+    w, wq = small_weight(GGMLType.BF16)
+    run_mutant("wgmma", kind, check_linear, w, wq, T, "wgmma", seed=10)
+
+
+@pytest.mark.parametrize("kind", ["dropped_k16", "scale"])
+def test_wgmma_f32_out_mutants(kind):
+    """fp32 out: the sqrt(K) bound alone must catch these."""
+    w, wq = small_weight(GGMLType.BF16)
+    run_mutant("wgmma", kind, check_linear, w, wq, T, "wgmma", out_bf16=False, seed=11)
 
 
 @pytest.mark.parametrize("kind", ["drop", "scale"])
@@ -516,6 +553,18 @@ def test_flash_imma_type_mutants(gtype, kind, name, tokens):
     n, k = FLASH[name]
     w, wq = flash_weight(n, k, gtype)
     run_mutant("imma", kind, check_linear, w, wq, tokens, "imma", seed=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(WGMMA_MUTANTS))
+def test_flash_wgmma_mutants(kind):
+    """The warpgroup GEMM at T = 256 (two token tiles) on wo_b's BF16 shape (K of 128 steps), on a
+    GPU of compute capability 9.0 (the one with wgmma)."""
+    if stages.gemm_wgmma.device_capability() != stages.gemm_wgmma.WGMMA_CAPABILITY:
+        pytest.skip("wgmma needs compute capability 9.0")
+    n, k = FLASH["wo_b"]
+    w, wq = flash_weight(n, k, GGMLType.BF16)
+    run_mutant("wgmma", kind, check_linear, w, wq, 256, "wgmma", seed=9)
 
 
 TC_SHAPES = [(GGMLType.Q2_K, "engram_wkv"), (GGMLType.Q3_K, "wo_b"), (GGMLType.Q4_K, "wq_a"),

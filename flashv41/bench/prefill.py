@@ -2,11 +2,12 @@
 
 `prefill.gemm.<matrix>.<type>`: PREFILL_TOKENS tokens through one weight matrix of a layer (every
 shape of flashv41.bench.gemv's SHAPES; the grouped wo_a in one call), our kernel (stages.linear's
-choice, the one prefill kernel each type has: the pipelined GEMM stages.gemm_pipe for BF16 and
-Q8_0, the tensor-core GEMM stages.linear_tc for Q2_K-Q6_K and MXFP4) against cuBLAS on the same
-shape through CuPy, fp16 in, fp32 accumulate (the rate of bf16: CuPy has no bf16 type), timed in
-the same run. Bound = cuBLAS's time, so ratio <= 2 meets P5 (>= 0.5x cuBLAS). Without CuPy the
-bound is the time at the tensor cores' bf16 peak (PEAK_TFLOPS) and the note says so.
+choice: the warpgroup GEMM stages.gemm_wgmma for BF16 on a GPU of compute capability 9.0, the
+pipelined GEMM stages.gemm_pipe for Q8_0 and for BF16 on other GPUs, the tensor-core GEMM
+stages.linear_tc for Q2_K-Q6_K and MXFP4) against cuBLAS on the same shape through CuPy, fp16 in,
+fp32 accumulate (the rate of bf16: CuPy has no bf16 type), timed in the same run. Bound = cuBLAS's
+time, so ratio <= 2 meets P5 (>= 0.5x cuBLAS). Without CuPy the bound is the time at the tensor
+cores' bf16 peak (PEAK_TFLOPS) and the note says so.
 
 L2: a GEMM reuses its input tiles from the L2 by design, so nothing is rotated; what must not
 happen is a repetition finding the previous one's weight, input and output still in the L2.
@@ -17,6 +18,10 @@ reading 3x L2, on the same stream: CuPy runs on the Numba stream through cupy.cu
 each repetition timed with its own pair of events behind the sleeping kernel. The others are
 timed back to back. Each row's JSON `l2` gives the plan of our kernel's timing; the note gives
 cuBLAS's when it differs.
+
+`prefill.gemm.pipe.<matrix>.BF16`: the same with gemm_pipe forced, the kernel gemm_wgmma displaced
+for BF16 (on a GPU without wgmma the picked row's kernel too), so one run times wgmma, pipe and
+cuBLAS on each shape. The note of every row names the kernel that ran.
 """
 
 from __future__ import annotations
@@ -60,14 +65,15 @@ def cublas_time(ctx: BenchContext, t: int, n: int, k: int, groups: int) -> tuple
         cp.get_default_memory_pool().free_all_blocks()
 
 
-def prefill_case(matrix: str, n: int, k: int, groups: int, wtype: str) -> BenchCase:
+def prefill_case(matrix: str, n: int, k: int, groups: int, wtype: str, forced: str = "") -> BenchCase:
     """The row of PREFILL_TOKENS tokens through the matrix, `prefill.gemm.<matrix>.<type>`, with the
-    kernel stages.linear picks."""
-    name = f"prefill.gemm.{matrix}.{wtype}"
+    kernel stages.linear picks, or `prefill.gemm.<forced>.<matrix>.<type>` with that kernel forced
+    (stages.linear's name)."""
+    name = f"prefill.gemm.{forced + '.' if forced else ''}{matrix}.{wtype}"
 
     def run(ctx: BenchContext) -> list[BenchRow]:
         t = PREFILL_TOKENS
-        median, kernel, plan = time_product(ctx, matrix, n, k, groups, wtype, t, hold_s=0.02)
+        median, kernel, plan = time_product(ctx, matrix, n, k, groups, wtype, t, hold_s=0.02, kernel=forced)
         flops = 2 * t * n * k
         reference = cublas_time(ctx, t, n, k, groups)
         if reference is None:
@@ -84,5 +90,14 @@ def prefill_case(matrix: str, n: int, k: int, groups: int, wtype: str) -> BenchC
     return BenchCase(name, run)
 
 
+DISPLACED = {"BF16": "pipe"}  # beside a type's picked prefill kernel, the one it displaced (forced)
+
+
 def cases(options: BenchOptions) -> list[BenchCase]:
-    return [prefill_case(m, n, k, g, wtype) for wtype in options.weight_types for m, n, k, g in SHAPES]
+    rows = []
+    for wtype in options.weight_types:
+        for m, n, k, g in SHAPES:
+            rows.append(prefill_case(m, n, k, g, wtype))
+            if wtype in DISPLACED:
+                rows.append(prefill_case(m, n, k, g, wtype, DISPLACED[wtype]))
+    return rows

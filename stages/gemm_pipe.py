@@ -6,9 +6,11 @@ Shapes and dtypes as stages.linear.linear: x [T, K_total] bf16 bits (uint16), w 
 stages.linear.DeviceWeight of BF16 ([N, K] bf16) or Q8_0 (split device layout: per row the K int8
 levels, then the K/32 fp16 scales d, padded to whole 16-byte pieces), y [T, N] bf16 bits or float32.
 Grouped product (group_rows > 0): output row n reads x[:, (n // group_rows) * K :][:K]. Meant for
-prefill: stages.linear picks it past NARROW_MAX_TOKENS tokens on a GPU (`supports`), where it took
-BF16 and Q8_0 products at 2.1-6.1x cuBLAS's time against stages.linear_tc's 8.9-12.6x on them
-(H100, 4096 tokens), so linear_tc takes neither type.
+prefill: stages.linear picks it past NARROW_MAX_TOKENS tokens on a GPU (`supports`) for Q8_0, and
+for BF16 where stages.gemm_wgmma is not (a GPU other than compute capability 9.0: on an H100 wgmma
+took BF16's products in 0.63-0.90x pipe's time). It took BF16 and Q8_0 products at 2.1-6.1x
+cuBLAS's time against stages.linear_tc's 8.9-12.6x on them (H100, 4096 tokens), so linear_tc takes
+neither type.
 
 Oracle: host.numerics.linear (bf16 out) / host.numerics.matmul_t (fp32 out), with tests/bounds.py's
 rules (>= 99% of bf16 outputs bit-equal to the oracle's, every output within half a bf16 ulp plus

@@ -6,7 +6,8 @@ refused), w a stages.linear.DeviceWeight of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or MXFP
 layout (stages.quants: Q2_K, Q3_K, Q6_K and MXFP4 rows split, quants first; Q4_K and Q5_K the GGUF
 blocks), y [T, N] bf16 bits (rounded to nearest even) or float32. Grouped product
 (group_rows > 0): output row n reads x[:, (n // group_rows) * K :][:K]. BF16 and Q8_0 weights are
-stages.gemm_pipe's (stages.linear picks it for them), and their records have no tc pieces.
+stages.gemm_wgmma's and stages.gemm_pipe's (stages.linear picks them), and their records have no
+tc pieces.
 
 The tensor cores only ever multiply exact values: the inputs are bf16 already, and a quantised
 weight enters as an integer, which bf16 holds exactly when it has at most 8 significant bits (every

@@ -231,7 +231,7 @@ def test_all_is_every_type_with_tc_pieces():
 
 @pytest.mark.parametrize("gtype", [GGMLType.BF16, GGMLType.Q8_0], ids=lambda t: t.name)
 def test_forced_tc_refuses_bf16_and_q8_0(gtype):
-    """BF16 and Q8_0 are stages.gemm_pipe's (stages.linear picks it for them): linear(kernel="tc")
+    """BF16 and Q8_0 are stages.gemm_wgmma's and gemm_pipe's (stages.linear picks them): linear(kernel="tc")
     refuses them as any weight tc does not take, naming the weight and the types it takes."""
     w, _, _ = weight(24, 64, gtype)
     assert not supports(w, np.uint16)

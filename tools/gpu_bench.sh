@@ -12,8 +12,8 @@
 #   decode     every decode product, picked kernel and the displaced one beside it (gemv.*), for the
 #              types imma is picked for (Q2_K, Q4_K, Q5_K, MXFP4): about 112 rows, 6 minutes
 #   decode-rest the same for Q8_0, Q6_K and Q3_K (imma beside stream) and BF16
-#   prefill    the prefill GEMMs (prefill.gemm.*) for BF16 and Q8_0 (pipe) and Q4_K (tc), each against
-#              cuBLAS
+#   prefill    the prefill GEMMs (prefill.gemm.*) for BF16 (wgmma, and pipe beside it), Q8_0 (pipe)
+#              and Q4_K (tc), each against cuBLAS
 #   stacks     the head (head.decode.*), the 40-layer step (stack.decode.40), the batched steps
 #              (stack.decode.batch) and the six-layer prefill at 32k (prefill.stack.32k)
 #   attention  every attention block type's step at 1k, 16k, 64k and 1M (attention.decode.*)

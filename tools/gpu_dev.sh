@@ -2,19 +2,23 @@
 # dev/'s kernels on the GPU machine: each one's tests, then its timing against the stage kernel it
 # would replace, for every variant its module reads from the environment, in groups that fit one
 # call (DEVICE.md in ../shared: ten minutes a call). A dev/ kernel enters the package only after such
-# a run shows it correct and faster (the developers' guide: no kernel enters the package blind).
+# a run shows it correct and faster (the developers' guide: no kernel enters the package blind);
+# `glue` runs two that have entered it, and times one against the kernel it displaces below a
+# provisional threshold.
 #
 #   tools/gpu_dev.sh LOG_DIR GROUP
 #
 # Installs the carried wheels and flashv41 (tools/device_setup.sh), then runs the group's steps, each
 # a process of its own under its own limit, into LOG_DIR/dev-<group>.log; the exit status is the
 # first failing step's.
-#   glue    dev/mixes_tiles (the prefill mixes' product) against stream_partials, without and with
-#           MIXES_PREFETCH, and dev/embed_rows against the stage's embedding: tests at flash size
-#           and timing (about 4 minutes)
-#   wgmma   dev/gemm_wgmma against gemm_pipe and cuBLAS: the small tests and the timing of the seven
-#           flash shapes for the 128-byte swizzle, with WGMMA_INFLIGHT=1, WGMMA_BN=256 and both
-#           (about 8 minutes)
+#   glue    stages.mixes_tiles (the prefill mixes' product, in the package since 2026-12-07) and
+#           the stage's embedding: their tests at flash size (tests/test_mixes_tiles.py,
+#           tests/test_embed.py), test_hyper's and its mutants on the GPU's compiler, then
+#           tools/time_mixes.py: mixes_tiles against stream_partials at T = 16 .. 512, the figures
+#           that set stages.hyper.MIXES_TILES_MIN_TOKENS (about 5 minutes)
+#   wgmma   stages.gemm_wgmma (moved from dev/, picked for BF16 on compute capability 9.0): its tests,
+#           the flash shapes included, and its mutants at flash size; its timing beside gemm_pipe and
+#           cuBLAS is tools/gpu_bench.sh's prefill group (about 6 minutes: the flash checks' CPU side)
 #   sparse  dev/sparse_fused2 against stages.sparse_fused: its tests and timing (about 3 minutes)
 set -uo pipefail
 
@@ -48,17 +52,13 @@ step() {  # step SECONDS "ENV=VALUE ..." COMMAND...: one process, its last lines
 
 case "$group" in
     glue)
-        for v in 0 1; do
-            step 90 "MIXES_PREFETCH=$v" python3 -m pytest -p no:cacheprovider -q -s -W ignore dev/test_mixes_tiles.py
-            step 60 "MIXES_PREFETCH=$v" python3 -m dev.test_mixes_tiles 512
-        done
-        step 90 "" python3 -m pytest -p no:cacheprovider -q -W ignore dev/test_embed_rows.py
-        step 90 "" python3 -m dev.test_embed_rows 512 ;;
+        step 150 "" python3 -m pytest -p no:cacheprovider -q -s -W ignore tests/test_mixes_tiles.py tests/test_embed.py
+        step 150 "" python3 -m pytest -p no:cacheprovider -q -W ignore -n 8 tests/test_hyper.py \
+            tests/test_mutants_hyper.py
+        step 120 "" python3 tools/time_mixes.py ;;
     wgmma)
-        for v in "" "WGMMA_INFLIGHT=1" "WGMMA_BN=256" "WGMMA_BN=256 WGMMA_INFLIGHT=1"; do
-            step 50 "$v" python3 -m pytest -p no:cacheprovider -q -x -W ignore dev/test_gemm_wgmma.py -k "not flash"
-            step 70 "$v" python3 -m dev.test_gemm_wgmma 4096
-        done ;;
+        step 330 "" python3 -m pytest -p no:cacheprovider -q -x -W ignore tests/test_gemm_wgmma.py
+        step 120 "" python3 -m pytest -p no:cacheprovider -q -x -W ignore tests/test_mutants_products.py -k wgmma ;;
     sparse)
         step 100 "" python3 -m pytest -p no:cacheprovider -q -W ignore dev/test_sparse_fused2.py
         step 70 "" python3 -m dev.test_sparse_fused2 ;;

@@ -1,7 +1,8 @@
 """F32, F16 and BF16 on the device (stored rows: a value a 4- or 2-byte word): chunk dequantisers,
 stream units (the decode GEMV's too), BF16's narrow tensor-core pieces, and their rows of the
-quant-type table (no tc pieces: BF16's prefill products are stages.gemm_pipe's, which reads the
-stored rows as they are; F32's and F16's stages.linear's gemm).
+quant-type table (no tc pieces: BF16's prefill products are stages.gemm_wgmma's on Hopper and
+stages.gemm_pipe's elsewhere, which read the stored rows as they are; F32's and F16's
+stages.linear's gemm).
 
 Oracle: host.quants.dequantize_f32 / f16 / bf16 (tests/test_engram_stages.py's rows, bit for bit);
 the units and narrow pieces through the products (tests/test_linear.py, test_linear_narrow.py).

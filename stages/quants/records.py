@@ -28,7 +28,8 @@ A record (`DeviceType`) holds, per GGUF type, with one signature per piece:
   ds4 table format, which no matrix has.
 - `tc` (or None): the tensor-core GEMM's fetch / put of a K step (stages.linear_tc; the pieces'
   signatures in stages.quants.units), for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4. BF16 and Q8_0
-  have none (their prefill takes stages.gemm_pipe, which reads their rows itself), nor F32 and F16
+  have none (their prefill takes stages.gemm_wgmma (BF16, Hopper) or stages.gemm_pipe, which read
+  their rows themselves), nor F32 and F16
   (stages.linear's gemm kernel: weight_dequant).
 - `narrow` (or None): the narrow tensor-core product's pieces (stages.linear_narrow: BF16, Q8_0).
 

@@ -18,9 +18,8 @@
 #              (stack.decode.batch) and the six-layer prefill at 32k (prefill.stack.32k)
 #   attention  every attention block type's step at 1k, 16k, 64k and 1M (attention.decode.*)
 #   sparse     the sparse attention alone at the flash shape (sparse.*): prefill chunks of 64 and 512
-#              tokens and batched steps of 16-128 sequences, the fused kernel beside the split path's
-#              tensor cores (what moved a batch's default to the fused kernel); steps of 1-8
-#              sequences, the split path's CUDA cores beside the fused kernel
+#              tokens and batched steps of 16-128 sequences on the fused kernel; steps of 1-8
+#              sequences, the split path's CUDA cores beside it
 set -uo pipefail
 
 log_dir=${1:?usage: tools/gpu_bench.sh LOG_DIR GROUP [SECONDS]}

@@ -342,6 +342,16 @@ def takes(w, x_dtype) -> bool:
     return np.dtype(x_dtype) == np.uint16 and w.gtype in TYPES and w.k % BK == 0 and w.data.shape[1] % 16 == 0
 
 
+def piece_groups(what: str, x, w, y, n_tokens: int, group_rows: int) -> tuple[int, int]:
+    """product_groups' (groups, rows a group) for a GEMM whose copies read x's rows in 16-byte
+    pieces (gemm_pipe, stages.gemm_wgmma), or the ValueError naming the weight, also where x's rows
+    are not whole pieces."""
+    groups, group_rows = product_groups(what, x, w, y, n_tokens, group_rows)
+    if x.shape[1] % 8:
+        raise ValueError(f"{what} {w.name}: x {x.shape}: its rows are not whole 16-byte pieces")
+    return groups, group_rows
+
+
 def gemm_pipe(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     """y[:n_tokens] = x[:n_tokens] @ w^T (y's dtype picks bf16 or fp32 out).
 
@@ -351,9 +361,7 @@ def gemm_pipe(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     if not takes(w, x.dtype):
         raise ValueError(f"gemm_pipe {w.name}: {w.gtype.name} weight [{w.n}, {w.k}] with {x.dtype} inputs "
                          f"is not supported (bf16 inputs; BF16 or Q8_0 weights, K a multiple of {BK})")
-    groups, group_rows = product_groups("gemm_pipe", x, w, y, n_tokens, group_rows)
-    if x.shape[1] % 8:
-        raise ValueError(f"gemm_pipe {w.name}: x {x.shape}: its rows are not whole 16-byte pieces")
+    groups, group_rows = piece_groups("gemm_pipe", x, w, y, n_tokens, group_rows)
     if n_tokens == 0:
         return
     grid = ((group_rows + BN - 1) // BN, (n_tokens + BM - 1) // BM, groups)

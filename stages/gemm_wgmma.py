@@ -80,7 +80,7 @@ from numba import cuda, float32, uint32, uint64
 
 from flashv41.host.quants import GGMLType
 from flashv41.stages import gemm_pipe
-from flashv41.stages.device import SIM, WARP, jit_kernel, launch_dynamic_shared, product_groups
+from flashv41.stages.device import SIM, WARP, jit_kernel, launch_dynamic_shared
 from flashv41.stages.smem import (
     ALIGN,
     WORD_UNITS,
@@ -392,9 +392,7 @@ def gemm_wgmma(x, w, y, n_tokens: int, group_rows: int = 0, stream=0) -> None:
     if not SIM and device_capability() != WGMMA_CAPABILITY:
         raise ValueError(f"gemm_wgmma {w.name}: a GPU of compute capability {device_capability()} has no wgmma "
                          f"(sm_90a only: compute capability 9.0)")
-    groups, group_rows = product_groups("gemm_wgmma", x, w, y, n_tokens, group_rows)
-    if x.shape[1] % 8:
-        raise ValueError(f"gemm_wgmma {w.name}: x {x.shape}: its rows are not whole 16-byte pieces")
+    groups, group_rows = gemm_pipe.piece_groups("gemm_wgmma", x, w, y, n_tokens, group_rows)
     if n_tokens == 0:
         return
     grid = ((group_rows + BN - 1) // BN, (n_tokens + BM - 1) // BM, groups)

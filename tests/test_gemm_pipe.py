@@ -71,21 +71,28 @@ def test_grouped_f32_out(gtype):
     check_pipe(gtype, 20, 3, 24, 3 * pipe.BK, False, 5 + int(gtype))
 
 
-def test_refuses_what_it_does_not_take():
-    """A Q2_K weight, fp32 inputs, input rows not of whole 16-byte pieces: ValueError naming the weight."""
-    wk, _ = weight(16, 256, GGMLType.Q2_K)
+def check_refusals(kernel: str, other: GGMLType, k: int) -> None:
+    """linear(kernel=kernel) (a prefill GEMM, "pipe" or "wgmma") refuses a weight of a type it does
+    not take (`other`, K = k), a BF16 weight with fp32 inputs, and input rows not of whole 16-byte
+    pieces: each a ValueError naming the weight."""
+    wk, _ = weight(16, k, other)
     wk.name = "blk.0.attn_q_b"
-    with pytest.raises(ValueError, match="blk.0.attn_q_b: Q2_K"):
-        linear(cuda.to_device(np.zeros((4, 256), np.uint16)), wk, cuda.device_array((4, 16), np.uint16), 4,
-               kernel="pipe")
+    with pytest.raises(ValueError, match=f"gemm_{kernel} blk.0.attn_q_b: {other.name}"):
+        linear(cuda.to_device(np.zeros((4, k), np.uint16)), wk, cuda.device_array((4, 16), np.uint16), 4,
+               kernel=kernel)
     wb, _ = weight(16, 64, GGMLType.BF16)
     wb.name = "blk.0.attn_q_a"
     with pytest.raises(ValueError, match="blk.0.attn_q_a: BF16 .* float32 inputs"):
         linear(cuda.to_device(np.zeros((4, 64), np.float32)), wb, cuda.device_array((4, 16), np.float32), 4,
-               kernel="pipe")
+               kernel=kernel)
     with pytest.raises(ValueError, match=r"blk.0.attn_q_a: x \(4, 68\)"):
         linear(cuda.to_device(np.zeros((4, 68), np.uint16)), wb, cuda.device_array((4, 16), np.uint16), 4,
-               kernel="pipe")
+               kernel=kernel)
+
+
+def test_refuses_what_it_does_not_take():
+    """A Q2_K weight, fp32 inputs, input rows not of whole 16-byte pieces: ValueError naming the weight."""
+    check_refusals("pipe", GGMLType.Q2_K, 256)
 
 
 LEVEL_BIAS = pipe.LEVEL_BIAS

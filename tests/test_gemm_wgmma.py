@@ -20,7 +20,7 @@ from flashv41.host.quants import GGMLType
 from flashv41.stages import gemm_wgmma as wg
 from flashv41.stages.device import SIM
 from flashv41.stages.linear import linear, pick_kernel
-from tests.test_gemm_pipe import check_gemm, weight
+from tests.test_gemm_pipe import check_gemm, check_refusals, weight
 
 
 def check_wgmma(tokens, groups, rows, width, out_bf16, seed) -> float:
@@ -44,19 +44,7 @@ def test_grouped_f32_out_half_step():
 def test_refuses_what_it_does_not_take():
     """A Q8_0 weight (gemm_pipe's), fp32 inputs, input rows not of whole 16-byte pieces: ValueError
     naming the weight."""
-    wq, _ = weight(16, 64, GGMLType.Q8_0)
-    wq.name = "blk.0.attn_q_b"
-    with pytest.raises(ValueError, match="gemm_wgmma blk.0.attn_q_b: Q8_0"):
-        linear(cuda.to_device(np.zeros((4, 64), np.uint16)), wq, cuda.device_array((4, 16), np.uint16), 4,
-               kernel="wgmma")
-    wb, _ = weight(16, 64, GGMLType.BF16)
-    wb.name = "blk.0.attn_q_a"
-    with pytest.raises(ValueError, match="blk.0.attn_q_a: BF16 .* float32 inputs"):
-        linear(cuda.to_device(np.zeros((4, 64), np.float32)), wb, cuda.device_array((4, 16), np.float32), 4,
-               kernel="wgmma")
-    with pytest.raises(ValueError, match=r"blk.0.attn_q_a: x \(4, 68\)"):
-        linear(cuda.to_device(np.zeros((4, 68), np.uint16)), wb, cuda.device_array((4, 16), np.uint16), 4,
-               kernel="wgmma")
+    check_refusals("wgmma", GGMLType.Q8_0, 64)
 
 
 def test_refuses_a_gpu_without_wgmma(monkeypatch: pytest.MonkeyPatch):

@@ -41,6 +41,11 @@ swizzled layout (its descriptor, its k16 steps). Scales: one word a row a step (
 blocks 2 it, 2 it + 1: a 4-byte cp.async). A step K an odd count of 32 leaves the last step's upper
 half zero-filled and its block 1 skipped (that scale is the row's padding).
 
+SASS (ptxas for sm_90a, 2026-12-08): 198 registers, no stack, no spills, no serialised wgmma; a
+K step is 4 HGMMA.64x128x16, 2 WARPGROUP.DEPBAR, 128 FFMA, 56 PRMT of the conversion. ptxas places
+block 1's conversion after block 0's wait (next to its use), whatever the PTX order: the overlap is
+between the two warpgroups, not inside one.
+
 On the simulator (no wgmma) `wg_mma_ra` is the same product as m16n8k16 mma.sync fragments side by
 side: A the thread's registers, B read from the same swizzled tile; a block there is one warpgroup
 of 64 outputs x 32 tokens.

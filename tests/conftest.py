@@ -29,9 +29,10 @@ from flashv41.stages.backend import select_backend, using_simulator  # noqa: E40
 
 select_backend()
 if using_simulator() and not compile_check.enabled():
-    from tests import simulator_threads
+    from tests import simulator_fast_paths, simulator_threads
 
     SIMULATOR_THREADS = simulator_threads.install()  # the simulator's manager waits without spinning
+    SIMULATOR_FAST_PATHS = simulator_fast_paths.install()  # casts and element access in fewer calls
 
 GPU_SKIP_REASON = "needs a real CUDA GPU (running on the CUDA simulator)"
 

@@ -1,0 +1,124 @@
+"""Two shorter paths through Numba's CUDA simulator, installed for the test suite beside
+tests/simulator_threads.py's block manager.
+
+A simulated kernel is Python, so what the simulator does around each line counts. Profiling the
+threads of an engine test (tests/test_engine.py::test_deterministic, 2026-12-08, a tenth of the
+threads under cProfile) put about half of their time in two places that do no work of the kernel:
+
+- **Scalar casts.** A kernel's `uint32(v)` or `float32(v)` calls a Numba type, whose `__call__`
+  imports `numba.core.typing.signature` on every call (the import statement runs each time) and
+  asks `isinstance(v, Type)` through the ABC machinery, before the cast itself
+  (`cast_python_value`, NumPy's scalar constructor). `fast_call` takes a plain Python or NumPy
+  number straight to `cast_python_value`, the very call the original makes for it; anything else
+  goes to the original.
+- **Element reads and writes.** An array inside a simulated kernel is a
+  `FakeWithinKernelCUDAArray` around a `FakeCUDAArray` around the NumPy array; a read goes through
+  both wrappers' `__getitem__` and a private name-mangled helper. `getitem` / `setitem` index the
+  NumPy array directly and wrap what is not a scalar exactly as the two wrappers do.
+
+Together about a fifth off the engine tests' time (test_deterministic 19-23 s -> 14-16 s, this
+2-core machine). What the kernels compute is untouched: the same casts and the same array
+elements, reached with fewer Python calls. `install()` checks that the simulator's classes are
+those these were written for (their attributes, and a kernel's results through both paths) and
+otherwise leaves the simulator as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import cuda, float32, uint8, uint32  # (imported by tests/conftest.py after it chose the backend)
+
+_PLAIN = (int, float, bool, np.integer, np.floating, np.bool_)  # what a kernel casts: never a Numba Type
+_NDARRAY, _VOID = np.ndarray, np.void
+
+
+def fast_call(self: Any, *args: Any) -> Any:
+    """numba.core.types.Type.__call__ for one plain number: its cast_python_value, as the original
+    calls it; everything else (a signature, a Numba type argument) through the original."""
+    if len(args) == 1 and isinstance(args[0], _PLAIN):
+        return self.cast_python_value(args[0])
+    return _ORIGINAL["call"](self, *args)
+
+
+def getitem(self: Any, idx: Any) -> Any:
+    """FakeWithinKernelCUDAArray.__getitem__: the element, or the sub-array wrapped in both
+    wrappers (with the outer array's stream), as the two wrappers' own __getitem__ give it."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
+
+    item = self.__dict__["_item"]
+    ret = item._ary[idx]
+    kind = type(ret)
+    if kind is _NDARRAY or kind is _VOID:
+        return FakeWithinKernelCUDAArray(FakeCUDAArray(ret, stream=item.stream))
+    return ret
+
+
+def setitem(self: Any, idx: Any, val: Any) -> None:
+    """FakeWithinKernelCUDAArray.__setitem__: the NumPy array's own assignment."""
+    self.__dict__["_item"]._ary[idx] = val
+
+
+_ORIGINAL: dict[str, Any] = {}
+
+
+def _check(out, rows, words) -> None:
+    """install's check: casts (wrapping, rounding, a signature), element and row reads and writes."""
+    i = cuda.threadIdx.x
+    row = rows[i]  # a sub-array
+    out[i, 0] = uint32(row[1] + uint32(7))
+    out[i, 1] = uint32(float32(words[i]) * float32(0.5))
+    out[i, 2] = uint32(uint8(words[i] + 3))
+    out[i, 3] = uint32(len(row))
+
+
+def _results() -> np.ndarray:
+    rows = np.arange(12, dtype=np.uint32).reshape(4, 3)
+    words = np.array([1, 255, 1000, 7], np.uint32)
+    out = np.zeros((4, 4), np.uint32)
+    cuda.jit(_check)[1, 4](out, rows, words)
+    return out
+
+
+def _fits(inner: Any, outer: Any) -> bool:
+    """Whether the simulator's array wrappers are laid out as getitem / setitem read them."""
+    try:
+        wrapped = outer(inner(np.zeros(2, np.uint32), stream=0))
+        return isinstance(wrapped.__dict__["_item"]._ary, np.ndarray) and wrapped.__dict__["_item"].stream == 0
+    except Exception:  # noqa: BLE001 (any failure: other wrappers)
+        return False
+
+
+def install() -> bool:
+    """Use the short paths if this Numba's simulator is the one they were written for, and a kernel
+    gives the same results through them as through the originals (a type's call with a type
+    argument still a signature); whether they are installed."""
+    from numba.core.types import abstract
+    from numba.cuda.simulator.cudadrv import devicearray
+
+    outer = devicearray.FakeWithinKernelCUDAArray
+    if not _fits(devicearray.FakeCUDAArray, outer) or not hasattr(abstract.Type, "cast_python_value"):
+        return False
+    _ORIGINAL.update(call=abstract.Type.__call__, getitem=outer.__getitem__, setitem=outer.__setitem__)
+    try:
+        want, signature = _results(), str(uint32(float32, uint32))
+        abstract.Type.__call__ = fast_call
+        outer.__getitem__, outer.__setitem__ = getitem, setitem
+        if np.array_equal(_results(), want) and str(uint32(float32, uint32)) == signature:
+            return True
+    except Exception:  # noqa: BLE001 (any failure: this simulator is not the one these know)
+        pass
+    uninstall()
+    return False
+
+
+def uninstall() -> None:
+    """The simulator's own paths back."""
+    from numba.core.types import abstract
+    from numba.cuda.simulator.cudadrv import devicearray
+
+    if _ORIGINAL:
+        abstract.Type.__call__ = _ORIGINAL["call"]
+        outer = devicearray.FakeWithinKernelCUDAArray
+        outer.__getitem__, outer.__setitem__ = _ORIGINAL["getitem"], _ORIGINAL["setitem"]

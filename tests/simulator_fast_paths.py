@@ -9,8 +9,8 @@ threads under cProfile) put about half of their time in two places that do no wo
   imports `numba.core.typing.signature` on every call (the import statement runs each time) and
   asks `isinstance(v, Type)` through the ABC machinery, before the cast itself
   (`cast_python_value`, NumPy's scalar constructor). `fast_call` takes a plain Python or NumPy
-  number straight to `cast_python_value`, the very call the original makes for it; anything else
-  goes to the original.
+  number straight to the cast `cast_python_value` makes (for Numba's integers and floats NumPy's
+  scalar type of the same name, looked up once a type); anything else goes to the original.
 - **Element reads and writes.** An array inside a simulated kernel is a
   `FakeWithinKernelCUDAArray` around a `FakeCUDAArray` around the NumPy array; a read goes through
   both wrappers' `__getitem__` and a private name-mangled helper. `getitem` / `setitem` index the
@@ -34,11 +34,30 @@ _PLAIN = (int, float, bool, np.integer, np.floating, np.bool_)  # what a kernel 
 _NDARRAY, _VOID = np.ndarray, np.void
 
 
+_CASTS: dict = {}  # Numba type -> the callable its cast_python_value amounts to
+
+
+def _cast_of(numba_type: Any) -> Any:
+    """What numba_type.cast_python_value(v) calls: NumPy's scalar type of that name for Numba's
+    integers and floats (their cast_python_value is `getattr(np, self.name)(value)`), else the
+    method itself."""
+    from numba.core.types import scalars
+
+    method = type(numba_type).cast_python_value
+    if method in (scalars.Integer.cast_python_value, scalars.Float.cast_python_value):
+        return getattr(np, numba_type.name)
+    return numba_type.cast_python_value
+
+
 def fast_call(self: Any, *args: Any) -> Any:
-    """numba.core.types.Type.__call__ for one plain number: its cast_python_value, as the original
-    calls it; everything else (a signature, a Numba type argument) through the original."""
+    """numba.core.types.Type.__call__ for one plain number: the cast the original makes for it
+    (cast_python_value's); everything else (a signature, a Numba type argument) through the
+    original."""
     if len(args) == 1 and isinstance(args[0], _PLAIN):
-        return self.cast_python_value(args[0])
+        cast = _CASTS.get(self)
+        if cast is None:
+            cast = _CASTS[self] = _cast_of(self)
+        return cast(args[0])
     return _ORIGINAL["call"](self, *args)
 
 

@@ -70,8 +70,13 @@ if SIM:
     def small_int(bits):
         return np.float32(int(bits))
 
+    _BYTES_LESS: dict = {}  # magic -> the 256 values byte_less gives, worked out once a magic
+
     def byte_less(word, byte, magic):
-        return np.float32(((int(word) >> (8 * int(byte))) & 0xFF) + 8388608) - magic
+        table = _BYTES_LESS.get(magic)
+        if table is None:  # (the float32 sums the GPU's trick forms, each exact)
+            table = _BYTES_LESS[magic] = (np.arange(256, dtype=np.float32) + np.float32(8388608)) - np.float32(magic)
+        return table[(int(word) >> (8 * int(byte))) & 0xFF]
 
     def f32x4(x32, t, o):
         """Four fp32 inputs x[t, o .. o + 3] of the 32-bit-word view (o a multiple of 4)."""

@@ -20,13 +20,16 @@
 #           the flash shapes included, and its mutants at flash size; its timing beside gemm_pipe and
 #           cuBLAS is tools/gpu_bench.sh's prefill group (about 6 minutes: the flash checks' CPU side)
 #   sparse  dev/sparse_fused2 against stages.sparse_fused: its tests and timing (about 3 minutes)
+#   q8      dev/gemm_wgmma_q8 (Q8_0 prefill products on wgmma, the weights as the register operand):
+#           its tests, the flash shapes included, then its timing beside stages.gemm_pipe's Q8_0
+#           and cuBLAS fp16 at 4096 tokens (about 4 minutes)
 set -uo pipefail
 
 log_dir=${1:?usage: tools/gpu_dev.sh LOG_DIR GROUP}
 group=${2:?usage: tools/gpu_dev.sh LOG_DIR GROUP}
 case "$group" in
-    glue|wgmma|sparse) ;;
-    *) echo "tools/gpu_dev.sh: unknown group '$group' (glue, wgmma, sparse)" >&2; exit 2 ;;
+    glue|wgmma|sparse|q8) ;;
+    *) echo "tools/gpu_dev.sh: unknown group '$group' (glue, wgmma, sparse, q8)" >&2; exit 2 ;;
 esac
 mkdir -p "$log_dir"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -62,6 +65,9 @@ case "$group" in
     sparse)
         step 100 "" python3 -m pytest -p no:cacheprovider -q -W ignore dev/test_sparse_fused2.py
         step 70 "" python3 -m dev.test_sparse_fused2 ;;
+    q8)
+        step 200 "" python3 -m pytest -p no:cacheprovider -q -W ignore dev/test_gemm_wgmma_q8.py
+        step 90 "" python3 -m dev.test_gemm_wgmma_q8 ;;
 esac
 echo "== $group: exit $status" | tee -a "$log"
 cat "$log"

@@ -6,11 +6,14 @@
 #   tools/gpu_detached.sh wait session 560 "$OUT"      (then again, each call as the last returns)
 #
 # In order: the whole GPU suite (tools/gpu_suite.sh: every `gpu` test, about 9-11 minutes with its
-# device-memory part); the mixes' product at each token count (tools/time_mixes.py: what sets
-# stages.hyper's MIXES_TILES_MIN_TOKENS); the bench groups `prefill` (the prefill GEMMs: wgmma, pipe
-# and tc against cuBLAS) and `stacks` (the head, the 40-layer and batched decode steps, the 32k
-# prefill), each limited to 360 s. Everything goes under LOG_DIR (suite/, time_mixes.txt, bench/);
-# the exit status is the suite's. Other groups: BENCH_GROUPS="sparse stacks" in the environment.
+# device-memory part); the dev/ kernels waiting for their first GPU run (tools/gpu_dev.sh's groups
+# named in DEV_GROUPS, default q8: dev/gemm_wgmma_q8's tests and timing, about 4 minutes); the
+# mixes' product at each token count (tools/time_mixes.py: what sets stages.hyper's
+# MIXES_TILES_MIN_TOKENS); the bench groups `prefill` (the prefill GEMMs: wgmma, pipe and tc
+# against cuBLAS) and `stacks` (the head, the 40-layer and batched decode steps, the 32k prefill),
+# each limited to 360 s. Everything goes under LOG_DIR (suite/, dev/, time_mixes.txt, bench/); the
+# exit status is the suite's. Other groups: BENCH_GROUPS="sparse stacks", DEV_GROUPS="" (none) in
+# the environment.
 set -uo pipefail
 
 log_dir=${1:?usage: tools/gpu_session.sh LOG_DIR}
@@ -21,6 +24,9 @@ mkdir -p "$log_dir"
 bash tools/gpu_suite.sh "$log_dir/suite"
 suite=$?
 echo "== session: the suite ended with exit $suite"
+for group in ${DEV_GROUPS-q8}; do
+    bash tools/gpu_dev.sh "$log_dir/dev" "$group" | tail -n 30
+done
 (
     # shellcheck source=tools/device_setup.sh
     . tools/device_setup.sh > /dev/null || exit 2

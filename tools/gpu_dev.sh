@@ -23,13 +23,16 @@
 #   q8      dev/gemm_wgmma_q8 (Q8_0 prefill products on wgmma, the weights as the register operand):
 #           its tests, the flash shapes included, then its timing beside stages.gemm_pipe's Q8_0
 #           and cuBLAS fp16 at 4096 tokens (about 4 minutes)
+#   tma     dev/gemm_tma (BF16 on wgmma fed by TMA, producer warp and mbarriers): its tests, the
+#           flash shapes included, then its timing beside stages.gemm_wgmma and cuBLAS, four and
+#           three stages (about 5 minutes)
 set -uo pipefail
 
 log_dir=${1:?usage: tools/gpu_dev.sh LOG_DIR GROUP}
 group=${2:?usage: tools/gpu_dev.sh LOG_DIR GROUP}
 case "$group" in
-    glue|wgmma|sparse|q8) ;;
-    *) echo "tools/gpu_dev.sh: unknown group '$group' (glue, wgmma, sparse, q8)" >&2; exit 2 ;;
+    glue|wgmma|sparse|q8|tma) ;;
+    *) echo "tools/gpu_dev.sh: unknown group '$group' (glue, wgmma, sparse, q8, tma)" >&2; exit 2 ;;
 esac
 mkdir -p "$log_dir"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -68,6 +71,10 @@ case "$group" in
     q8)
         step 200 "" python3 -m pytest -p no:cacheprovider -q -W ignore dev/test_gemm_wgmma_q8.py
         step 90 "" python3 -m dev.test_gemm_wgmma_q8 ;;
+    tma)
+        step 200 "" python3 -m pytest -p no:cacheprovider -q -x -W ignore dev/test_gemm_tma.py
+        step 60 "" python3 -m dev.test_gemm_tma
+        step 60 "TMA_STAGES=3" python3 -m dev.test_gemm_tma ;;
 esac
 echo "== $group: exit $status" | tee -a "$log"
 cat "$log"

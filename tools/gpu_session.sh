@@ -7,7 +7,8 @@
 #
 # In order: the whole GPU suite (tools/gpu_suite.sh: every `gpu` test, about 9-11 minutes with its
 # device-memory part); the dev/ kernels waiting for their first GPU run (tools/gpu_dev.sh's groups
-# named in DEV_GROUPS, default q8: dev/gemm_wgmma_q8's tests and timing, about 4 minutes); the
+# named in DEV_GROUPS, default "q8 tma": dev/gemm_wgmma_q8's and dev/gemm_tma's tests and timings,
+# about 9 minutes); the
 # mixes' product at each token count (tools/time_mixes.py: what sets stages.hyper's
 # MIXES_TILES_MIN_TOKENS); the bench groups `prefill` (the prefill GEMMs: wgmma, pipe and tc
 # against cuBLAS) and `stacks` (the head, the 40-layer and batched decode steps, the 32k prefill),
@@ -24,7 +25,7 @@ mkdir -p "$log_dir"
 bash tools/gpu_suite.sh "$log_dir/suite"
 suite=$?
 echo "== session: the suite ended with exit $suite"
-for group in ${DEV_GROUPS-q8}; do
+for group in ${DEV_GROUPS-q8 tma}; do
     bash tools/gpu_dev.sh "$log_dir/dev" "$group" | tail -n 30
 done
 (

@@ -8,13 +8,13 @@
 # In order: the whole GPU suite (tools/gpu_suite.sh: every `gpu` test, about 9-11 minutes with its
 # device-memory part); the dev/ kernels waiting for their first GPU run (tools/gpu_dev.sh's groups
 # named in DEV_GROUPS, default "q8 tma": dev/gemm_wgmma_q8's and dev/gemm_tma's tests and timings,
-# about 9 minutes); the
-# mixes' product at each token count (tools/time_mixes.py: what sets stages.hyper's
-# MIXES_TILES_MIN_TOKENS); the bench groups `prefill` (the prefill GEMMs: wgmma, pipe and tc
-# against cuBLAS) and `stacks` (the head, the 40-layer and batched decode steps, the 32k prefill),
-# each limited to 360 s. Everything goes under LOG_DIR (suite/, dev/, time_mixes.txt, bench/); the
-# exit status is the suite's. Other groups: BENCH_GROUPS="sparse stacks", DEV_GROUPS="" (none) in
-# the environment.
+# about 9 minutes); the mixes' product at each token count (tools/time_mixes.py: what sets
+# stages.hyper's MIXES_TILES_MIN_TOKENS); the bench groups `prefill` (the prefill GEMMs: wgmma,
+# pipe and tc against cuBLAS) and `stacks` (the head, the 40-layer and batched decode steps, the
+# 32k prefill), each limited to 360 s. All of it is more than a session's 30 device minutes: what
+# comes last is what a short session loses. Everything goes under LOG_DIR (suite/, dev/,
+# time_mixes.txt, bench/); the exit status is the suite's. Other groups: BENCH_GROUPS="sparse
+# stacks", DEV_GROUPS="" (none) in the environment.
 set -uo pipefail
 
 log_dir=${1:?usage: tools/gpu_session.sh LOG_DIR}

@@ -18,7 +18,7 @@ warpgroups move in lockstep. Here:
   stage's `empty` mbarrier, which the producer waits on before refilling it. No block barrier in
   the K loop; STAGES = 4 stages ring.
 - Grouped products and the tails come from the tensor maps: x as [T, groups, K] and w as [groups,
-  group_rows, K] (3-D maps, box 64 x rows x 1), so a box never reads another group's rows.
+  group_rows, K] (3-D maps, a box one group of rows), so a box never reads another group's rows.
 
 Expected (written before any GPU run): the per-step drain and barrier gone, a block's mainloop
 should approach the tensor cores' rate less the epilogue; at one block an SM (288 threads, 4 x 32
@@ -143,11 +143,13 @@ if SIM:
     def fence_init():
         """Nothing to order here."""
 
-    def tma_load(smem, word, src, desc, row, k, group, rows, bars, i):
-        """The box [rows, BK] at (row, k) of group `group` of the source (x: [T, groups * K]; w:
-        [groups * group_rows, K]; desc = (rows of a group, K, groups, whether x)) into the swizzled
-        tile at word `word`, zeros past the ends; then its bytes complete on barrier i."""
+    def tma_load(smem, word, src, desc, c0, c1, c2, rows, bars, i):
+        """The box at coordinates (c0, c1, c2) of the source's tensor map (tensor_map's orders: x
+        (K, groups, T), w (K, rows, groups); desc = (rows of a group, K, groups, whether x)): `rows`
+        rows of BK values into the swizzled tile at word `word`, zeros past the ends; then its bytes
+        complete on barrier i."""
         extent, kk, is_x = desc[0], desc[1], desc[3]
+        k, row, group = (c0, c2, c1) if is_x else (c0, c1, c2)
         flat = smem.reshape(-1)
         s16 = src.view(np.uint16)
         for r in range(rows):
@@ -260,8 +262,8 @@ else:
         return sig, codegen
 
     @cuda.jit(device=True, inline="always")
-    def tma_load(smem, word, src, desc, row, k, group, rows, bars, i):
-        _tma(smem, word, desc, uint32(k), uint32(row), uint32(group), bars, i)
+    def tma_load(smem, word, src, desc, c0, c1, c2, rows, bars, i):
+        _tma(smem, word, desc, uint32(c0), uint32(c1), uint32(c2), bars, i)
 
 
 @cache
@@ -299,8 +301,8 @@ def tma_kernel(out_bf16: bool):
                     if it >= STAGES:  # the consumers done with this stage's previous round
                         mbar_wait(bars, STAGES + stage, ((it // STAGES) - 1) & 1)
                     mbar_arrive_tx(bars, stage, STAGE_BYTES)
-                    tma_load(smem, stage * A_STAGE, x, x_desc, t0, it * BK, group, BM, bars, stage)
-                    tma_load(smem, B_AT + stage * B_STAGE, w, w_desc, n0, it * BK, group, BN, bars, stage)
+                    tma_load(smem, stage * A_STAGE, x, x_desc, it * BK, group, t0, BM, bars, stage)
+                    tma_load(smem, B_AT + stage * B_STAGE, w, w_desc, it * BK, n0, group, BN, bars, stage)
         else:
             wg = tid // WG
             lane = tid % WARP
@@ -345,8 +347,9 @@ _MAPS: dict = {}  # (pointer, shape, strides, box rows) -> the tensor map's devi
 
 def tensor_map(a, extent: int, k: int, groups: int, box_rows: int, is_x: bool):
     """The device array holding the 3-D tensor map of a bf16 matrix seen as [extent rows, groups, K]
-    (x: rows are tokens, each row `groups` runs of K) or [groups, extent rows, K] (w), box
-    (BK, box_rows, 1), 128-byte swizzle, zeros past the ends. On the simulator a tuple
+    (x: rows are tokens, each row `groups` runs of K; box 1 group x box_rows rows) or [groups,
+    extent rows, K] (w; box box_rows rows of 1 group), BK values a box row, 128-byte swizzle, zeros
+    past the ends; coordinates in the map's order, K first (tma_load). On the simulator a tuple
     (extent, K, groups, is_x) for tma_load's emulation."""
     if SIM:
         return np.array([extent, k, groups, int(is_x)], np.int64)
@@ -356,14 +359,14 @@ def tensor_map(a, extent: int, k: int, groups: int, box_rows: int, is_x: bool):
         from cuda.bindings import driver as cu
 
         base = a.device_ctypes_pointer.value
-        if is_x:  # dims (K, groups, rows): a group's run K values on, a token a row on
-            dims, strides = (k, groups, extent), (2 * k, pitch)
-        else:  # (K, rows, groups): a row a row on, a group group_rows rows on
-            dims, strides = (k, extent, groups), (pitch, pitch * extent)
+        if is_x:  # dims (K, groups, rows): a group's run K values on, a token a row on; box (BK, 1, rows)
+            dims, strides, box = (k, groups, extent), (2 * k, pitch), (BK, 1, box_rows)
+        else:  # (K, rows, groups): a row a row on, a group group_rows rows on; box (BK, rows, 1)
+            dims, strides, box = (k, extent, groups), (pitch, pitch * extent), (BK, box_rows, 1)
         err, tmap = cu.cuTensorMapEncodeTiled(
             cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base,
             [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
-            [cu.cuuint32_t(BK), cu.cuuint32_t(box_rows), cu.cuuint32_t(1)],
+            [cu.cuuint32_t(b) for b in box],
             [cu.cuuint32_t(1)] * 3, cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
             cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
             cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

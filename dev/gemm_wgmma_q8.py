@@ -116,8 +116,19 @@ def fragment_pairs(smem, word, select):
     return level_pair(u, 0, 1), level_pair(u, 2, 3)
 
 
+def scale_into(acc, part, da, db):
+    """acc += the block's part times its scale: da for the thread's row g, db for row g + 8 (an
+    accumulator's row is bit 1 of its index in each group of four)."""
+    for j in range(N_ACC // 4):
+        acc[4 * j] = cuda.fma(da, part[4 * j], acc[4 * j])
+        acc[4 * j + 1] = cuda.fma(da, part[4 * j + 1], acc[4 * j + 1])
+        acc[4 * j + 2] = cuda.fma(db, part[4 * j + 2], acc[4 * j + 2])
+        acc[4 * j + 3] = cuda.fma(db, part[4 * j + 3], acc[4 * j + 3])
+
+
 if not SIM:
     level_word = cuda.jit(device=True, inline="always")(level_word)
+    scale_into = cuda.jit(device=True, inline="always")(scale_into)
     fragment_pairs = cuda.jit(device=True, inline="always")(fragment_pairs)
 
 if SIM:
@@ -291,22 +302,14 @@ def wgmma_q8_kernel(out_bf16: bool):
             s0, s2 = fragment_pairs(smem, frag_3 + l_at, select)
             s1, s3 = fragment_pairs(smem, frag_3 + l_at + 8 * L_ROW, select)
             wg_wait()
-            for j in range(N_ACC // 4):
-                acc[4 * j] = cuda.fma(da0, part[4 * j], acc[4 * j])
-                acc[4 * j + 1] = cuda.fma(da0, part[4 * j + 1], acc[4 * j + 1])
-                acc[4 * j + 2] = cuda.fma(db0, part[4 * j + 2], acc[4 * j + 2])
-                acc[4 * j + 3] = cuda.fma(db0, part[4 * j + 3], acc[4 * j + 3])
+            scale_into(acc, part, da0, db0)
             if not cut:
                 wg_fence()
                 wg_mma_ra(part, r0, r1, r2, r3, smem, b_word, 2, 0)
                 wg_mma_ra(part, s0, s1, s2, s3, smem, b_word, 3, 1)
                 wg_commit()
                 wg_wait()  # this warpgroup's wgmma done: the stage refilled next is free
-                for j in range(N_ACC // 4):
-                    acc[4 * j] = cuda.fma(da1, part[4 * j], acc[4 * j])
-                    acc[4 * j + 1] = cuda.fma(da1, part[4 * j + 1], acc[4 * j + 1])
-                    acc[4 * j + 2] = cuda.fma(db1, part[4 * j + 2], acc[4 * j + 2])
-                    acc[4 * j + 3] = cuda.fma(db1, part[4 * j + 3], acc[4 * j + 3])
+                scale_into(acc, part, da1, db1)
             read = uint32(read + 1) if read < STAGES - 1 else uint32(0)
         pairs = y.shape[1] % 2 == 0 and group_rows % 2 == 0
         # the outputs through shared memory, transposed to [token, output] (a thread's accumulators

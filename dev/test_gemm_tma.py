@@ -8,7 +8,6 @@ and cuBLAS fp16 (CuPy, where installed) at bench/gemv.py's prefill shapes, 4096 
 from __future__ import annotations
 
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -52,41 +51,10 @@ def test_flash_shapes(shape):
 
 
 def time_them(tokens: int = 4096) -> None:
+    from dev.gemm_timing import time_shapes
     from flashv41.stages.gemm_wgmma import gemm_wgmma
 
-    try:
-        import cupy
-    except ImportError:
-        cupy = None
-
-    def best_of(fn) -> float:
-        fn()
-        cuda.synchronize()
-        best = 1e9
-        for _ in range(5):
-            t = time.perf_counter()
-            fn()
-            cuda.synchronize()
-            best = min(best, time.perf_counter() - t)
-        return best
-
-    for name, n, k, groups in SHAPES:
-        rows = n // groups if groups > 1 else 0
-        flops = 2.0 * tokens * n * k
-        x = cuda.to_device(to_bits(bf16(np.random.default_rng(1).standard_normal((tokens, k * groups))
-                                        .astype(np.float32))))
-        w, _ = weight(n, k, GGMLType.BF16)
-        y = cuda.device_array((tokens, n), np.uint16)
-        line = [f"{name:14s} [{n}, {k}] x{groups}"]
-        for label, fn in (("wgmma", gemm_wgmma), ("tma", gt.gemm_tma)):
-            best = best_of(lambda fn=fn, x=x, w=w, y=y, rows=rows: fn(x, w, y, tokens, group_rows=rows))
-            line.append(f"BF16 {label} {best * 1e6:7.0f} us {flops / best / 1e12:5.0f} TF")
-        if cupy is not None and groups == 1:
-            a = cupy.random.standard_normal((tokens, k), dtype=cupy.float32).astype(cupy.float16)
-            b = cupy.random.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
-            best = best_of(lambda a=a, b=b: a @ b.T)
-            line.append(f"cuBLAS fp16 {best * 1e6:7.0f} us {flops / best / 1e12:5.0f} TF")
-        print(" | ".join(line), flush=True)
+    time_shapes(GGMLType.BF16, [("wgmma", gemm_wgmma), ("tma", gt.gemm_tma)], tokens)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ installed) at bench/gemv.py's prefill shapes, 4096 tokens."""
 from __future__ import annotations
 
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -54,41 +53,10 @@ def test_flash_shapes(shape):
 
 
 def time_them(tokens: int = 4096) -> None:
+    from dev.gemm_timing import time_shapes
     from flashv41.stages.gemm_pipe import gemm_pipe
 
-    try:
-        import cupy
-    except ImportError:
-        cupy = None
-
-    def best_of(fn) -> float:
-        fn()
-        cuda.synchronize()
-        best = 1e9
-        for _ in range(5):
-            t = time.perf_counter()
-            fn()
-            cuda.synchronize()
-            best = min(best, time.perf_counter() - t)
-        return best
-
-    for name, n, k, groups in SHAPES:
-        rows = n // groups if groups > 1 else 0
-        flops = 2.0 * tokens * n * k
-        x = cuda.to_device(to_bits(bf16(np.random.default_rng(1).standard_normal((tokens, k * groups))
-                                        .astype(np.float32))))
-        w, _ = weight(n, k, GGMLType.Q8_0)
-        y = cuda.device_array((tokens, n), np.uint16)
-        line = [f"{name:14s} [{n}, {k}] x{groups}"]
-        for label, fn in (("pipe", gemm_pipe), ("wgmma_q8", wq.gemm_wgmma_q8)):
-            best = best_of(lambda fn=fn, x=x, w=w, y=y, rows=rows: fn(x, w, y, tokens, group_rows=rows))
-            line.append(f"Q8_0 {label} {best * 1e6:7.0f} us {flops / best / 1e12:5.0f} TF")
-        if cupy is not None and groups == 1:
-            a = cupy.random.standard_normal((tokens, k), dtype=cupy.float32).astype(cupy.float16)
-            b = cupy.random.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
-            best = best_of(lambda a=a, b=b: a @ b.T)
-            line.append(f"cuBLAS fp16 {best * 1e6:7.0f} us {flops / best / 1e12:5.0f} TF")
-        print(" | ".join(line), flush=True)
+    time_shapes(GGMLType.Q8_0, [("pipe", gemm_pipe), ("wgmma_q8", wq.gemm_wgmma_q8)], tokens)
 
 
 if __name__ == "__main__":

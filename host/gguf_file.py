@@ -37,7 +37,9 @@ class _Reader(GGUFReader):
     many times, growing a list, instead of failing), and reading a numeric array in one view: the
     same parts gguf-py builds (one 1-element array an entry), without its one memory-map view an
     entry, which made a damaged length of some 47,000 entries that still fit in the file take
-    about two seconds to refuse."""
+    about two seconds to refuse. An array of strings (a tokenizer's vocabulary and merges) is sliced
+    string by string here too: the same parts, a real V4.1 vocabulary's header read in 2.3 s
+    instead of 6.0."""
 
     def _get(self, offset: int, dtype, count: int = 1, override_order=None):
         """gguf-py's read of `count` values at `offset`, refusing one that runs past the end of the
@@ -60,7 +62,31 @@ class _Reader(GGUFReader):
                 scalar = _scalar_type(self, int(item_type[0]))
                 if scalar is not None:
                     return self._numeric_array(orig_offs, item_type, length, scalar)
+                if int(item_type[0]) == GGUFValueType.STRING:
+                    return self._string_array(orig_offs, item_type, length)
         return super()._get_field_parts(orig_offs, raw_type)
+
+    def _string_array(self, orig_offs: int, item_type, length):
+        """gguf-py's (size, parts, data indices, types) of a metadata array of strings at orig_offs:
+        per string its 1-element length and its bytes, each a view of the map as gguf-py's own read
+        makes them, but sliced directly (gguf-py goes through its general reader twice a string:
+        about 10 s for the vocabulary and merges of a real tokenizer, a million parts)."""
+        n = int(length[0])
+        size = int(self.data.shape[0])
+        lengths = length.dtype  # gguf-py's uint64 in the file's byte order
+        parts = [item_type, length]
+        offs = orig_offs + 12
+        for _ in range(n):
+            if offs + 8 > size:
+                raise _PastTheEnd(offs + 8, size)
+            slen = self.data[offs:offs + 8].view(lengths)
+            end = offs + 8 + int(slen[0])
+            if end > size:
+                raise _PastTheEnd(end, size)
+            parts += [slen, self.data[offs + 8:end]]
+            offs = end
+        types = [GGUFValueType.ARRAY] + ([GGUFValueType.STRING] if n else [])
+        return offs - orig_offs, parts, list(range(3, 2 + 2 * n, 2)), types
 
     def _numeric_array(self, orig_offs: int, item_type, length, scalar):
         """gguf-py's (size, parts, data indices, types) of a metadata array of numbers at orig_offs

@@ -189,6 +189,52 @@ def test_reader_fields_are_gguf_pys(synth_model, layout: str) -> None:
     assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]
 
 
+def write_string_arrays(path: Path, strings: list[str]) -> None:
+    """A GGUF of no tensors whose metadata holds `strings` as an array (and an empty array, and a
+    number array after them, so what follows the strings is read from the right offset)."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(path, "deepseek4")
+    writer.add_array("tokenizer.ggml.tokens", strings)
+    writer.add_array("test.empty", [])
+    writer.add_array("test.after", [3, 1, 4, 1, 5])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_string_arrays_are_gguf_pys(tmp_path: Path) -> None:
+    """A metadata array of strings (host.gguf_file slices each string itself, where gguf-py reads it
+    through its general path): every part's dtype, shape and bytes, the data indices and types,
+    the same as gguf-py's reader gives, for empty, ASCII and multi-byte strings."""
+    path = tmp_path / "strings.gguf"
+    strings = ["", "a", "<|begin▁of▁sentence|>", "Ġthe", "日本語", "x" * 300] + [f"t{i}" for i in range(500)]
+    write_string_arrays(path, strings)
+    ours, theirs = open_gguf(path)[0], GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+        assert len(mine.parts) == len(field.parts), name
+        for a, b in zip(mine.parts, field.parts, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), name
+        assert mine.contents() == field.contents(), name
+    assert ours.fields["tokenizer.ggml.tokens"].contents() == strings
+
+
+def test_a_string_past_the_end_is_refused(tmp_path: Path) -> None:
+    """A string of a metadata array whose length runs past the end of the file: a ModelFormatError
+    naming the file, as for any other value read past its end."""
+    path = tmp_path / "strings.gguf"
+    write_string_arrays(path, ["abc", "def", "ghi"])
+    data = bytearray(path.read_bytes())
+    at = bytes(data).index(b"def") - 8  # the second string's 8-byte length
+    data[at:at + 8] = (1 << 30).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    expect(path, ModelFormatError, "strings.gguf", "ends inside its GGUF header")
+
+
 def test_huge_metadata_array_length(tiny_path: Path, tmp_path: Path) -> None:
     def patch(reader: GGUFReader) -> None:
         field = reader.get_field(key("engram.token_map"))

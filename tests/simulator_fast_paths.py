@@ -34,7 +34,8 @@ _PLAIN = (int, float, bool, np.integer, np.floating, np.bool_)  # what a kernel 
 _NDARRAY, _VOID = np.ndarray, np.void
 
 
-_CASTS: dict = {}  # Numba type -> the callable its cast_python_value amounts to
+_CASTS: dict = {}  # id of a Numba type -> the callable its cast_python_value amounts to
+_KEPT: list = []  # the types _CASTS names
 
 
 def _cast_of(numba_type: Any) -> Any:
@@ -54,9 +55,10 @@ def fast_call(self: Any, *args: Any) -> Any:
     (cast_python_value's); everything else (a signature, a Numba type argument) through the
     original."""
     if len(args) == 1 and isinstance(args[0], _PLAIN):
-        cast = _CASTS.get(self)
+        cast = _CASTS.get(id(self))  # (by id: a Numba type's own __hash__ is Python code)
         if cast is None:
-            cast = _CASTS[self] = _cast_of(self)
+            _KEPT.append(self)  # (so that its id stays its own)
+            cast = _CASTS[id(self)] = _cast_of(self)
         return cast(args[0])
     return _ORIGINAL["call"](self, *args)
 

@@ -151,6 +151,13 @@ def uint8_at(word, byte):
     return byte_less(word, byte, UINT8_LESS)
 
 
+if SIM:  # the simulator's int8_at: byte_less's table for its magic, without the lookup by magic
+    _INT8_VALUES = (np.arange(256, dtype=np.float32) + np.float32(8388608)) - INT8_LESS
+
+    def int8_at(flipped, byte):  # noqa: F811 (the simulator's form of the one above)
+        return _INT8_VALUES[(int(flipped) >> (8 * int(byte))) & 0xFF]
+
+
 # Input readers, one signature: (x32, t, xo, v) -> the inputs v, v + 1, ... of token t's slice
 # starting at input word xo (v a multiple of their count): 16-byte loads where the words allow.
 

@@ -21,6 +21,7 @@ def test_installed() -> None:
     assert conftest.SIMULATOR_FAST_PATHS
     assert abstract.Type.__call__ is simulator_fast_paths.fast_call
     assert devicearray.FakeWithinKernelCUDAArray.__getitem__ is simulator_fast_paths.getitem
+    assert devicearray.FakeCUDAArray.__getitem__ is simulator_fast_paths.inner_getitem
 
 
 @pytest.mark.parametrize("value", [0, 7, 2**31 + 5, -3, 1.75, -0.5, np.float64(3.5), np.uint64(2**40 + 9),
@@ -60,6 +61,21 @@ def test_sub_arrays_write_through_and_records_read() -> None:
     _rows_and_records[1, 4](a, recs, out)
     assert a[:, 0].tolist() == [101, 103, 105, 107]
     assert out.tolist() == [2.0, 5.0, 8.0, 11.0]
+
+
+@cuda.jit
+def _views(a, out):
+    i = cuda.threadIdx.x
+    halves = a.view(np.uint16)  # a view made in the kernel
+    row = halves[i]  # a row of it
+    out[i] = uint32(row[0]) + uint32(row[3])
+
+
+def test_views_made_in_a_kernel_read_and_slice() -> None:
+    a = np.arange(8, dtype=np.uint32).reshape(4, 2) * np.uint32(65537)  # each half the word's index
+    out = np.zeros(4, np.uint32)
+    _views[1, 4](a, out)
+    assert out.tolist() == [2 * i + 2 * i + 1 for i in range(4)]
 
 
 def test_out_of_bounds_still_raises() -> None:

@@ -178,15 +178,21 @@ def test_reader_fields_are_gguf_pys(synth_model, layout: str) -> None:
     data indices and contents; and the same tensors."""
     path = synth_model("tiny") if layout == L.LLAMA_CPP else synth_model("tiny", layout=layout)
     ours, theirs = open_gguf(path)[0], GGUFReader(path)
+    assert_fields_are_gguf_pys(ours, theirs)
+    assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]
+
+
+def assert_fields_are_gguf_pys(ours: GGUFReader, theirs: GGUFReader) -> None:
+    """Every field of our reader as gguf-py's reader gives it: offsets, types, data indices, parts
+    (dtype, values and bytes) and contents, in the same order."""
     assert list(ours.fields) == list(theirs.fields)
     for name, field in theirs.fields.items():
         mine = ours.fields[name]
         assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
         assert len(mine.parts) == len(field.parts), name
         for a, b in zip(mine.parts, field.parts, strict=True):
-            assert a.dtype == b.dtype and np.array_equal(a, b), name
+            assert a.dtype == b.dtype and np.array_equal(a, b) and a.tobytes() == b.tobytes(), name
         assert mine.contents() == field.contents(), name
-    assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]
 
 
 def write_string_arrays(path: Path, strings: list[str]) -> None:
@@ -206,20 +212,13 @@ def write_string_arrays(path: Path, strings: list[str]) -> None:
 
 def test_string_arrays_are_gguf_pys(tmp_path: Path) -> None:
     """A metadata array of strings (host.gguf_file slices each string itself, where gguf-py reads it
-    through its general path): every part's dtype, shape and bytes, the data indices and types,
-    the same as gguf-py's reader gives, for empty, ASCII and multi-byte strings."""
+    through its general path): every field as gguf-py's reader gives it (assert_fields_are_gguf_pys),
+    for empty, ASCII and multi-byte strings."""
     path = tmp_path / "strings.gguf"
     strings = ["", "a", "<|begin▁of▁sentence|>", "Ġthe", "日本語", "x" * 300] + [f"t{i}" for i in range(500)]
     write_string_arrays(path, strings)
-    ours, theirs = open_gguf(path)[0], GGUFReader(path)
-    assert list(ours.fields) == list(theirs.fields)
-    for name, field in theirs.fields.items():
-        mine = ours.fields[name]
-        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
-        assert len(mine.parts) == len(field.parts), name
-        for a, b in zip(mine.parts, field.parts, strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), name
-        assert mine.contents() == field.contents(), name
+    ours = open_gguf(path)[0]
+    assert_fields_are_gguf_pys(ours, GGUFReader(path))
     assert ours.fields["tokenizer.ggml.tokens"].contents() == strings
 
 

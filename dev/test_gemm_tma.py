@@ -9,27 +9,17 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import pytest
-from numba import cuda
 
 from dev import gemm_tma as gt
+from dev.gemm_harness import check_gemm
 from flashv41.bench.gemv import SHAPES
-from flashv41.host.numerics import bf16, from_bits, to_bits
 from flashv41.host.quants import GGMLType
 from flashv41.stages.device import SIM
-from tests.test_gemm_pipe import weight
-from tests.test_linear import check_groups
 
 
 def check(tokens, groups, rows, width, out_bf16, seed) -> float:
-    w, wq = weight(groups * rows, width, GGMLType.BF16)
-    x = bf16(np.random.default_rng(seed).standard_normal((tokens, groups * width)).astype(np.float32))
-    y = cuda.device_array((tokens, groups * rows), np.uint16 if out_bf16 else np.float32)
-    gt.gemm_tma(cuda.to_device(to_bits(x)), w, y, tokens, group_rows=rows if groups > 1 else 0)
-    got = from_bits(y.copy_to_host()) if out_bf16 else y.copy_to_host()
-    what = f"tma [{groups * rows}, {width}] T={tokens} {'bf16' if out_bf16 else 'f32'} out"
-    return check_groups(got, x, wq, rows, out_bf16, what, {})
+    return check_gemm("tma", gt.gemm_tma, GGMLType.BF16, tokens, groups, rows, width, out_bf16, seed)
 
 
 def test_partial_tiles_wrapping_stages():
@@ -51,7 +41,7 @@ def test_flash_shapes(shape):
 
 
 def time_them(tokens: int = 4096) -> None:
-    from dev.gemm_timing import time_shapes
+    from dev.gemm_harness import time_shapes
     from flashv41.stages.gemm_wgmma import gemm_wgmma
 
     time_shapes(GGMLType.BF16, [("wgmma", gemm_wgmma), ("tma", gt.gemm_tma)], tokens)

@@ -10,27 +10,17 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import pytest
-from numba import cuda
 
 from dev import gemm_wgmma_q8 as wq
+from dev.gemm_harness import check_gemm
 from flashv41.bench.gemv import SHAPES
-from flashv41.host.numerics import bf16, from_bits, to_bits
 from flashv41.host.quants import GGMLType
 from flashv41.stages.device import SIM
-from tests.test_gemm_pipe import weight
-from tests.test_linear import check_groups
 
 
 def check(tokens, groups, rows, width, out_bf16, seed) -> float:
-    w, wqd = weight(groups * rows, width, GGMLType.Q8_0)
-    x = bf16(np.random.default_rng(seed).standard_normal((tokens, groups * width)).astype(np.float32))
-    y = cuda.device_array((tokens, groups * rows), np.uint16 if out_bf16 else np.float32)
-    wq.gemm_wgmma_q8(cuda.to_device(to_bits(x)), w, y, tokens, group_rows=rows if groups > 1 else 0)
-    got = from_bits(y.copy_to_host()) if out_bf16 else y.copy_to_host()
-    what = f"wgmma_q8 [{groups * rows}, {width}] T={tokens} {'bf16' if out_bf16 else 'f32'} out"
-    return check_groups(got, x, wqd, rows, out_bf16, what, {})
+    return check_gemm("wgmma_q8", wq.gemm_wgmma_q8, GGMLType.Q8_0, tokens, groups, rows, width, out_bf16, seed)
 
 
 def test_partial_tiles_wrapping_stages():
@@ -53,7 +43,7 @@ def test_flash_shapes(shape):
 
 
 def time_them(tokens: int = 4096) -> None:
-    from dev.gemm_timing import time_shapes
+    from dev.gemm_harness import time_shapes
     from flashv41.stages.gemm_pipe import gemm_pipe
 
     time_shapes(GGMLType.Q8_0, [("pipe", gemm_pipe), ("wgmma_q8", wq.gemm_wgmma_q8)], tokens)

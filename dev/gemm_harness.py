@@ -1,4 +1,7 @@
-"""The dev GEMMs' timing beside the kernels they would displace and cuBLAS fp16 (CuPy, where
+"""The dev GEMMs' check against the oracle and their timing: `check_gemm` holds a product to the
+oracle's linear as tests/test_gemm_pipe.py's check_gemm holds the package's (its weights,
+tests/bounds.py's rules through test_linear.check_groups), for a kernel called directly;
+`time_shapes` times kernels beside the ones they would displace and cuBLAS fp16 (CuPy, where
 installed): best of five wall-clock launches from Python at bench/gemv.py's prefill shapes, each
 line one shape (`python -m dev.test_gemm_tma`, `python -m dev.test_gemm_wgmma_q8`)."""
 
@@ -11,9 +14,24 @@ import numpy as np
 from numba import cuda
 
 from flashv41.bench.gemv import SHAPES
-from flashv41.host.numerics import bf16, to_bits
+from flashv41.host.numerics import bf16, from_bits, to_bits
 from flashv41.host.quants import GGMLType
 from tests.test_gemm_pipe import weight
+from tests.test_linear import check_groups
+
+
+def check_gemm(label: str, fn: Callable, gtype: GGMLType, tokens: int, groups: int, rows: int, width: int,
+               out_bf16: bool, seed: int) -> float:
+    """fn(x, w, y, tokens, group_rows=...) on seeded bf16 inputs [tokens, groups * width] and a
+    random weight of gtype [groups * rows, width], every group held to the oracle; check_groups'
+    figure."""
+    w, wq = weight(groups * rows, width, gtype)
+    x = bf16(np.random.default_rng(seed).standard_normal((tokens, groups * width)).astype(np.float32))
+    y = cuda.device_array((tokens, groups * rows), np.uint16 if out_bf16 else np.float32)
+    fn(cuda.to_device(to_bits(x)), w, y, tokens, group_rows=rows if groups > 1 else 0)
+    got = from_bits(y.copy_to_host()) if out_bf16 else y.copy_to_host()
+    what = f"{label} {gtype.name} [{groups * rows}, {width}] T={tokens} {'bf16' if out_bf16 else 'f32'} out"
+    return check_groups(got, x, wq, rows, out_bf16, what, {})
 
 
 def best_of(fn: Callable[[], object]) -> float:

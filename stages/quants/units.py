@@ -70,12 +70,16 @@ if SIM:
     def small_int(bits):
         return np.float32(int(bits))
 
-    _BYTES_LESS: dict = {}  # magic -> the 256 values byte_less gives, worked out once a magic
+    def bytes_less_table(magic):
+        """byte_less's value for each of the 256 bytes: the float32 sums the GPU's trick forms, each exact."""
+        return (np.arange(256, dtype=np.float32) + np.float32(8388608)) - np.float32(magic)
+
+    _BYTES_LESS: dict = {}  # magic -> bytes_less_table(magic), worked out once a magic
 
     def byte_less(word, byte, magic):
         table = _BYTES_LESS.get(magic)
-        if table is None:  # (the float32 sums the GPU's trick forms, each exact)
-            table = _BYTES_LESS[magic] = (np.arange(256, dtype=np.float32) + np.float32(8388608)) - np.float32(magic)
+        if table is None:
+            table = _BYTES_LESS[magic] = bytes_less_table(magic)
         return table[(int(word) >> (8 * int(byte))) & 0xFF]
 
     def f32x4(x32, t, o):
@@ -152,7 +156,7 @@ def uint8_at(word, byte):
 
 
 if SIM:  # the simulator's int8_at: byte_less's table for its magic, without the lookup by magic
-    _INT8_VALUES = (np.arange(256, dtype=np.float32) + np.float32(8388608)) - INT8_LESS
+    _INT8_VALUES = bytes_less_table(INT8_LESS)
 
     def int8_at(flipped, byte):  # noqa: F811 (the simulator's form of the one above)
         return _INT8_VALUES[(int(flipped) >> (8 * int(byte))) & 0xFF]
